@@ -1,0 +1,211 @@
+"""Float64 NumPy oracle of DeepSeek-V4 sparse attention (spec sections 1 and 2).
+
+Two references, both chunk-free and slow on purpose:
+
+* `sparse_attention`: the FlashMLA `flash_mla_sparse_fwd` contract on a flat workspace.
+* `prefill_attention`: per-request attention straight from the logical (unpaged) raw and
+  compressed KV, with the per-query key set of spec section 1. It never looks at a plan, so
+  "gather by plan + sparse_attention == prefill_attention" proves the plan and layout right.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from planner.batch import LayerKind, _as_int_vector, layer_kind
+
+# FlashMLA's value head dim: V is the first 512 dims of the gathered row.
+FLASHMLA_D_V = 512
+
+
+def value_dim(d_qk: int) -> int:
+    """d_v for a key/query dim: 512 for FlashMLA's 512/576, the whole row for smaller test dims."""
+    return min(d_qk, FLASHMLA_D_V)
+
+
+def _as_float_array(x, name: str, ndim: tuple[int, ...]) -> np.ndarray:
+    try:
+        a = np.asarray(x)
+    except Exception as e:  # pragma: no cover - exotic inputs
+        raise TypeError(f"{name}: cannot be converted to an array ({e})") from None
+    if a.dtype.kind not in "fiu" and str(a.dtype) != "bfloat16":
+        raise TypeError(f"{name}: expected a numeric array, got dtype {a.dtype}")
+    if a.ndim not in ndim:
+        raise ValueError(f"{name}: expected {' or '.join(map(str, ndim))} dims, got shape {a.shape}")
+    return a.astype(np.float64)
+
+
+def sparse_attention(q, kv, indices, sm_scale, attn_sink=None, topk_length=None):
+    """FlashMLA sparse attention, float64.
+
+    Args:
+      q: (T, H, D) float.
+      kv: (S, D) or (S, 1, D) float: the flat workspace (K = V = the row; V is its first d_v dims,
+        d_v = 512 when D >= 512, else D).
+      indices: (T, K) or (T, 1, K) integer. An entry is invalid if negative, >= S, or if its
+        column is >= topk_length[t].
+      sm_scale: float, the softmax scale applied to <q, k>.
+      attn_sink: optional (H,) float: one logit per head that joins the softmax denominator only.
+        -inf means no sink.
+      topk_length: optional (T,) integer: entries at columns >= topk_length[t] are invalid.
+
+    Returns:
+      out: (T, H, d_v) float64; 0 for rows with no valid key.
+      max_logits: (T, H) float64, max of sm_scale * <q, k> over valid keys; -inf if none.
+      lse: (T, H) float64, natural-log sum-exp of the same logits (sink excluded); +inf if none.
+    """
+    q = _as_float_array(q, "q", (3,))
+    kv = _as_float_array(kv, "kv", (2, 3))
+    if kv.ndim == 3:
+        if kv.shape[1] != 1:
+            raise ValueError(f"kv: expected shape (S, 1, D), got {kv.shape}")
+        kv = kv[:, 0]
+    idx = np.asarray(indices)
+    if idx.dtype.kind not in "iu":
+        raise TypeError(f"indices: expected an integer array, got dtype {idx.dtype}")
+    if idx.ndim == 3:
+        if idx.shape[1] != 1:
+            raise ValueError(f"indices: expected shape (T, 1, K), got {idx.shape}")
+        idx = idx[:, 0]
+    if idx.ndim != 2:
+        raise ValueError(f"indices: expected (T, K) or (T, 1, K), got shape {idx.shape}")
+    T, H, D = q.shape
+    S = kv.shape[0]
+    if kv.shape[1] != D:
+        raise ValueError(f"kv: last dim {kv.shape[1]} does not match q's head dim {D}")
+    if idx.shape[0] != T:
+        raise ValueError(f"indices: {idx.shape[0]} rows for {T} query tokens")
+    K = idx.shape[1]
+    idx = idx.astype(np.int64)
+    valid = (idx >= 0) & (idx < S)
+    if topk_length is not None:
+        tl = _as_int_vector(topk_length, "topk_length")
+        if tl.shape[0] != T:
+            raise ValueError(f"topk_length: {tl.shape[0]} entries for {T} query tokens")
+        valid &= np.arange(K)[None, :] < tl[:, None]
+    sink = None
+    if attn_sink is not None:
+        sink = _as_float_array(attn_sink, "attn_sink", (1,))
+        if sink.shape[0] != H:
+            raise ValueError(f"attn_sink: {sink.shape[0]} entries for {H} heads")
+    sm_scale = float(sm_scale)
+    d_v = value_dim(D)
+
+    out = np.zeros((T, H, d_v))
+    max_logits = np.full((T, H), -np.inf)
+    lse = np.full((T, H), np.inf)
+    for t in range(T):  # a row at a time keeps memory at K * D per token
+        keys = kv[idx[t, valid[t]]]  # (k, D); duplicated indices count twice, as in FlashMLA
+        if keys.shape[0] == 0:
+            continue
+        logits = sm_scale * (q[t] @ keys.T)  # (H, k)
+        m = logits.max(axis=1)
+        p = np.exp(logits - m[:, None])
+        denom = p.sum(axis=1)
+        o = (p @ keys[:, :d_v]) / denom[:, None]
+        max_logits[t] = m
+        lse[t] = m + np.log(denom)
+        if sink is not None:
+            # exp(lse) / (exp(lse) + exp(sink)), written to avoid overflow for large sinks.
+            o = o / (1.0 + np.exp(sink - lse[t]))[:, None]
+        out[t] = o
+    return out, max_logits, lse
+
+
+def prefill_attention(
+    q,
+    raw_kv,
+    compressed_kv,
+    seq_lens,
+    query_lens,
+    *,
+    compress_ratio: int,
+    window_size: int,
+    sm_scale: float,
+    attn_sink=None,
+    topk_rows=None,
+):
+    """Chunk-free prefill attention from each request's logical KV (spec section 1).
+
+    Args:
+      q: (T, H, D) float: the query tokens of all requests, request-major (request 0's
+        query_lens[0] tokens first). Token j of request i sits at absolute position
+        seq_lens[i] - query_lens[i] + j.
+      raw_kv: sequence of per-request (seq_lens[i], D) arrays: the latent of every raw token.
+      compressed_kv: sequence of per-request (seq_lens[i] // r, D) arrays (entry w summarises
+        tokens r*w .. r*w+r-1); ignored (may be None) for SWA layers.
+      seq_lens, query_lens: (B,) integers.
+      compress_ratio: 0 or 1 (SWA), 4 (CSA) or 128 (HCA).
+      window_size: W, the sliding window (the query itself included).
+      sm_scale: float.
+      attn_sink: optional (H,) float.
+      topk_rows: CSA only, (T, topk) integers: the indexer's request-local top-k row of each
+        query token. The first min((p+1)//r, topk) entries are used; they must be visible.
+
+    Returns:
+      (out, max_logits, lse) as `sparse_attention`, for the T query tokens.
+    """
+    from planner.batch import PrefillBatch
+
+    kind = layer_kind(compress_ratio)
+    batch = PrefillBatch(seq_lens, query_lens)
+    q = _as_float_array(q, "q", (3,))
+    if q.shape[0] != batch.num_tokens:
+        raise ValueError(f"q: {q.shape[0]} tokens, but query_lens sum to {batch.num_tokens}")
+    if len(raw_kv) != batch.num_requests:
+        raise ValueError(f"raw_kv: {len(raw_kv)} requests, expected {batch.num_requests}")
+    if kind is not LayerKind.SWA and (compressed_kv is None or len(compressed_kv) != batch.num_requests):
+        raise ValueError(f"compressed_kv: expected {batch.num_requests} per-request arrays for a {kind.name} layer")
+    if int(window_size) < 1:
+        raise ValueError(f"window_size: must be >= 1, got {window_size}")
+    W, r = int(window_size), int(compress_ratio)
+    if kind is LayerKind.CSA:
+        if topk_rows is None:
+            raise ValueError("topk_rows: required for CSA (ratio-4) layers")
+        topk_rows = np.asarray(topk_rows)
+        if topk_rows.ndim != 2 or topk_rows.shape[0] != batch.num_tokens:
+            raise ValueError(f"topk_rows: expected ({batch.num_tokens}, topk), got {topk_rows.shape}")
+
+    outs, maxes, lses = [], [], []
+    for i in range(batch.num_requests):
+        seq_len, qlen = int(batch.seq_lens[i]), int(batch.query_lens[i])
+        if qlen == 0:
+            continue
+        t0 = int(batch.query_start_loc[i])
+        raw = _as_float_array(raw_kv[i], f"raw_kv[{i}]", (2,))
+        if raw.shape[0] < seq_len:
+            raise ValueError(f"raw_kv[{i}]: {raw.shape[0]} rows for seq_len {seq_len}")
+        comp = np.zeros((0, raw.shape[1]))
+        if kind is not LayerKind.SWA:
+            comp = _as_float_array(compressed_kv[i], f"compressed_kv[{i}]", (2,))
+            if comp.shape[0] < seq_len // r:
+                raise ValueError(f"compressed_kv[{i}]: {comp.shape[0]} rows, expected {seq_len // r}")
+        keys = np.concatenate([comp, raw[:seq_len]])  # entries first, then raw tokens
+        n_comp = comp.shape[0]
+        rows = np.full((qlen, 0), -1, dtype=np.int64).tolist()
+        for j in range(qlen):
+            p = seq_len - qlen + j
+            visible = (p + 1) // r if kind is not LayerKind.SWA else 0
+            if kind is LayerKind.CSA:
+                sel = np.asarray(topk_rows[t0 + j][: min(visible, topk_rows.shape[1])], dtype=np.int64)
+                if np.any((sel < 0) | (sel >= visible)):
+                    raise ValueError(
+                        f"topk_rows: row {t0 + j} (position {p}) points at entries outside 0..{visible - 1}: {sel.tolist()}"
+                    )
+                comp_part = sel.tolist()
+            else:
+                comp_part = list(range(visible))
+            window = list(range(n_comp + max(0, p - W + 1), n_comp + p + 1))
+            rows[j] = comp_part + window
+        width = max(1, max(len(row) for row in rows))
+        idx = np.full((qlen, width), -1, dtype=np.int64)
+        for j, row in enumerate(rows):
+            idx[j, : len(row)] = row
+        o, m, l = sparse_attention(q[t0 : t0 + qlen], keys, idx, sm_scale, attn_sink)
+        outs.append(o)
+        maxes.append(m)
+        lses.append(l)
+    H, D = q.shape[1], q.shape[2]
+    if not outs:
+        return np.zeros((0, H, value_dim(D))), np.zeros((0, H)), np.zeros((0, H))
+    return np.concatenate(outs), np.concatenate(maxes), np.concatenate(lses)
