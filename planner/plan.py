@@ -277,8 +277,10 @@ def _split_request(prefix: int, query_len: int, r: int, W: int, budget: int, req
 
 
 def _ro32(a) -> np.ndarray:
-    a = np.ascontiguousarray(a, dtype=np.int32)
-    a.setflags(write=False)
+    a = np.asarray(a)
+    if a.dtype != np.int32 or a.flags.writeable:
+        a = np.ascontiguousarray(a, dtype=np.int32)
+        a.setflags(write=False)
     return a
 
 
@@ -341,12 +343,24 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, compress_ratio: int) -> K
     seg_chunk = np.repeat(np.arange(counts.shape[0]), counts)
     seg_slot = np.arange(n) - chunk_starts[:-1][seg_chunk]
     seg_row_base = seg_slot * chunk_M[seg_chunk]
-    # Tokens in plan order: each segment's queries, segments in chunk order.
-    seg_tok0 = batch.query_start_loc[seg_req] + seg_off
-    seg_cum = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(seg_q, out=seg_cum[1:])
-    tok_seg = np.repeat(np.arange(n), seg_q)
-    token_index = seg_tok0[tok_seg] + (np.arange(int(seg_cum[-1])) - seg_cum[tok_seg])
+    if not split and config.order == "batch":
+        # Segments are the requests with queries, in batch order: the planned tokens are the
+        # step's tokens in their own order, so the per-token arrays come from the batch.
+        token_index = batch.token_arange
+        token_position = batch.token_position
+        slot_of_request = np.zeros(batch.num_requests, dtype=np.int32)
+        slot_of_request[seg_req] = seg_slot
+        token_request = slot_of_request[batch.token_request]
+        chunk_token_starts = np.append(batch.query_start_loc[seg_req[chunk_starts[:-1]]], batch.num_tokens)
+    else:  # tokens in plan order: each segment's queries, segments in chunk order
+        seg_tok0 = batch.query_start_loc[seg_req] + seg_off
+        seg_cum = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(seg_q, out=seg_cum[1:])
+        tok_seg = np.repeat(np.arange(n), seg_q)
+        token_index = seg_tok0[tok_seg] + (np.arange(int(seg_cum[-1])) - seg_cum[tok_seg])
+        token_position = batch.token_position[token_index]
+        token_request = seg_slot[tok_seg]
+        chunk_token_starts = seg_cum[chunk_starts]
     return KindPlan(
         compress_ratio=r,
         config=config,
@@ -365,10 +379,10 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, compress_ratio: int) -> K
         chunk_starts=_ro32(chunk_starts),
         chunk_N=_ro32(chunk_N),
         chunk_M=_ro32(chunk_M),
-        chunk_token_starts=_ro32(seg_cum[chunk_starts]),
+        chunk_token_starts=_ro32(chunk_token_starts),
         token_index=_ro32(token_index),
-        token_request=_ro32(seg_slot[tok_seg]),
-        token_position=_ro32(batch.token_position[token_index]),
+        token_request=_ro32(token_request),
+        token_position=_ro32(token_position),
     )
 
 
