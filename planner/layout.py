@@ -19,8 +19,12 @@ def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def compressed_width(plan: KindPlan, topk: int | None = None, N: int | None = None) -> int:
-    """Columns of the compressed part: top-k (CSA), N (HCA; the step's max N by default), 0 (SWA)."""
+def compressed_width(plan: KindPlan, topk: int | None = None) -> int:
+    """Columns of the compressed part: top-k (CSA), the step's most visible entries (HCA), 0 (SWA).
+
+    It depends on the batch, never on how the plan chunked it, so every plan of a step builds
+    rows of the same width (and a kernel sees the very same index rows whatever the plan).
+    """
     kind = plan.kind
     if kind is LayerKind.SWA:
         return 0
@@ -28,7 +32,7 @@ def compressed_width(plan: KindPlan, topk: int | None = None, N: int | None = No
         if topk is None:
             raise ValueError("topk: required for CSA (ratio-4) layers")
         return int(topk)
-    return int(plan.chunk_N.max()) if N is None and plan.num_chunks else int(N or 0)
+    return int(plan.seg_seq_len.max(initial=0)) // plan.compress_ratio
 
 
 def index_width(plan: KindPlan, topk: int | None = None) -> int:
@@ -53,8 +57,8 @@ def build_chunk_indices(plan: KindPlan, chunk, topk_rows=None, *, width: int | N
       topk_rows: CSA only. (T_step, topk) integers: the indexer's request-local top-k row of every
         token of the step (rows are picked with `chunk.token_index`). For a token at position p
         the first min((p+1)//4, topk) entries are used; each must lie in 0 .. (p+1)//4 - 1.
-      width: columns of the result; default `round_up(compressed part + W, 128)` with the
-        compressed part = topk (CSA), the chunk's N (HCA), 0 (SWA). Must hold every row.
+      width: columns of the result; default `index_width(plan, topk)`, the same for every chunk
+        and every plan of the step. Must hold every row.
 
     Returns:
       indices: (T_chunk, width) int32, compressed part then window part, -1 padded.
@@ -88,15 +92,12 @@ def build_chunk_indices(plan: KindPlan, chunk, topk_rows=None, *, width: int | N
                 f"topk_rows: row {int(c.token_index[t])} (position {int(p[t])}) points at entries outside "
                 f"0..{int(visible[t]) - 1}: {sel[t, : ncomp[t]].tolist()}"
             )
-        cw = topk
-    elif kind is LayerKind.HCA:
-        ncomp, cw = visible, c.N
     else:
-        ncomp, cw = visible, 0
+        ncomp, topk = visible, None
     nwin = np.minimum(p + 1, W)
     lengths = ncomp + nwin
     if width is None:
-        width = round_up(cw + W, INDEX_ALIGN)
+        width = index_width(plan, topk)
     need = int(lengths.max(initial=0))
     if int(width) < need:
         raise ValueError(f"width: {width} columns cannot hold rows of {need} valid indices")

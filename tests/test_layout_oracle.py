@@ -90,7 +90,7 @@ def test_indices_follow_spec_layout():
     assert tl.tolist()[:2] == [6, 6]
     # request 1 (base M=12): position 0 sees only itself -> row 12 + N + 0
     assert idx[2, :2].tolist() == [14, -1] and tl[2] == 1
-    assert idx.shape == (12, round_up(2 + 4, 128))
+    assert idx.shape == (12, round_up(300 // 128 + 4, 128))
     assert (idx[np.arange(idx.shape[1])[None, :] >= tl[:, None]] == -1).all()
 
 
@@ -131,3 +131,29 @@ def test_oracle_contract_edges():
         oracle.sparse_attention(q, kv, idx, 1.0, attn_sink=np.zeros(3))
     with pytest.raises(ValueError, match="topk_length"):
         oracle.sparse_attention(q, kv, idx, 1.0, topk_length=[1, 2])
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_logical_key_rows_identical_across_plans(ratio):
+    """Whatever the plan, a token's index row names the same keys in the same columns (width too)."""
+    rng = np.random.default_rng(7)
+    seq, qry = [300, 7, 9, 150, 260, 40], [0, 7, 9, 3, 31, 40]
+    batch, raw, comp, q, topk_rows = random_step(rng, seq, qry, ratio)
+    logical = {}
+    for cfg in (dict(policy="adaptive"), dict(policy="fixed"), dict(policy="per_request"),
+                dict(policy="adaptive", order="length"), dict(policy="adaptive", budget_rows=90)):  # fmt: skip
+        plan = P.plan_kind(batch, P.PlanConfig(window_size=8, max_model_len=512, max_num_batched_tokens=128, **cfg), ratio)
+        rows = np.full((batch.num_tokens, P.index_width(plan, 6)), -9, dtype=np.int64)
+        for c in plan.chunks:
+            idx, tl = P.build_chunk_indices(plan, c, topk_rows if ratio == 4 else None)
+            b = idx // c.M
+            j = idx - b * c.M
+            raw_pos = c.gather_starts[np.clip(b, 0, None)] + (j - c.N)
+            # compressed entry w -> w; raw token at position q -> 100000 + q; padding -> -1
+            name = np.where(idx < 0, -1, np.where(j < c.N, j, 100000 + raw_pos))
+            rows[c.token_index] = name
+        logical[str(cfg)] = rows
+    first = next(iter(logical.values()))
+    assert (first != -9).all()
+    for rows in logical.values():
+        np.testing.assert_array_equal(rows, first)
