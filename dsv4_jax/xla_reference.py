@@ -7,7 +7,10 @@ go through `lax.map` in blocks of `block_t`, and each block folds its index row 
 whatever T and K are.
 
 Determinism: a token's result depends only on its own q row, index row, topk_length and the
-sink, never on the other tokens in the call (bitwise, fp32). Chunks past a token's last valid
+sink, never on the other tokens in the call (bitwise, fp32), because every dot has the same
+shape (block_t, H, block_k, D) whatever T is. The tile sizes themselves are part of the
+numerics (XLA CPU picks another dot strategy for blocks of fewer than 8 tokens): keep the
+defaults wherever results must agree bitwise. Chunks past a token's last valid
 column are exact no-ops (the running max stays, so alpha = exp(0) = 1, and p = 0), which also
 makes results independent of trailing -1 padding: two chunk plans that place the same keys in
 the same columns of wider or narrower rows agree bit for bit.
@@ -63,7 +66,7 @@ def sparse_attention_xla(
       sm_scale: Python float (static).
       attn_sink: (H,) float32 or None.
       topk_length: (T,) int32 or None.
-      block_t, block_k: tile sizes (static); results for a token do not depend on block_t.
+      block_t, block_k: tile sizes (static); keep the defaults for bitwise-reproducible results.
 
     Returns:
       out (T, H, d_v) q.dtype, max_logits (T, H) float32, lse (T, H) float32.
