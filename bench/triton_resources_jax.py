@@ -12,6 +12,7 @@ numbers are indicative (same IR, possibly different Triton passes).
   python bench/triton_resources_jax.py                 # default tilings, V4-Flash and V4-Pro shapes
   python bench/triton_resources_jax.py --sweep         # a grid of tilings
   python bench/triton_resources_jax.py --arch 100      # Blackwell target
+  python bench/triton_resources_jax.py --d 576 --shape V4-Pro --tiling 64,16,256,8,2
 """
 
 from __future__ import annotations
@@ -106,6 +107,11 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="try a grid of tilings")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
     parser.add_argument("--d", type=int, default=512, help="head dim D (512 or 576)")
+    parser.add_argument(
+        "--tiling", action="append", default=[], metavar="BH,BK,DV,WARPS,STAGES",
+        help="a tiling to check (repeatable), e.g. 64,16,256,8,2",
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), action="append", help="problem shape(s) (default: all)")
     args = parser.parse_args()
     try:
         import triton  # noqa: F401
@@ -118,10 +124,14 @@ def main():
             dict(block_h=bh, block_k=bk, block_dv=dv, num_warps=w, num_stages=s)
             for bh, bk, dv, w, s in itertools.product((64,), (16, 32, 64), (128, 256, 512), (4, 8), (1, 2, 3))
         ]
+    elif args.tiling:
+        keys = ("block_h", "block_k", "block_dv", "num_warps", "num_stages")
+        tilings = [dict(zip(keys, map(int, t.split(",")))) for t in args.tiling]
     else:
         tilings = [None]
     print(f"{'shape':9} {'bh':>3} {'bk':>3} {'dv':>3} {'w':>2} {'st':>2} {'smem KB':>8} {'regs':>4} {'spill B':>7} wgmma cp.async  time")
-    for name, (T, H, D, S, K) in SHAPES.items():
+    for name in args.shape or SHAPES:
+        T, H, D, S, K = SHAPES[name]
         D = args.d
         for tiling in tilings:
             cfg = tiling or vars(default_tuning(H, D, interpret=False))

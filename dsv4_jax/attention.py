@@ -79,10 +79,10 @@ def _dtype_of(x, name: str) -> np.dtype:
 
 
 def _check_static_float(sm_scale) -> float:
-    if isinstance(sm_scale, jax.core.Tracer):
-        raise TypeError("sm_scale: must be a concrete Python float (a compile-time constant), got a traced value")
     try:
         value = float(sm_scale)
+    except jax.errors.ConcretizationTypeError:
+        raise TypeError("sm_scale: must be a concrete Python float (a compile-time constant), got a traced value") from None
     except (TypeError, ValueError):
         raise TypeError(f"sm_scale: expected a float, got {sm_scale!r}") from None
     if not math.isfinite(value):

@@ -64,13 +64,14 @@ class TuningConfig:
 def default_tuning(num_heads: int, d_qk: int, interpret: bool) -> TuningConfig:
     """Tiling for a problem shape.
 
-    GPU (Triton): 64 heads per program so the QK and PV dots have M = 64 (one wgmma row block on
-    Hopper; H = 128 takes two programs that read the same rows, mostly from L2). With
-    d_v = 512 the fp32 accumulator is split in two 256-column halves over 8 warps (64 registers
-    per thread each) rather than one 64 x 512 block (128), which spills; the price is scoring
-    each chunk twice. 32 gathered rows per step keep q, two stages of 32 x 576 bf16 rows and
-    the value slice within Hopper's 228 KB of shared memory. These are starting points: run
-    bench/gpu_check_jax.py on the target GPU, which times alternatives.
+    GPU (Triton): 64 heads per program so the QK and PV dots have M = 64 (one wgmma row block
+    on Hopper; H = 128 takes two programs that read the same rows, mostly from L2). With
+    d_v = 512 the fp32 accumulator is split into two 256-column programs over 8 warps: a single
+    64 x 512 block spills about 1 KB per thread, the split costs scoring each chunk twice.
+    32 gathered rows per step. Checked offline with bench/triton_resources_jax.py (Triton 3.9,
+    sm_90a): D = 512 uses 160 KB of shared memory, 255 registers, no spills; D = 576 176 KB and
+    8 bytes of spill. 64-row steps need more than Hopper's 227 KB. These are starting points:
+    bench/gpu_check_jax.py times alternatives on the GPU itself.
 
     Interpret mode (CPU): as few, as large programs as possible (one per token for H <= 128).
     """
@@ -82,7 +83,7 @@ def default_tuning(num_heads: int, d_qk: int, interpret: bool) -> TuningConfig:
     block_dv = min(d_main, 256)
     big = block_h * block_dv >= 64 * 256
     block_k = 32 if d_main >= 256 else 64
-    return TuningConfig(block_h=block_h, block_k=block_k, block_dv=block_dv, num_warps=8 if big else 4, num_stages=2)
+    return TuningConfig(block_h=block_h, block_k=block_k, block_dv=block_dv, num_warps=8 if big else 4, num_stages=3)
 
 
 def _sparse_attention_kernel(
@@ -262,16 +263,16 @@ def sparse_attention_pallas(
         kernel,
         grid=grid,
         in_specs=[
-            pl.BlockSpec((None,), lambda h, c, t: (t,)),
+            pl.BlockSpec((pl.squeezed,), lambda h, c, t: (t,)),
             pl.BlockSpec((cfg.block_h,), lambda h, c, t: (h,)),
-            pl.BlockSpec((None, cfg.block_h, d_pad), lambda h, c, t: (t, h, 0)),
+            pl.BlockSpec((pl.squeezed, cfg.block_h, d_pad), lambda h, c, t: (t, h, 0)),
             pl.BlockSpec((S, d_pad), lambda h, c, t: (0, 0)),
-            pl.BlockSpec((None, K_pad), lambda h, c, t: (t, 0)),
+            pl.BlockSpec((pl.squeezed, K_pad), lambda h, c, t: (t, 0)),
         ],
         out_specs=[
-            pl.BlockSpec((None, cfg.block_h, cfg.block_dv), lambda h, c, t: (t, h, c)),
-            pl.BlockSpec((None, cfg.block_h), lambda h, c, t: (t, h)),
-            pl.BlockSpec((None, cfg.block_h), lambda h, c, t: (t, h)),
+            pl.BlockSpec((pl.squeezed, cfg.block_h, cfg.block_dv), lambda h, c, t: (t, h, c)),
+            pl.BlockSpec((pl.squeezed, cfg.block_h), lambda h, c, t: (t, h)),
+            pl.BlockSpec((pl.squeezed, cfg.block_h), lambda h, c, t: (t, h)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((T, H_pad, d_main), q.dtype),
