@@ -117,6 +117,22 @@ def test_uniform_sinks(backend, sink_value):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_unreferenced_rows_may_hold_garbage(backend):
+    """Workspace rows no valid index points at (uninitialised memory) never leak in, even as
+    NaN and even row 0, which the kernels read in place of invalid entries."""
+    q, kv, idx, sink, topk_length = _case(11)
+    S = kv.shape[0]
+    valid = (idx >= 0) & (idx < S) & (np.arange(idx.shape[1])[None, :] < topk_length[:, None])
+    idx = np.where(valid & (idx == 0), 1, idx)  # keep row 0 unreferenced
+    unused = np.setdiff1d(np.arange(S), idx[valid])
+    assert 0 in unused and S - len(unused) > 10
+    dirty = jnp.asarray(kv).at[unused].set(jnp.nan)
+    got = _run(backend, q, dirty, idx, 0.125, sink, topk_length)
+    assert all(not np.isnan(x).any() for x in got)
+    _assert_matches_oracle(got, q, kv, idx, 0.125, sink, topk_length)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_no_valid_key_anywhere(backend):
     q, kv, idx, sink, topk_length = _case(2)
     out, max_logits, lse = _run(backend, q, kv, idx, 0.125, sink, np.zeros_like(topk_length))
