@@ -361,3 +361,19 @@ def test_triton_lowering_for_cuda(name, H, D, K):
     # The serialized Triton module carries its op names: a gathered load and tensor-core dots.
     assert "\\00dot\\00" in call and "\\00load\\00" in call
     assert f"tensor<{T}x{H}x{D}xbf16>" in call  # q goes in unpadded: no copy on the fast path
+
+
+@pytest.mark.parametrize("D", [512, 576])
+def test_default_gpu_tiling_fits_hopper(D):
+    """Compiles the Triton IR that Pallas emits with the triton wheel for sm_90a and checks what
+    only a GPU would otherwise reveal: shared memory within Hopper's 227 KB and tensor-core
+    (wgmma) dots. (The wheel's Triton is not jaxlib's, so this is a strong hint, not proof.)"""
+    pytest.importorskip("triton")
+    from bench.triton_resources_jax import compile_resources, triton_ir
+
+    cfg = default_tuning(64, D, interpret=False)
+    res = compile_resources(triton_ir(4096, 64, D, 65536, 640, vars(cfg)), cfg.num_warps, cfg.num_stages, arch=90)
+    assert res["ptxas_error"] is None, res
+    assert res["shared_kb"] <= 227, res
+    assert res["wgmma"] and res["cp_async"], res
+    assert res["spill_bytes"] is not None and res["spill_bytes"] <= 64, res  # 0 / 8 bytes with Triton 3.9
