@@ -153,7 +153,10 @@ def _sparse_attention_kernel(
 
     has_keys = l > 0
     lse = jnp.where(has_keys, m + jnp.log(l), jnp.inf)
-    # The sink joins the denominator only: out *= exp(lse) / (exp(lse) + exp(sink)).
+    # The sink joins the denominator only: out *= exp(lse) / (exp(lse) + exp(sink)). Applied
+    # here rather than by starting the running max at the sink and the sum at 1: then the
+    # sink-free lse would be m + log(l - exp(sink - m)), which cancels to nothing in fp32 for
+    # a large sink (sink = 30 against logits near 0), and exp(s - sink) underflows.
     scale = jnp.where(has_keys, 1.0 / (l * (1.0 + jnp.exp(sink_ref[...] - lse))), 0.0)
     out_ref[...] = (acc * scale[:, None]).astype(out_ref.dtype)
     max_logits_ref[...] = m  # every d_v block writes the same values
