@@ -1,0 +1,222 @@
+"""One-shot GPU check of the JAX path (H100/H200, under ~3 minutes).
+
+For V4-Flash (H=64, width 640) and V4-Pro (H=128, width 1152), D=512, T=4096, S=65536, bf16:
+  1. the Pallas kernel compiled by Triton against the fp32 xla reference on the GPU (all tokens,
+     FlashMLA's tolerance) and against the float64 oracle on a few tokens;
+  2. its run time and TFLOPS (FlashMLA's convention: 2 * valid indices * H * (512 + 512) / time)
+     for the default tiling and a few alternatives (pick the fastest for default_tuning);
+  3. FlashMLA on the same data when `flash_mla` and a CUDA torch are importable.
+Every section is guarded: a failure prints and the script carries on. Without an NVIDIA GPU it
+says so and exits 0.
+
+  python bench/gpu_check_jax.py
+  DSV4_GPU_CHECK_DRY_RUN=1 python bench/gpu_check_jax.py   # the same steps on CPU: T=8, interpret
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+START = time.time()
+BUDGET_S = 150  # stop starting new timings after this, to stay under ~3 minutes
+
+SHAPES = [("V4-Flash", 4096, 64, 512, 65536, 640), ("V4-Pro", 4096, 128, 512, 65536, 1152)]
+# Dry run: every step on CPU with the Pallas interpreter and 8 tokens, to test this script.
+DRY_RUN = bool(os.environ.get("DSV4_GPU_CHECK_DRY_RUN"))
+if DRY_RUN:
+    SHAPES = [(name, 8, H, D, 4096, K) for name, _, H, D, _, K in SHAPES]
+# (block_h, block_k, block_dv, num_warps, num_stages); None = default_tuning's GPU tiling
+# (used explicitly, so a dry run on CPU exercises the very tiling a GPU runs).
+ALTERNATIVE_TILINGS = [
+    None,
+    (64, 16, 256, 8, 2),  # smaller steps, no spills
+    (32, 32, 512, 8, 2),  # no score recomputation, mma.sync instead of wgmma
+    (64, 32, 128, 8, 2),  # four accumulator slices
+]
+FLASHMLA_TOL = dict(abs=8e-4, rel=3 / 128)
+
+
+def section(title):
+    print(f"\n== {title} ({time.time() - START:.0f}s)", flush=True)
+
+
+def guarded(fn):
+    try:
+        return fn()
+    except Exception:
+        traceback.print_exc(limit=4)
+        print("   -> section FAILED, continuing", flush=True)
+        return None
+
+
+def main():
+    try:
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        import dsv4_jax
+        from dsv4_jax.pallas_kernel import default_tuning, sparse_attention_pallas
+        from dsv4_jax.xla_reference import sparse_attention_xla
+    except Exception as e:  # noqa: BLE001
+        print(f"cannot import the JAX path: {type(e).__name__}: {e}")
+        return 0
+
+    print(f"jax {jax.__version__}; devices: {jax.devices()}")
+    missing = dsv4_jax.available_backends()["pallas_triton"]
+    if DRY_RUN:
+        print(f"DRY RUN on {jax.default_backend()}: Pallas interpreter, T=8; timings mean nothing")
+    elif missing:
+        print(f"no GPU check: {missing}")
+        return 0
+
+    tiling_keys = ("block_h", "block_k", "block_dv", "num_warps", "num_stages")
+
+    def pallas(*args, tiling=None):
+        H, D = args[0].shape[1:]
+        tiling = tiling or tuple(getattr(default_tuning(H, D, interpret=False), k) for k in tiling_keys)
+        return sparse_attention_pallas(*args, interpret=DRY_RUN, **dict(zip(tiling_keys, tiling)))
+
+    def make_inputs(T, H, D, S, K, seed=0):
+        rng = np.random.default_rng(seed)
+        q = jnp.asarray(rng.standard_normal((T, H, D)) / 10, jnp.bfloat16)
+        kv = jnp.asarray(rng.standard_normal((S, D)) / 10, jnp.bfloat16)
+        # Like a CSA layer late in a prompt: most rows full, some shorter, -1 padding after.
+        topk_length = np.where(rng.random(T) < 0.8, K, rng.integers(1, K + 1, T)).astype(np.int32)
+        idx = rng.integers(0, S, (T, K)).astype(np.int32)
+        idx[np.arange(K)[None, :] >= topk_length[:, None]] = -1
+        sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
+        return q, kv, jnp.asarray(idx), sink, jnp.asarray(topk_length), int(topk_length.sum())
+
+    def timed(fn, *args, repeat=10):
+        jax.block_until_ready(fn(*args))
+        runs = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            runs.append(time.perf_counter() - t0)
+        return statistics.median(runs)
+
+    def tflops(valid, H, seconds):
+        return 2 * valid * H * (512 + 512) / seconds / 1e12
+
+    rows = []  # (shape, what, compile s, ms, TFLOPS)
+    for name, T, H, D, S, K in SHAPES:
+        section(f"{name}: T={T} H={H} D={D} S={S} K={K} bf16")
+        inputs = guarded(lambda: make_inputs(T, H, D, S, K))
+        if inputs is None:
+            continue
+        q, kv, idx, sink, tl, valid = inputs
+        scale = D**-0.5
+        print(f"   valid indices: {valid} ({valid / (T * K):.0%} of T*K); default tiling {default_tuning(H, D, False)}")
+
+        def check_against_reference():
+            out, ml, lse = jax.jit(lambda *a: pallas(*a[:3], scale, *a[3:]))(q, kv, idx, sink, tl)
+            ref = jax.jit(lambda *a: sparse_attention_xla(*a[:3], scale, *a[3:]))(q, kv, idx, sink, tl)
+            o, r = np.asarray(out, np.float64), np.asarray(ref[0], np.float64)
+            err = np.abs(o - r)
+            ok = (err < FLASHMLA_TOL["abs"]) | (err / (np.abs(r) + 1e-6) < FLASHMLA_TOL["rel"])
+            lse_err = np.max(np.abs(np.asarray(lse) - np.asarray(ref[2])) / np.maximum(np.abs(np.asarray(ref[2])), 1))
+            ml_err = np.max(np.abs(np.asarray(ml) - np.asarray(ref[1])))
+            verdict = "PASS" if ok.all() and lse_err < 1e-4 else "FAIL"
+            print(
+                f"   pallas_triton vs xla: {verdict}; out max abs err {err.max():.2e}, {(~ok).sum()} outside "
+                f"FlashMLA tolerance; lse max rel err {lse_err:.2e}; max_logits max abs err {ml_err:.2e}"
+            )
+            return out, ml, lse
+
+        got = guarded(check_against_reference)
+
+        def check_against_oracle():
+            from planner import oracle
+
+            pick = np.linspace(0, T - 1, 6).astype(int)
+            ref = oracle.sparse_attention(
+                np.asarray(q[pick], np.float64), np.asarray(kv, np.float64), np.asarray(idx[pick]), scale,
+                np.asarray(sink, np.float64), np.asarray(tl[pick]),
+            )
+            err = np.abs(np.asarray(got[0][pick], np.float64) - ref[0])
+            ok = (err < FLASHMLA_TOL["abs"]) | (err / (np.abs(ref[0]) + 1e-6) < FLASHMLA_TOL["rel"])
+            lse_err = np.max(np.abs(np.asarray(got[2][pick]) - ref[2]))
+            print(f"   pallas_triton vs float64 oracle on 6 tokens: {'PASS' if ok.all() and lse_err < 1e-3 else 'FAIL'}"
+                  f" (out max abs err {err.max():.2e}, lse max abs err {lse_err:.2e})")
+
+        if got is not None:
+            guarded(check_against_oracle)
+
+        section(f"{name}: timing")
+        for tiling in ALTERNATIVE_TILINGS:
+            if time.time() - START > BUDGET_S:
+                print("   time budget reached; skipping the remaining tilings")
+                break
+
+            def time_tiling():
+                fn = jax.jit(lambda *a: pallas(*a[:3], scale, *a[3:], tiling=tiling))
+                t0 = time.perf_counter()
+                compiled = fn.lower(q, kv, idx, sink, tl).compile()
+                compile_s = time.perf_counter() - t0
+                seconds = timed(compiled, q, kv, idx, sink, tl)
+                label = "pallas default" if tiling is None else f"pallas {tiling}"
+                rows.append((name, label, compile_s, seconds * 1e3, tflops(valid, H, seconds)))
+                print(f"   {label:30} compile {compile_s:5.1f}s  {seconds * 1e3:8.2f} ms  {rows[-1][4]:6.1f} TFLOPS", flush=True)
+
+            guarded(time_tiling)
+
+        def time_reference():
+            fn = jax.jit(lambda *a: sparse_attention_xla(*a[:3], scale, *a[3:]))
+            seconds = timed(fn, q, kv, idx, sink, tl, repeat=3)
+            rows.append((name, "xla reference", float("nan"), seconds * 1e3, tflops(valid, H, seconds)))
+            print(f"   {'xla reference':30} {seconds * 1e3:8.2f} ms  {rows[-1][4]:6.1f} TFLOPS", flush=True)
+
+        if time.time() - START < BUDGET_S:
+            guarded(time_reference)
+
+        def time_flashmla():
+            import torch
+            from flash_mla import flash_mla_sparse_fwd
+
+            if not torch.cuda.is_available():
+                print("   FlashMLA: torch has no CUDA; skipped")
+                return
+            to_torch = lambda x: torch.from_dlpack(x)  # noqa: E731
+            tq, tkv, tidx = to_torch(q), to_torch(kv)[:, None, :], to_torch(idx)[:, None, :]
+            tsink, ttl = to_torch(sink), to_torch(tl)
+            kwargs = dict(attn_sink=tsink, topk_length=ttl)
+            if torch.cuda.get_device_capability()[0] == 9:
+                kwargs["use_legacy"] = True  # sgl-flash-mla on SM90 (spec section 2)
+            fn = lambda: flash_mla_sparse_fwd(tq, tkv, tidx, scale, **kwargs)  # noqa: E731
+            fn()
+            torch.cuda.synchronize()
+            runs = []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                runs.append(time.perf_counter() - t0)
+            seconds = statistics.median(runs)
+            rows.append((name, "FlashMLA", float("nan"), seconds * 1e3, tflops(valid, H, seconds)))
+            print(f"   {'FlashMLA':30} {seconds * 1e3:8.2f} ms  {rows[-1][4]:6.1f} TFLOPS")
+
+        try:
+            import flash_mla  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            print(f"   FlashMLA not importable ({type(e).__name__}: {e}); no side-by-side")
+        else:
+            guarded(time_flashmla)
+
+    section("summary")
+    print(f"{'shape':9} {'kernel':30} {'compile s':>9} {'ms':>9} {'TFLOPS':>7}")
+    for name, what, compile_s, ms, tf in rows:
+        print(f"{name:9} {what:30} {compile_s:9.1f} {ms:9.2f} {tf:7.1f}")
+    print(f"total {time.time() - START:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""`dsv4_jax.sparse_attention`: the FlashMLA sparse-attention contract on `jax.Array`s.
+
+One entry point, three backends behind it:
+  "pallas_triton"    the Pallas kernel compiled by Triton (NVIDIA GPUs, compute capability >= 8.0),
+  "pallas_interpret" the same kernel run by Pallas' interpreter (any platform; slow, for tests),
+  "xla"              the plain-jnp reference (any platform; fp32 math, tiled, deterministic).
+Requested names: "auto" (pallas_triton on an NVIDIA GPU, else xla), "pallas" (pallas_triton on an
+NVIDIA GPU, else pallas_interpret), or one of the three above. `resolve_backend` says which one
+a request runs, `available_backends` says which can run here and why not, and every trace logs
+the choice at DEBUG level on the "dsv4_jax" logger.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv4_jax.pallas_kernel import sparse_attention_pallas
+from dsv4_jax.xla_reference import sparse_attention_xla
+
+logger = logging.getLogger("dsv4_jax")
+
+CONCRETE_BACKENDS = ("xla", "pallas_triton", "pallas_interpret")
+REQUESTABLE_BACKENDS = ("auto", "pallas") + CONCRETE_BACKENDS
+FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def _pallas_triton_unavailable() -> str | None:
+    """None if the Pallas->Triton path can run on JAX's default device, else the reason."""
+    try:
+        device = jax.devices()[0]
+    except RuntimeError as e:  # pragma: no cover - broken installs
+        return f"JAX found no device ({e})"
+    if device.platform != "gpu":
+        return f"needs an NVIDIA GPU, but JAX's default device is {device.platform} ({device.device_kind})"
+    version = str(getattr(device.client, "platform_version", "")).lower()
+    if "rocm" in version or "hip" in version:
+        return f"needs an NVIDIA GPU, but the GPU runtime is {version}"
+    capability = getattr(device, "compute_capability", None)
+    if capability is not None and float(capability) < 8.0:
+        return f"needs compute capability >= 8.0 (bf16 MMA), got {capability} on {device.device_kind}"
+    return None
+
+
+def available_backends() -> dict[str, str | None]:
+    """Concrete backend name -> None if it can run here, else the reason it cannot."""
+    return {"xla": None, "pallas_triton": _pallas_triton_unavailable(), "pallas_interpret": None}
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """The concrete backend ("xla", "pallas_triton" or "pallas_interpret") a request runs.
+
+    Raises ValueError for an unknown name and RuntimeError, with the reason, for a named
+    backend that cannot run on this machine.
+    """
+    if backend not in REQUESTABLE_BACKENDS:
+        raise ValueError(f"backend: expected one of {REQUESTABLE_BACKENDS}, got {backend!r}")
+    triton_missing = _pallas_triton_unavailable()
+    if backend == "auto":
+        return "xla" if triton_missing else "pallas_triton"
+    if backend == "pallas":
+        return "pallas_interpret" if triton_missing else "pallas_triton"
+    if backend == "pallas_triton" and triton_missing:
+        raise RuntimeError(f"backend 'pallas_triton' cannot run here: {triton_missing}")
+    return backend
+
+
+def _dtype_of(x, name: str) -> np.dtype:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
+    return jnp.dtype(dtype)
+
+
+def _check_static_float(sm_scale) -> float:
+    try:
+        value = float(sm_scale)
+    except jax.errors.ConcretizationTypeError:
+        raise TypeError("sm_scale: must be a concrete Python float (a compile-time constant), got a traced value") from None
+    except (TypeError, ValueError):
+        raise TypeError(f"sm_scale: expected a float, got {sm_scale!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"sm_scale: must be finite, got {value}")
+    return value
+
+
+def check_inputs(q, kv, indices, sm_scale, attn_sink=None, topk_length=None):
+    """Validate static shapes and dtypes; return the inputs in canonical form.
+
+    Canonical form: q (T, H, D), kv (S, D), indices (T, K) int32, sm_scale a Python float,
+    attn_sink (H,) float32 or None, topk_length (T,) int32 or None. Works on tracers.
+    """
+    for name, x in (("q", q), ("kv", kv)):
+        if _dtype_of(x, name) not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected bfloat16, float16 or float32, got {jnp.dtype(x.dtype)}")
+    if jnp.dtype(kv.dtype) != jnp.dtype(q.dtype):
+        raise TypeError(f"kv: dtype {jnp.dtype(kv.dtype)} differs from q's {jnp.dtype(q.dtype)}")
+    if jnp.ndim(q) != 3:
+        raise ValueError(f"q: expected (T, H, D), got shape {tuple(q.shape)}")
+    T, H, D = q.shape
+    if D < 1:
+        raise ValueError(f"q: head dim must be >= 1, got shape {tuple(q.shape)}")
+    if jnp.ndim(kv) == 3:
+        if kv.shape[1] != 1:
+            raise ValueError(f"kv: expected (S, 1, D) (one KV head), got shape {tuple(kv.shape)}")
+        kv = jnp.reshape(kv, (kv.shape[0], kv.shape[2]))
+    elif jnp.ndim(kv) != 2:
+        raise ValueError(f"kv: expected (S, D) or (S, 1, D), got shape {tuple(kv.shape)}")
+    if kv.shape[1] != D:
+        raise ValueError(f"kv: last dim {kv.shape[1]} does not match q's head dim {D}")
+
+    if _dtype_of(indices, "indices") != jnp.int32:
+        raise TypeError(f"indices: expected int32, got {jnp.dtype(indices.dtype)} (cast with .astype(jnp.int32))")
+    if jnp.ndim(indices) == 3:
+        if indices.shape[1] != 1:
+            raise ValueError(f"indices: expected (T, 1, K), got shape {tuple(indices.shape)}")
+        indices = jnp.reshape(indices, (indices.shape[0], indices.shape[2]))
+    elif jnp.ndim(indices) != 2:
+        raise ValueError(f"indices: expected (T, K) or (T, 1, K), got shape {tuple(indices.shape)}")
+    if indices.shape[0] != T:
+        raise ValueError(f"indices: {indices.shape[0]} rows for {T} query tokens")
+
+    sm_scale = _check_static_float(sm_scale)
+    if attn_sink is not None:
+        if _dtype_of(attn_sink, "attn_sink").kind != "f":
+            raise TypeError(f"attn_sink: expected a float array, got {jnp.dtype(attn_sink.dtype)}")
+        if tuple(attn_sink.shape) != (H,):
+            raise ValueError(f"attn_sink: expected shape ({H},) (one logit per head), got {tuple(attn_sink.shape)}")
+        attn_sink = jnp.asarray(attn_sink, jnp.float32)
+    if topk_length is not None:
+        if _dtype_of(topk_length, "topk_length") != jnp.int32:
+            raise TypeError(f"topk_length: expected int32, got {jnp.dtype(topk_length.dtype)}")
+        if tuple(topk_length.shape) != (T,):
+            raise ValueError(f"topk_length: expected shape ({T},) (one per query token), got {tuple(topk_length.shape)}")
+        topk_length = jnp.asarray(topk_length)
+    return jnp.asarray(q), jnp.asarray(kv), jnp.asarray(indices), sm_scale, attn_sink, topk_length
+
+
+def sparse_attention(q, kv, indices, sm_scale, attn_sink=None, topk_length=None, *, backend: str = "auto"):
+    """Sparse MQA attention over gathered KV rows (FlashMLA `flash_mla_sparse_fwd` contract).
+
+    Args:
+      q: (T, H, D), bfloat16 (float16 and float32 also accepted): query tokens.
+      kv: (S, D) or (S, 1, D), same dtype as q: the flat workspace. K = V = the row; V is its
+        first d_v dims, d_v = 512 if D >= 512 else D.
+      indices: (T, K) or (T, 1, K), int32: workspace rows each token attends to. An entry is
+        invalid if it is negative, >= S, or its column is >= topk_length[t]. Duplicates count
+        each time.
+      sm_scale: float, a compile-time constant: logits are sm_scale * <q, k>.
+      attn_sink: (H,) float32 or None: one logit per head that joins the softmax denominator
+        only; -inf means no sink.
+      topk_length: (T,) int32 or None: columns >= topk_length[t] are invalid.
+      backend: "auto", "pallas", "xla", "pallas_triton" or "pallas_interpret" (module docstring).
+
+    Returns:
+      out: (T, H, d_v), q.dtype: 0 for a token without a valid key; with a sink, scaled by
+        exp(lse) / (exp(lse) + exp(sink)).
+      max_logits: (T, H), float32: max logit over valid keys; -inf if none.
+      lse: (T, H), float32: natural-log sum-exp of the logits, sink excluded; +inf if none.
+
+    Accumulation is fp32 in every backend. Usable under `jax.jit` (shapes and dtypes are
+    checked at trace time; indices and lengths may be traced).
+    """
+    q, kv, indices, sm_scale, attn_sink, topk_length = check_inputs(q, kv, indices, sm_scale, attn_sink, topk_length)
+    concrete = resolve_backend(backend)
+    logger.debug(
+        "sparse_attention: backend %r -> %s (T=%d H=%d D=%d S=%d K=%d %s)",
+        backend, concrete, *q.shape, kv.shape[0], indices.shape[1], jnp.dtype(q.dtype).name,
+    )
+    if concrete == "xla":
+        return sparse_attention_xla(q, kv, indices, sm_scale, attn_sink, topk_length)
+    return sparse_attention_pallas(
+        q, kv, indices, sm_scale, attn_sink, topk_length, interpret=(concrete == "pallas_interpret")
+    )

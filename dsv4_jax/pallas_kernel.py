@@ -1,0 +1,289 @@
+"""Pallas sparse-attention kernel for the Triton lowering ("pallas" backend).
+
+One program per (head block, d_v block, query token). It loads the token's q block once, then
+walks the token's index row in chunks of `block_k` columns, only as far as `topk_length[t]`:
+gather the chunk's KV rows (masked load, invalid rows read as 0), score them against q in bf16
+with fp32 accumulation, fold them into an online softmax, accumulate P @ V. The sink joins
+the denominator at the end, so lse stays the sink-free log-sum-exp of the contract.
+
+Triton rules honoured here: every load/store has a power-of-two shape (head, column and index
+blocks are powers of two; the wrapper pads heads to >= 16 and a multiple of `block_h`, the
+index row to a multiple of `block_k` with -1, and D to power-of-two parts with zero columns);
+dot dims are >= 16; explicit `plt.CompilerParams` selects the Triton backend on jax 0.10-0.12.
+The QK dot splits D into the value part (d_v columns) and the tail (RoPE dims when D = 576),
+so D = 576 needs no padding. With `block_dv < d_v` several programs share a token and head
+block, each owning a slice of the output accumulator (smaller register footprint, at the price
+of recomputing the scores per slice).
+
+On a machine without an NVIDIA GPU the same kernel runs with `interpret=True`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from dsv4_jax.xla_reference import no_key_result
+from planner.oracle import value_dim
+
+MIN_BLOCK = 16  # Triton's smallest dot dimension.
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def padded_dims(d_qk: int) -> tuple[int, int]:
+    """(d_main, d_tail): D split into value and tail parts, each padded to a power of two >= 16."""
+    d_v = value_dim(d_qk)
+    d_tail = d_qk - d_v
+    return max(MIN_BLOCK, _next_pow2(d_v)), (0 if d_tail == 0 else max(MIN_BLOCK, _next_pow2(d_tail)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """Static tiling of the kernel. Each field is a power of two; see `default_tuning`."""
+
+    block_h: int  # query heads per program (>= 16: Triton dot minimum)
+    block_k: int  # index columns gathered and scored per loop step
+    block_dv: int  # output columns per program (d_main = one block: no score recomputation)
+    num_warps: int
+    num_stages: int
+
+
+def default_tuning(num_heads: int, d_qk: int, interpret: bool) -> TuningConfig:
+    """Tiling for a problem shape.
+
+    GPU (Triton): 64 heads per program so the QK and PV dots have M = 64 (one wgmma row block
+    on Hopper; H = 128 takes two programs that read the same rows, mostly from L2). With
+    d_v = 512 the fp32 accumulator is split into two 256-column programs over 8 warps: a single
+    64 x 512 block spills about 1 KB per thread, the split costs scoring each chunk twice.
+    32 gathered rows per step. Checked offline with bench/triton_resources_jax.py (Triton 3.9,
+    sm_90a): D = 512 uses 160 KB of shared memory, 255 registers, no spills; D = 576 176 KB and
+    8 bytes of spill. 64-row steps need more than Hopper's 227 KB. These are starting points:
+    bench/gpu_check_jax.py times alternatives on the GPU itself.
+
+    Interpret mode (CPU): as few, as large programs as possible (one per token for H <= 128).
+    """
+    d_main, _ = padded_dims(d_qk)
+    heads = _next_pow2(max(num_heads, MIN_BLOCK))
+    if interpret:
+        return TuningConfig(block_h=min(heads, 128), block_k=128, block_dv=d_main, num_warps=4, num_stages=1)
+    block_h = min(heads, 64)
+    block_dv = min(d_main, 256)
+    big = block_h * block_dv >= 64 * 256
+    block_k = 32 if d_main >= 256 else 64
+    return TuningConfig(block_h=block_h, block_k=block_k, block_dv=block_dv, num_warps=8 if big else 4, num_stages=3)
+
+
+def _sparse_attention_kernel(
+    topk_length_ref,  # [] int32: columns >= this are invalid
+    sink_ref,  # [block_h] float32
+    q_ref,  # [block_h, d_main + d_tail]
+    kv_ref,  # [S, d_main + d_tail]: the whole workspace, gathered by row
+    indices_ref,  # [K_pad] int32
+    out_ref,  # [block_h, block_dv]
+    max_logits_ref,  # [block_h] float32
+    lse_ref,  # [block_h] float32
+    *,
+    sm_scale: float,
+    num_rows: int,  # S
+    num_cols: int,  # K before padding
+    block_k: int,
+    d_main: int,
+    d_tail: int,
+    block_dv: int,
+):
+    block_h = q_ref.shape[0]
+    # fp32 inputs: full-precision dots (Triton would otherwise use TF32). bf16/fp16: native MMA.
+    precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
+    dot = functools.partial(lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
+    contract_last = (((1,), (1,)), ((), ()))  # [m, d] x [n, d] -> [m, n]
+    contract_mid = (((1,), (0,)), ((), ()))  # [m, k] x [k, n] -> [m, n]
+    dv_start = pl.program_id(1) * block_dv
+
+    q_main = q_ref[:, pl.ds(0, d_main)]
+    q_tail = q_ref[:, pl.ds(d_main, d_tail)] if d_tail else None
+    n_valid = jnp.clip(topk_length_ref[()], 0, num_cols)
+
+    def gather(rows, valid, first_col, width):
+        # All-array indexers with a mask: one gathered load that lowers to Triton and also
+        # runs in interpret mode. Invalid rows read as 0 and never touch memory.
+        cols = first_col + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+        return plt.load(kv_ref.at[rows[:, None], cols], mask=valid[:, None], other=0)
+
+    def fold_chunk(j, carry):
+        acc, m, l = carry  # [block_h, block_dv], [block_h], [block_h]
+        start = pl.multiple_of(j * block_k, block_k)
+        idx = indices_ref[pl.ds(start, block_k)]
+        col = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        valid = (idx >= 0) & (idx < num_rows) & (col < n_valid)
+        rows = jnp.where(valid, idx, 0)
+        k_main = gather(rows, valid, 0, d_main)  # [block_k, d_main]
+        s = dot(q_main, k_main, contract_last)
+        if d_tail:
+            s += dot(q_tail, gather(rows, valid, d_main, d_tail), contract_last)
+        s = jnp.where(valid[None, :], s * sm_scale, -jnp.inf)  # [block_h, block_k]
+        m_new = jnp.maximum(m, s.max(axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key yet: avoid inf - inf
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[:, None])
+        l = l * alpha + p.sum(axis=1)
+        v = k_main if block_dv == d_main else gather(rows, valid, dv_start, block_dv)
+        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, contract_mid)
+        return acc, m_new, l
+
+    init = (
+        jnp.zeros((block_h, block_dv), jnp.float32),
+        jnp.full((block_h,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+    )
+    # Loop only over chunks that can hold a valid column: the trip count is data dependent.
+    acc, m, l = lax.fori_loop(0, (n_valid + block_k - 1) // block_k, fold_chunk, init)
+
+    has_keys = l > 0
+    lse = jnp.where(has_keys, m + jnp.log(l), jnp.inf)
+    # The sink joins the denominator only: out *= exp(lse) / (exp(lse) + exp(sink)). Applied
+    # here rather than by starting the running max at the sink and the sum at 1: then the
+    # sink-free lse would be m + log(l - exp(sink - m)), which cancels to nothing in fp32 for
+    # a large sink (sink = 30 against logits near 0), and exp(s - sink) underflows.
+    scale = jnp.where(has_keys, 1.0 / (l * (1.0 + jnp.exp(sink_ref[...] - lse))), 0.0)
+    out_ref[...] = (acc * scale[:, None]).astype(out_ref.dtype)
+    max_logits_ref[...] = m  # every d_v block writes the same values
+    lse_ref[...] = lse
+
+
+def _check_tuning(cfg: TuningConfig, d_main: int) -> None:
+    for name in ("block_h", "block_k", "block_dv"):
+        value = getattr(cfg, name)
+        if value < MIN_BLOCK or value & (value - 1):
+            raise ValueError(f"{name}: must be a power of two >= {MIN_BLOCK}, got {value}")
+    if cfg.block_dv > d_main:
+        raise ValueError(f"block_dv: {cfg.block_dv} exceeds the padded value dim {d_main}")
+    if cfg.num_warps < 1 or cfg.num_warps & (cfg.num_warps - 1):
+        raise ValueError(f"num_warps: must be a power of two, got {cfg.num_warps}")
+    if cfg.num_stages < 1:
+        raise ValueError(f"num_stages: must be >= 1, got {cfg.num_stages}")
+
+
+def _pad_columns(x, d_v: int, d_main: int, d_tail_pad: int):
+    """[..., D] -> [..., d_main + d_tail_pad]: zero columns after the value part and the tail."""
+    if x.shape[-1] == d_main + d_tail_pad and d_v == d_main:
+        return x
+    widths = [(0, 0)] * (x.ndim - 1)
+    main = jnp.pad(x[..., :d_v], widths + [(0, d_main - d_v)])
+    if not d_tail_pad:
+        return main
+    tail = x[..., d_v:]
+    return jnp.concatenate([main, jnp.pad(tail, widths + [(0, d_tail_pad - tail.shape[-1])])], axis=-1)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "block_h", "block_k", "block_dv", "num_warps", "num_stages", "interpret"),
+)
+def sparse_attention_pallas(
+    q,
+    kv,
+    indices,
+    sm_scale: float,
+    attn_sink=None,
+    topk_length=None,
+    *,
+    block_h: int | None = None,
+    block_k: int | None = None,
+    block_dv: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+):
+    """FlashMLA sparse attention as a Pallas kernel.
+
+    Inputs are already checked by `dsv4_jax.sparse_attention`:
+      q: (T, H, D), bfloat16 (fast path) / float16 / float32.
+      kv: (S, D), same dtype as q.
+      indices: (T, K), int32; invalid if < 0, >= S, or column >= topk_length[t].
+      sm_scale: Python float (static).
+      attn_sink: (H,) float32 or None.
+      topk_length: (T,) int32 or None.
+      block_h, block_k, block_dv, num_warps, num_stages: static tiling; None = `default_tuning`.
+      interpret: run the kernel with Pallas' interpreter (any platform) instead of Triton.
+
+    Returns:
+      out (T, H, d_v) q.dtype, max_logits (T, H) float32, lse (T, H) float32.
+    """
+    T, H, D = q.shape
+    S, K = kv.shape[0], indices.shape[1]
+    d_v = value_dim(D)
+    if T == 0 or H == 0 or S == 0 or K == 0:
+        return no_key_result(T, H, d_v, q.dtype)
+
+    d_main, d_tail = padded_dims(D)
+    default = default_tuning(H, D, interpret)
+    cfg = TuningConfig(
+        block_h=default.block_h if block_h is None else block_h,
+        block_k=default.block_k if block_k is None else block_k,
+        block_dv=default.block_dv if block_dv is None else block_dv,
+        num_warps=default.num_warps if num_warps is None else num_warps,
+        num_stages=default.num_stages if num_stages is None else num_stages,
+    )
+    _check_tuning(cfg, d_main)
+
+    H_pad = _round_up(max(H, MIN_BLOCK), cfg.block_h)
+    K_pad = _round_up(K, cfg.block_k)
+    q = jnp.pad(_pad_columns(q, d_v, d_main, d_tail), ((0, 0), (0, H_pad - H), (0, 0)))
+    kv = _pad_columns(kv, d_v, d_main, d_tail)
+    indices = jnp.pad(indices, ((0, 0), (0, K_pad - K)), constant_values=-1)
+    sink = jnp.full((H,), -jnp.inf, jnp.float32) if attn_sink is None else attn_sink
+    sink = jnp.pad(sink, (0, H_pad - H), constant_values=-jnp.inf)
+    n_valid = jnp.full((T,), K, jnp.int32) if topk_length is None else topk_length
+
+    kernel = functools.partial(
+        _sparse_attention_kernel,
+        sm_scale=sm_scale,
+        num_rows=S,
+        num_cols=K,
+        block_k=cfg.block_k,
+        d_main=d_main,
+        d_tail=d_tail,
+        block_dv=cfg.block_dv,
+    )
+    d_pad = d_main + d_tail
+    # Head blocks vary fastest (grid axis 0 is CUDA's x), so the programs of one token run
+    # together and read its KV rows once from HBM, then from L2.
+    grid = (H_pad // cfg.block_h, d_main // cfg.block_dv, T)
+    out, max_logits, lse = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[
+            pl.BlockSpec((pl.squeezed,), lambda h, c, t: (t,)),
+            pl.BlockSpec((cfg.block_h,), lambda h, c, t: (h,)),
+            pl.BlockSpec((pl.squeezed, cfg.block_h, d_pad), lambda h, c, t: (t, h, 0)),
+            pl.BlockSpec((S, d_pad), lambda h, c, t: (0, 0)),
+            pl.BlockSpec((pl.squeezed, K_pad), lambda h, c, t: (t, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((pl.squeezed, cfg.block_h, cfg.block_dv), lambda h, c, t: (t, h, c)),
+            pl.BlockSpec((pl.squeezed, cfg.block_h), lambda h, c, t: (t, h)),
+            pl.BlockSpec((pl.squeezed, cfg.block_h), lambda h, c, t: (t, h)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((T, H_pad, d_main), q.dtype),
+            jax.ShapeDtypeStruct((T, H_pad), jnp.float32),
+            jax.ShapeDtypeStruct((T, H_pad), jnp.float32),
+        ],
+        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="dsv4_sparse_attention",
+    )(n_valid, sink, q, kv, indices)
+    return out[:, :H, :d_v], max_logits[:, :H], lse[:, :H]

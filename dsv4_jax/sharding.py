@@ -1,0 +1,93 @@
+"""Head-sharded sparse attention for more than one device.
+
+Query heads are independent given the shared (MQA) workspace, so the natural split is by head:
+each device gets `H / n` heads of q and of the sink, the whole workspace and index rows, and
+produces its heads' outputs. No communication inside the op. The Pallas kernel has no SPMD
+partitioning rule of its own, hence the explicit `shard_map`.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from dsv4_jax.attention import check_inputs, sparse_attention
+
+try:  # jax >= 0.7
+    _shard_map = jax.shard_map
+except AttributeError:  # pragma: no cover - older jax
+    from jax.experimental.shard_map import shard_map as _shard_map
+
+# The replication/varying-axes check is called check_vma in jax.shard_map, check_rep before.
+# It cannot see through pallas_call, so it is switched off.
+_NO_CHECK = (
+    {"check_vma": False} if "check_vma" in inspect.signature(_shard_map).parameters else {"check_rep": False}
+)
+
+
+def sparse_attention_head_sharded(
+    q,
+    kv,
+    indices,
+    sm_scale,
+    attn_sink=None,
+    topk_length=None,
+    *,
+    mesh: Mesh,
+    axis_name: str | None = None,
+    backend: str = "auto",
+):
+    """`dsv4_jax.sparse_attention` with heads split over one mesh axis.
+
+    Args:
+      q: (T, H, D): sharded on H over `axis_name` (H must divide evenly).
+      kv: (S, D) or (S, 1, D): replicated.
+      indices: (T, K) or (T, 1, K) int32: replicated.
+      sm_scale: float, a compile-time constant.
+      attn_sink: (H,) float32 or None: sharded on H like q.
+      topk_length: (T,) int32 or None: replicated.
+      mesh: the device mesh.
+      axis_name: the mesh axis that splits heads; may be omitted for a one-axis mesh.
+      backend: as in `dsv4_jax.sparse_attention`, chosen per device.
+
+    Returns:
+      (out (T, H, d_v), max_logits (T, H), lse (T, H)), sharded on H over `axis_name`.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis_name is None:
+        if len(mesh.axis_names) != 1:
+            raise ValueError(f"axis_name: required for a mesh with axes {mesh.axis_names}")
+        axis_name = mesh.axis_names[0]
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name: {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+    q, kv, indices, sm_scale, attn_sink, topk_length = check_inputs(q, kv, indices, sm_scale, attn_sink, topk_length)
+    num_heads, shards = q.shape[1], mesh.shape[axis_name]
+    if num_heads % shards:
+        raise ValueError(f"q: {num_heads} heads do not split evenly over the {shards} devices of axis {axis_name!r}")
+
+    heads = P(None, axis_name)
+    args, specs = [q, kv, indices], [P(None, axis_name, None), P(), P()]
+    if attn_sink is not None:
+        args.append(attn_sink)
+        specs.append(P(axis_name))
+    if topk_length is not None:
+        args.append(topk_length)
+        specs.append(P())
+
+    def per_device(q, kv, indices, *optional):
+        optional = list(optional)
+        sink = optional.pop(0) if attn_sink is not None else None
+        lengths = optional.pop(0) if topk_length is not None else None
+        return sparse_attention(q, kv, indices, sm_scale, sink, lengths, backend=backend)
+
+    sharded = _shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=tuple(specs),
+        out_specs=(P(None, axis_name, None), heads, heads),
+        **_NO_CHECK,
+    )
+    return sharded(*args)
