@@ -146,3 +146,12 @@ def test_capture_rejects_bad_inputs(model, ids):
         capture_attention(model, ids[:, :8], 0, position_ids=torch.arange(8)[None])
     with pytest.raises(TypeError, match="model"):
         capture_attention(model.lm_head, ids[:, :8], 0)
+
+
+def test_unsupported_transformers_version_fails_loudly(monkeypatch):
+    from dsv4_torch.hf import versions
+
+    assert versions.require_supported_transformers() == transformers.__version__
+    monkeypatch.setattr(versions.metadata, "version", lambda name: "5.30.1")
+    with pytest.raises(ImportError, match="5.30.1"):
+        versions.require_supported_transformers()

@@ -69,3 +69,41 @@ def test_custom_attention_function_gets_no_mask(models, monkeypatch):
     assert seen and all(mask is None for _, _, mask in seen)
     assert {n for i, n, _ in seen if model.config.layer_types[i] == "compressed_sparse_attention"} == {40 + 40 // 4}
     assert (spied - eager).abs().max() > 1e-2
+
+
+def _chunked_vs_single(model, ids, bounds):
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = transformers.DynamicCache(config=model.config)
+        parts = [model(ids[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in zip(bounds, bounds[1:])]
+    return (torch.cat(parts, 1) - full).abs().max().item()
+
+
+def test_float64_model_keeps_float32_islands_and_chunking_is_exact_without_them(tmp_path, monkeypatch):
+    """In a .double() model, norms / mHC / RoPE / gate softmaxes / indexer scores still run in float32,
+    so chunked and one-call logits differ at ~1e-7. Forcing those casts to float64 leaves ~1e-14:
+    transformers' chunked prefill and decode are the same computation as its one-call prefill."""
+    model = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        write_tiny_checkpoint(tmp_path / "ckpt"), experts_implementation="eager").double().eval()
+    ids = torch.randint(3, 512, (1, 133), generator=torch.Generator().manual_seed(2))
+    bounds = [0, 1, 37, 130, 132, 133]  # one-token calls, an HCA block closing inside a call, a decode step
+    assert 1e-10 < _chunked_vs_single(model, ids, bounds) < 1e-4
+
+    for module in model.modules():  # RoPE inv_freq buffers are float32 even after .double()
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.dtype == torch.float32:
+                module._buffers[name] = buf.double()
+    f64 = lambda d: torch.float64 if d is torch.float32 else d  # noqa: E731
+    to, softmax = torch.Tensor.to, torch.Tensor.softmax
+
+    def to_f64(self, *args, **kwargs):
+        args = tuple(f64(a) if isinstance(a, torch.dtype) else a for a in args)
+        if "dtype" in kwargs:
+            kwargs["dtype"] = f64(kwargs["dtype"])
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "float", lambda self: to(self, torch.float64))
+    monkeypatch.setattr(torch.Tensor, "to", to_f64)
+    monkeypatch.setattr(torch.Tensor, "softmax", lambda self, *a, **k: softmax(
+        self, *a, **({**k, "dtype": f64(k["dtype"])} if "dtype" in k else k)))
+    assert _chunked_vs_single(model, ids, bounds) < 1e-12

@@ -12,6 +12,7 @@ _LAZY = {
     "tiny_config": "tiny_checkpoint",
     "capture_attention": "capture",
     "AttentionCapture": "capture",
+    "require_supported_transformers": "versions",
 }
 
 __all__ = sorted(_LAZY)

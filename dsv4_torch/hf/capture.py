@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4_torch.hf.versions import require_supported_transformers
 from planner.batch import LayerKind, layer_kind
 
 
@@ -116,6 +117,7 @@ def capture_attention(model, input_ids: torch.Tensor, layer_idx: int, past_key_v
     Returns:
       (AttentionCapture, the forward's output).
     """
+    require_supported_transformers()
     layers = _decoder_layers(model)
     if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(layers):
         raise ValueError(f"layer_idx: expected an int in 0..{len(layers) - 1}, got {layer_idx!r}")
