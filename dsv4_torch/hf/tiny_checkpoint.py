@@ -237,7 +237,7 @@ def _init(name: str, shape: tuple[int, ...], cfg: dict, seed: int) -> np.ndarray
     if leaf == "tid2eid":  # distinct experts per token id, as a frozen hash table
         E = cfg["n_routed_experts"]
         return np.stack([g.permutation(E)[: shape[1]] for _ in range(shape[0])]).astype(np.int64)
-    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+    if name.endswith("norm.weight"):  # every RMSNorm weight
         return (1.0 + 0.1 * g.standard_normal(shape)).astype(np.float32)
     if leaf == "sinks":
         return g.normal(0.0, 1.0, shape).astype(np.float32)
