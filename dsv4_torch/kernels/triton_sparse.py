@@ -30,6 +30,14 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _round_to_bf16(x):
+    """float32 -> the nearest bfloat16 value (ties to even), kept in float32. Interpreter only."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _sparse_attention_kernel(
     q_ptr,  # [T, H, D]
     kv_ptr,  # [S, D]
@@ -121,9 +129,9 @@ def _sparse_attention_kernel(
     if HAS_SINK:
         # out *= exp(lse) / (exp(lse) + exp(sink)), i.e. divide by l + exp(sink - max).
         sink = tl.load(sink_ptr + heads, mask=head_ok, other=float("-inf"))
-        denom += tl.exp2(sink * 1.4426950408889634 - m_ref)
+        denom += tl.exp2(sink * 1.4426950408889634 - m_ref)  # log2(e)
     out = tl.where(has_key[:, None], acc / denom[:, None], 0.0)
-    lse = tl.where(has_key, (m_ref + tl.log2(l_ref)) * 0.6931471805599453, float("inf"))
+    lse = tl.where(has_key, (m_ref + tl.log2(l_ref)) * 0.6931471805599453, float("inf"))  # ln(2): back to base e
     max_logit = tl.where(has_key, m * 0.6931471805599453, float("-inf"))
 
     if EMULATE_BF16:
@@ -132,14 +140,6 @@ def _sparse_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dv_ok[None, :])
     tl.store(max_ptr + t * stride_mt + heads, max_logit, mask=head_ok)
     tl.store(lse_ptr + t * stride_mt + heads, lse, mask=head_ok)
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """float32 -> the nearest bfloat16 value (ties to even), kept in float32. Interpreter only."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
 
 
 INTERPRETED = not isinstance(_sparse_attention_kernel, triton.runtime.JITFunction)
@@ -155,13 +155,16 @@ class TritonConfig:
     num_stages: int
 
 
-def default_config(num_heads: int, head_dim: int) -> TritonConfig:
-    """A starting point for Hopper-class GPUs; bench/gpu_check_torch.py --sweep measures others.
+def default_config(num_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> TritonConfig:
+    """A starting point for Hopper-class GPUs, untuned; bench/gpu_check_torch.py sweeps others.
 
-    The float32 accumulator is BLOCK_H x d_v: 32 x 512 fits 8 warps' registers, 64 x 512 does not.
+    Each program re-gathers the token's KV rows, so more heads per program means less gather
+    traffic per flop (BLOCK_H = 32: ~60 flop per gathered byte at D = 576). Its float32
+    accumulator is BLOCK_H x d_v: 32 x 512 takes 64 registers a thread over 8 warps; 64 x 512
+    would take 128 and spill. float32 inputs double the operand registers: 16 heads.
     """
-    block_h = 16 if num_heads <= 16 or head_dim >= 512 else 32
     big = head_dim >= 256
+    block_h = 16 if num_heads <= 16 or (big and dtype == torch.float32) else 32
     return TritonConfig(block_h=block_h, block_k=32 if big else 64, num_warps=8 if big else 4, num_stages=2)
 
 
@@ -184,7 +187,7 @@ def sparse_attention_triton(
       sm_scale: float.
       attn_sink: optional (H,), float32 (float64 is rounded to float32).
       topk_length: optional (T,), int32.
-      config: launch configuration; `default_config(H, D)` when None.
+      config: launch configuration; `default_config(H, D, q.dtype)` when None.
 
     Returns:
       out (T, H, d_v) q.dtype, max_logits (T, H) float32, lse (T, H) float32, as the contract.
@@ -202,7 +205,7 @@ def sparse_attention_triton(
     T, H, D = q.shape
     S, K = kv.shape[0], indices.shape[1]
     d_v = value_dim(D)
-    cfg = config or default_config(H, D)
+    cfg = config or default_config(H, D, q.dtype)
     if cfg.block_h < 16 or cfg.block_k < 16:
         raise ValueError(f"config: block_h and block_k must be >= 16 for tl.dot, got {cfg}")
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
