@@ -323,6 +323,41 @@ def test_flashmla_sinks_and_edge_rows(sink):
     check(case, "flashmla", "cuda")
 
 
+def test_flashmla_wrapper_pads_and_strips(monkeypatch):
+    """The wrapper's padding, index clean-up and head split, run on CPU against a stand-in kernel
+    that enforces FlashMLA's input constraints and computes with the reference."""
+    from dsv4_torch.kernels import flashmla
+
+    calls = []
+
+    def fake_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, use_legacy=False):
+        T, H, D = q.shape
+        S = kv.shape[0]
+        assert q.dtype == kv.dtype == torch.bfloat16 and q.is_contiguous() and kv.is_contiguous()
+        assert H in (64, 128) and D in (512, 576) and d_v == 512 and kv.shape[1:] == (1, D)
+        assert indices.dtype == torch.int32 and indices.shape[:2] == (T, 1) and indices.shape[2] % 128 == 0
+        assert bool(((indices == -1) | ((indices >= 0) & (indices < S))).all()), "only -1 may be invalid"
+        assert attn_sink is None or (attn_sink.dtype == torch.float32 and attn_sink.shape == (H,))
+        assert topk_length is None or bool(((topk_length >= 0) & (topk_length <= indices.shape[2])).all())
+        calls.append((H, indices.shape[2], use_legacy))
+        return ref_kernel.sparse_attention_reference(q, kv[:, 0], indices[:, 0], sm_scale, attn_sink, topk_length)
+
+    monkeypatch.setitem(flashmla._cache, "fn", fake_sparse_fwd)
+    monkeypatch.setattr(flashmla, "unavailable_reason", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    for H, K in ((16, 200), (64, 128), (192, 130)):
+        case = make_case(4, H, 512, 300, K, seed=18, dtype=torch.bfloat16, topk=True, sink="random", kv_scale=0.1)
+        case["indices"][0, :5] = torch.tensor([-9, 300, 301, -1, 5], dtype=torch.int32)
+        calls.clear()
+        got = flashmla.sparse_attention_flashmla(**case)
+        want = ref_kernel.sparse_attention_reference(**case)
+        for a, b in zip(got, want):  # heads padded with zeros: same values up to rounding
+            torch.testing.assert_close(a, b)
+        expect_heads = [64] if H <= 64 else [128, 64]
+        assert [c[0] for c in calls] == expect_heads
+        assert all(c[1] == -(-K // 128) * 128 and c[2] is True for c in calls)  # SM90: use_legacy=True
+
+
 @pytest.mark.skipif(not GPU, reason="needs an SM90/SM100 GPU")
 def test_auto_prefers_flashmla_on_sm90_sm100():
     q = torch.zeros(1, 64, 576, dtype=torch.bfloat16, device="cuda")
