@@ -155,16 +155,25 @@ class TritonConfig:
     num_stages: int
 
 
-def default_config(num_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> TritonConfig:
-    """A starting point for Hopper-class GPUs, untuned; bench/gpu_check_torch.py sweeps others.
+def default_config(
+    num_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16, arch: int | None = None
+) -> TritonConfig:
+    """A starting point per GPU generation, untuned on hardware (bench/gpu_check_torch.py sweeps).
 
+    arch: compute capability as an int (90 = H100); None = unknown (treated like sm_80).
     Each program re-gathers the token's KV rows, so more heads per program means less gather
-    traffic per flop (BLOCK_H = 32: ~60 flop per gathered byte at D = 576). Its float32
-    accumulator is BLOCK_H x d_v: 32 x 512 takes 64 registers a thread over 8 warps; 64 x 512
-    would take 128 and spill. float32 inputs double the operand registers: 16 heads.
+    traffic per flop. On sm_90/sm_100 BLOCK_H = 64 lets Triton use wgmma (M >= 64); its
+    64 x 512 float32 accumulator needs 8 warps (128 registers a thread). Elsewhere (mma.sync,
+    ~100 KB shared memory on sm_86/89/120) BLOCK_H = 32 fits without spills.
+    bench/triton_resources_torch.py shows registers, spills and shared memory per config.
     """
     big = head_dim >= 256
-    block_h = 16 if num_heads <= 16 or (big and dtype == torch.float32) else 32
+    if num_heads <= 16 or (big and dtype == torch.float32):
+        block_h = 16
+    elif arch in (90, 100, 103) and num_heads >= 64 and dtype != torch.float32:
+        block_h = 64
+    else:
+        block_h = 32
     return TritonConfig(block_h=block_h, block_k=32 if big else 64, num_warps=8 if big else 4, num_stages=2)
 
 
@@ -187,7 +196,7 @@ def sparse_attention_triton(
       sm_scale: float.
       attn_sink: optional (H,), float32 (float64 is rounded to float32).
       topk_length: optional (T,), int32.
-      config: launch configuration; `default_config(H, D, q.dtype)` when None.
+      config: launch configuration; `default_config(H, D, q.dtype, arch)` when None.
 
     Returns:
       out (T, H, d_v) q.dtype, max_logits (T, H) float32, lse (T, H) float32, as the contract.
@@ -205,7 +214,11 @@ def sparse_attention_triton(
     T, H, D = q.shape
     S, K = kv.shape[0], indices.shape[1]
     d_v = value_dim(D)
-    cfg = config or default_config(H, D, q.dtype)
+    arch = None
+    if q.device.type == "cuda" and torch.version.hip is None:
+        major, minor = torch.cuda.get_device_capability(q.device)
+        arch = 10 * major + minor
+    cfg = config or default_config(H, D, q.dtype, arch)
     if cfg.block_h < 16 or cfg.block_k < 16:
         raise ValueError(f"config: block_h and block_k must be >= 16 for tl.dot, got {cfg}")
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
