@@ -414,6 +414,33 @@ def test_triton_on_cpu_without_interpreter_raises():
     assert "RAISED" in res.stdout and "TRITON_INTERPRET=1" in res.stdout, res.stdout + res.stderr
 
 
+def _ptxas_available():
+    try:
+        import triton
+    except ImportError:
+        return False
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="needs Triton's bundled ptxas (NVIDIA build of triton)")
+@pytest.mark.parametrize("arch", [90, 80])
+def test_triton_kernel_compiles_for_gpus(arch):
+    """Ahead-of-time compile (no GPU needed) catches what the interpreter cannot: layouts, types,
+    register and shared-memory limits of the default launch config on H100 / A100."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, os.path.join(root, "bench", "triton_resources_torch.py"), "--arch", str(arch), "--dim", "512"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    row = res.stdout.strip().splitlines()[-1].split()
+    assert len(row) >= 10 and row[7] == "yes", res.stdout  # compiled, fits shared memory
+    regs, wgmma = int(row[4]), int(row[8])
+    assert 0 < regs <= 255
+    assert (wgmma > 0) == (arch == 90), "BLOCK_H=64 on sm_90 should give wgmma"
+
+
 # ----------------------------------------------------------------------------- bad inputs
 
 
