@@ -17,7 +17,6 @@ decorates). `INTERPRETED` says which mode this process got.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
