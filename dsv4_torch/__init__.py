@@ -1,0 +1,16 @@
+"""dsv4-prefill for PyTorch: DeepSeek-V4 sparse-attention prefill kernels.
+
+`sparse_attention` implements the FlashMLA sparse-attention contract on three backends
+(FlashMLA wheel, our Triton kernel, tiled torch reference); `resolve_backend` says which one a
+call runs and `available_backends` which ones this machine has, with reasons for the others.
+"""
+
+from dsv4_torch.attention import (
+    BACKENDS,
+    BackendUnavailableError,
+    available_backends,
+    resolve_backend,
+    sparse_attention,
+)
+
+__all__ = ["BACKENDS", "BackendUnavailableError", "available_backends", "resolve_backend", "sparse_attention"]

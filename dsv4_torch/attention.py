@@ -1,0 +1,248 @@
+"""`sparse_attention`: the FlashMLA sparse-attention contract (spec section 2) on three backends.
+
+- "flashmla": the FlashMLA wheel, SM90/SM100 GPUs, bf16, D in {512, 576}.
+- "triton": our Triton kernel, any CUDA/ROCm GPU (CPU tensors under TRITON_INTERPRET=1).
+- "reference": tiled plain torch, any device, bitwise tile invariant.
+- "auto": flashmla if it can serve the call, else triton on a GPU, else reference.
+
+This module validates arguments, resolves the backend and dispatches; the kernels live in
+`dsv4_torch/kernels/`, one file each.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("flashmla", "triton", "reference")
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend was asked for by name but cannot run here; the message says why."""
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse MQA attention over a flat KV workspace (FlashMLA `flash_mla_sparse_fwd` contract).
+
+    Args:
+      q: (T, H, D), bfloat16 / float16 / float32 / float64.
+      kv: (S, D) or (S, 1, D), q.dtype. K = V = the row; V is its first d_v dims
+        (d_v = 512 if D >= 512 else D, `planner.oracle.value_dim`).
+      indices: (T, K) or (T, 1, K), int32. An entry is invalid if it is negative, >= S, or at a
+        column >= topk_length[t]. Duplicated indices count once per occurrence.
+      sm_scale: float, finite: the logit is sm_scale * <q[t, h], kv[i]>.
+      attn_sink: optional (H,), float32 (or float64): a per-head logit that joins the softmax
+        denominator only, scaling out by exp(lse) / (exp(lse) + exp(sink)). -inf = no sink.
+      topk_length: optional (T,), int32: only columns < topk_length[t] are read.
+      backend: "auto", "flashmla", "triton" or "reference" (see `resolve_backend`).
+
+    Returns:
+      out: (T, H, d_v), q.dtype; 0 for rows with no valid key.
+      max_logits: (T, H), float32 (float64 for float64 q on the reference backend);
+        max valid logit, -inf if none.
+      lse: (T, H), same dtype: natural-log sum-exp of the valid logits, sink excluded; +inf if none.
+
+    Accumulation is float32 for 16-bit and float32 inputs. Forward only (no autograd).
+    Non-contiguous inputs are accepted: the reference backend reads any strides, the GPU
+    backends copy such inputs to contiguous first (a copy, never a wrong answer).
+
+    Raises:
+      TypeError / ValueError naming the argument for bad dtypes, shapes, devices or values;
+      BackendUnavailableError if the named backend cannot run here.
+    """
+    q, kv, indices, sm_scale, attn_sink, topk_length = _validate(q, kv, indices, sm_scale, attn_sink, topk_length)
+    name = resolve_backend(backend, q)
+    logger.debug(
+        "sparse_attention: backend=%s (asked %r) T=%d H=%d D=%d K=%d dtype=%s device=%s",
+        name, backend, q.shape[0], q.shape[1], q.shape[2], indices.shape[1], q.dtype, q.device,
+    )
+    with torch.no_grad():
+        if name == "flashmla":
+            from dsv4_torch.kernels.flashmla import sparse_attention_flashmla as fn
+        elif name == "triton":
+            from dsv4_torch.kernels.triton_sparse import sparse_attention_triton as fn
+        else:
+            from dsv4_torch.kernels.reference import sparse_attention_reference as fn
+        if q.shape[0] == 0 or q.shape[1] == 0:  # never launch a kernel on zero rows
+            return _empty_result(q, name)
+        return fn(q, kv, indices, sm_scale, attn_sink, topk_length)
+
+
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """The concrete backend `sparse_attention(q, ..., backend=backend)` runs.
+
+    "auto" picks "flashmla" for bf16 q with D in {512, 576} on an SM90/SM100 GPU with the wheel
+    importable, else "triton" on any other CUDA/ROCm GPU (bf16/fp16/fp32) with Triton importable,
+    else "reference". A named backend is checked and returned, or BackendUnavailableError says why
+    it cannot run for this q.
+    """
+    if not isinstance(backend, str) or backend not in ("auto",) + BACKENDS:
+        raise ValueError(f"backend: expected one of 'auto', {', '.join(map(repr, BACKENDS))}; got {backend!r}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    if backend == "auto":
+        if q.device.type != "cuda":  # CPU: never the interpreter, it is for tests
+            return "reference"
+        for name in ("flashmla", "triton"):
+            if _unavailable_for(name, q) is None:
+                return name
+        return "reference"
+    reason = _unavailable_for(backend, q)
+    if reason is not None:
+        raise BackendUnavailableError(f"backend={backend!r} cannot run here: {reason}")
+    return backend
+
+
+def available_backends() -> dict[str, str | None]:
+    """Each backend -> None if it can run on this machine, else the reason it cannot.
+
+    Checks the machine, not a particular call: flashmla may still refuse a call whose dtype or
+    head dim it does not take (`resolve_backend` says so per call).
+    """
+    reasons: dict[str, str | None] = {}
+    from dsv4_torch.kernels import flashmla
+
+    reasons["flashmla"] = flashmla.unavailable_reason(None)
+    triton_reason = _triton_import_error()
+    if triton_reason is None and not torch.cuda.is_available():
+        from dsv4_torch.kernels import triton_sparse
+
+        if not triton_sparse.INTERPRETED:
+            triton_reason = "no CUDA/ROCm GPU (CPU tensors need TRITON_INTERPRET=1 set before first import)"
+    reasons["triton"] = triton_reason
+    reasons["reference"] = None
+    return reasons
+
+
+def _unavailable_for(name: str, q: torch.Tensor) -> str | None:
+    """None if backend `name` can serve q's device, dtype and head dim, else why not."""
+    if name == "reference":
+        return None
+    if name == "triton":
+        err = _triton_import_error()
+        if err is not None:
+            return err
+        if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"the triton backend takes bfloat16/float16/float32, q is {q.dtype}"
+        if q.device.type == "cuda":
+            return None
+        from dsv4_torch.kernels import triton_sparse
+
+        if q.device.type == "cpu" and triton_sparse.INTERPRETED:
+            return None
+        return (
+            f"q is on {q.device}; the triton backend needs a CUDA/ROCm tensor, or CPU tensors with "
+            "TRITON_INTERPRET=1 set before dsv4_torch.kernels.triton_sparse is first imported"
+        )
+    # flashmla
+    if q.device.type != "cuda":
+        return f"needs an SM90/SM100 GPU, q is on {q.device}"
+    if q.dtype != torch.bfloat16:
+        return f"FlashMLA takes bfloat16, q is {q.dtype}"
+    from dsv4_torch.kernels import flashmla
+
+    if q.ndim != 3 or q.shape[-1] not in flashmla.FLASHMLA_HEAD_DIMS:
+        return f"FlashMLA takes head dim D in {flashmla.FLASHMLA_HEAD_DIMS}, q has shape {tuple(q.shape)}"
+    return flashmla.unavailable_reason(q.device)
+
+
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401, PLC0415
+    except Exception as e:
+        return f"cannot import triton ({type(e).__name__}: {e})"
+    return None
+
+
+def _validate(q, kv, indices, sm_scale, attn_sink, topk_length):
+    """Check every argument; return (q, kv (S, D), indices (T, K), float scale, sink, topk_length)."""
+    _need_tensor(q, "q")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"q: expected bfloat16, float16, float32 or float64, got {q.dtype}")
+    if q.ndim != 3:
+        raise ValueError(f"q: expected shape (T, H, D), got {tuple(q.shape)}")
+    T, H, D = q.shape
+    if D == 0:
+        raise ValueError(f"q: head dim D must be >= 1, got shape {tuple(q.shape)}")
+
+    _need_tensor(kv, "kv")
+    if kv.dtype != q.dtype:
+        raise TypeError(f"kv: dtype {kv.dtype} does not match q's dtype {q.dtype}")
+    if kv.ndim == 3:
+        if kv.shape[1] != 1:
+            raise ValueError(f"kv: expected shape (S, 1, D) (one KV head), got {tuple(kv.shape)}")
+        kv = kv[:, 0]
+    if kv.ndim != 2:
+        raise ValueError(f"kv: expected shape (S, D) or (S, 1, D), got {tuple(kv.shape)}")
+    if kv.shape[1] != D:
+        raise ValueError(f"kv: last dim {kv.shape[1]} does not match q's head dim D={D}")
+
+    _need_tensor(indices, "indices")
+    if indices.dtype != torch.int32:
+        raise TypeError(f"indices: expected int32, got {indices.dtype}")
+    if indices.ndim == 3:
+        if indices.shape[1] != 1:
+            raise ValueError(f"indices: expected shape (T, 1, K), got {tuple(indices.shape)}")
+        indices = indices[:, 0]
+    if indices.ndim != 2:
+        raise ValueError(f"indices: expected shape (T, K) or (T, 1, K), got {tuple(indices.shape)}")
+    if indices.shape[0] != T:
+        raise ValueError(f"indices: {indices.shape[0]} rows for {T} query tokens")
+
+    if isinstance(sm_scale, torch.Tensor) and sm_scale.numel() == 1:
+        sm_scale = sm_scale.item()
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale: expected a real number, got {type(sm_scale).__name__} {sm_scale!r}")
+    sm_scale = float(sm_scale)
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale: must be finite, got {sm_scale}")
+
+    if attn_sink is not None:
+        _need_tensor(attn_sink, "attn_sink")
+        if attn_sink.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"attn_sink: expected float32 (or float64), got {attn_sink.dtype}")
+        if tuple(attn_sink.shape) != (H,):
+            raise ValueError(f"attn_sink: expected shape ({H},) (one logit per head), got {tuple(attn_sink.shape)}")
+    if topk_length is not None:
+        _need_tensor(topk_length, "topk_length")
+        if topk_length.dtype != torch.int32:
+            raise TypeError(f"topk_length: expected int32, got {topk_length.dtype}")
+        if tuple(topk_length.shape) != (T,):
+            raise ValueError(f"topk_length: expected shape ({T},) (one per query token), got {tuple(topk_length.shape)}")
+
+    for name, t in (("kv", kv), ("indices", indices), ("attn_sink", attn_sink), ("topk_length", topk_length)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name}: on device {t.device}, but q is on {q.device}")
+    return q, kv, indices, sm_scale, attn_sink, topk_length
+
+
+def _need_tensor(x, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+
+
+def _empty_result(q: torch.Tensor, backend: str):
+    from planner.oracle import value_dim
+
+    T, H, D = q.shape
+    stat = torch.float64 if (q.dtype == torch.float64 and backend == "reference") else torch.float32
+    return (
+        torch.empty((T, H, value_dim(D)), dtype=q.dtype, device=q.device),
+        torch.empty((T, H), dtype=stat, device=q.device),
+        torch.empty((T, H), dtype=stat, device=q.device),
+    )
