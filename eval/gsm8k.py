@@ -495,8 +495,9 @@ def parse_overrides(spec: str) -> dict:
 def apply_overrides(base: RunConfig, spec: str) -> RunConfig:
     """`base` with the overrides of `spec`, validated."""
     overrides = parse_overrides(spec)
-    if "framework" in overrides and "attention" not in overrides:
-        overrides["attention"] = None  # the new framework's default backend
+    framework = overrides.get("framework", base.framework)
+    if "attention" not in overrides and base.attention not in (TORCH_ATTENTION if framework == "torch" else JAX_ATTENTION):
+        overrides["attention"] = None  # the base backend does not exist there: that framework's default
     cfg = replace(base, **overrides)
     return cfg.resolved()
 
@@ -629,7 +630,7 @@ def summary(report: dict) -> str:
         t = r["throughput"]
         rate = lambda ph: f"{t[ph]['tokens_per_s']:.1f}" if t[ph]["tokens_per_s"] else "-"  # noqa: E731
         line = (f"{name}{g.get('framework')} attention={g.get('attention')} planner={g.get('planner')} "
-                f"batching={g.get('batching')}: {acc}\n    prefill {rate('prefill')} tok/s, decode {rate('decode')} tok/s")
+                f"batching={g.get('batching')} dtype={g.get('dtype')}: {acc}\n    prefill {rate('prefill')} tok/s, decode {rate('decode')} tok/s")
         if r["planner"]:
             line += f", peak workspace rows {r['planner']['peak_workspace_rows']}"
         return line

@@ -388,6 +388,9 @@ def test_parse_and_apply_overrides():
     base = E.RunConfig(checkpoint="ckpt")
     assert base.resolved().attention == "eager"
     assert E.apply_overrides(base, "framework=jax").attention == "auto"
+    ref = E.RunConfig(checkpoint="ckpt", attention="reference")
+    assert E.apply_overrides(ref, "framework=torch").attention == "reference"  # kept where it exists
+    assert E.apply_overrides(ref, "framework=jax").attention == "auto"
     assert E.apply_overrides(base, "attention=reference,planner=fixed") == E.RunConfig(
         checkpoint="ckpt", attention="reference", planner="fixed")
     with pytest.raises(ValueError, match="attention: for framework=jax"):
@@ -551,3 +554,16 @@ def test_cli_end_to_end_on_tiny_eager_checkpoint(tiny_eager, tmp_path):
         assert p["prompt_tokens"] == len(E.build_prompts(TEST, TRAIN, num_fewshot=1, limit=2)[p["doc_id"]].text) + 1
     t = report["throughput"]
     assert t["prefill"]["calls"] == 2 and t["prefill"]["tokens_per_s"] > 0
+
+
+def test_batched_adapter_path_on_equal_lengths(tiny_eager):
+    """The batched path (mask, per-row positions, growing mask) on prompts of one length, where eager
+    needs no padding: same tokens as per request. Ragged batches need our attention (issue 6)."""
+    _, ckpt = tiny_eager
+    gen = G.load_generator(ckpt, attention="eager", device="cpu")
+    prompts = [gen.codec.encode(f"Question: {a} + {b} = ?\nAnswer:") for a, b in ((12, 30), (45, 11), (70, 99))]
+    assert len({len(p) for p in prompts}) == 1
+    alone = gen.generate(prompts, 5, [])
+    gen.batching = "batched"  # bypasses resolve_batching's guard, fine without padding
+    assert gen.generate(prompts, 5, []) == alone
+    assert [s.requests for s in gen.steps if s.phase == "prefill"][-1] == 3
