@@ -1,0 +1,91 @@
+"""PyTorch prefill attention throughput per plan: adaptive vs fixed vs per-request.
+
+    .venv/bin/python bench/bench_torch_prefill.py [--scale 0.125] [--heads 16] [--dim 128]
+
+For each named workload (bench/workloads.py, lengths scaled down for CPU) and each layer kind,
+one layer's `dsv4_torch.prefill_attention` is timed per plan, interleaved, median of repeats.
+Tokens/s and the ratio to the adaptive plan are printed, with chunks and peak workspace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.workloads import workloads  # noqa: E402
+from dsv4_torch import prefill as TP  # noqa: E402
+from planner import LayerKind, PlanConfig, PrefillBatch, plan_step  # noqa: E402
+from planner.report import table  # noqa: E402
+
+POLICIES = ("adaptive", "fixed", "per_request")
+
+
+def layer_inputs(batch: PrefillBatch, ratio: int, H: int, D: int, topk: int, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    raw = [torch.randn(int(s), D, generator=g, dtype=torch.float32).to(dtype) for s in batch.seq_lens]
+    comp = [torch.randn(int(s) // ratio, D, generator=g).to(dtype) for s in batch.seq_lens] if ratio > 1 else None
+    q = torch.randn(batch.num_tokens, H, D, generator=g).to(dtype)
+    rows = None
+    if ratio == 4:
+        pos = torch.from_numpy(batch.token_position.astype(np.int64))
+        visible = (pos + 1) // 4
+        # a valid top-k row: the most recent min(visible, topk) entries
+        rows = (visible[:, None] - 1 - torch.arange(topk)[None, :]).clamp(min=-1).to(torch.int32)
+        rows[torch.arange(topk)[None, :] >= visible[:, None]] = -1
+    sink = torch.randn(H, generator=g)
+    return q, raw, comp, rows, sink
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scale", type=float, default=0.125, help="length scale of the workloads")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--topk", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    torch.set_num_threads(os.cpu_count() or 1)
+    rows_out = []
+    for name, (seq, qry, limits) in workloads(scale=args.scale).items():
+        batch = PrefillBatch(seq, qry)
+        for kind in LayerKind:
+            r = kind.ratio
+            q, raw, comp, topk_rows, sink = layer_inputs(batch, r, args.heads, args.dim, args.topk, dtype)
+            metas = {}
+            for pol in POLICIES:
+                step = plan_step(batch, PlanConfig(policy=pol, **limits), [r])
+                metas[pol] = TP.build_step_metadata(step, index_topk=args.topk)[r]
+            times = {pol: [] for pol in POLICIES}
+            outs = {}
+            for rep in range(args.repeats + 1):
+                for pol in POLICIES:  # interleaved: each plan sees the same machine state
+                    t0 = time.perf_counter()
+                    outs[pol] = TP.prefill_attention(q, metas[pol], raw, comp, sm_scale=args.dim**-0.5, attn_sink=sink,
+                                                     topk_indices=topk_rows, backend="reference")  # fmt: skip
+                    if rep:  # the first round warms up
+                        times[pol].append(time.perf_counter() - t0)
+            same = all(torch.equal(outs[p], outs["adaptive"]) for p in POLICIES)
+            med = {p: float(np.median(times[p])) for p in POLICIES}
+            rows_out.append([name, kind.name, batch.num_tokens] + [
+                f"{batch.num_tokens / med[p]:.0f} ({metas[p].plan.num_chunks}ch, {metas[p].plan.max_workspace_rows} rows)"
+                for p in POLICIES
+            ] + [f"{med['fixed'] / med['adaptive']:.2f}", f"{med['per_request'] / med['adaptive']:.2f}", same])  # fmt: skip
+            print(".", end="", flush=True, file=sys.stderr)
+    print(file=sys.stderr)
+    print(f"Prefill attention, one layer, reference backend, {args.dtype}, H={args.heads}, D={args.dim}, "
+          f"topk={args.topk}, lengths x{args.scale}; tokens/s (chunks, peak workspace rows):")  # fmt: skip
+    print(table(rows_out, ["workload", "kind", "tokens", "adaptive", "fixed", "per-request",
+                           "fixed/adaptive time", "per-req/adaptive time", "bitwise equal"]))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
