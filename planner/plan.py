@@ -284,10 +284,8 @@ def _ro32(a) -> np.ndarray:
     return a
 
 
-def plan_kind(batch: PrefillBatch, config: PlanConfig, compress_ratio: int) -> KindPlan:
-    """Plan one layer kind (any compress ratio >= 0) for one step."""
-    r = _as_int(compress_ratio, "compress_ratio", minimum=0)
-    W = config.window_size
+def _active_requests(batch: PrefillBatch, config: PlanConfig):
+    """What every kind's plan shares: the checked requests with queries and their gather_lens."""
     if batch.max_model_len is None and batch.seq_lens.size and int(batch.seq_lens.max()) > config.max_model_len:
         i = int(np.argmax(batch.seq_lens))
         raise ValueError(f"seq_lens: seq_lens[{i}] = {int(batch.seq_lens[i])} exceeds max_model_len = {config.max_model_len}")
@@ -297,12 +295,21 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, compress_ratio: int) -> K
             f"query_lens: query_lens[{i}] = {int(batch.query_lens[i])} exceeds "
             f"max_num_batched_tokens = {config.max_num_batched_tokens}"
         )
-    active = np.flatnonzero(batch.query_lens > 0)
-    skipped = np.flatnonzero(batch.query_lens == 0)
+    has_queries = batch.query_lens > 0
+    active = np.flatnonzero(has_queries)
+    skipped = np.flatnonzero(~has_queries)
     seq_a = batch.seq_lens[active]
     qry_a = batch.query_lens[active]
+    gath_a = qry_a + np.minimum(seq_a - qry_a, config.window_size - 1)
+    return active, skipped, seq_a, qry_a, gath_a
+
+
+def plan_kind(batch: PrefillBatch, config: PlanConfig, compress_ratio: int, _shared=None) -> KindPlan:
+    """Plan one layer kind (any compress ratio >= 0) for one step."""
+    r = _as_int(compress_ratio, "compress_ratio", minimum=0)
+    W = config.window_size
+    active, skipped, seq_a, qry_a, gath_a = _shared or _active_requests(batch, config)
     comp_a = np.zeros_like(seq_a) if r <= 1 else seq_a // r
-    gath_a = qry_a + np.minimum(seq_a - qry_a, W - 1)
     if config.order == "length" and active.size:
         perm = np.lexsort((-gath_a, -comp_a), axis=0)  # widest first; stable for ties
         active, seq_a, qry_a, comp_a, gath_a = (x[perm] for x in (active, seq_a, qry_a, comp_a, gath_a))
@@ -411,10 +418,11 @@ class StepPlan:
 def plan_step(batch: PrefillBatch, config: PlanConfig, compress_ratios=(0, 4, 128)) -> StepPlan:
     """Plan every layer kind among `compress_ratios` (a model's per-layer list is fine) once."""
     kinds = {}
+    shared = _active_requests(batch, config)
     for r in compress_ratios:
         k = layer_kind(r)
         if k not in kinds:
-            kinds[k] = plan_kind(batch, config, k.ratio)
+            kinds[k] = plan_kind(batch, config, k.ratio, shared)
     return StepPlan(batch=batch, config=config, kinds=kinds)
 
 
