@@ -4,6 +4,35 @@ Pure NumPy. Both framework packages (`dsv4_torch`, `dsv4_jax`) consume what it c
 """
 
 from planner.batch import LayerKind, PrefillBatch, cdiv, layer_kind
+from planner.plan import (
+    ChunkLayout,
+    KindPlan,
+    PlanConfig,
+    StepPlan,
+    get_fixed_chunk_plan,
+    get_prefill_chunk_plan,
+    plan_kind,
+    plan_step,
+)
+from planner.layout import build_chunk_indices, chunk_gather_rows, gather_workspace, index_width
 from planner import oracle
 
-__all__ = ["LayerKind", "PrefillBatch", "cdiv", "layer_kind", "oracle"]
+__all__ = [
+    "ChunkLayout",
+    "KindPlan",
+    "LayerKind",
+    "PlanConfig",
+    "PrefillBatch",
+    "StepPlan",
+    "build_chunk_indices",
+    "cdiv",
+    "chunk_gather_rows",
+    "gather_workspace",
+    "get_fixed_chunk_plan",
+    "get_prefill_chunk_plan",
+    "index_width",
+    "layer_kind",
+    "oracle",
+    "plan_kind",
+    "plan_step",
+]

@@ -82,6 +82,7 @@ class PrefillBatch:
     query_start_loc: np.ndarray = field(init=False, repr=False)
     token_request: np.ndarray = field(init=False, repr=False)
     token_position: np.ndarray = field(init=False, repr=False)
+    token_arange: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self):
         seq = _as_int_vector(self.seq_lens, "seq_lens")
@@ -114,15 +115,18 @@ class PrefillBatch:
         qry.setflags(write=False)
         qsl = np.zeros(seq.shape[0] + 1, dtype=np.int64)
         np.cumsum(qry, out=qsl[1:])
-        tok_req = np.repeat(np.arange(seq.shape[0], dtype=np.int64), qry)
-        tok_pos = np.arange(int(qsl[-1]), dtype=np.int64) - qsl[tok_req] + (seq - qry)[tok_req]
-        for a in (qsl, tok_req, tok_pos):
+        # Per-token arrays in int32, what device index builders take.
+        tok_req = np.repeat(np.arange(seq.shape[0], dtype=np.int32), qry)
+        tok_arange = np.arange(int(qsl[-1]), dtype=np.int32)
+        tok_pos = (tok_arange + (seq - qry - qsl[:-1]).astype(np.int32)[tok_req]).astype(np.int32)
+        for a in (qsl, tok_req, tok_pos, tok_arange):
             a.setflags(write=False)
         object.__setattr__(self, "seq_lens", seq)
         object.__setattr__(self, "query_lens", qry)
         object.__setattr__(self, "query_start_loc", qsl)
         object.__setattr__(self, "token_request", tok_req)
         object.__setattr__(self, "token_position", tok_pos)
+        object.__setattr__(self, "token_arange", tok_arange)
 
     @property
     def num_requests(self) -> int:

@@ -1,0 +1,164 @@
+"""Workspace gathers and sparse indices for one chunk, in NumPy (spec section 3).
+
+These are the reference that the device-side builders of both frameworks are tested against.
+Index rows list the compressed part first, then the window part (vLLM's order), padded with -1;
+`topk_length` counts the valid prefix of each row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from planner.batch import LayerKind
+from planner.plan import ChunkLayout, KindPlan
+
+INDEX_ALIGN = 128  # FlashMLA on SM90 wants the index width to be a multiple of 128
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def compressed_width(plan: KindPlan, topk: int | None = None) -> int:
+    """Columns of the compressed part: top-k (CSA), the step's most visible entries (HCA), 0 (SWA).
+
+    It depends on the batch, never on how the plan chunked it, so every plan of a step builds
+    rows of the same width (and a kernel sees the very same index rows whatever the plan).
+    """
+    kind = plan.kind
+    if kind is LayerKind.SWA:
+        return 0
+    if kind is LayerKind.CSA:
+        if topk is None:
+            raise ValueError("topk: required for CSA (ratio-4) layers")
+        return int(topk)
+    return int(plan.seg_seq_len.max(initial=0)) // plan.compress_ratio
+
+
+def index_width(plan: KindPlan, topk: int | None = None) -> int:
+    """One index width for every chunk of this kind in the step: compressed part + W, to 128."""
+    return round_up(compressed_width(plan, topk) + plan.window_size, INDEX_ALIGN)
+
+
+def _chunk(plan: KindPlan, chunk) -> ChunkLayout:
+    if isinstance(chunk, ChunkLayout):
+        return chunk
+    if not 0 <= int(chunk) < plan.num_chunks:
+        raise ValueError(f"chunk: expected 0..{plan.num_chunks - 1}, got {chunk}")
+    return plan.chunks[int(chunk)]
+
+
+def build_chunk_indices(plan: KindPlan, chunk, topk_rows=None, *, width: int | None = None):
+    """Combined sparse indices of one chunk's tokens into its workspace.
+
+    Args:
+      plan: the step's `KindPlan` for this layer kind.
+      chunk: a chunk number or a `ChunkLayout` of `plan`.
+      topk_rows: CSA only. (T_step, topk) integers: the indexer's request-local top-k row of every
+        token of the step (rows are picked with `chunk.token_index`). For a token at position p
+        the first min((p+1)//4, topk) entries are used; each must lie in 0 .. (p+1)//4 - 1.
+      width: columns of the result; default `index_width(plan, topk)`, the same for every chunk
+        and every plan of the step. Must hold every row.
+
+    Returns:
+      indices: (T_chunk, width) int32, compressed part then window part, -1 padded.
+      topk_length: (T_chunk,) int32, valid entries per row.
+    """
+    c = _chunk(plan, chunk)
+    kind, r, W = plan.kind, plan.compress_ratio, plan.window_size
+    b = c.token_request.astype(np.int64)
+    p = c.token_position.astype(np.int64)
+    base = c.row_bases.astype(np.int64)[b]  # b * M
+    gstart = c.gather_starts.astype(np.int64)[b]
+
+    visible = np.zeros_like(p) if kind is LayerKind.SWA else (p + 1) // r
+    sel = None
+    if kind is LayerKind.CSA:
+        if topk_rows is None:
+            raise ValueError("topk_rows: required for CSA (ratio-4) layers")
+        rows = np.asarray(topk_rows)
+        if rows.ndim != 2 or rows.dtype.kind not in "iu":
+            raise ValueError(f"topk_rows: expected a 2-D integer array (T, topk), got {rows.dtype} {rows.shape}")
+        if rows.shape[0] <= int(c.token_index.max(initial=-1)):
+            raise ValueError(f"topk_rows: {rows.shape[0]} rows, but the step has token {int(c.token_index.max())}")
+        topk = rows.shape[1]
+        ncomp = np.minimum(visible, topk)
+        sel = rows[c.token_index].astype(np.int64)  # (T, topk)
+        used = np.arange(topk)[None, :] < ncomp[:, None]
+        bad = used & ((sel < 0) | (sel >= visible[:, None]))
+        if bad.any():
+            t = int(np.argmax(bad.any(axis=1)))
+            raise ValueError(
+                f"topk_rows: row {int(c.token_index[t])} (position {int(p[t])}) points at entries outside "
+                f"0..{int(visible[t]) - 1}: {sel[t, : ncomp[t]].tolist()}"
+            )
+    else:
+        ncomp, topk = visible, None
+    nwin = np.minimum(p + 1, W)
+    lengths = ncomp + nwin
+    if width is None:
+        width = index_width(plan, topk)
+    need = int(lengths.max(initial=0))
+    if int(width) < need:
+        raise ValueError(f"width: {width} columns cannot hold rows of {need} valid indices")
+
+    col = np.arange(int(width), dtype=np.int64)[None, :]
+    in_comp = col < ncomp[:, None]
+    in_win = (col >= ncomp[:, None]) & (col < lengths[:, None])
+    if sel is not None:
+        comp_val = np.zeros((p.shape[0], int(width)), dtype=np.int64)
+        k = min(sel.shape[1], int(width))
+        comp_val[:, :k] = sel[:, :k]
+    else:
+        comp_val = np.broadcast_to(col, (p.shape[0], int(width)))
+    # Window position q = p - nwin + 1 + (col - ncomp); its row is N + q - gather_start.
+    win_val = c.N + (p - nwin + 1 - gstart)[:, None] + (col - ncomp[:, None])
+    idx = np.where(in_comp, base[:, None] + comp_val, np.where(in_win, base[:, None] + win_val, -1))
+    return idx.astype(np.int32), lengths.astype(np.int32)
+
+
+def chunk_gather_rows(plan: KindPlan, chunk):
+    """Which workspace row receives which KV row, as flat arrays (the reference for device gathers).
+
+    Returns two triples of int32 arrays:
+      compressed: (dst_row, request_id, entry) for rows b*M + j, j < compressed_len_b;
+      raw: (dst_row, request_id, position) for rows b*M + N + j, j < gather_len_b.
+    """
+    c = _chunk(plan, chunk)
+
+    def expand(lengths, dst0, src0):
+        lengths = lengths.astype(np.int64)
+        owner = np.repeat(np.arange(lengths.shape[0]), lengths)
+        offs = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        return (
+            (dst0.astype(np.int64)[owner] + offs).astype(np.int32),
+            c.request_ids[owner].astype(np.int32),
+            (src0.astype(np.int64)[owner] + offs).astype(np.int32),
+        )
+
+    zeros = np.zeros_like(c.row_bases)
+    return (
+        expand(c.compressed_lens, c.row_bases, zeros),
+        expand(c.gather_lens, c.row_bases.astype(np.int64) + c.N, c.gather_starts),
+    )
+
+
+def gather_workspace(plan: KindPlan, chunk, raw_kv, compressed_kv=None, *, fill=0.0) -> np.ndarray:
+    """Build one chunk's workspace `(num_requests * M, D)` from per-request logical KV.
+
+    raw_kv[i]: (seq_len_i, D) latents of request i; compressed_kv[i]: (seq_len_i // r, D) (not
+    needed for SWA). Rows no index may point at are set to `fill` (tests use NaN to prove it).
+    """
+    c = _chunk(plan, chunk)
+    D = np.asarray(raw_kv[int(c.request_ids[0])]).shape[-1]
+    ws = np.full((c.workspace_rows, D), fill, dtype=np.float64)
+    (cd, cr, ce), (rd, rr, rp) = chunk_gather_rows(plan, c)
+    for dst, req, src, source in ((cd, cr, ce, compressed_kv), (rd, rr, rp, raw_kv)):
+        if dst.size == 0:
+            continue
+        if source is None:
+            raise ValueError("compressed_kv: required for CSA/HCA layers")
+        for i in np.unique(req).tolist():
+            m = req == i
+            ws[dst[m]] = np.asarray(source[i], dtype=np.float64)[src[m]]
+    return ws

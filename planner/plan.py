@@ -1,0 +1,473 @@
+"""Chunk plans: which prefill requests share one workspace and one kernel launch (spec section 4).
+
+Two layers of API:
+
+* `get_prefill_chunk_plan` / `get_fixed_chunk_plan`: vLLM's tuples `(start, end, N, M)`, the same
+  values vLLM returns for the same inputs (adaptive and the old fixed plan).
+* `plan_step` -> `StepPlan`: one `KindPlan` per layer kind, computed once per step on the host and
+  shared by every layer of that kind. A `KindPlan` holds the workspace layout of every chunk and
+  compact per-token metadata as flat NumPy arrays (one host-to-device copy per kind per step);
+  `KindPlan.chunks` gives a readable per-chunk view (`ChunkLayout`).
+
+Beyond vLLM: requests with `query_len == 0` never form or widen a chunk (they are recorded in
+`KindPlan.skipped`); an explicit `budget_rows` is honoured, splitting a request that does not fit
+alone along its query axis (pieces see all the KV before them); an optional length-aware order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from planner.batch import LayerKind, PrefillBatch, _as_int, cdiv, layer_kind
+
+POLICIES = ("adaptive", "fixed", "per_request")
+ORDERS = ("batch", "length")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Engine limits and planning choices; fixed for a server, reused every step.
+
+    window_size: W, the sliding window (the query itself included).
+    max_model_len, max_num_batched_tokens: the engine's limits; they set vLLM's workspace bound.
+    prefill_chunk_size: requests per chunk of the old fixed plan (4 in vLLM); also scales the
+      adaptive budget, which is exactly the fixed plan's workspace.
+    policy: "adaptive" (vLLM's greedy packing), "fixed" (the old plan) or "per_request"
+      (one request per chunk, vLLM's batch-invariant mode).
+    budget_rows: workspace rows one chunk may use (adaptive and per_request). None = vLLM's bound
+      `prefill_chunk_size * (cdiv(max_model_len, r) + W + max_num_batched_tokens)`.
+    order: "batch" (vLLM-compatible) or "length" (requests sorted by workspace width, which packs
+      similar requests together and pads less; the permutation is `KindPlan.order`).
+    """
+
+    window_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    prefill_chunk_size: int = 4
+    policy: str = "adaptive"
+    budget_rows: int | None = None
+    order: str = "batch"
+
+    def __post_init__(self):
+        _as_int(self.window_size, "window_size", minimum=1)
+        _as_int(self.max_model_len, "max_model_len", minimum=1)
+        _as_int(self.max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
+        _as_int(self.prefill_chunk_size, "prefill_chunk_size", minimum=1)
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {POLICIES}, got {self.policy!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order: expected one of {ORDERS}, got {self.order!r}")
+        if self.budget_rows is not None:
+            _as_int(self.budget_rows, "budget_rows", minimum=1)
+            if self.policy == "fixed":
+                raise ValueError("budget_rows: the fixed plan has its own workspace size; use policy='adaptive'")
+
+    def max_compressed_len(self, compress_ratio: int) -> int:
+        """Upper bound of compressed rows per request: cdiv(max_model_len, r), 0 for r <= 1."""
+        return 0 if compress_ratio <= 1 else cdiv(self.max_model_len, compress_ratio)
+
+    def vllm_budget_rows(self, compress_ratio: int) -> int:
+        """vLLM's adaptive workspace bound: exactly the fixed plan's workspace rows."""
+        return self.prefill_chunk_size * self.fixed_M(compress_ratio)
+
+    def fixed_M(self, compress_ratio: int) -> int:
+        return self.max_compressed_len(compress_ratio) + self.window_size + self.max_num_batched_tokens
+
+    def budget(self, compress_ratio: int) -> int:
+        return self.vllm_budget_rows(compress_ratio) if self.budget_rows is None else int(self.budget_rows)
+
+
+class ChunkLayout:
+    """One chunk: its requests' places in the workspace `[num_requests * M, 512]` and its tokens.
+
+    Chunk-local request b owns rows `b*M .. b*M + M - 1` (`row_bases[b] = b*M`): rows
+    `b*M + j` (j < compressed_lens[b]) hold compressed entry j, rows `b*M + N + j`
+    (j < gather_lens[b]) hold raw token `gather_starts[b] + j`. Other rows are never indexed.
+
+    Per-request arrays (length num_requests): request_ids (index in the batch), seq_lens and
+    query_lens of the piece planned (a whole request unless budget_rows split it), query_offsets
+    (first query token of the piece within its request), compressed_lens, gather_lens,
+    gather_starts, row_bases.
+    Per-token arrays (length num_tokens): token_index (row in the step's token array, request-major
+    as the batch orders them), token_request (chunk-local b), token_position (absolute position p).
+    """
+
+    __slots__ = (
+        "index", "start", "end", "N", "M", "request_ids", "seq_lens", "query_lens", "query_offsets",
+        "compressed_lens", "gather_lens", "gather_starts", "row_bases",
+        "token_index", "token_request", "token_position",
+    )  # fmt: skip
+
+    def __init__(self, plan: "KindPlan", c: int):
+        s, e = int(plan.chunk_starts[c]), int(plan.chunk_starts[c + 1])
+        t0, t1 = int(plan.chunk_token_starts[c]), int(plan.chunk_token_starts[c + 1])
+        self.index, self.start, self.end = c, s, e
+        self.N, self.M = int(plan.chunk_N[c]), int(plan.chunk_M[c])
+        self.request_ids = plan.seg_request[s:e]
+        self.seq_lens = plan.seg_seq_len[s:e]
+        self.query_lens = plan.seg_query_len[s:e]
+        self.query_offsets = plan.seg_query_offset[s:e]
+        self.compressed_lens = plan.seg_compressed_len[s:e]
+        self.gather_lens = plan.seg_gather_len[s:e]
+        self.gather_starts = plan.seg_gather_start[s:e]
+        self.row_bases = plan.seg_row_base[s:e]
+        self.token_index = plan.token_index[t0:t1]
+        self.token_request = plan.token_request[t0:t1]
+        self.token_position = plan.token_position[t0:t1]
+
+    @property
+    def num_requests(self) -> int:
+        return self.end - self.start
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_index.shape[0])
+
+    @property
+    def workspace_rows(self) -> int:
+        return self.num_requests * self.M
+
+    def __repr__(self):
+        return (
+            f"ChunkLayout(#{self.index}: requests {self.request_ids.tolist()}, N={self.N}, M={self.M}, "
+            f"tokens={self.num_tokens}, rows={self.workspace_rows})"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class KindPlan:
+    """The chunk plan and workspace layout of one layer kind for one step.
+
+    Segments are the planned pieces in plan order (one per request with queries, unless
+    budget_rows split one); `seg_*` arrays are per segment, `chunk_*` per chunk (`chunk_starts`
+    and `chunk_token_starts` have one extra entry), `token_*` per planned token, chunk-major.
+    All integer arrays are int32 (what device kernels want), read-only.
+    """
+
+    compress_ratio: int
+    config: PlanConfig
+    budget_rows: int
+    order: np.ndarray  # request ids with queries, in the order the planner scanned them
+    skipped: np.ndarray  # request ids with query_len == 0
+    split_requests: np.ndarray  # request ids cut into several segments by budget_rows
+    seg_request: np.ndarray
+    seg_seq_len: np.ndarray
+    seg_query_len: np.ndarray
+    seg_query_offset: np.ndarray
+    seg_compressed_len: np.ndarray
+    seg_gather_len: np.ndarray
+    seg_gather_start: np.ndarray
+    seg_row_base: np.ndarray
+    chunk_starts: np.ndarray
+    chunk_N: np.ndarray
+    chunk_M: np.ndarray
+    chunk_token_starts: np.ndarray
+    token_index: np.ndarray
+    token_request: np.ndarray
+    token_position: np.ndarray
+    _chunks: list = field(default_factory=list, repr=False)
+
+    @property
+    def kind(self) -> LayerKind:
+        return layer_kind(self.compress_ratio)
+
+    @property
+    def window_size(self) -> int:
+        return self.config.window_size
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.chunk_N.shape[0])
+
+    @property
+    def chunks(self) -> list[ChunkLayout]:
+        if not self._chunks and self.num_chunks:
+            self._chunks.extend(ChunkLayout(self, c) for c in range(self.num_chunks))
+        return self._chunks
+
+    @cached_property
+    def chunk_num_requests(self) -> np.ndarray:
+        return np.diff(self.chunk_starts)
+
+    @cached_property
+    def chunk_workspace_rows(self) -> np.ndarray:
+        return self.chunk_num_requests.astype(np.int64) * self.chunk_M
+
+    @property
+    def max_workspace_rows(self) -> int:
+        """Rows of the one workspace buffer that serves every chunk of this kind."""
+        return int(self.chunk_workspace_rows.max()) if self.num_chunks else 0
+
+    @property
+    def total_workspace_rows(self) -> int:
+        return int(self.chunk_workspace_rows.sum())
+
+    @property
+    def padding_free_rows(self) -> int:
+        """The lower bound: every segment's compressed_len + gather_len, no padding."""
+        return int(self.seg_compressed_len.sum(dtype=np.int64) + self.seg_gather_len.sum(dtype=np.int64))
+
+    def as_tuples(self) -> list[tuple[int, int, int, int]]:
+        """vLLM's `(start, end, N, M)` tuples; start/end are batch request indices.
+
+        A chunk spans its first to its last request; `query_len == 0` requests inside that range
+        take no rows. Only defined for batch order without splits.
+        """
+        if self.config.order != "batch" or self.split_requests.size:
+            raise ValueError("as_tuples: only defined for order='batch' plans without split requests")
+        starts = self.seg_request[self.chunk_starts[:-1]].tolist()
+        ends = (self.seg_request[self.chunk_starts[1:] - 1] + 1).tolist()
+        return list(zip(starts, ends, self.chunk_N.tolist(), self.chunk_M.tolist()))
+
+
+def _greedy_chunks(comp: list[int], gath: list[int], area: int):
+    """vLLM's adaptive scan: grow a chunk while count * (max comp + max gather) <= area."""
+    starts, Ns, Ms = [], [], []
+    n, s = len(comp), 0
+    while s < n:
+        cm, gm, e = comp[s], gath[s], s + 1
+        while e < n:
+            c, g = comp[e], gath[e]
+            if c < cm:
+                c = cm
+            if g < gm:
+                g = gm
+            if (e - s + 1) * (c + g) > area:
+                break
+            cm, gm, e = c, g, e + 1
+        starts.append(s)
+        Ns.append(cm)
+        Ms.append(cm + gm)
+        s = e
+    starts.append(n)
+    return starts, Ns, Ms
+
+
+def _split_request(prefix: int, query_len: int, r: int, W: int, budget: int, request: int):
+    """Cut one request's queries into pieces [a, b) whose rows fit `budget` (greedy, longest first).
+
+    A piece is planned as a request of seq_len prefix+b and query_len b-a: it gathers every
+    compressed entry and window token its queries can see.
+    """
+
+    def rows(a, b):
+        comp = 0 if r <= 1 else (prefix + b) // r
+        return comp + (b - a) + min(prefix + a, W - 1)
+
+    pieces, a = [], 0
+    while a < query_len:
+        if rows(a, a + 1) > budget:
+            raise ValueError(
+                f"budget_rows: {budget} rows cannot hold even one query token of request {request} "
+                f"(position {prefix + a} needs {rows(a, a + 1)} rows with ratio {r}, window {W})"
+            )
+        lo, hi = a + 1, query_len  # largest b in [lo, hi] with rows(a, b) <= budget
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if rows(a, mid) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        pieces.append((a, lo))
+        a = lo
+    return pieces
+
+
+def _ro32(a) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype != np.int32 or a.flags.writeable:
+        a = np.ascontiguousarray(a, dtype=np.int32)
+        a.setflags(write=False)
+    return a
+
+
+def plan_kind(batch: PrefillBatch, config: PlanConfig, compress_ratio: int) -> KindPlan:
+    """Plan one layer kind (any compress ratio >= 0) for one step."""
+    r = _as_int(compress_ratio, "compress_ratio", minimum=0)
+    W = config.window_size
+    if batch.max_model_len is None and batch.seq_lens.size and int(batch.seq_lens.max()) > config.max_model_len:
+        i = int(np.argmax(batch.seq_lens))
+        raise ValueError(f"seq_lens: seq_lens[{i}] = {int(batch.seq_lens[i])} exceeds max_model_len = {config.max_model_len}")
+    if batch.query_lens.size and int(batch.query_lens.max()) > config.max_num_batched_tokens:
+        i = int(np.argmax(batch.query_lens))
+        raise ValueError(
+            f"query_lens: query_lens[{i}] = {int(batch.query_lens[i])} exceeds "
+            f"max_num_batched_tokens = {config.max_num_batched_tokens}"
+        )
+    active = np.flatnonzero(batch.query_lens > 0)
+    skipped = np.flatnonzero(batch.query_lens == 0)
+    seq_a = batch.seq_lens[active]
+    qry_a = batch.query_lens[active]
+    comp_a = np.zeros_like(seq_a) if r <= 1 else seq_a // r
+    gath_a = qry_a + np.minimum(seq_a - qry_a, W - 1)
+    if config.order == "length" and active.size:
+        perm = np.lexsort((-gath_a, -comp_a), axis=0)  # widest first; stable for ties
+        active, seq_a, qry_a, comp_a, gath_a = (x[perm] for x in (active, seq_a, qry_a, comp_a, gath_a))
+
+    budget = config.budget(r)
+    split: list[int] = []
+    if config.policy != "fixed" and active.size and int((comp_a + gath_a).max()) > budget:
+        rows = []  # (request, seq_len, query_len, query_offset)
+        for i, s, q in zip(active.tolist(), seq_a.tolist(), qry_a.tolist()):
+            pieces = _split_request(s - q, q, r, W, budget, i)
+            if len(pieces) > 1:
+                split.append(i)
+            rows.extend((i, s - q + b, b - a, a) for a, b in pieces)
+        seg = np.array(rows, dtype=np.int64).reshape(-1, 4)
+        seg_req, seg_seq, seg_q, seg_off = seg.T
+        seg_comp = np.zeros_like(seg_seq) if r <= 1 else seg_seq // r
+        seg_gath = seg_q + np.minimum(seg_seq - seg_q, W - 1)
+    else:
+        seg_req, seg_seq, seg_q = active, seq_a, qry_a
+        seg_off = np.zeros_like(seg_q)
+        seg_comp, seg_gath = comp_a, gath_a
+
+    n = int(seg_req.shape[0])
+    if config.policy == "adaptive":
+        starts, Ns, Ms = _greedy_chunks(seg_comp.tolist(), seg_gath.tolist(), budget)
+        chunk_starts = np.array(starts, dtype=np.int64)
+        chunk_N, chunk_M = np.array(Ns, dtype=np.int64), np.array(Ms, dtype=np.int64)
+    elif config.policy == "fixed":
+        chunk_starts = np.append(np.arange(0, n, config.prefill_chunk_size), n)
+        nc = chunk_starts.shape[0] - 1
+        chunk_N = np.full(nc, config.max_compressed_len(r), dtype=np.int64)
+        chunk_M = np.full(nc, config.fixed_M(r), dtype=np.int64)
+    else:  # per_request
+        chunk_starts = np.arange(n + 1, dtype=np.int64)
+        chunk_N, chunk_M = seg_comp.astype(np.int64), (seg_comp + seg_gath).astype(np.int64)
+
+    counts = np.diff(chunk_starts)
+    seg_chunk = np.repeat(np.arange(counts.shape[0]), counts)
+    seg_slot = np.arange(n) - chunk_starts[:-1][seg_chunk]
+    seg_row_base = seg_slot * chunk_M[seg_chunk]
+    if not split and config.order == "batch":
+        # Segments are the requests with queries, in batch order: the planned tokens are the
+        # step's tokens in their own order, so the per-token arrays come from the batch.
+        token_index = batch.token_arange
+        token_position = batch.token_position
+        slot_of_request = np.zeros(batch.num_requests, dtype=np.int32)
+        slot_of_request[seg_req] = seg_slot
+        token_request = slot_of_request[batch.token_request]
+        chunk_token_starts = np.append(batch.query_start_loc[seg_req[chunk_starts[:-1]]], batch.num_tokens)
+    else:  # tokens in plan order: each segment's queries, segments in chunk order
+        seg_tok0 = batch.query_start_loc[seg_req] + seg_off
+        seg_cum = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(seg_q, out=seg_cum[1:])
+        tok_seg = np.repeat(np.arange(n), seg_q)
+        token_index = seg_tok0[tok_seg] + (np.arange(int(seg_cum[-1])) - seg_cum[tok_seg])
+        token_position = batch.token_position[token_index]
+        token_request = seg_slot[tok_seg]
+        chunk_token_starts = seg_cum[chunk_starts]
+    return KindPlan(
+        compress_ratio=r,
+        config=config,
+        budget_rows=budget,
+        order=_ro32(active),
+        skipped=_ro32(skipped),
+        split_requests=_ro32(split),
+        seg_request=_ro32(seg_req),
+        seg_seq_len=_ro32(seg_seq),
+        seg_query_len=_ro32(seg_q),
+        seg_query_offset=_ro32(seg_off),
+        seg_compressed_len=_ro32(seg_comp),
+        seg_gather_len=_ro32(seg_gath),
+        seg_gather_start=_ro32(seg_seq - seg_gath),
+        seg_row_base=_ro32(seg_row_base),
+        chunk_starts=_ro32(chunk_starts),
+        chunk_N=_ro32(chunk_N),
+        chunk_M=_ro32(chunk_M),
+        chunk_token_starts=_ro32(chunk_token_starts),
+        token_index=_ro32(token_index),
+        token_request=_ro32(token_request),
+        token_position=_ro32(token_position),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class StepPlan:
+    """One step's plans: a `KindPlan` per layer kind, shared by all layers of that kind.
+
+    Index it with a compress ratio or a `LayerKind`: `step[4]`, `step[LayerKind.CSA]`.
+    """
+
+    batch: PrefillBatch
+    config: PlanConfig
+    kinds: dict[LayerKind, KindPlan]
+
+    def __getitem__(self, kind) -> KindPlan:
+        k = layer_kind(kind)
+        if k not in self.kinds:
+            raise KeyError(f"no plan for {k.name} in this step (planned: {[x.name for x in self.kinds]})")
+        return self.kinds[k]
+
+    @property
+    def max_workspace_rows(self) -> int:
+        return max((p.max_workspace_rows for p in self.kinds.values()), default=0)
+
+
+def plan_step(batch: PrefillBatch, config: PlanConfig, compress_ratios=(0, 4, 128)) -> StepPlan:
+    """Plan every layer kind among `compress_ratios` (a model's per-layer list is fine) once."""
+    kinds = {}
+    for r in compress_ratios:
+        k = layer_kind(r)
+        if k not in kinds:
+            kinds[k] = plan_kind(batch, config, k.ratio)
+    return StepPlan(batch=batch, config=config, kinds=kinds)
+
+
+def _tuple_plan(policy, seq_lens, query_lens, compress_ratio, window_size, max_model_len,
+                max_num_batched_tokens, prefill_chunk_size):  # fmt: skip
+    config = PlanConfig(
+        window_size=window_size,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        prefill_chunk_size=prefill_chunk_size,
+        policy=policy,
+    )
+    batch = PrefillBatch(seq_lens, query_lens, max_model_len, max_num_batched_tokens)
+    return plan_kind(batch, config, compress_ratio).as_tuples()
+
+
+def get_prefill_chunk_plan(
+    seq_lens,
+    query_lens,
+    *,
+    compress_ratio: int,
+    window_size: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    prefill_chunk_size: int = 4,
+) -> list[tuple[int, int, int, int]]:
+    """vLLM's adaptive DSv4 prefill chunk plan: `[(start, end, N, M), ...]` over batch indices.
+
+    Requests are scanned in batch order; a chunk takes its first request and keeps adding the
+    next while `count * (max compressed_len + max gather_len) <= prefill_chunk_size *
+    (cdiv(max_model_len, r) + window_size + max_num_batched_tokens)`. N is the chunk's max
+    compressed_len, M = N + its max gather_len. Identical to vLLM for batches whose requests all
+    have queries; `query_len == 0` requests are skipped (they never start or widen a chunk).
+
+    seq_lens, query_lens: 1-D integers (list, NumPy array, or anything with `__array__`).
+    compress_ratio: r >= 0 (0/1 = no compressed part).
+    """
+    return _tuple_plan("adaptive", seq_lens, query_lens, compress_ratio, window_size, max_model_len,
+                       max_num_batched_tokens, prefill_chunk_size)  # fmt: skip
+
+
+def get_fixed_chunk_plan(
+    seq_lens,
+    query_lens,
+    *,
+    compress_ratio: int,
+    window_size: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    prefill_chunk_size: int = 4,
+) -> list[tuple[int, int, int, int]]:
+    """The old fixed plan: `prefill_chunk_size` consecutive requests per chunk, with
+    `N = cdiv(max_model_len, r)` (0 for r <= 1) and `M = N + window_size + max_num_batched_tokens`.
+    Same arguments and `query_len == 0` handling as `get_prefill_chunk_plan`."""
+    return _tuple_plan("fixed", seq_lens, query_lens, compress_ratio, window_size, max_model_len,
+                       max_num_batched_tokens, prefill_chunk_size)  # fmt: skip

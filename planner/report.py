@@ -1,0 +1,67 @@
+"""Readable tables of a step's plans: chunks, workspace and kernel launches, adaptive vs fixed."""
+
+from __future__ import annotations
+
+from planner.batch import LayerKind, PrefillBatch
+from planner.models import PRESETS
+from planner.plan import PlanConfig, plan_step
+
+BYTES_PER_ROW = 512 * 2  # one bf16 latent of 512 dims
+
+# The worked example of spec section 4.
+SPEC_SEQ_LENS = (256, 320, 448, 640, 1024, 1536, 3072, 4096, 6144, 8192)
+SPEC_QUERY_LENS = (4, 8, 8, 8, 16, 16, 32, 32, 32, 32)
+SPEC_LIMITS = dict(window_size=64, max_model_len=16384, max_num_batched_tokens=4096, prefill_chunk_size=4)
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "  ".join(c.rjust(w) if c[:1].isdigit() or c[:1] == "-" else c.ljust(w) for c, w in zip(r, widths))
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
+
+
+def mib(rows: int) -> str:
+    return f"{rows * BYTES_PER_ROW / 2**20:.2f}"
+
+
+def saving(new: float, old: float) -> str:
+    return f"{100 * (1 - new / old):.1f}%" if old else "-"
+
+
+def plan_report(batch: PrefillBatch, limits: dict, policies=("adaptive", "fixed")) -> str:
+    """The main job's planner section: one table per concern, for every layer kind."""
+    steps = {pol: plan_step(batch, PlanConfig(policy=pol, **limits)) for pol in policies}
+    out = [
+        f"{batch.num_requests} prefill requests, {batch.num_tokens} query tokens; "
+        + ", ".join(f"{k}={v}" for k, v in limits.items())
+    ]
+    rows = []
+    for kind in LayerKind:
+        for pol in policies:
+            kp = steps[pol][kind]
+            tuples = kp.as_tuples() if kp.config.order == "batch" and not kp.split_requests.size else []
+            shown = " ".join(f"({s},{e},{n},{m})" for s, e, n, m in tuples[:4]) + (" ..." if len(tuples) > 4 else "")
+            rows.append([kind.name, kind.ratio, pol, kp.num_chunks, shown, kp.max_workspace_rows,
+                         mib(kp.max_workspace_rows), kp.total_workspace_rows, kp.padding_free_rows])  # fmt: skip
+    out += ["", "Chunk plans and workspace (bf16, 512-d rows; peak = the one buffer every chunk reuses):",
+            table(rows, ["kind", "r", "plan", "chunks", "(start,end,N,M)", "peak rows", "peak MiB",
+                         "rows, all chunks", "padding-free rows"])]  # fmt: skip
+    if "adaptive" in steps and "fixed" in steps:
+        rows = []
+        for kind in LayerKind:
+            a, f = steps["adaptive"][kind], steps["fixed"][kind]
+            rows.append([kind.name, a.num_chunks, f.num_chunks, mib(a.max_workspace_rows),
+                         mib(f.max_workspace_rows), saving(a.max_workspace_rows, f.max_workspace_rows)])  # fmt: skip
+        out += ["", "Adaptive vs fixed, per layer of each kind:",
+                table(rows, ["kind", "adaptive chunks", "fixed chunks", "adaptive peak MiB", "fixed peak MiB",
+                             "workspace saved"])]  # fmt: skip
+        rows = []
+        for shape in PRESETS.values():
+            layers = shape.layers_per_kind()
+            launches = {pol: sum(steps[pol][k].num_chunks * n for k, n in layers.items()) for pol in ("adaptive", "fixed")}
+            rows.append([shape.name, "/".join(str(layers[k]) for k in LayerKind), launches["adaptive"],
+                         launches["fixed"], saving(launches["adaptive"], launches["fixed"])])  # fmt: skip
+        out += ["", "Sparse-attention kernel launches per prefill step (chunks x layers, MTP layer included):",
+                table(rows, ["model", "layers SWA/CSA/HCA", "adaptive", "fixed", "saved"])]  # fmt: skip
+    return "\n".join(out)

@@ -1,0 +1,271 @@
+"""The planner: vLLM-exact tuples, the worked examples of spec section 4, and what we add."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import planner as P
+from planner.batch import cdiv
+
+KW = dict(window_size=64, max_model_len=16384, max_num_batched_tokens=4096)
+SPEC_SEQ = [256, 320, 448, 640, 1024, 1536, 3072, 4096, 6144, 8192]
+SPEC_QRY = [4, 8, 8, 8, 16, 16, 32, 32, 32, 32]
+
+
+# --- worked examples (spec section 4) ---------------------------------------------------------
+
+
+def test_spec_example_fixed_plan():
+    assert P.get_fixed_chunk_plan(SPEC_SEQ, SPEC_QRY, compress_ratio=4, **KW) == [
+        (0, 4, 4096, 8256),
+        (4, 8, 4096, 8256),
+        (8, 10, 4096, 8256),
+    ]
+
+
+@pytest.mark.parametrize("ratio, expected", [(4, [(0, 10, 2048, 2143)]), (0, [(0, 10, 0, 95)]), (128, [(0, 10, 64, 159)])])
+def test_spec_example_adaptive_plan(ratio, expected):
+    assert P.get_prefill_chunk_plan(SPEC_SEQ, SPEC_QRY, compress_ratio=ratio, **KW) == expected
+
+
+def test_spec_example_long_requests():
+    plan = P.get_prefill_chunk_plan([16384] * 5 + [100], [3990, 1, 1, 1, 1, 100], compress_ratio=4, **KW)
+    assert plan == [(0, 4, 4096, 8149), (4, 6, 4096, 4196)]
+
+
+def test_spec_example_short_sequences_expand():
+    plan = P.get_prefill_chunk_plan(
+        [80, 96, 112, 128, 144], [4] * 5, compress_ratio=4, window_size=64, max_model_len=1024, max_num_batched_tokens=128
+    )
+    assert plan == [(0, 5, 36, 103)]
+
+
+def test_accepts_numpy_and_torch_tensors():
+    torch = pytest.importorskip("torch")
+    expect = P.get_prefill_chunk_plan(SPEC_SEQ, SPEC_QRY, compress_ratio=4, **KW)
+    for conv in (np.array, lambda x: np.array(x, dtype=np.int32), lambda x: torch.tensor(x, dtype=torch.int32)):
+        assert P.get_prefill_chunk_plan(conv(SPEC_SEQ), conv(SPEC_QRY), compress_ratio=4, **KW) == expect
+
+
+# --- vLLM equivalence on random batches --------------------------------------------------------
+
+
+def vllm_adaptive(seq, qry, r, W, mml, mnbt, pcs):
+    """vLLM's loop, transcribed from the spec's formula with scalar arithmetic (independent of ours)."""
+    area = pcs * ((0 if r <= 1 else cdiv(mml, r)) + W + mnbt)
+    comp = [0 if r <= 1 else s // r for s in seq]
+    gath = [q + min(max(s - q, 0), W - 1) for s, q in zip(seq, qry)]
+    plan, s0 = [], 0
+    while s0 < len(seq):
+        mc, mg, e = comp[s0], gath[s0], s0 + 1
+        while e < len(seq):
+            c, g = max(mc, comp[e]), max(mg, gath[e])
+            if (e - s0 + 1) * (c + g) > area:
+                break
+            mc, mg, e = c, g, e + 1
+        plan.append((s0, e, mc, mc + mg))
+        s0 = e
+    return plan
+
+
+@st.composite
+def batches(draw, min_query=1, max_requests=12):
+    mml = draw(st.sampled_from([256, 1024, 4096]))
+    mnbt = draw(st.sampled_from([16, 64, 512]))
+    n = draw(st.integers(1, max_requests))
+    seq, qry = [], []
+    for _ in range(n):
+        s = draw(st.integers(min_query, mml))
+        q = draw(st.integers(min(min_query, s), min(s, mnbt)))
+        seq.append(s)
+        qry.append(q)
+    return seq, qry, mml, mnbt
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches(), st.sampled_from([0, 1, 4, 128]), st.sampled_from([1, 8, 64, 128]), st.integers(1, 6))
+def test_adaptive_matches_vllm(b, r, W, pcs):
+    seq, qry, mml, mnbt = b
+    ours = P.get_prefill_chunk_plan(
+        seq, qry, compress_ratio=r, window_size=W, max_model_len=mml, max_num_batched_tokens=mnbt, prefill_chunk_size=pcs
+    )
+    assert ours == vllm_adaptive(seq, qry, r, W, mml, mnbt, pcs)
+    fixed = P.get_fixed_chunk_plan(
+        seq, qry, compress_ratio=r, window_size=W, max_model_len=mml, max_num_batched_tokens=mnbt, prefill_chunk_size=pcs
+    )
+    N = 0 if r <= 1 else cdiv(mml, r)
+    assert fixed == [(s, min(s + pcs, len(seq)), N, N + W + mnbt) for s in range(0, len(seq), pcs)]
+
+
+def min_partition(widths_c, widths_g, area):
+    """Fewest in-order chunks under the area rule, by dynamic programming (brute force)."""
+    n = len(widths_c)
+    best = [0] + [10**9] * n
+    for e in range(1, n + 1):
+        for s in range(e):
+            cnt = e - s
+            if cnt == 1 or cnt * (max(widths_c[s:e]) + max(widths_g[s:e])) <= area:
+                best[e] = min(best[e], best[s] + 1)
+    return best[n]
+
+
+@settings(max_examples=100, deadline=None)
+@given(batches(min_query=0), st.sampled_from([0, 4, 128]), st.sampled_from([4, 64]), st.sampled_from([None, 0.3, 0.7]))
+def test_plan_properties(b, r, W, budget_frac):
+    """Coverage exactly once, budget respected, minimal chunk count, determinism."""
+    seq, qry, mml, mnbt = b
+    cfg0 = P.PlanConfig(window_size=W, max_model_len=mml, max_num_batched_tokens=mnbt)
+    budget = None if budget_frac is None else max(1, int(cfg0.vllm_budget_rows(r) * budget_frac))
+    cfg = P.PlanConfig(window_size=W, max_model_len=mml, max_num_batched_tokens=mnbt, budget_rows=budget)
+    batch = P.PrefillBatch(seq, qry)
+    try:
+        plan = P.plan_kind(batch, cfg, r)
+    except ValueError as e:  # a budget below one token's rows is refused, never silently exceeded
+        assert "budget_rows" in str(e)
+        return
+    # every token of every request with queries is covered exactly once
+    assert sorted(plan.token_index.tolist()) == list(range(batch.num_tokens))
+    np.testing.assert_array_equal(plan.token_position, batch.token_position[plan.token_index])
+    # no chunk exceeds the budget (a chunk always fits: the vLLM bound holds every request alone)
+    assert (plan.chunk_workspace_rows <= plan.budget_rows).all()
+    # zero-query requests are never planned
+    assert set(plan.skipped.tolist()) == {i for i, q in enumerate(qry) if q == 0}
+    assert not set(plan.seg_request.tolist()) & set(plan.skipped.tolist())
+    # each segment's rows fit its chunk
+    c = np.repeat(np.arange(plan.num_chunks), plan.chunk_num_requests)
+    assert (plan.seg_compressed_len <= plan.chunk_N[c]).all()
+    assert (plan.seg_gather_len <= plan.chunk_M[c] - plan.chunk_N[c]).all()
+    # minimal chunk count for an in-order partition of the segments
+    assert plan.num_chunks == min_partition(
+        plan.seg_compressed_len.tolist(), plan.seg_gather_len.tolist(), plan.budget_rows
+    )
+    # deterministic
+    again = P.plan_kind(P.PrefillBatch(list(seq), list(qry)), cfg, r)
+    for name in ("seg_request", "chunk_starts", "chunk_N", "chunk_M", "token_index", "token_request"):
+        np.testing.assert_array_equal(getattr(plan, name), getattr(again, name))
+
+
+# --- beyond vLLM -------------------------------------------------------------------------------
+
+
+def test_zero_query_requests_never_form_or_widen_a_chunk():
+    seq = [100, 5000, 100, 100, 6000]
+    qry = [10, 0, 10, 0, 0]
+    tuples = P.get_prefill_chunk_plan(seq, qry, compress_ratio=4, **KW)
+    # request 1 (5000 tokens, no queries) would set N = 1250 if it widened the chunk
+    assert tuples == [(0, 3, 25, 25 + 73)]
+    plan = P.plan_kind(P.PrefillBatch(seq, qry), P.PlanConfig(**KW), 4)
+    assert plan.skipped.tolist() == [1, 3, 4]
+    assert plan.seg_request.tolist() == [0, 2]
+    # the chunk's workspace holds the two requests with queries only
+    assert plan.chunks[0].row_bases.tolist() == [0, 98]
+    # a batch of only zero-query requests has no chunk at all
+    assert P.get_prefill_chunk_plan([10, 20], [0, 0], compress_ratio=4, **KW) == []
+    assert P.get_fixed_chunk_plan([10, 20], [0, 0], compress_ratio=4, **KW) == []
+
+
+def test_budget_rows_honoured_and_long_request_split():
+    cfg = P.PlanConfig(window_size=8, max_model_len=4096, max_num_batched_tokens=2048, budget_rows=600)
+    batch = P.PrefillBatch([40, 2000, 30], [40, 1000, 30])
+    plan = P.plan_kind(batch, cfg, 4)
+    assert plan.split_requests.tolist() == [1]
+    assert (plan.chunk_workspace_rows <= 600).all()
+    pieces = [(o, q) for r, o, q in zip(plan.seg_request, plan.seg_query_offset, plan.seg_query_len) if r == 1]
+    # pieces tile request 1's 1000 queries in order
+    starts = [o for o, _ in pieces]
+    assert starts == sorted(starts) and starts[0] == 0
+    assert sum(q for _, q in pieces) == 1000
+    assert all(o2 == o1 + q1 for (o1, q1), (o2, _) in zip(pieces, pieces[1:]))
+    # each piece sees the whole KV before its last query: compressed_len = (prefix + end) // 4
+    seg = plan.seg_request == 1
+    ends = plan.seg_query_offset[seg] + plan.seg_query_len[seg]
+    np.testing.assert_array_equal(plan.seg_compressed_len[seg], (1000 + ends) // 4)
+    np.testing.assert_array_equal(plan.seg_gather_len[seg], plan.seg_query_len[seg] + 7)
+    # a budget below what one token needs is refused
+    with pytest.raises(ValueError, match="budget_rows"):
+        P.plan_kind(batch, P.PlanConfig(window_size=8, max_model_len=4096, max_num_batched_tokens=2048, budget_rows=400 // 4), 4)
+    with pytest.raises(ValueError, match="budget_rows"):
+        P.PlanConfig(window_size=8, max_model_len=4096, max_num_batched_tokens=2048, policy="fixed", budget_rows=10)
+
+
+def test_length_order_reduces_padding():
+    rng = np.random.default_rng(0)
+    long = rng.integers(3000, 4000, 8)
+    short = rng.integers(50, 200, 8)
+    seq = np.ravel(np.column_stack([long, short]))  # alternating long and short requests
+    qry = np.minimum(seq, 64)
+    batch = P.PrefillBatch(seq, qry)
+    by_batch = P.plan_kind(batch, P.PlanConfig(window_size=128, max_model_len=4096, max_num_batched_tokens=256), 4)
+    by_len = P.plan_kind(batch, P.PlanConfig(window_size=128, max_model_len=4096, max_num_batched_tokens=256, order="length"), 4)
+    pad = lambda p: p.total_workspace_rows - p.padding_free_rows
+    assert pad(by_len) < pad(by_batch) / 2
+    assert sorted(by_len.order.tolist()) == list(range(16))
+    assert set(by_len.order[:8].tolist()) == set(range(0, 16, 2))  # the long ones first
+    assert sorted(by_len.token_index.tolist()) == list(range(batch.num_tokens))
+    with pytest.raises(ValueError, match="as_tuples"):
+        by_len.as_tuples()
+
+
+def test_step_plan_shared_per_kind():
+    flash = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)] + [0]
+    step = P.plan_step(P.PrefillBatch(SPEC_SEQ, SPEC_QRY), P.PlanConfig(**KW), flash)
+    assert set(step.kinds) == {P.LayerKind.SWA, P.LayerKind.CSA, P.LayerKind.HCA}
+    assert step[4] is step[P.LayerKind.CSA]
+    assert step[0] is step[1]
+    assert step[4].as_tuples() == [(0, 10, 2048, 2143)]
+    assert step.max_workspace_rows == 10 * 2143
+    with pytest.raises(KeyError):
+        P.plan_step(P.PrefillBatch([8], [8]), P.PlanConfig(**KW), [0])[4]
+
+
+def test_per_token_metadata():
+    batch = P.PrefillBatch([10, 7, 20], [3, 7, 5])
+    plan = P.plan_kind(batch, P.PlanConfig(window_size=4, max_model_len=64, max_num_batched_tokens=16, policy="per_request"), 4)
+    assert plan.num_chunks == 3
+    assert plan.token_position.tolist() == [7, 8, 9, 0, 1, 2, 3, 4, 5, 6, 15, 16, 17, 18, 19]
+    assert plan.token_request.tolist() == [0] * 15
+    c = plan.chunks[2]
+    assert (c.N, c.M) == (5, 5 + 5 + 3)
+    assert c.gather_starts.tolist() == [20 - 8]
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "seq, qry, kw, match",
+    [
+        ([10, -1], [1, 0], {}, "seq_lens"),
+        ([10, 5], [1, -2], {}, "query_lens"),
+        ([10, 5], [1, 6], {}, r"query_lens\[1\] = 6 exceeds seq_lens\[1\] = 5"),
+        ([20000], [1], {}, "max_model_len"),
+        ([8000], [5000], {}, "max_num_batched_tokens"),
+        ([10, 5], [1], {}, "lengths differ"),
+        ([10.5], [1], {}, "seq_lens: expected integers"),
+        ([[10]], [[1]], {}, "seq_lens: expected a 1-D"),
+        (["a"], [1], {}, "seq_lens"),
+        ([10], [1], {"window_size": 0}, "window_size"),
+        ([10], [1], {"compress_ratio": -4}, "compress_ratio"),
+        ([10], [1], {"prefill_chunk_size": 0}, "prefill_chunk_size"),
+    ],
+)
+def test_bad_input_names_the_argument(seq, qry, kw, match):
+    args = dict(KW, compress_ratio=4)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        P.get_prefill_chunk_plan(seq, qry, **args)
+
+
+def test_bad_kind_and_config():
+    for r in (2, 3, 64, -1, 4.0, "4", True):
+        with pytest.raises(ValueError, match="compress_ratio"):
+            P.layer_kind(r)
+    with pytest.raises(ValueError, match="policy"):
+        P.PlanConfig(window_size=4, max_model_len=64, max_num_batched_tokens=16, policy="greedy")
+    with pytest.raises(ValueError, match="order"):
+        P.PlanConfig(window_size=4, max_model_len=64, max_num_batched_tokens=16, order="random")
+    # a ratio that is not a DeepSeek-V4 kind can be planned, but no kind (and no indices) exists for it
+    plan = P.plan_kind(P.PrefillBatch([64], [8]), P.PlanConfig(window_size=4, max_model_len=64, max_num_batched_tokens=16), 16)
+    with pytest.raises(ValueError, match="compress_ratio"):
+        P.build_chunk_indices(plan, 0)
