@@ -14,14 +14,19 @@ Design: one jitted function per layer call, jit-compatible all the way down.
     and W for CSA/SWA), the workspace rows padded to a bucket, and two tile ladders derived from
     those. Buckets are 1, 1.25, 1.5, 1.75 x 2^k (`dsv4_jax.buckets`): shapes pad at most 1.25x and
     a stream of varied batches compiles once per bucket combination, not once per batch.
+  * `sizes="server"` trades memory for compiles: the workspace takes the plan's budget and the
+    HCA width max_model_len's, both fixed for a server, so the token bucket is the only static
+    size left that varies (what a jitted model wants: it compiles once per token bucket).
+    Padding the tokens costs no attention work either way: the loops cover real tokens only.
   * Dynamic (device int32): everything per token, per segment and per chunk, including the
     number of chunks. Segment and chunk arrays are padded to `padded_tokens` too (a segment has
     at least one token), so their lengths add nothing to the compile key.
   * The chunk loop is a `lax.fori_loop` over the (dynamic) chunk count. Per chunk, the
     compressed and the raw region of the workspace are gathered from the paged or logical
     cache, and the chunk's tokens are attended, each as a ladder of static-size tiles:
-    as many tiles of the largest size (256 tokens, 4096 rows by default) as fit, then at most
-    three of each 4x smaller size, then one masked tile of 16. Each tile is one vectorized
+    as many tiles of the largest size (256 tokens, 4096 rows by default) as fit, then up to
+    three of each 4x smaller size, and on the last rung (16) the remainder rounded up, the tail
+    masked. Each tile is one vectorized
     gather (or one `sparse_attention` call) at a dynamic offset. So a chunk costs its own
     size plus at most 15 masked items per region, whatever the other chunks look like, with a
     bounded transient (one tile) and a handful of static tile sizes per program.
@@ -55,11 +60,12 @@ from jax.tree_util import register_pytree_node_class
 from dsv4_jax.attention import resolve_backend, sparse_attention
 from dsv4_jax.buckets import MIN_TILE, bucket, tile_ladder, tiled_items
 from planner import LayerKind, PlanConfig, PrefillBatch, StepPlan, layer_kind, plan_step
-from planner.layout import INDEX_ALIGN, index_width
+from planner.layout import INDEX_ALIGN, index_width, round_up
 from planner.oracle import value_dim
 from planner.plan import KindPlan
 
 MIN_WORKSPACE_ROWS = 128
+SIZES = ("bucket", "server")
 DROP = int(np.iinfo(np.int32).max)  # a row index out of every array: scatters with mode="drop" skip it
 
 # Rows of `KindMetadata.table`; each row has L = padded_tokens + 1 int32 entries.
@@ -314,6 +320,8 @@ def build_step_metadata(
     config: PlanConfig | None = None,
     compress_ratios: Sequence[int] = (0, 4, 128),
     planner: str | None = None,
+    sizes: str = "bucket",
+    padded_tokens: int | None = None,
     token_tile: int = 256,
     gather_tile: int = 4096,
     min_tokens: int = MIN_TILE,
@@ -328,6 +336,15 @@ def build_step_metadata(
       config: the `PlanConfig` when a batch is given.
       compress_ratios: the model's per-layer ratios (or just the kinds) when a batch is given.
       planner: "adaptive", "fixed" or "per_request": overrides `config.policy`.
+      sizes: how the workspace rows and the HCA index width are sized (both static):
+        "bucket": from this step (the largest chunk's rows, the longest context), bucketed.
+          Tight memory; a program per (tokens, rows, width) bucket combination.
+        "server": from the `PlanConfig` alone: the plan's workspace budget (what the fixed plan
+          allocates and the adaptive plan never exceeds) and max_model_len's width. The token
+          bucket is then the only static size that changes from step to step: a jitted model
+          compiles once per token bucket, at the price of a budget-sized workspace every call.
+      padded_tokens: the static token count (>= T); default `bucket(T, min_tokens)`. A model
+        that pads its tokens to its own buckets passes its padded count here.
       token_tile: largest attention tile (tokens), a power of two; the ladder goes down 4x to 16.
       gather_tile: largest gather tile (workspace rows), a power of two; down 4x to 16.
       min_tokens, min_workspace_rows: the smallest token and workspace buckets (all smaller
@@ -354,17 +371,23 @@ def build_step_metadata(
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
     if index_topk is not None and (isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1):
         raise ValueError(f"index_topk: expected a positive int, got {index_topk!r}")
-    padded = bucket(step.batch.num_tokens, min_tokens)
+    if sizes not in SIZES:
+        raise ValueError(f"sizes: expected one of {SIZES}, got {sizes!r}")
+    T = step.batch.num_tokens
+    if padded_tokens is None:
+        padded_tokens = bucket(T, min_tokens)
+    elif isinstance(padded_tokens, bool) or not isinstance(padded_tokens, int) or padded_tokens < T:
+        raise ValueError(f"padded_tokens: expected an int >= the batch's {T} tokens, got {padded_tokens!r}")
     kinds = {}
     for kind, kp in step.kinds.items():
         if kind is LayerKind.CSA and index_topk is None:
             raise ValueError("index_topk: required when CSA (ratio-4) layers are planned")
-        shape, table = _kind_table(kp, padded, index_topk, token_tile, gather_tile, min_workspace_rows)
+        shape, table = _kind_table(kp, padded_tokens, index_topk, sizes, token_tile, gather_tile, min_workspace_rows)
         kinds[kind] = KindMetadata(jax.device_put(table, device), shape, kp, step.batch.num_tokens, step.batch.num_requests)
-    return StepMetadata(kinds, padded, step)
+    return StepMetadata(kinds, padded_tokens, step)
 
 
-def _kind_table(kp: KindPlan, padded: int, index_topk, token_tile: int, gather_tile: int, min_rows: int):
+def _kind_table(kp: KindPlan, padded: int, index_topk, sizes: str, token_tile: int, gather_tile: int, min_rows: int):
     L = padded + 1
     T, n_seg, n_c = kp.token_index.shape[0], kp.seg_request.shape[0], kp.num_chunks
     table = np.zeros((NUM_FIELDS, L), dtype=np.int32)
@@ -386,9 +409,16 @@ def _kind_table(kp: KindPlan, padded: int, index_topk, token_tile: int, gather_t
     table[SCALARS, :3] = (n_c, T, n_seg)
 
     width = index_width(kp, index_topk if kp.kind is LayerKind.CSA else None)
-    if kp.kind is LayerKind.HCA:  # grows with the longest context of the batch: bucket it
-        width = bucket(width // INDEX_ALIGN) * INDEX_ALIGN
-    rows = bucket(kp.max_workspace_rows, min_rows)
+    if sizes == "server":
+        if kp.kind is LayerKind.HCA:  # the most entries any context up to max_model_len sees
+            width = round_up(kp.config.max_model_len // kp.compress_ratio + kp.window_size, INDEX_ALIGN)
+        rows = max(kp.budget_rows, min_rows)
+        if kp.max_workspace_rows > rows:  # the planner keeps every chunk within its budget
+            raise AssertionError(f"a chunk needs {kp.max_workspace_rows} rows, over the budget {rows}")
+    else:
+        if kp.kind is LayerKind.HCA:  # grows with the longest context of the batch: bucket it
+            width = bucket(width // INDEX_ALIGN) * INDEX_ALIGN
+        rows = bucket(kp.max_workspace_rows, min_rows)
     shape = KindShape(
         compress_ratio=kp.compress_ratio,
         window_size=kp.window_size,

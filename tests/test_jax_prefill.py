@@ -6,6 +6,7 @@ ladders and default buckets get tests of their own.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import planner as P
+import dsv4_jax.attention
 from dsv4_jax import buckets as B
 from dsv4_jax import prefill as JP
 from tests.cases import boundary_cases, make_case
@@ -223,6 +225,28 @@ def test_runs_inside_user_jit_and_traces_once_per_bucket():
     assert len(traces) == 1  # both batches fall in the same buckets
 
 
+def test_server_sizes_leave_only_the_token_bucket_static():
+    cfg = P.PlanConfig(window_size=128, max_model_len=65536, max_num_batched_tokens=8192)
+    rng = np.random.default_rng(2)
+    shapes = set()
+    for _ in range(30):
+        n = int(rng.integers(1, 20))
+        qry = rng.integers(0, 400, n)
+        seq = qry + rng.integers(0, 60000, n)
+        smeta = JP.build_step_metadata(P.PrefillBatch(seq, qry), config=cfg, planner=str(rng.choice(POLICIES)), index_topk=512, sizes="server")
+        for kind, meta in smeta.kinds.items():
+            assert meta.shape.workspace_rows == meta.plan.budget_rows >= meta.plan.max_workspace_rows
+            shapes.add(dataclasses.replace(meta.shape, padded_tokens=0, token_ladder=()))
+    assert len(shapes) == 3  # one per kind, whatever the batch
+    # the same bits as per-step buckets (a wider HCA row, a bigger workspace: no difference)
+    for ratio in (4, 128):
+        case = boundary_cases(ratio)[2]
+        ref, _ = run(case)
+        out, meta = run(case, meta_kw=dict(FAST, sizes="server", padded_tokens=case.batch.num_tokens))
+        assert meta.padded_tokens == case.batch.num_tokens
+        np.testing.assert_array_equal(out, ref)
+
+
 def test_zero_token_batch_and_unpadded_q():
     case = make_case("none", [40, 9], [0, 0], 128, window_size=8, H=2, D=16)
     step = P.plan_step(case.batch, case.plan_config(), [128])
@@ -321,6 +345,10 @@ def test_bad_inputs():
         JP.build_step_metadata(case.batch)
     with pytest.raises(ValueError, match="planner"):
         JP.build_step_metadata(step, planner="fixed", index_topk=6)
+    with pytest.raises(ValueError, match="sizes"):
+        JP.build_step_metadata(step, index_topk=6, sizes="exact")
+    with pytest.raises(ValueError, match="padded_tokens"):
+        JP.build_step_metadata(step, index_topk=6, padded_tokens=10)
     with pytest.raises(ValueError, match="token_tile"):
         JP.build_step_metadata(step, index_topk=6, token_tile=100)
     with pytest.raises(ValueError, match="chunk"):
@@ -332,3 +360,28 @@ def test_bad_inputs():
     # inside a trace the host plan is gone: building indices needs it
     with pytest.raises(ValueError, match="meta: build_indices needs the host plan"):
         jax.jit(lambda m: JP.build_indices(m, 0, rows)[0])(meta)
+
+
+def test_prefill_lowers_for_cuda_with_the_triton_kernel(monkeypatch):
+    """The whole layer call (loops, gathers, one Triton kernel per token tile size) lowers for
+    CUDA with V4-Flash's CSA configuration, on a machine without a GPU."""
+    monkeypatch.setattr(dsv4_jax.attention, "_pallas_triton_unavailable", lambda: None)
+    H, D, topk, W = 64, 512, 512, 128
+    batch = P.PrefillBatch([5000, 300], [300, 300])
+    cfg = P.PlanConfig(window_size=W, max_model_len=8192, max_num_batched_tokens=512)
+    meta = JP.build_step_metadata(batch, config=cfg, compress_ratios=[4], index_topk=topk)[4]
+    assert meta.shape.token_ladder == (256, 64, 16)
+
+    def layer(q, meta, raw_pages, comp_pages, block_table, comp_table, topk_rows, sink):
+        raw, comp = JP.PagedKV(raw_pages, block_table), JP.PagedKV(comp_pages, comp_table)
+        return JP.prefill_attention(q, meta, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk_rows, backend="pallas_triton")
+
+    T = meta.padded_tokens
+    args = (jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16), meta,
+            jax.ShapeDtypeStruct((1024, 64, D), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 16, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((8, 128), jnp.int32), jax.ShapeDtypeStruct((8, 128), jnp.int32),
+            jax.ShapeDtypeStruct((T, topk), jnp.int32), jax.ShapeDtypeStruct((H,), jnp.float32))  # fmt: skip
+    text = jax.jit(layer).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+    token_grids = [max(int(g) for g in re.findall(r"grid_[xyz] = (\d+)", call)) for call in calls]
+    assert sorted(token_grids) == [16, 64, 256], token_grids  # one kernel per token tile size
