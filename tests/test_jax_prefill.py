@@ -328,6 +328,8 @@ def test_bad_inputs():
         call(raw_kv=raw[:4])
     with pytest.raises(TypeError, match="compressed_kv: expected a PagedKV"):
         call(compressed_kv="cache")
+    with pytest.raises(TypeError, match="sm_scale"):
+        call(sm_scale="0.1")
     with pytest.raises(ValueError, match="attn_sink"):
         call(attn_sink=jnp.zeros(3))
     with pytest.raises(ValueError, match="backend"):
