@@ -205,9 +205,9 @@ class KindShape:
 
     compress_ratio: int
     window_size: int
-    padded_tokens: int  # bucket(T): every table row has padded_tokens + 1 entries
+    padded_tokens: int  # bucket(T) or the caller's count: every table row has padded_tokens + 1 entries
     index_width: int  # columns of every index row (a multiple of 128)
-    workspace_rows: int  # bucket(max rows of a chunk)
+    workspace_rows: int  # bucket(max rows of a chunk), or the plan's budget (sizes="server")
     token_ladder: tuple[int, ...]  # attention tile sizes, largest first
     gather_ladder: tuple[int, ...]  # gather tile sizes, largest first
 
@@ -550,15 +550,17 @@ def _tile_indices(f: _Fields, shape: KindShape, c, k, valid, topk_rows):
 TRACE_COUNT = {"prefill": 0}  # traces of `_prefill_jit`; each is one compilation
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "sm_scale", "backend"))
-def _prefill_jit(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_scale: float, backend: str):
+@functools.partial(jax.jit, static_argnames=("shape", "sm_scale", "backend", "fill"))
+def _prefill_jit(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_scale: float, backend: str, fill=0.0):
+    """The layer call. `fill`: the workspace's initial value (tests pass NaN: rows no chunk
+    wrote must never reach an output)."""
     TRACE_COUNT["prefill"] += 1
     f = _Fields.of(table)
     T_q, H, D = q.shape
     out = jnp.zeros((T_q, H, value_dim(D)), q.dtype)
     if T_q == 0:
         return out
-    ws = jnp.zeros((shape.workspace_rows, D), q.dtype)
+    ws = jnp.full((shape.workspace_rows, D), fill, q.dtype)
 
     def chunk(c, carry):
         ws, out = carry

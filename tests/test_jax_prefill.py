@@ -209,16 +209,17 @@ def test_runs_inside_user_jit_and_traces_once_per_bucket():
     traces = []
 
     @jax.jit
-    def layer(q, meta, raw, comp, topk_rows, sink):
+    def layer(q, step_meta, raw, comp, topk_rows, sink):  # the whole step's metadata is a pytree too
         traces.append(1)
-        return JP.prefill_attention(q, meta, raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows)
+        return JP.prefill_attention(q, step_meta[4], raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows)
 
     for case in cases:
         step = P.plan_step(case.batch, case.plan_config(), [4])
         smeta = JP.build_step_metadata(step, index_topk=topk, token_tile=16, gather_tile=16, min_workspace_rows=256)
         raw, comp = caches(case)
-        args = (jnp.asarray(smeta.pad_tokens(case.q)), smeta[4], raw, comp, jnp.asarray(smeta.pad_tokens(case.topk_rows)), jnp.asarray(case.sink))
+        args = (jnp.asarray(smeta.pad_tokens(case.q)), smeta, raw, comp, jnp.asarray(smeta.pad_tokens(case.topk_rows)), jnp.asarray(case.sink))
         got = np.asarray(layer(*args))
+        args = args[:1] + (smeta[4],) + args[2:]
         assert smeta[4].shape == JP.build_step_metadata(P.plan_step(cases[0].batch, cases[0].plan_config(), [4]), index_topk=topk, token_tile=16, gather_tile=16, min_workspace_rows=256)[4].shape
         np.testing.assert_array_equal(got, np.asarray(JP.prefill_attention(*args[:4], sm_scale=0.25, attn_sink=args[5], topk_indices=args[4])))
         close(got[: case.batch.num_tokens], case.oracle()[0])
@@ -245,6 +246,21 @@ def test_server_sizes_leave_only_the_token_bucket_static():
         out, meta = run(case, meta_kw=dict(FAST, sizes="server", padded_tokens=case.batch.num_tokens))
         assert meta.padded_tokens == case.batch.num_tokens
         np.testing.assert_array_equal(out, ref)
+
+
+def test_rows_no_chunk_wrote_are_never_read():
+    """A NaN-filled workspace: a read of any row the chunk's gathers did not write would show."""
+    for ratio in (0, 4, 128):
+        case = boundary_cases(ratio)[3]
+        step = P.plan_step(case.batch, case.plan_config(policy="fixed"), [ratio])
+        smeta = JP.build_step_metadata(step, index_topk=case.topk, **FAST)
+        raw, comp = caches(case, paged_kv=True)
+        out = JP._prefill_jit(
+            jnp.asarray(smeta.pad_tokens(case.q)), smeta[ratio].table, raw, comp,
+            jnp.asarray(smeta.pad_tokens(case.topk_rows)) if ratio == 4 else None, jnp.asarray(case.sink),
+            shape=smeta[ratio].shape, sm_scale=case.sm_scale, backend="xla", fill=float("nan"),
+        )  # fmt: skip
+        close(np.asarray(out)[: case.batch.num_tokens], case.oracle()[0])
 
 
 def test_zero_token_batch_and_unpadded_q():
