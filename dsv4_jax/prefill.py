@@ -655,7 +655,8 @@ def build_indices(meta: KindMetadata, chunk: int, topk_indices=None):
     topk_rows = _check_topk(topk_indices, meta) if meta.kind is LayerKind.CSA else None
     t0, t1 = int(kp.chunk_token_starts[c]), int(kp.chunk_token_starts[c + 1])
     # A bucketed tile, as in the layer call; the rows past the chunk are cut off here.
-    idx, length = _indices_jit(meta.table, topk_rows, jnp.int32(c), jnp.int32(t0), jnp.int32(t1), size=bucket(t1 - t0), shape=meta.shape)
+    bounds = (jnp.int32(c), jnp.int32(t0), jnp.int32(t1))
+    idx, length = _indices_jit(meta.table, topk_rows, *bounds, size=bucket(t1 - t0), shape=meta.shape)
     return idx[: t1 - t0], length[: t1 - t0]
 
 

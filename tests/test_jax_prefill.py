@@ -213,15 +213,17 @@ def test_runs_inside_user_jit_and_traces_once_per_bucket():
         traces.append(1)
         return JP.prefill_attention(q, step_meta[4], raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows)
 
+    build = lambda case: JP.build_step_metadata(  # noqa: E731
+        P.plan_step(case.batch, case.plan_config(), [4]), index_topk=topk, token_tile=16, gather_tile=16, min_workspace_rows=256
+    )  # fmt: skip
+    assert build(cases[0])[4].shape == build(cases[1])[4].shape
     for case in cases:
-        step = P.plan_step(case.batch, case.plan_config(), [4])
-        smeta = JP.build_step_metadata(step, index_topk=topk, token_tile=16, gather_tile=16, min_workspace_rows=256)
+        smeta = build(case)
         raw, comp = caches(case)
-        args = (jnp.asarray(smeta.pad_tokens(case.q)), smeta, raw, comp, jnp.asarray(smeta.pad_tokens(case.topk_rows)), jnp.asarray(case.sink))
-        got = np.asarray(layer(*args))
-        args = args[:1] + (smeta[4],) + args[2:]
-        assert smeta[4].shape == JP.build_step_metadata(P.plan_step(cases[0].batch, cases[0].plan_config(), [4]), index_topk=topk, token_tile=16, gather_tile=16, min_workspace_rows=256)[4].shape
-        np.testing.assert_array_equal(got, np.asarray(JP.prefill_attention(*args[:4], sm_scale=0.25, attn_sink=args[5], topk_indices=args[4])))
+        q, topk_rows, sink = (jnp.asarray(x) for x in (smeta.pad_tokens(case.q), smeta.pad_tokens(case.topk_rows), case.sink))
+        got = np.asarray(layer(q, smeta, raw, comp, topk_rows, sink))
+        eager = JP.prefill_attention(q, smeta[4], raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows)
+        np.testing.assert_array_equal(got, np.asarray(eager))
         close(got[: case.batch.num_tokens], case.oracle()[0])
     assert len(traces) == 1  # both batches fall in the same buckets
 
@@ -234,7 +236,8 @@ def test_server_sizes_leave_only_the_token_bucket_static():
         n = int(rng.integers(1, 20))
         qry = rng.integers(0, 400, n)
         seq = qry + rng.integers(0, 60000, n)
-        smeta = JP.build_step_metadata(P.PrefillBatch(seq, qry), config=cfg, planner=str(rng.choice(POLICIES)), index_topk=512, sizes="server")
+        policy = str(rng.choice(POLICIES))
+        smeta = JP.build_step_metadata(P.PrefillBatch(seq, qry), config=cfg, planner=policy, index_topk=512, sizes="server")
         for kind, meta in smeta.kinds.items():
             assert meta.shape.workspace_rows == meta.plan.budget_rows >= meta.plan.max_workspace_rows
             shapes.add(dataclasses.replace(meta.shape, padded_tokens=0, token_ladder=()))
@@ -274,7 +277,8 @@ def test_zero_token_batch_and_unpadded_q():
     case = boundary_cases(0)[1]
     step = P.plan_step(case.batch, case.plan_config(), [0])
     meta = JP.build_step_metadata(step, **FAST)[0]
-    out = JP.prefill_attention(jnp.asarray(case.q), meta, [jnp.asarray(x) for x in case.raw], sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink))
+    raw = [jnp.asarray(x) for x in case.raw]
+    out = JP.prefill_attention(jnp.asarray(case.q), meta, raw, sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink))
     close(np.asarray(out), case.oracle()[0])
 
 
@@ -392,7 +396,8 @@ def test_prefill_lowers_for_cuda_with_the_triton_kernel(monkeypatch):
 
     def layer(q, meta, raw_pages, comp_pages, block_table, comp_table, topk_rows, sink):
         raw, comp = JP.PagedKV(raw_pages, block_table), JP.PagedKV(comp_pages, comp_table)
-        return JP.prefill_attention(q, meta, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk_rows, backend="pallas_triton")
+        return JP.prefill_attention(q, meta, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk_rows,
+                                    backend="pallas_triton")  # fmt: skip
 
     T = meta.padded_tokens
     args = (jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16), meta,
