@@ -1,16 +1,28 @@
-"""dsv4-prefill main job: plan a prefill step for every layer kind and show what it costs.
+"""dsv4-prefill main job: plan a prefill step, then run its attention in PyTorch and JAX.
 
     python demo.py                                   # the spec's worked example batch
     python demo.py --seq-lens 4096,900,17 --query-lens 512,900,17 --window-size 128
+    python demo.py --heads 64 --frameworks torch     # V4-Flash head count, PyTorch only
+
+Part 1 prints the planner's tables (adaptive vs fixed plans, workspace, kernel launches for
+V4-Flash and V4-Pro). Part 2 runs one attention layer of each kind on random latents through
+`dsv4_torch.prefill` and `dsv4_jax.prefill` ("auto" backends) under both plans, and checks every
+result against the float64 oracle and the plans against each other.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
-from planner import PrefillBatch
-from planner.report import SPEC_LIMITS, SPEC_QUERY_LENS, SPEC_SEQ_LENS, plan_report
+import numpy as np
+
+from planner import LayerKind, PlanConfig, PrefillBatch, oracle, plan_step
+from planner.report import SPEC_LIMITS, SPEC_QUERY_LENS, SPEC_SEQ_LENS, plan_report, table
+
+FRAMEWORKS = ("torch", "jax")
+PLANS = ("adaptive", "fixed")
 
 
 def int_list(text: str) -> list[int]:
@@ -28,7 +40,99 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=SPEC_LIMITS["max_model_len"])
     p.add_argument("--max-num-batched-tokens", type=int, default=SPEC_LIMITS["max_num_batched_tokens"])
     p.add_argument("--prefill-chunk-size", type=int, default=SPEC_LIMITS["prefill_chunk_size"])
+    p.add_argument("--heads", type=int, default=16, help="query heads (V4-Flash 64, V4-Pro 128)")
+    p.add_argument("--head-dim", type=int, default=512, help="latent width D (512 in DeepSeek-V4)")
+    p.add_argument("--index-topk", type=int, default=512, help="CSA top-k (V4-Flash 512, V4-Pro 1024)")
+    p.add_argument("--frameworks", default="torch,jax", help="comma-separated: torch, jax; empty to skip part 2")
+    p.add_argument("--backend", default="auto", help="backend for both frameworks (auto, reference/xla, ...)")
+    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
+
+
+def random_layer(batch: PrefillBatch, ratio: int, H: int, D: int, topk: int, rng):
+    """Latents of one layer: per-request raw and compressed KV, queries, valid top-k rows, sink."""
+    raw = [rng.standard_normal((int(s), D), dtype=np.float32) for s in batch.seq_lens]
+    comp = [rng.standard_normal((int(s) // ratio if ratio > 1 else 0, D), dtype=np.float32) for s in batch.seq_lens]
+    q = rng.standard_normal((batch.num_tokens, H, D), dtype=np.float32)
+    visible = (batch.token_position.astype(np.int64) + 1) // 4
+    scores = rng.random((batch.num_tokens, int(visible.max(initial=0)) or 1))
+    scores[np.arange(scores.shape[1])[None, :] >= visible[:, None]] = -1  # an indexer: best visible first
+    rows = np.argsort(-scores, axis=1, kind="stable")[:, :topk].astype(np.int32)
+    rows = np.pad(rows, ((0, 0), (0, max(0, topk - rows.shape[1]))), constant_values=-1)
+    rows[np.arange(topk)[None, :] >= np.minimum(visible, topk)[:, None]] = -1
+    return raw, comp, q, rows, rng.standard_normal(H).astype(np.float32)
+
+
+def run_torch(step, ratio, layer, topk, scale, backend):
+    import torch
+    from dsv4_torch import prefill as TP
+
+    raw, comp, q, rows, sink = layer
+    meta = TP.build_step_metadata(step, index_topk=topk)[ratio]
+    args = dict(sm_scale=scale, attn_sink=torch.from_numpy(sink), backend=backend,
+                topk_indices=torch.from_numpy(rows) if ratio == 4 else None)  # fmt: skip
+    call = lambda: TP.prefill_attention(torch.from_numpy(q), meta, [torch.from_numpy(x) for x in raw],
+                                        [torch.from_numpy(x) for x in comp] if ratio > 1 else None, **args)  # fmt: skip
+    call()  # warm-up
+    t0 = time.perf_counter()
+    out = call()
+    return out.numpy(), time.perf_counter() - t0, meta.last_backend
+
+
+def run_jax(step, ratio, layer, topk, scale, backend):
+    from dsv4_jax import prefill as JP
+
+    raw, comp, q, rows, sink = layer
+    meta = JP.build_step_metadata(step, index_topk=topk)
+    kmeta = meta[ratio]
+    raw_kv = JP.LogicalKV.from_list(raw)
+    comp_kv = JP.LogicalKV.from_list(comp) if ratio > 1 else None
+    q_pad, rows_pad = meta.pad_tokens(q), meta.pad_tokens(rows) if ratio == 4 else None
+    call = lambda: JP.prefill_attention(q_pad, kmeta, raw_kv, comp_kv, sm_scale=scale, attn_sink=sink,
+                                        topk_indices=rows_pad, backend=backend).block_until_ready()  # fmt: skip
+    call()  # compiles
+    t0 = time.perf_counter()
+    out = call()
+    return np.asarray(out)[: q.shape[0]], time.perf_counter() - t0, kmeta.last_backend
+
+
+def attention_report(batch: PrefillBatch, limits: dict, args) -> str:
+    """Part 2: one layer per kind, both plans, each framework, against the float64 oracle."""
+    frameworks = [f for f in args.frameworks.split(",") if f]
+    for f in frameworks:
+        if f not in FRAMEWORKS:
+            raise ValueError(f"--frameworks: expected some of {FRAMEWORKS}, got {f!r}")
+    rng = np.random.default_rng(args.seed)
+    steps = {p: plan_step(batch, PlanConfig(policy=p, **limits)) for p in PLANS}
+    scale = args.head_dim**-0.5
+    rows = []
+    for kind in LayerKind:
+        r = kind.ratio
+        layer = random_layer(batch, r, args.heads, args.head_dim, args.index_topk, rng)
+        raw, comp, q, topk_rows, sink = layer
+        want, _, _ = oracle.prefill_attention(q, raw, comp, batch.seq_lens, batch.query_lens, compress_ratio=r,
+                                              window_size=limits["window_size"], sm_scale=scale, attn_sink=sink,
+                                              topk_rows=topk_rows if r == 4 else None)  # fmt: skip
+        results = {}
+        for fw in frameworks:
+            run = run_torch if fw == "torch" else run_jax
+            for plan in PLANS:
+                out, seconds, backend = run(steps[plan], r, layer, args.index_topk, scale, args.backend)
+                results[fw, plan] = out
+                err = np.abs(out - want).max() / np.abs(want).max()
+                rows.append([kind.name, fw, backend, plan, steps[plan][kind].num_chunks, f"{seconds * 1e3:.1f}",
+                             f"{batch.num_tokens / seconds:.0f}", f"{err:.1e}"])  # fmt: skip
+            rows[-1].append("yes" if np.array_equal(results[fw, "adaptive"], results[fw, "fixed"]) else "NO")
+            rows[-2].append("")
+        if len(frameworks) == 2:
+            diff = np.abs(results["torch", "adaptive"] - results["jax", "adaptive"]).max() / np.abs(want).max()
+            rows[-1].append(f"{diff:.1e}")
+    header = ["kind", "framework", "backend", "plan", "chunks", "ms", "tokens/s", "max rel err vs oracle",
+              "plans bitwise equal", "torch vs jax"][: max(len(r) for r in rows)]  # fmt: skip
+    rows = [r + [""] * (len(header) - len(r)) for r in rows]
+    return (f"One attention layer per kind: {args.heads} heads, D={args.head_dim}, CSA top-k {args.index_topk}, "
+            f"float32, random latents; errors relative to the largest output of the float64 oracle.\n"
+            + table(rows, header))  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -42,6 +146,9 @@ def main(argv=None) -> int:
     try:
         batch = PrefillBatch(args.seq_lens, args.query_lens, args.max_model_len, args.max_num_batched_tokens)
         print(plan_report(batch, limits))
+        if args.frameworks:
+            print()
+            print(attention_report(batch, limits, args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
