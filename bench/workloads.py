@@ -16,6 +16,7 @@ def workloads(seed: int = 0, scale: float = 1.0) -> dict[str, tuple[list[int], l
     """name -> (seq_lens, query_lens, limits). `scale` < 1 shrinks lengths for CPU attention runs."""
     rng = np.random.default_rng(seed)
     s = lambda x: max(1, int(x * scale))
+    ints = lambda lo, hi, n: [int(x) for x in rng.integers(s(lo), max(s(lo) + 1, s(hi)), n)]
     out = {"spec-example": (list(SPEC_SEQ_LENS), list(SPEC_QUERY_LENS), dict(SPEC_LIMITS))}
 
     # Many short chats: fresh prompts of 16..256 tokens filling an 8K-token step.
@@ -25,11 +26,11 @@ def workloads(seed: int = 0, scale: float = 1.0) -> dict[str, tuple[list[int], l
     out["short-chats"] = (q, q, _limits(max_num_batched_tokens=s(8192)))
 
     # Long-context RAG: four 60K..64K documents, each in the middle of a 2K-token prefill chunk.
-    seq = [int(x) for x in rng.integers(s(60000), s(64000) + 1, 4)]
+    seq = ints(60000, 64001, 4)
     out["long-rag"] = (seq, [s(2048)] * 4, _limits(max_model_len=s(65536), max_num_batched_tokens=s(8192)))
 
     # Mixed: one long continuation, medium documents, short chats, and KV-transfer loads (q = 0).
-    seq = [s(50000)] + [int(x) for x in rng.integers(s(2000), s(8000), 6)] + [int(x) for x in rng.integers(s(20), s(200), 16)]
+    seq = [s(50000)] + ints(2000, 8000, 6) + ints(20, 200, 16)
     qry = [s(1024)] + [s(256)] * 6 + seq[7:]
     seq += [s(30000), s(12000)]
     qry += [0, 0]

@@ -1,0 +1,57 @@
+"""Every GPU check in one command, sized for a short lease on one H100/H200/B200.
+
+    python bench/gpu_check.py [--budget 480]
+
+Runs, each in its own process with its own time cap, and prints their tables:
+  1. bench/gpu_check_torch.py    FlashMLA (where its wheel imports) and our Triton kernel vs the
+                                 reference; TFLOPS vs FlashMLA's published 640
+  2. bench/gpu_check_jax.py      Pallas-Triton vs xla; TFLOPS
+  3. bench/gpu_check_prefill.py  whole prefill layers, adaptive vs fixed vs per-request, both frameworks
+Logs go to $OUT (when set, as on the device tool) or ./out/gpu-check/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget", type=float, default=480, help="seconds for all checks together")
+    args = ap.parse_args(argv)
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(HERE), "out", "gpu-check")
+    os.makedirs(out_dir, exist_ok=True)
+    b = args.budget
+    checks = [  # script, its arguments, share of the budget
+        ("gpu_check_torch.py", ["--sweep-seconds", str(int(0.08 * b))], 0.35),
+        ("gpu_check_jax.py", [], 0.3),
+        ("gpu_check_prefill.py", ["--seconds", str(int(0.25 * b))], 0.35),
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for script, extra, share in checks:
+        cap = share * b
+        log = os.path.join(out_dir, script.replace(".py", ".log"))
+        print(f"\n##### {script} (cap {cap:.0f} s, log {log})", flush=True)
+        t0 = time.time()
+        with open(log, "w") as f:
+            try:
+                p = subprocess.run([sys.executable, os.path.join(HERE, script), *extra], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, timeout=cap, env=env)  # fmt: skip
+                text, rc = p.stdout, p.returncode
+            except subprocess.TimeoutExpired as e:
+                text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+                rc = f"timeout after {cap:.0f} s"
+            f.write(text)
+        print(text[-12000:])
+        print(f"##### {script}: exit {rc}, {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
