@@ -237,6 +237,38 @@ def test_metadata_built_once_per_forward_and_disable_restores_eager(model, monke
         assert torch.equal(model(ids).logits, before)
 
 
+def test_layer_code_never_reads_the_device(model, monkeypatch):
+    """Between the pre-hook (one host read of the mask) and the end of the forward, our per-layer
+    code (projections, ragged state, pooling, indexer) asks nothing of the device: with the kernel
+    stubbed out (the reference kernel itself reads on CPU), every host read raises."""
+    g = torch.Generator().manual_seed(6)
+    ids, mask = left_padded([torch.randint(3, 512, (n,), generator=g).tolist() for n in (133, 20)])
+
+    def stub(q, meta, raw_kv, compressed_kv=None, **kw):
+        return q.new_zeros(q.shape)  # D = 512: out has q's shape
+
+    def trap(*a, **k):
+        raise AssertionError("host read of a tensor inside the layer loop")
+
+    real_layer = I._sparse_layer
+
+    def guarded(*args):
+        with monkeypatch.context() as m:
+            for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"):
+                m.setattr(torch.Tensor, name, trap)
+            with pytest.raises(AssertionError, match="host read"):
+                bool(torch.ones(1))  # the trap is armed
+            return real_layer(*args)
+
+    monkeypatch.setattr(I, "prefill_attention", stub)
+    monkeypatch.setattr(I, "_sparse_layer", guarded)
+    with sparse(model), torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids, attention_mask=mask, past_key_values=cache)
+        model(ids[:, :1], attention_mask=torch.cat([mask, torch.ones_like(mask[:, :1])], 1), past_key_values=cache)
+        assert I.last_forward(model).seq_lens == [134, 21]
+
+
 def test_unsupported_models_and_settings_fail_clearly(model, monkeypatch):
     with pytest.raises(TypeError, match="model: expected a transformers DeepseekV4ForCausalLM"):
         I.enable_sparse_prefill(torch.nn.Linear(2, 2))
