@@ -181,6 +181,47 @@ def test_ragged_generate_matches_each_prompt_alone(model, tokenizer):
         assert all(t == tokenizer.pad_token_id for t in new[len(want):]), i  # finished early: padded
 
 
+def test_rows_without_new_tokens_keep_their_state(model):
+    """A row whose new columns are all padding (mask 0) is skipped and continues unchanged later."""
+    g = torch.Generator().manual_seed(7)
+    a, b = (torch.randint(3, 512, (n,), generator=g) for n in (30, 43))
+    ids, mask = left_padded([a[:27].tolist(), b[:40].tolist()])
+    with torch.no_grad():
+        with sparse(model):
+            cache = DynamicCache(config=model.config)
+            model(ids, attention_mask=mask, past_key_values=cache)
+            for t in range(3):  # row 1 sits out the first step; row 0 sits out the second
+                live = torch.tensor([[t != 1], [t != 0]], dtype=torch.long)
+                mask = torch.cat([mask, live], 1)
+                feed = torch.stack([a[27 + t - (t > 1)], b[40 + t - 1 if t else 0]])[:, None]
+                out = model(torch.where(live.bool(), feed, PAD), attention_mask=mask, past_key_values=cache).logits
+                assert I.last_forward(model).query_lens == live[:, 0].tolist()
+            assert I.last_forward(model).seq_lens == [29, 42]
+        assert err(out[0, 0], model(a[None, :29]).logits[0, -1]) < TOL
+        assert err(out[1, 0], model(b[None, :42]).logits[0, -1]) < TOL
+
+
+def test_triton_backend_through_the_model(model):
+    """The Triton kernel (interpreted on CPU, `TRITON_INTERPRET=1` from conftest) runs the same path."""
+    from dsv4_torch.attention import BackendUnavailableError
+
+    ids, mask = left_padded([ids_of(40, 8)[0].tolist(), ids_of(15, 9)[0].tolist()])
+    with torch.no_grad():
+        with sparse(model):
+            ref = model(ids, attention_mask=mask).logits
+        try:
+            I.enable_sparse_prefill(model, backend="triton")
+        except BackendUnavailableError as e:
+            pytest.skip(f"triton cannot run on CPU tensors here: {e}")
+        try:
+            out = model(ids, attention_mask=mask).logits
+            assert I.last_forward(model).backends == {"SWA": "triton", "CSA": "triton", "HCA": "triton"}
+        finally:
+            I.disable_sparse_prefill(model)
+    real = mask.bool()
+    assert err(out[real], ref[real]) < TOL
+
+
 def test_planners_give_bitwise_identical_logits(model):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (140, 33, 70, 9, 131)]
