@@ -258,7 +258,7 @@ class _Context:
     meta: StepMetadata
     raw: ragged.RawPlan
     compress: dict[int, ragged.CompressPlan]
-    dev: dict[str, torch.Tensor]
+    dev: dict[str, torch.Tensor]  # device index tensors: "raw_src", ..., and per ratio "4.usable", ...
     real_index: torch.Tensor | None  # (Tr,) rows of the (B*T) flattening; None = every token is real
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -528,7 +528,9 @@ def _compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: _Context, r: i
     append the entries to the request's region; returns the layer's entry rows."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb as rope
 
-    plan, dev = ctx.compress[r], {k.split(".", 1)[1]: v for k, v in ctx.dev.items() if k.startswith(f"{r}.")}
+    plan = ctx.compress[r]
+    dev = {k: ctx.dev[f"{r}.{k}"] for k in ("usable", "leftover", "prev", "overlap", "positions", "move_src",
+                                            "move_dst", "append_dst")}  # fmt: skip
     cs = lstate.compressors.setdefault(name, ragged.CompressorState(r))
     kv, gate = cmod.kv_proj(x), cmod.gate_proj(x)  # (Tr, C), without the position bias
     stream_kv = kv if cs.buf_kv is None else torch.cat([cs.buf_kv, kv])
