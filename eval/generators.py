@@ -9,19 +9,22 @@ session of requests, each returning the greedy (argmax) next token of every requ
     decode(tokens: list[int]) -> list[int]            # one token per request of the session
 
 - `HFTorchGenerator`: transformers' `DeepseekV4ForCausalLM` from a checkpoint directory, either
-  with its own eager attention (`attention="eager"`) or after
-  `dsv4_torch.hf.enable_sparse_prefill(model, backend=..., planner=...)` (issue 6).
+  with its own eager attention (`attention="eager"`) or (default, `attention="auto"` or a named
+  backend) after `dsv4_torch.hf.enable_sparse_prefill(model, backend=..., planner=...)`, whose
+  ragged batches need no care here: left padding + `attention_mask` is all it reads.
 - `JaxGenerator`: an adapter over the JAX model of issue 7 (`dsv4_jax.model.load_generator`).
 
 Batching: `"per_request"` runs each prompt alone (batch of one); `"batched"` runs all prompts of
 a `generate` call as one session (left-padded with a 2-D `attention_mask` and per-row
 `position_ids` in the torch adapter). transformers 5.23's eager DeepSeek-V4 attention gives
 different tokens for a left-padded request than for the same request alone (its compressors cut
-ratio-4/128 windows from cache position 0, pad tokens included), so eager runs per request.
+ratio-4/128 windows from cache position 0, pad tokens included), so eager runs per request; our
+sparse path keeps per-request compressor state and runs batched.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import time
@@ -280,7 +283,7 @@ class HFTorchGenerator(Generator):
     if the attention honours per-request lengths (our integration's contract, not eager's).
     """
 
-    def __init__(self, model, codec, *, attention: str = "eager", planner: str | None = None,
+    def __init__(self, model, codec, *, attention: str = "auto", planner: str | None = None,
                  batching: str = "auto", plan_hook=None):
         super().__init__()
         import torch
@@ -296,7 +299,7 @@ class HFTorchGenerator(Generator):
         self._cache = self._mask = self._next_pos = None
 
     @classmethod
-    def from_checkpoint(cls, checkpoint, *, attention="eager", planner="adaptive", dtype="float32",
+    def from_checkpoint(cls, checkpoint, *, attention="auto", planner="adaptive", dtype="float32",
                         device=None, batching="auto") -> "HFTorchGenerator":
         """Load model and tokenizer from `checkpoint`; route attention through our path unless eager.
 
@@ -311,16 +314,6 @@ class HFTorchGenerator(Generator):
         if dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
         batching = resolve_batching(batching, attention)  # fail before loading anything
-        enable = None
-        if attention != "eager":
-            try:
-                hf = importlib.import_module("dsv4_torch.hf")
-                enable = hf.enable_sparse_prefill
-            except (ModuleNotFoundError, AttributeError):
-                raise SetupError(
-                    f"--attention {attention} needs the transformers integration (issue 6): "
-                    "dsv4_torch.hf.enable_sparse_prefill is not in this checkout; use --attention eager"
-                ) from None
         import torch
         from transformers import DeepseekV4ForCausalLM
 
@@ -329,10 +322,11 @@ class HFTorchGenerator(Generator):
             str(checkpoint), dtype=getattr(torch, dtype), attn_implementation="eager"
         ).to(device)
         plan_hook = None
-        if enable is not None:
-            enable(model, backend=attention, planner=planner)
-            hook = getattr(hf, "last_step_plan", None)
-            plan_hook = (lambda: hook(model)) if hook is not None else None
+        if attention != "eager":
+            from dsv4_torch import hf
+
+            hf.enable_sparse_prefill(model, backend=attention, planner=planner)
+            plan_hook = functools.partial(hf.last_step_plan, model)
         return cls(model, TextCodec.from_checkpoint(checkpoint), attention=attention,
                    planner=None if attention == "eager" else planner, batching=batching, plan_hook=plan_hook)
 
@@ -389,7 +383,17 @@ class HFTorchGenerator(Generator):
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "plan_hook": self.plan_hook is not None,
+            "backends": self._backends_run(),
         }
+
+    def _backends_run(self):
+        """The concrete kernel per layer kind of the last forward (our path only), e.g. {"CSA": "triton"}."""
+        if self.attention == "eager":
+            return None
+        from dsv4_torch import hf
+
+        record = hf.last_forward(self.model)
+        return None if record is None else record.backends
 
 
 # ----------------------------------------------------------------------------- JAX (issue 7)
@@ -462,7 +466,7 @@ class JaxGenerator(Generator):
                 "dtype": self.dtype, "device": str(jax.devices()[0]), "jax": jax.__version__}
 
 
-def load_generator(checkpoint, *, framework="torch", attention="eager", planner="adaptive", dtype="float32",
+def load_generator(checkpoint, *, framework="torch", attention="auto", planner="adaptive", dtype="float32",
                    device=None, batching="auto") -> Generator:
     """The generator for one configuration (see `HFTorchGenerator` / `JaxGenerator`)."""
     if framework == "torch":

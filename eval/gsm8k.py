@@ -32,8 +32,9 @@ and `lm_eval/defaults.py` (fewshot seed 1234), `lm_eval/filters/extraction.py` (
 
 Remaining differences from an lm-eval run:
 - lm-eval's HF backend batches requests with left padding; for DeepSeek-V4's eager attention that
-  changes tokens (see eval/generators.py), so eager runs one request at a time here. Our path runs
-  ragged batches that must equal per-request runs (`--compare` checks it).
+  changes tokens (see eval/generators.py), so eager runs one request at a time here. Our path
+  (`--attention auto`, the torch default) runs ragged batches that equal per-request runs
+  (`--compare attention=eager attention=reference` checks it).
 - lm-eval stops a request when its stop string shows in the last few decoded tokens and stops the
   batch when all are done; we stop each request as soon as its whole decoded continuation holds a
   stop string or it emits EOS. The scored text is the same (lm-eval cuts at the first stop string).
@@ -96,7 +97,8 @@ FALLBACK = "[invalid]"
 METRICS = ("strict-match", "flexible-extract")
 
 # what `python -m eval.gsm8k` with no --checkpoint runs: the tiny random checkpoint, a small slice
-# (its eager 5-shot prefill, ~2200 tokens at head_dim 512, takes ~10 s per problem on 2 CPU cores)
+# (its eager 5-shot prefill, ~2200 tokens at head_dim 512, takes ~10 s per problem on 2 CPU cores;
+# the default torch attention is our sparse path, batched)
 TINY_LIMIT = 8
 TINY_NUM_FEWSHOT = 1
 TINY_MAX_NEW_TOKENS = 32
@@ -307,8 +309,9 @@ def accuracy(flags: Sequence[bool]) -> dict:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One configuration of `--compare` (and of a plain run). `attention=None`: eager for torch,
-    auto for jax. `batching="auto"`: per request for eager, batched otherwise."""
+    """One configuration of `--compare` (and of a plain run). `attention=None`: auto (our sparse
+    path for torch, `dsv4_torch.hf.enable_sparse_prefill`; the JAX model's default for jax).
+    `batching="auto"`: per request for eager, batched otherwise."""
 
     checkpoint: str
     framework: str = "torch"
@@ -320,7 +323,7 @@ class RunConfig:
     batch_size: int = 8
 
     def resolved(self) -> "RunConfig":
-        attention = self.attention or ("eager" if self.framework == "torch" else "auto")
+        attention = self.attention or "auto"
         cfg = replace(self, attention=attention)
         cfg.validate()
         return cfg
@@ -560,7 +563,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", help="checkpoint directory (config.json, *.safetensors, tokenizer.json); "
                    f"default: the tiny random checkpoint in {TINY_CHECKPOINT_DIR.relative_to(REPO_ROOT)} (made on demand)")
     p.add_argument("--framework", choices=("torch", "jax"), default="torch")
-    p.add_argument("--attention", help=f"torch: {'/'.join(TORCH_ATTENTION)} (default eager, transformers' own); "
+    p.add_argument("--attention", help=f"torch: {'/'.join(TORCH_ATTENTION)} (default auto: our sparse path; eager = transformers' own); "
                    f"jax: {'/'.join(JAX_ATTENTION)} (default auto)")
     p.add_argument("--planner", choices=PLANNERS, default="adaptive", help="chunk plan of our path (unused by eager)")
     p.add_argument("--batching", choices=BATCHING, default="auto",

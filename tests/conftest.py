@@ -8,6 +8,8 @@ we leave it alone and those tests run on the GPU.
 
 import os
 
+import pytest
+
 if "TRITON_INTERPRET" not in os.environ:
     try:
         import torch
@@ -16,3 +18,11 @@ if "TRITON_INTERPRET" not in os.environ:
             os.environ["TRITON_INTERPRET"] = "1"
     except ImportError:  # a JAX-only environment
         pass
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_dir(tmp_path_factory):
+    """The tiny random DeepSeek-V4 checkpoint (`write_tiny_checkpoint`, seed 0), written once per session."""
+    from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-ckpt") / "ckpt", seed=0)

@@ -386,7 +386,7 @@ def test_parse_and_apply_overrides():
         with pytest.raises(ValueError, match=msg):
             E.parse_overrides(bad)
     base = E.RunConfig(checkpoint="ckpt")
-    assert base.resolved().attention == "eager"
+    assert base.resolved().attention == "auto"  # torch: our sparse path
     assert E.apply_overrides(base, "framework=jax").attention == "auto"
     ref = E.RunConfig(checkpoint="ckpt", attention="reference")
     assert E.apply_overrides(ref, "framework=torch").attention == "reference"  # kept where it exists
@@ -443,10 +443,7 @@ def has_module(name):
 
 
 def test_missing_components_fail_clearly(tmp_path):
-    """Until issues 6 and 7 land here, their absence is a clear SetupError (each check runs only then)."""
-    if not (has_module("dsv4_torch.hf") and hasattr(importlib.import_module("dsv4_torch.hf"), "enable_sparse_prefill")):
-        with pytest.raises(G.SetupError, match=r"needs the transformers integration \(issue 6\)"):
-            G.load_generator(tmp_path, attention="reference")
+    """Until issue 7 lands here, its absence is a clear SetupError (each check runs only then)."""
     if not has_module("dsv4_jax.model"):
         with pytest.raises(G.SetupError, match=r"JAX DeepSeek-V4 model \(issue 7\)"):
             G.load_generator(tmp_path, framework="jax", attention="auto")
@@ -543,7 +540,7 @@ def test_cli_end_to_end_on_tiny_eager_checkpoint(tiny_eager, tmp_path):
     write_split(tmp_path / "train.jsonl", TRAIN)
     out = tmp_path / "r.json"
     argv = ["--checkpoint", str(ckpt), "--data", str(tmp_path), "--limit", "2", "--num-fewshot", "1",
-            "--max-new-tokens", "3", "--batch-size", "2", "--output", str(out), "--no-progress"]
+            "--max-new-tokens", "3", "--batch-size", "2", "--output", str(out), "--no-progress", "--attention", "eager"]
     assert E.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["config"]["generator"]["batching"] == "per_request"
@@ -567,3 +564,26 @@ def test_batched_adapter_path_on_equal_lengths(tiny_eager):
     gen.batching = "batched"  # bypasses resolve_batching's guard, fine without padding
     assert gen.generate(prompts, 5, []) == alone
     assert [s.requests for s in gen.steps if s.phase == "prefill"][-1] == 3
+
+
+def test_cli_compare_eager_vs_our_ragged_batches(tiny_eager, tmp_path):
+    """`--compare attention=eager attention=reference`: eager one request at a time vs our path on
+    left-padded ragged batches (prompts from 20 to 170 tokens: CSA top-k and HCA entries in use)
+    give identical tokens, and the report carries our planner figures and the backend that ran."""
+    _, ckpt = tiny_eager
+    test = [{"question": "Tom has 3 apples. " * n + "How many?", "answer": "#### 3"} for n in (9, 1, 4, 0)]
+    write_split(tmp_path / "test.jsonl", test)
+    write_split(tmp_path / "train.jsonl", TRAIN)
+    out = tmp_path / "r.json"
+    argv = ["--checkpoint", str(ckpt), "--data", str(tmp_path), "--num-fewshot", "0", "--max-new-tokens", "8",
+            "--batch-size", "4", "--output", str(out), "--no-progress", "--compare", "attention=eager",
+            "attention=reference"]
+    assert E.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["compare"]["problems"] == 4 and report["compare"]["identical_problems"] == 4
+    gen_a, gen_b = report["a"]["config"]["generator"], report["b"]["config"]["generator"]
+    assert gen_a["batching"] == "per_request" and gen_b["batching"] == "batched"
+    assert gen_b["backends"] == {"SWA": "reference", "CSA": "reference", "HCA": "reference"}
+    lengths = sorted(p["prompt_tokens"] for p in report["b"]["problems"])
+    assert lengths[0] < 32 and lengths[-1] > 128
+    assert report["a"]["planner"] is None and report["b"]["planner"] is not None

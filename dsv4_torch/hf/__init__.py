@@ -1,6 +1,7 @@
-"""transformers DeepSeek-V4 helpers: tiny checkpoints and attention capture.
+"""transformers DeepSeek-V4 helpers: our sparse prefill inside the model, tiny checkpoints, capture.
 
-Nothing heavy is imported here (no torch, no transformers); the submodules load on first use:
+Nothing heavy is imported here (no transformers); the submodules load on first use:
+`dsv4_torch.hf.integration` (`enable_sparse_prefill` and friends; torch, transformers),
 `dsv4_torch.hf.tiny_checkpoint` (numpy, tokenizers, safetensors) and `dsv4_torch.hf.capture`
 (torch, transformers).
 """
@@ -8,6 +9,12 @@ Nothing heavy is imported here (no torch, no transformers); the submodules load 
 import importlib
 
 _LAZY = {
+    "enable_sparse_prefill": "integration",
+    "disable_sparse_prefill": "integration",
+    "is_sparse_prefill_enabled": "integration",
+    "last_step_plan": "integration",
+    "last_forward": "integration",
+    "ForwardRecord": "integration",
     "write_tiny_checkpoint": "tiny_checkpoint",
     "tiny_config": "tiny_checkpoint",
     "capture_attention": "capture",
