@@ -47,9 +47,40 @@ class PagedKV:
             raise ValueError(f"block_table: on {self.block_table.device}, pages on {self.pages.device}")
 
 
-# Per-request contiguous tensors, request i's of shape (len_i, D): the simple form tests use.
-LogicalKV = Sequence[torch.Tensor]
-KVSource = Union[PagedKV, LogicalKV]
+@dataclass(frozen=True)
+class LogicalKV:
+    """Per-request caches packed in one tensor (the twin of `dsv4_jax.prefill.LogicalKV`).
+
+    rows: (S, D): entry e of request i is row offsets[i] + e.
+    offsets: (B,) int32/int64, on rows' device. An offset may be negative when a request keeps
+      only its recent entries (e.g. a window): only the entries a plan reads must be in range.
+    """
+
+    rows: torch.Tensor
+    offsets: torch.Tensor
+
+    def __post_init__(self):
+        if not isinstance(self.rows, torch.Tensor) or self.rows.dim() != 2:
+            raise ValueError(f"rows: expected a (S, D) tensor, got {_shape(self.rows)}")
+        if not isinstance(self.offsets, torch.Tensor) or self.offsets.dim() != 1:
+            raise ValueError(f"offsets: expected a (B,) tensor, got {_shape(self.offsets)}")
+        if self.offsets.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"offsets: expected int32 or int64, got {self.offsets.dtype}")
+        if self.offsets.device != self.rows.device:
+            raise ValueError(f"offsets: on {self.offsets.device}, rows on {self.rows.device}")
+
+    @classmethod
+    def from_list(cls, tensors: Sequence[torch.Tensor]) -> "LogicalKV":
+        """Pack per-request (len_i, D) tensors (one copy)."""
+        if not isinstance(tensors, (list, tuple)) or not tensors:
+            raise TypeError(f"tensors: expected a non-empty sequence of (len_i, D) tensors, got {type(tensors).__name__}")
+        lens = [t.shape[0] for t in tensors]
+        offsets = torch.tensor(np.concatenate([[0], np.cumsum(lens)[:-1]]), dtype=torch.int64, device=tensors[0].device)
+        return cls(torch.cat(list(tensors)), offsets)
+
+
+# A PagedKV, a LogicalKV, or per-request (len_i, D) tensors (packed on every call: for tests).
+KVSource = Union[PagedKV, LogicalKV, Sequence[torch.Tensor]]
 
 
 def _shape(x):
@@ -200,11 +231,11 @@ class _Rows:
             self.block_table = src.block_table.long()
             self.offsets = None
         else:
-            if not isinstance(src, (list, tuple)) or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in src):
-                raise TypeError(f"{name}: expected a PagedKV or a sequence of (len_i, D) tensors")
-            lens = [t.shape[0] for t in src]
-            self.rows = torch.cat(list(src)) if src else torch.empty(0, 0, dtype=dtype, device=device)
-            self.offsets = torch.tensor(np.concatenate([[0], np.cumsum(lens)[:-1]]), dtype=torch.int64, device=device)
+            if not isinstance(src, LogicalKV):
+                if not isinstance(src, (list, tuple)) or not src or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in src):
+                    raise TypeError(f"{name}: expected a PagedKV, a LogicalKV or a sequence of (len_i, D) tensors")
+                src = LogicalKV.from_list(src)
+            self.rows, self.offsets = src.rows, src.offsets.long()
         if self.rows.dtype != dtype:
             raise TypeError(f"{name}: dtype {self.rows.dtype} differs from q's {dtype}")
         if self.rows.device != device:

@@ -15,7 +15,7 @@ def run(case, *, policy="adaptive", paged=False, dtype=torch.float32, backend="r
     step = P.plan_step(case.batch, case.plan_config(policy=policy, **cfg), [case.ratio])
     meta = TP.build_step_metadata(step, index_topk=case.topk)[case.ratio]
     t = lambda a: torch.from_numpy(np.asarray(a)).to(dtype)
-    if paged:
+    if paged is True:
         raw = TP.PagedKV(*(torch.from_numpy(x) for x in case.paged("raw", seed=1)))
         raw = TP.PagedKV(raw.pages.to(dtype), raw.block_table)
         comp = None
@@ -25,6 +25,9 @@ def run(case, *, policy="adaptive", paged=False, dtype=torch.float32, backend="r
     else:
         raw = [t(x) for x in case.raw]
         comp = [t(x) for x in case.comp] if case.ratio > 1 else None
+        if paged == "packed":  # one tensor + offsets; a window-only raw cache needs negative offsets
+            raw = TP.LogicalKV.from_list(raw)
+            comp = TP.LogicalKV.from_list(comp) if comp else None
     out = TP.prefill_attention(
         t(case.q), meta, raw, comp, sm_scale=case.sm_scale, attn_sink=torch.from_numpy(case.sink),
         topk_indices=torch.from_numpy(case.topk_rows) if case.ratio == 4 else None, backend=backend,
@@ -46,9 +49,9 @@ def test_prefill_matches_oracle_and_is_chunk_invariant(ratio, case_no):
     # the plan never changes a bit of the result (reference backend, fp32)
     for policy in POLICIES[1:]:
         assert torch.equal(outs[policy], outs["adaptive"]), policy
-    # nor does a length-sorted order, a budget that splits requests, or paged caches
+    # nor does a length-sorted order, a budget that splits requests, paged or packed caches
     tight = max(s // ratio if ratio > 1 else 0 for s in case.seq_lens) + case.window_size + 4
-    for kw in (dict(order="length"), dict(budget_rows=tight), dict(paged=True)):
+    for kw in (dict(order="length"), dict(budget_rows=tight), dict(paged=True), dict(paged="packed")):
         out, _ = run(case, **kw)
         assert torch.equal(out, outs["adaptive"]), kw
 
@@ -106,6 +109,22 @@ def test_metadata_built_once_and_workspace_shared():
     assert meta.workspace(32, torch.float32) is ws  # every layer reuses it
 
 
+def test_logical_kv_keeps_only_recent_rows():
+    """A LogicalKV may hold just each request's window rows, with negative offsets."""
+    case = boundary_cases(0)[2]  # long prefixes
+    want, _ = run(case)
+    gath = case.batch.gather_lens(case.window_size)
+    keep = [x[int(s) - int(g):] for x, s, g in zip(case.raw, case.seq_lens, gath)]
+    starts = np.concatenate([[0], np.cumsum([len(k) for k in keep])[:-1]])
+    offsets = torch.tensor(starts - (np.array(case.seq_lens) - gath))
+    step = P.plan_step(case.batch, case.plan_config(), [0])
+    meta = TP.build_step_metadata(step)[0]
+    got = TP.prefill_attention(torch.from_numpy(case.q), meta,
+                               TP.LogicalKV(torch.from_numpy(np.concatenate(keep)), offsets),
+                               sm_scale=case.sm_scale, attn_sink=torch.from_numpy(case.sink), backend="reference")
+    assert torch.equal(got, want)
+
+
 def test_bad_inputs():
     case = boundary_cases(4)[0]
     step = P.plan_step(case.batch, case.plan_config(), [4])
@@ -134,3 +153,7 @@ def test_bad_inputs():
         TP.build_step_metadata(case.batch)
     with pytest.raises(ValueError, match="block_table"):
         TP.PagedKV(torch.zeros(2, 4, 8), torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match="offsets"):
+        TP.LogicalKV(torch.zeros(4, 8), torch.zeros(2))
+    with pytest.raises(TypeError, match="raw_kv"):
+        call(raw_kv=[])
