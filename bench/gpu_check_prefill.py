@@ -83,7 +83,7 @@ def time_torch(step, ratio, x, topk, iters, dry):
 
 
 def time_jax(step, ratio, x, topk, iters, dry):
-    import jax
+    import jax  # noqa: F401 - fail early if JAX is missing
     import jax.numpy as jnp
 
     from dsv4_jax import prefill as JP

@@ -46,7 +46,6 @@ count, cache sizes, top-k rows on the host) run when the metadata still carries 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence, Union
@@ -59,8 +58,9 @@ from jax.tree_util import register_pytree_node_class
 
 from dsv4_jax.attention import resolve_backend, sparse_attention
 from dsv4_jax.buckets import MIN_TILE, bucket, tile_ladder, tiled_items
-from planner import LayerKind, PlanConfig, PrefillBatch, StepPlan, layer_kind, plan_step
-from planner.layout import INDEX_ALIGN, index_width, round_up
+from planner import LayerKind, PlanConfig, PrefillBatch, StepPlan, layer_kind
+from planner.plan import as_step_plan
+from planner.layout import INDEX_ALIGN, check_topk_rows, index_width, round_up
 from planner.oracle import value_dim
 from planner.plan import KindPlan
 
@@ -351,18 +351,7 @@ def build_step_metadata(
         batches share them, and their compiled programs).
       device: where the tables go (default: JAX's default device).
     """
-    if isinstance(plan_or_batch, StepPlan):
-        step = plan_or_batch
-        if planner is not None and planner != step.config.policy:
-            raise ValueError(f"planner: {planner!r} differs from the given StepPlan's policy {step.config.policy!r}")
-    elif isinstance(plan_or_batch, PrefillBatch):
-        if config is None:
-            raise ValueError("config: a PlanConfig is required to plan a PrefillBatch")
-        if planner is not None:
-            config = dataclasses.replace(config, policy=planner)
-        step = plan_step(plan_or_batch, config, compress_ratios)
-    else:
-        raise TypeError(f"plan_or_batch: expected a StepPlan or PrefillBatch, got {type(plan_or_batch).__name__}")
+    step = as_step_plan(plan_or_batch, config, compress_ratios, planner)
     for name, v in (("token_tile", token_tile), ("gather_tile", gather_tile)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
             raise ValueError(f"{name}: expected a power of two, got {v!r}")
@@ -762,19 +751,6 @@ def _check_topk(topk_indices, meta: KindMetadata):
     if topk_indices.shape[1] + meta.shape.window_size > meta.index_width:
         raise ValueError(f"topk_indices: top-k {topk_indices.shape[1]} does not fit index width {meta.index_width}")
     if isinstance(topk_indices, np.ndarray) and meta.plan is not None:  # on the host: free to check
-        _check_topk_on_host(topk_indices, meta.plan)
+        check_topk_rows(topk_indices, meta.plan.token_index, meta.plan.token_position, 4, "topk_indices")
     return jnp.asarray(topk_indices, jnp.int32)
 
-
-def _check_topk_on_host(topk_indices: np.ndarray, plan: KindPlan):
-    pos = plan.token_position.astype(np.int64)
-    visible = (pos + 1) // plan.compress_ratio
-    rows = topk_indices[plan.token_index].astype(np.int64)
-    used = np.arange(rows.shape[1])[None, :] < np.minimum(visible, rows.shape[1])[:, None]
-    bad = used & ((rows < 0) | (rows >= visible[:, None]))
-    if bad.any():
-        t = int(np.argmax(bad.any(axis=1)))
-        raise ValueError(
-            f"topk_indices: row {int(plan.token_index[t])} (position {int(pos[t])}) points at entries outside "
-            f"0..{int(visible[t]) - 1}"
-        )

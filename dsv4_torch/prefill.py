@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from dsv4_torch.attention import resolve_backend, sparse_attention
-from planner import LayerKind, PlanConfig, PrefillBatch, StepPlan, layer_kind, plan_step
-from planner.layout import index_width
+from planner import LayerKind, PlanConfig, PrefillBatch, StepPlan, layer_kind
+from planner.plan import as_step_plan
+from planner.layout import check_topk_rows, index_width
 from planner.oracle import value_dim
 from planner.plan import KindPlan
 
@@ -176,18 +177,7 @@ def build_step_metadata(
       compress_ratios: the model's per-layer ratios (or just the kinds) when a batch is given.
       planner: "adaptive", "fixed" or "per_request": overrides `config.policy`.
     """
-    if isinstance(plan_or_batch, StepPlan):
-        step = plan_or_batch
-        if planner is not None and planner != step.config.policy:
-            raise ValueError(f"planner: {planner!r} differs from the given StepPlan's policy {step.config.policy!r}")
-    elif isinstance(plan_or_batch, PrefillBatch):
-        if config is None:
-            raise ValueError("config: a PlanConfig is required to plan a PrefillBatch")
-        if planner is not None:
-            config = PlanConfig(**{**config.__dict__, "policy": planner})
-        step = plan_step(plan_or_batch, config, compress_ratios)
-    else:
-        raise TypeError(f"plan_or_batch: expected a StepPlan or PrefillBatch, got {type(plan_or_batch).__name__}")
+    step = as_step_plan(plan_or_batch, config, compress_ratios, planner)
     device = torch.device(device)
     meta = StepMetadata(step_plan=step, device=device, kinds={}, max_workspace_rows=step.max_workspace_rows)
     for kind, kp in step.kinds.items():
@@ -341,7 +331,7 @@ def prefill_attention(
         if topk_indices.shape[1] + meta.plan.window_size > meta.index_width:
             raise ValueError(f"topk_indices: top-k {topk_indices.shape[1]} does not fit index width {meta.index_width}")
         if topk_indices.device.type == "cpu":  # free to check on the host: refuse future entries
-            _check_topk_on_host(topk_indices, meta)
+            check_topk_rows(topk_indices.numpy(), meta.plan.token_index, meta.plan.token_position, 4, "topk_indices")
     raw = _Rows(raw_kv, "raw_kv", q.dtype, q.device)
     comp = None
     if kind is not LayerKind.SWA:
@@ -384,17 +374,3 @@ def _check_q(q, meta: KindMetadata):
         raise ValueError(f"q: on {q.device}, but the metadata was built for {meta.step.device}")
     return q.shape
 
-
-def _check_topk_on_host(topk_indices: torch.Tensor, meta: KindMetadata):
-    plan = meta.plan
-    pos = plan.token_position.astype(np.int64)
-    visible = (pos + 1) // plan.compress_ratio
-    rows = topk_indices.numpy()[plan.token_index]
-    used = np.arange(rows.shape[1])[None, :] < np.minimum(visible, rows.shape[1])[:, None]
-    bad = used & ((rows < 0) | (rows >= visible[:, None]))
-    if bad.any():
-        t = int(np.argmax(bad.any(axis=1)))
-        raise ValueError(
-            f"topk_indices: row {int(plan.token_index[t])} (position {int(pos[t])}) points at entries outside "
-            f"0..{int(visible[t]) - 1}"
-        )

@@ -9,12 +9,13 @@ from planner.plan import (
     KindPlan,
     PlanConfig,
     StepPlan,
+    as_step_plan,
     get_fixed_chunk_plan,
     get_prefill_chunk_plan,
     plan_kind,
     plan_step,
 )
-from planner.layout import build_chunk_indices, chunk_gather_rows, gather_workspace, index_width
+from planner.layout import build_chunk_indices, check_topk_rows, chunk_gather_rows, gather_workspace, index_width
 from planner import oracle
 
 __all__ = [
@@ -24,7 +25,9 @@ __all__ = [
     "PlanConfig",
     "PrefillBatch",
     "StepPlan",
+    "as_step_plan",
     "build_chunk_indices",
+    "check_topk_rows",
     "cdiv",
     "chunk_gather_rows",
     "gather_workspace",

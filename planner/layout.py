@@ -40,6 +40,32 @@ def index_width(plan: KindPlan, topk: int | None = None) -> int:
     return round_up(compressed_width(plan, topk) + plan.window_size, INDEX_ALIGN)
 
 
+def check_topk_rows(topk_rows, token_index, token_position, compress_ratio: int, name: str = "topk_rows"):
+    """Refuse top-k rows whose used entries are not visible (negative, or >= (p+1)//r).
+
+    topk_rows: (T_step, topk) integers, request-local; row token_index[t] belongs to the token at
+    position token_position[t], which uses its first min((p+1)//r, topk) entries.
+    Returns (the selected rows as int64, the visible counts). Raises ValueError naming `name`.
+    """
+    rows = np.asarray(topk_rows)
+    if rows.ndim != 2 or rows.dtype.kind not in "iu":
+        raise ValueError(f"{name}: expected a 2-D integer array (T, topk), got {rows.dtype} {rows.shape}")
+    if rows.shape[0] <= int(np.max(token_index, initial=-1)):
+        raise ValueError(f"{name}: {rows.shape[0]} rows, but the step has token {int(np.max(token_index))}")
+    pos = np.asarray(token_position, dtype=np.int64)
+    visible = (pos + 1) // compress_ratio
+    sel = rows[token_index].astype(np.int64)
+    used = np.arange(rows.shape[1])[None, :] < np.minimum(visible, rows.shape[1])[:, None]
+    bad = used & ((sel < 0) | (sel >= visible[:, None]))
+    if bad.any():
+        t = int(np.argmax(bad.any(axis=1)))
+        raise ValueError(
+            f"{name}: row {int(token_index[t])} (position {int(pos[t])}) points at entries outside "
+            f"0..{int(visible[t]) - 1}: {sel[t, : min(int(visible[t]), rows.shape[1])].tolist()}"
+        )
+    return sel, visible
+
+
 def _chunk(plan: KindPlan, chunk) -> ChunkLayout:
     if isinstance(chunk, ChunkLayout):
         return chunk
@@ -76,22 +102,9 @@ def build_chunk_indices(plan: KindPlan, chunk, topk_rows=None, *, width: int | N
     if kind is LayerKind.CSA:
         if topk_rows is None:
             raise ValueError("topk_rows: required for CSA (ratio-4) layers")
-        rows = np.asarray(topk_rows)
-        if rows.ndim != 2 or rows.dtype.kind not in "iu":
-            raise ValueError(f"topk_rows: expected a 2-D integer array (T, topk), got {rows.dtype} {rows.shape}")
-        if rows.shape[0] <= int(c.token_index.max(initial=-1)):
-            raise ValueError(f"topk_rows: {rows.shape[0]} rows, but the step has token {int(c.token_index.max())}")
-        topk = rows.shape[1]
+        sel, _ = check_topk_rows(topk_rows, c.token_index, p, r)
+        topk = sel.shape[1]
         ncomp = np.minimum(visible, topk)
-        sel = rows[c.token_index].astype(np.int64)  # (T, topk)
-        used = np.arange(topk)[None, :] < ncomp[:, None]
-        bad = used & ((sel < 0) | (sel >= visible[:, None]))
-        if bad.any():
-            t = int(np.argmax(bad.any(axis=1)))
-            raise ValueError(
-                f"topk_rows: row {int(c.token_index[t])} (position {int(p[t])}) points at entries outside "
-                f"0..{int(visible[t]) - 1}: {sel[t, : ncomp[t]].tolist()}"
-            )
     else:
         ncomp, topk = visible, None
     nwin = np.minimum(p + 1, W)

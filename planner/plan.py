@@ -16,7 +16,7 @@ alone along its query axis (pieces see all the KV before them); an optional leng
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -424,6 +424,25 @@ def plan_step(batch: PrefillBatch, config: PlanConfig, compress_ratios=(0, 4, 12
         if k not in kinds:
             kinds[k] = plan_kind(batch, config, k.ratio, shared)
     return StepPlan(batch=batch, config=config, kinds=kinds)
+
+
+def as_step_plan(plan_or_batch, config: PlanConfig | None = None, compress_ratios=(0, 4, 128),
+                 planner: str | None = None) -> StepPlan:  # fmt: skip
+    """A given `StepPlan`, or the plan of a `PrefillBatch` under `config` (policy `planner` if set).
+
+    What framework metadata builders accept: plan here once, or pass the plan you made.
+    """
+    if isinstance(plan_or_batch, StepPlan):
+        if planner is not None and planner != plan_or_batch.config.policy:
+            raise ValueError(f"planner: {planner!r} differs from the given StepPlan's policy {plan_or_batch.config.policy!r}")
+        return plan_or_batch
+    if isinstance(plan_or_batch, PrefillBatch):
+        if config is None:
+            raise ValueError("config: a PlanConfig is required to plan a PrefillBatch")
+        if planner is not None:
+            config = replace(config, policy=planner)
+        return plan_step(plan_or_batch, config, compress_ratios)
+    raise TypeError(f"plan_or_batch: expected a StepPlan or PrefillBatch, got {type(plan_or_batch).__name__}")
 
 
 def _tuple_plan(policy, seq_lens, query_lens, compress_ratio, window_size, max_model_len,

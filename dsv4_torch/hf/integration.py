@@ -64,7 +64,7 @@ from dsv4_torch.attention import BACKENDS, resolve_backend
 from dsv4_torch.hf import ragged
 from dsv4_torch.hf.versions import require_supported_transformers
 from dsv4_torch.prefill import PagedKV, StepMetadata, build_step_metadata, prefill_attention
-from planner import LayerKind, PlanConfig, PrefillBatch, StepPlan, layer_kind
+from planner import PlanConfig, PrefillBatch, StepPlan, layer_kind
 from planner.plan import POLICIES
 
 ATTN_IMPLEMENTATION = "dsv4_sparse_prefill"
