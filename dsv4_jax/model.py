@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax.tree_util import register_pytree_node_class
 
 from dsv4_jax.prefill import LogicalKV, build_step_metadata, prefill_attention
@@ -85,7 +85,7 @@ class ModelConfig:
     or `from_checkpoint(dir)`.
     """
 
-    name: str = "V4-Flash"
+    name: str = dataclasses.field(default="V4-Flash", compare=False)  # a label: not part of the jit key
     vocab_size: int = 129280
     hidden_size: int = 4096
     moe_intermediate_size: int = 2048
@@ -411,7 +411,6 @@ class StepInputs:
     Per token (T_pad,): token_ids, positions (absolute), token_request (b), token_valid.
     Per request (B_pad,): slot (cache slot; pad requests get S, out of range: writes dropped),
     prefix (context before the step), seq_len (after), token_start (first token row).
-    logit_rows (R,): token rows whose logits the head computes.
     index_entries: static, the indexer's scored entries per token (>= every visible one).
     """
 
@@ -423,7 +422,6 @@ class StepInputs:
     prefix: jax.Array
     seq_len: jax.Array
     token_start: jax.Array
-    logit_rows: jax.Array
     index_entries: int = 0
 
     def tree_flatten(self):
@@ -658,15 +656,16 @@ def _swiglu(gate, up, limit):
     return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
 
 
-def moe(p, x, token_ids, cfg: ModelConfig, hashed: bool):
-    """Routed experts (hash or top-k routing) + the shared expert: x (T, hidden) -> (T, hidden)."""
-    T = x.shape[0]
+def moe(p, x, hash_experts, use_hash, cfg: ModelConfig):
+    """Routed experts + the shared expert: x (T, hidden) -> (T, hidden).
+
+    Hash layers (use_hash true) take their experts from hash_experts (T, k) = tid2eid[token_ids];
+    the others route by top-k of score + bias. A traced flag, so both kinds share one program.
+    """
     E, k, limit = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.swiglu_limit
     scores = _score(linear(x, p["gate"]), cfg.scoring_func)
-    if hashed:
-        experts = p["tid2eid"][token_ids]
-    else:
-        experts = lax.top_k(scores.astype(F32) + p["bias"].astype(F32), k)[1]
+    top = lax.top_k(scores.astype(F32) + p["bias"].astype(F32), k)[1]
+    experts = jnp.where(use_hash, hash_experts, top)
     weights = jnp.take_along_axis(scores, experts, axis=1)
     weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
 
@@ -689,16 +688,21 @@ def moe(p, x, token_ids, cfg: ModelConfig, hashed: bool):
 # ----------------------------------------------------------------------------- jitted pieces
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kind", "hashed", "opts"), donate_argnames=("cache",))
-def _layer(p, cache, X, step, meta, *, cfg: ModelConfig, kind: LayerKind, hashed: bool, opts):
+@functools.partial(jax.jit, static_argnames=("cfg", "kind", "opts"), donate_argnames=("cache",))
+def _layer(p, cache, X, step, meta, hash_experts, use_hash, *, cfg: ModelConfig, kind: LayerKind, opts):
     """One decoder layer (section 4): X (T, n, hidden) -> X, cache."""
-    COMPILES[f"layer[{kind.name},{'hash' if hashed else 'topk'}]"] += 1
+    COMPILES[f"layer[{kind.name}]"] += 1
     post, comb, x = hyper_pre(p["attn_hc"], X, cfg)
     y, cache = attention(p["attn"], cache, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), step, meta, cfg, kind, dict(opts))
     X = hyper_post(X, y, post, comb)
     post, comb, x = hyper_pre(p["ffn_hc"], X, cfg)
-    y = moe(p["ffn"], rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), step.token_ids, cfg, hashed)
+    y = moe(p["ffn"], rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), hash_experts, use_hash, cfg)
     return hyper_post(X, y, post, comb), cache
+
+
+@jax.jit
+def _hash_route(tid2eid, token_ids):
+    return tid2eid[token_ids]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -756,13 +760,17 @@ class DeepseekV4:
       attention_backend: "auto", "xla" or "pallas" (see `dsv4_jax.sparse_attention`).
       planner: "adaptive", "fixed" or "per_request" (`planner.PlanConfig.policy`).
       mesh, axis: optional; split attention heads over mesh axis `axis` (simulated or real devices).
-      min_tokens, min_workspace_rows: the smallest token / workspace buckets (fewer compiles).
+      min_tokens, min_workspace_rows, min_requests: the smallest token / workspace / request
+        buckets (fewer compiles; requests are padded to a power of two, at most max_batch_size's).
+      token_tile, gather_tile: the largest attention / gather tiles of `build_step_metadata`
+        (smaller ladders compile faster; the defaults suit long prefills).
     """
 
     def __init__(self, config: ModelConfig, params: dict, *, max_batch_size: int = 8, max_model_len: int = 4096,
                  max_num_batched_tokens: int = 512, attention_backend: str = "auto", planner: str = "adaptive",
                  mesh: Mesh | None = None, axis: str | None = None, min_tokens: int = 16,
-                 min_workspace_rows: int = 128):  # fmt: skip
+                 min_workspace_rows: int = 128, token_tile: int = 256, gather_tile: int = 4096,
+                 min_requests: int = 8):  # fmt: skip
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
         for name, v in (("max_batch_size", max_batch_size), ("max_model_len", max_model_len),
@@ -779,8 +787,11 @@ class DeepseekV4:
                 raise ValueError(f"axis: {axis!r} is not an axis of the mesh {mesh.axis_names}")
             if config.num_attention_heads % mesh.shape[axis]:
                 raise ValueError(f"mesh: {config.num_attention_heads} heads do not split over {mesh.shape[axis]} devices")
+        # With a mesh every input lives replicated on it, so each layer program sees one input
+        # sharding (else outputs of one call, placed by XLA, would retrace the next).
+        self._placement = None if mesh is None else NamedSharding(mesh, P())
         self.config = config
-        self.params = params
+        self.params = params if mesh is None else jax.device_put(params, self._placement)
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
         self.dtype = params["embed"].dtype
@@ -790,9 +801,19 @@ class DeepseekV4:
             max_num_batched_tokens=max_num_batched_tokens,
             policy=planner,
         )
-        self.min_tokens = min_tokens
-        self.min_workspace_rows = min_workspace_rows
+        self._min_requests = min(_pow2(min_requests), _pow2(max_batch_size))
+        self._bucket_options = dict(min_tokens=min_tokens, min_workspace_rows=min_workspace_rows,
+                                    token_tile=token_tile, gather_tile=gather_tile)  # fmt: skip
         self._opts = (("backend", attention_backend), ("mesh", mesh), ("axis", axis))
+        # Hash layers keep their tid2eid table out of the layer parameters (a zero bias stands
+        # in), so hash and top-k layers of a kind have one parameter structure and one program.
+        self._layer_params, self._hash_tables = [], []
+        for lp in self.params["layers"]:
+            ffn = dict(lp["ffn"])
+            table = ffn.pop("tid2eid", None)
+            ffn.setdefault("bias", jax.device_put(jnp.zeros((config.n_routed_experts,), F32), self._placement))
+            self._layer_params.append({**lp, "ffn": ffn})
+            self._hash_tables.append(table)
 
     @classmethod
     def from_checkpoint(cls, path, dtype="float32", **kwargs) -> "DeepseekV4":
@@ -802,14 +823,17 @@ class DeepseekV4:
         return cls(config, params, **kwargs)
 
     def init_cache(self) -> list[dict]:
-        return init_cache(self.config, self.max_batch_size, self.max_model_len, self.dtype)
+        cache = init_cache(self.config, self.max_batch_size, self.max_model_len, self.dtype)
+        return cache if self._placement is None else jax.device_put(cache, self._placement)
 
     def prepare_step(self, slots: Sequence[int], prefix_lens: Sequence[int], tokens: Sequence[Sequence[int]],
                      all_tokens: bool = False):  # fmt: skip
         """Host side of a step: plan attention, pad and copy the step's arrays.
 
         slots[b], prefix_lens[b]: request b's cache slot and tokens already in it; tokens[b]: its
-        new tokens (>= 1). Returns (StepInputs, per-kind attention metadata, StepPlan).
+        new tokens (>= 1). Returns (StepInputs, logit rows (R,) int32 = the token rows whose logits
+        the head computes, per-kind attention metadata, StepPlan). The rows are kept out of
+        StepInputs: their count (all tokens or one per request) is no business of the layers.
         """
         B = len(slots)
         if B == 0 or len(prefix_lens) != B or len(tokens) != B:
@@ -830,10 +854,9 @@ class DeepseekV4:
         batch = PrefillBatch(seq, q_lens, self.max_model_len, self.plan_config.max_num_batched_tokens)
         meta = build_step_metadata(
             batch, config=self.plan_config, index_topk=self.config.index_topk,
-            compress_ratios=self.config.compress_ratios, min_tokens=self.min_tokens,
-            min_workspace_rows=self.min_workspace_rows,
+            compress_ratios=self.config.compress_ratios, device=self._placement, **self._bucket_options,
         )  # fmt: skip
-        T, T_pad, B_pad = int(q_lens.sum()), meta.padded_tokens, _pow2(B)
+        T, T_pad, B_pad = int(q_lens.sum()), meta.padded_tokens, _pow2(B, self._min_requests)
         S = self.max_batch_size
 
         def pad(a, n, fill):
@@ -859,25 +882,27 @@ class DeepseekV4:
             prefix=pad(prefix, B_pad, 0),
             seq_len=pad(seq, B_pad, 0),
             token_start=pad(starts, B_pad, T),
-            logit_rows=rows.astype(np.int32),
             index_entries=index_entries,
         )
-        step = jax.device_put(step)
-        return step, meta, meta.step_plan
+        step, rows = jax.device_put((step, rows.astype(np.int32)), self._placement)
+        return step, rows, meta, meta.step_plan
 
     def step(self, cache: list[dict], slots, prefix_lens, tokens, all_tokens: bool = False):
         """Run one ragged step; returns (new cache, StepOutput). The old cache may be donated."""
-        step, meta, plan = self.prepare_step(slots, prefix_lens, tokens, all_tokens)
+        step, rows, meta, plan = self.prepare_step(slots, prefix_lens, tokens, all_tokens)
         cfg = self.config
         X = _embed(self.params["embed"], step.token_ids, cfg=cfg)
         cache = list(cache)
-        for i, (kind, lp) in enumerate(zip(cfg.kinds, self.params["layers"])):
+        no_route = jax.device_put(np.zeros((X.shape[0], cfg.num_experts_per_tok), np.int32), self._placement)
+        flags = [jax.device_put(np.bool_(t is not None), self._placement) for t in self._hash_tables]
+        for i, (kind, lp) in enumerate(zip(cfg.kinds, self._layer_params)):
+            table = self._hash_tables[i]
+            route = no_route if table is None else _hash_route(table, step.token_ids)
             X, cache[i] = _layer(
-                lp, cache[i], X, step, meta[kind], cfg=cfg, kind=kind,
-                hashed=cfg.mlp_layer_types[i] == "hash_moe", opts=self._opts,
-            )  # fmt: skip
+                lp, cache[i], X, step, meta[kind], route, flags[i], cfg=cfg, kind=kind, opts=self._opts
+            )
         head = {k: self.params[k] for k in ("hc_head", "norm", "head")}
-        logits, next_tokens = _head(head, X, step.logit_rows, cfg=cfg)
+        logits, next_tokens = _head(head, X, rows, cfg=cfg)
         q_lens = [len(t) for t in tokens]
         return cache, StepOutput(logits, next_tokens, all_tokens, q_lens, plan)
 
