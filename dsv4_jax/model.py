@@ -590,17 +590,24 @@ def _index_topk(p, x, q_residual, entries, step: StepInputs, cfg: ModelConfig):
 
 
 def _attend(q, meta, raw, comp, sink, topk, *, sm_scale, backend, mesh, axis):
-    """`prefill_attention` for one layer; with a mesh, heads are split over `axis` (shard_map)."""
+    """`prefill_attention` for one layer; with a mesh, query heads are split over `axis`.
+
+    The split is `dsv4_jax.sharding.sparse_attention_head_sharded`'s (q, sink and the output by
+    head; workspace sources, metadata and top-k replicated), one level up: each device runs the
+    whole chunk loop (gathers, indices) for its heads. No communication inside; the check of
+    replicated values is off because it cannot see through pallas_call.
+    """
     kw = dict(sm_scale=sm_scale, backend=backend)
     if mesh is None:
         return prefill_attention(q, meta, raw, comp, attn_sink=sink, topk_indices=topk, **kw)
-    from dsv4_jax.sharding import _NO_CHECK, _shard_map
 
     def per_device(q, sink, meta, raw, comp, topk):
         return prefill_attention(q, meta, raw, comp, attn_sink=sink, topk_indices=topk, **kw)
 
     heads = P(None, axis, None)
-    f = _shard_map(per_device, mesh=mesh, in_specs=(heads, P(axis), P(), P(), P(), P()), out_specs=heads, **_NO_CHECK)
+    f = jax.shard_map(
+        per_device, mesh=mesh, in_specs=(heads, P(axis), P(), P(), P(), P()), out_specs=heads, check_vma=False
+    )
     return f(q, sink, meta, raw, comp, topk)
 
 

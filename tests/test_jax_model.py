@@ -175,6 +175,12 @@ def test_chunked_prefill_then_decode_matches_transformers(chunked_a, hf_logits, 
     assert _max_err(chunked_a[:n], one_call_a) < 1e-5
 
 
+def test_pallas_backend_inside_the_model(checkpoints, chunked_a):
+    """The same steps with attention_backend="pallas" (the Pallas kernel; interpreted on CPU)."""
+    pallas = DeepseekV4.from_checkpoint(checkpoints["hf"], **{**MODEL_OPTIONS, "attention_backend": "pallas"})
+    assert _max_err(chunked_then_decode(pallas), chunked_a) < 1e-5
+
+
 def test_ragged_chunked_batch_equals_each_prompt_alone(model, hf_logits, one_call_a):
     """Three requests of different lengths, slots out of order, ragged chunks with different
     prefixes in one step (prompt B decodes while A and C still prefill)."""
