@@ -11,7 +11,9 @@
 max_num_batched_tokens=512, mesh=None)`:
   loads the checkpoint (transformers' or DeepSeek's names; NumPy + safetensors, no torch) and keeps
   `max_batch_size` cache slots of `max_model_len` tokens. `mesh` (a `jax.sharding.Mesh`) splits
-  attention heads over its first axis.
+  attention heads over its first axis. Other keywords go to `dsv4_jax.model.DeepseekV4` (bucket
+  and tile options); token_buckets defaults to "pow2" here (one padded tail step per prefill
+  phase, about 4x fewer programs to compile than the 1.25x ladder).
 
 `generate(prompts, max_new_tokens, stop_token_ids=()) -> list[list[int]]`:
   prompts are token-id lists (>= 1 token each; `len(prompt) + max_new_tokens - 1 <= max_model_len`).
@@ -59,6 +61,7 @@ class JaxGenerator:
     def __init__(self, checkpoint_dir, attention_backend: str = "auto", planner: str = "adaptive",
                  dtype: str = "float32", *, max_batch_size: int = 8, max_model_len: int = 4096,
                  max_num_batched_tokens: int = 512, mesh=None, **model_kwargs):  # fmt: skip
+        model_kwargs.setdefault("token_buckets", "pow2")  # prefill tails vary; few shapes beat tight padding
         self.model = DeepseekV4.from_checkpoint(
             checkpoint_dir, dtype=dtype, max_batch_size=max_batch_size, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, attention_backend=attention_backend,

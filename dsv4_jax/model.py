@@ -19,12 +19,13 @@ Per-request caches (`init_cache`), one dict per layer, slot-major (`S` = max_bat
   index_entries, index_ring_kv, index_ring_gate         CSA: the same for the indexer (width 128)
 Rows a request has not written are never read, so a slot needs no reset between requests.
 
-A step (`DeepseekV4.step`) plans attention once per layer kind on the host (`plan_step` via
-`build_step_metadata`), then runs one jitted function per layer (compiled once per
-(layer kind, MoE kind, bucketed shapes) and shared by every layer with those), plus the jitted
-embedding and head. Shapes are bucketed (tokens by `dsv4_jax.buckets.bucket`, requests and
-indexer entries by powers of two), so varied batches reuse
-compiled programs; `compile_counts()` says how many traces each function took.
+A step (`DeepseekV4.step`) plans attention once on the host (`planner.plan_step`, one plan per
+layer kind, turned into device metadata by `dsv4_jax.prefill.build_step_metadata`), then runs
+one jitted function per layer: compiled once per (layer kind, bucketed shapes) and shared by
+every layer of that kind (hash and top-k MoE routing share it: the choice is a traced flag),
+plus the jitted embedding and head. Buckets: tokens by `dsv4_jax.buckets.bucket` (or powers of
+two), requests, workspace rows and indexer entries by powers of two; `compile_counts()` says
+how many traces each function took.
 
 Precision follows transformers' float32 islands: RMSNorm statistics, mHC, RoPE, gate softmaxes,
 router scores and indexer scores run in float32 whatever the model dtype.
@@ -49,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax.tree_util import register_pytree_node_class
 
 from dsv4_jax.prefill import LogicalKV, build_step_metadata, prefill_attention
-from planner import LayerKind, PlanConfig, PrefillBatch, layer_kind
+from planner import LayerKind, PlanConfig, PrefillBatch, StepPlan, layer_kind, plan_step
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
@@ -769,6 +770,8 @@ class DeepseekV4:
       mesh, axis: optional; split attention heads over mesh axis `axis` (simulated or real devices).
       min_tokens, min_workspace_rows, min_requests: the smallest token / workspace / request
         buckets (fewer compiles; requests are padded to a power of two, at most max_batch_size's).
+      token_buckets: "fine" (`dsv4_jax.buckets.bucket`: pads tokens at most 1.25x) or "pow2" (at
+        most 2x, but about 4x fewer token shapes, so fewer compilations for varied batches).
       token_tile, gather_tile: the largest attention / gather tiles of `build_step_metadata`
         (smaller ladders compile faster; the defaults suit long prefills).
     """
@@ -777,13 +780,17 @@ class DeepseekV4:
                  max_num_batched_tokens: int = 512, attention_backend: str = "auto", planner: str = "adaptive",
                  mesh: Mesh | None = None, axis: str | None = None, min_tokens: int = 16,
                  min_workspace_rows: int = 128, token_tile: int = 256, gather_tile: int = 4096,
-                 min_requests: int = 8):  # fmt: skip
+                 min_requests: int = 8, token_buckets: str = "fine"):  # fmt: skip
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
         for name, v in (("max_batch_size", max_batch_size), ("max_model_len", max_model_len),
                         ("max_num_batched_tokens", max_num_batched_tokens)):  # fmt: skip
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if planner not in ("adaptive", "fixed", "per_request"):
+            raise ValueError(f"planner: expected 'adaptive', 'fixed' or 'per_request', got {planner!r}")
+        if not isinstance(params, dict) or len(params.get("layers", ())) != config.num_hidden_layers:
+            raise ValueError(f"params: expected the tree of dsv4_jax.checkpoint.load_params for {config.num_hidden_layers} layers")
         if attention_backend not in ("auto", "xla", "pallas", "pallas_triton", "pallas_interpret"):
             raise ValueError(f"attention_backend: expected 'auto', 'xla' or 'pallas', got {attention_backend!r}")
         if mesh is not None:
@@ -809,8 +816,12 @@ class DeepseekV4:
             policy=planner,
         )
         self._min_requests = min(_pow2(min_requests), _pow2(max_batch_size))
-        self._bucket_options = dict(min_tokens=min_tokens, min_workspace_rows=min_workspace_rows,
-                                    token_tile=token_tile, gather_tile=gather_tile)  # fmt: skip
+        if token_buckets not in ("fine", "pow2"):
+            raise ValueError(f"token_buckets: expected 'fine' or 'pow2', got {token_buckets!r}")
+        self._token_buckets = token_buckets
+        self._min_tokens = min_tokens
+        self._min_workspace_rows = min_workspace_rows
+        self._bucket_options = dict(token_tile=token_tile, gather_tile=gather_tile)
         self._opts = (("backend", attention_backend), ("mesh", mesh), ("axis", axis))
         # Hash layers keep their tid2eid table out of the layer parameters (a zero bias stands
         # in), so hash and top-k layers of a kind have one parameter structure and one program.
@@ -839,7 +850,7 @@ class DeepseekV4:
 
         slots[b], prefix_lens[b]: request b's cache slot and tokens already in it; tokens[b]: its
         new tokens (>= 1). Returns (StepInputs, logit rows (R,) int32 = the token rows whose logits
-        the head computes, per-kind attention metadata, StepPlan). The rows are kept out of
+        the head computes, {LayerKind: KindMetadata}, the step's `planner.StepPlan`). The rows are kept out of
         StepInputs: their count (all tokens or one per request) is no business of the layers.
         """
         B = len(slots)
@@ -859,11 +870,21 @@ class DeepseekV4:
         if ids.min() < 0 or ids.max() >= self.config.vocab_size:
             raise ValueError(f"tokens: ids must be in 0..{self.config.vocab_size - 1}, got {int(ids.min())}..{int(ids.max())}")
         batch = PrefillBatch(seq, q_lens, self.max_model_len, self.plan_config.max_num_batched_tokens)
-        meta = build_step_metadata(
-            batch, config=self.plan_config, index_topk=self.config.index_topk,
-            compress_ratios=self.config.compress_ratios, device=self._placement, **self._bucket_options,
-        )  # fmt: skip
-        T, T_pad, B_pad = int(q_lens.sum()), meta.padded_tokens, _pow2(B, self._min_requests)
+        plan = plan_step(batch, self.plan_config, self.config.compress_ratios)  # once per step
+        # Per kind, the workspace is padded to a power of two: its size is a compile key but costs
+        # only its allocation (gathers and attention cover the real rows), so coarse buckets are
+        # cheap here, unlike the token buckets, which pad compute.
+        meta = {}
+        min_tokens = self._min_tokens if self._token_buckets == "fine" else _pow2(batch.num_tokens, self._min_tokens)
+        for kind, kp in plan.kinds.items():
+            rows = max(self._min_workspace_rows, _pow2(kp.max_workspace_rows))
+            one = StepPlan(batch=batch, config=self.plan_config, kinds={kind: kp})
+            m = build_step_metadata(
+                one, index_topk=self.config.index_topk, device=self._placement, min_workspace_rows=rows,
+                min_tokens=min_tokens, **self._bucket_options,
+            )  # fmt: skip
+            meta[kind] = m[kind]
+        T, T_pad, B_pad = int(q_lens.sum()), m.padded_tokens, _pow2(B, self._min_requests)
         S = self.max_batch_size
 
         def pad(a, n, fill):
@@ -892,7 +913,7 @@ class DeepseekV4:
             index_entries=index_entries,
         )
         step, rows = jax.device_put((step, rows.astype(np.int32)), self._placement)
-        return step, rows, meta, meta.step_plan
+        return step, rows, meta, plan
 
     def step(self, cache: list[dict], slots, prefix_lens, tokens, all_tokens: bool = False):
         """Run one ragged step; returns (new cache, StepOutput). The old cache may be donated."""
