@@ -14,14 +14,19 @@ Design: one jitted function per layer call, jit-compatible all the way down.
     and W for CSA/SWA), the workspace rows padded to a bucket, and two tile ladders derived from
     those. Buckets are 1, 1.25, 1.5, 1.75 x 2^k (`dsv4_jax.buckets`): shapes pad at most 1.25x and
     a stream of varied batches compiles once per bucket combination, not once per batch.
+  * `sizes="server"` trades memory for compiles: the workspace takes the plan's budget and the
+    HCA width max_model_len's, both fixed for a server, so the token bucket is the only static
+    size left that varies (what a jitted model wants: it compiles once per token bucket).
+    Padding the tokens costs no attention work either way: the loops cover real tokens only.
   * Dynamic (device int32): everything per token, per segment and per chunk, including the
     number of chunks. Segment and chunk arrays are padded to `padded_tokens` too (a segment has
     at least one token), so their lengths add nothing to the compile key.
   * The chunk loop is a `lax.fori_loop` over the (dynamic) chunk count. Per chunk, the
     compressed and the raw region of the workspace are gathered from the paged or logical
     cache, and the chunk's tokens are attended, each as a ladder of static-size tiles:
-    as many tiles of the largest size (256 tokens, 4096 rows by default) as fit, then at most
-    three of each 4x smaller size, then one masked tile of 16. Each tile is one vectorized
+    as many tiles of the largest size (256 tokens, 4096 rows by default) as fit, then up to
+    three of each 4x smaller size, and on the last rung (16) the remainder rounded up, the tail
+    masked. Each tile is one vectorized
     gather (or one `sparse_attention` call) at a dynamic offset. So a chunk costs its own
     size plus at most 15 masked items per region, whatever the other chunks look like, with a
     bounded transient (one tile) and a handful of static tile sizes per program.
@@ -44,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import NamedTuple, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -55,11 +60,12 @@ from jax.tree_util import register_pytree_node_class
 from dsv4_jax.attention import resolve_backend, sparse_attention
 from dsv4_jax.buckets import MIN_TILE, bucket, tile_ladder, tiled_items
 from planner import LayerKind, PlanConfig, PrefillBatch, StepPlan, layer_kind, plan_step
-from planner.layout import INDEX_ALIGN, index_width
+from planner.layout import INDEX_ALIGN, index_width, round_up
 from planner.oracle import value_dim
 from planner.plan import KindPlan
 
 MIN_WORKSPACE_ROWS = 128
+SIZES = ("bucket", "server")
 DROP = int(np.iinfo(np.int32).max)  # a row index out of every array: scatters with mode="drop" skip it
 
 # Rows of `KindMetadata.table`; each row has L = padded_tokens + 1 int32 entries.
@@ -199,9 +205,9 @@ class KindShape:
 
     compress_ratio: int
     window_size: int
-    padded_tokens: int  # bucket(T): every table row has padded_tokens + 1 entries
+    padded_tokens: int  # bucket(T) or the caller's count: every table row has padded_tokens + 1 entries
     index_width: int  # columns of every index row (a multiple of 128)
-    workspace_rows: int  # bucket(max rows of a chunk)
+    workspace_rows: int  # bucket(max rows of a chunk), or the plan's budget (sizes="server")
     token_ladder: tuple[int, ...]  # attention tile sizes, largest first
     gather_ladder: tuple[int, ...]  # gather tile sizes, largest first
 
@@ -314,6 +320,8 @@ def build_step_metadata(
     config: PlanConfig | None = None,
     compress_ratios: Sequence[int] = (0, 4, 128),
     planner: str | None = None,
+    sizes: str = "bucket",
+    padded_tokens: int | None = None,
     token_tile: int = 256,
     gather_tile: int = 4096,
     min_tokens: int = MIN_TILE,
@@ -328,6 +336,15 @@ def build_step_metadata(
       config: the `PlanConfig` when a batch is given.
       compress_ratios: the model's per-layer ratios (or just the kinds) when a batch is given.
       planner: "adaptive", "fixed" or "per_request": overrides `config.policy`.
+      sizes: how the workspace rows and the HCA index width are sized (both static):
+        "bucket": from this step (the largest chunk's rows, the longest context), bucketed.
+          Tight memory; a program per (tokens, rows, width) bucket combination.
+        "server": from the `PlanConfig` alone: the plan's workspace budget (what the fixed plan
+          allocates and the adaptive plan never exceeds) and max_model_len's width. The token
+          bucket is then the only static size that changes from step to step: a jitted model
+          compiles once per token bucket, at the price of a budget-sized workspace every call.
+      padded_tokens: the static token count (>= T); default `bucket(T, min_tokens)`. A model
+        that pads its tokens to its own buckets passes its padded count here.
       token_tile: largest attention tile (tokens), a power of two; the ladder goes down 4x to 16.
       gather_tile: largest gather tile (workspace rows), a power of two; down 4x to 16.
       min_tokens, min_workspace_rows: the smallest token and workspace buckets (all smaller
@@ -354,17 +371,23 @@ def build_step_metadata(
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
     if index_topk is not None and (isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1):
         raise ValueError(f"index_topk: expected a positive int, got {index_topk!r}")
-    padded = bucket(step.batch.num_tokens, min_tokens)
+    if sizes not in SIZES:
+        raise ValueError(f"sizes: expected one of {SIZES}, got {sizes!r}")
+    T = step.batch.num_tokens
+    if padded_tokens is None:
+        padded_tokens = bucket(T, min_tokens)
+    elif isinstance(padded_tokens, bool) or not isinstance(padded_tokens, int) or padded_tokens < T:
+        raise ValueError(f"padded_tokens: expected an int >= the batch's {T} tokens, got {padded_tokens!r}")
     kinds = {}
     for kind, kp in step.kinds.items():
         if kind is LayerKind.CSA and index_topk is None:
             raise ValueError("index_topk: required when CSA (ratio-4) layers are planned")
-        shape, table = _kind_table(kp, padded, index_topk, token_tile, gather_tile, min_workspace_rows)
+        shape, table = _kind_table(kp, padded_tokens, index_topk, sizes, token_tile, gather_tile, min_workspace_rows)
         kinds[kind] = KindMetadata(jax.device_put(table, device), shape, kp, step.batch.num_tokens, step.batch.num_requests)
-    return StepMetadata(kinds, padded, step)
+    return StepMetadata(kinds, padded_tokens, step)
 
 
-def _kind_table(kp: KindPlan, padded: int, index_topk, token_tile: int, gather_tile: int, min_rows: int):
+def _kind_table(kp: KindPlan, padded: int, index_topk, sizes: str, token_tile: int, gather_tile: int, min_rows: int):
     L = padded + 1
     T, n_seg, n_c = kp.token_index.shape[0], kp.seg_request.shape[0], kp.num_chunks
     table = np.zeros((NUM_FIELDS, L), dtype=np.int32)
@@ -386,9 +409,16 @@ def _kind_table(kp: KindPlan, padded: int, index_topk, token_tile: int, gather_t
     table[SCALARS, :3] = (n_c, T, n_seg)
 
     width = index_width(kp, index_topk if kp.kind is LayerKind.CSA else None)
-    if kp.kind is LayerKind.HCA:  # grows with the longest context of the batch: bucket it
-        width = bucket(width // INDEX_ALIGN) * INDEX_ALIGN
-    rows = bucket(kp.max_workspace_rows, min_rows)
+    if sizes == "server":
+        if kp.kind is LayerKind.HCA:  # the most entries any context up to max_model_len sees
+            width = round_up(kp.config.max_model_len // kp.compress_ratio + kp.window_size, INDEX_ALIGN)
+        rows = max(kp.budget_rows, min_rows)
+        if kp.max_workspace_rows > rows:  # the planner keeps every chunk within its budget
+            raise AssertionError(f"a chunk needs {kp.max_workspace_rows} rows, over the budget {rows}")
+    else:
+        if kp.kind is LayerKind.HCA:  # grows with the longest context of the batch: bucket it
+            width = bucket(width // INDEX_ALIGN) * INDEX_ALIGN
+        rows = bucket(kp.max_workspace_rows, min_rows)
     shape = KindShape(
         compress_ratio=kp.compress_ratio,
         window_size=kp.window_size,
@@ -412,19 +442,26 @@ def _host_plan(meta: KindMetadata, what: str) -> KindPlan:
 # ----------------------------------------------------------------------------- device side
 
 
-class _Fields:
-    """Named rows of a kind's table (traced)."""
+class _Fields(NamedTuple):
+    """The rows of a kind's table, by name (traced)."""
 
-    def __init__(self, table):
-        self.table = table
-        self.L = table.shape[1]
+    tok_index: jax.Array
+    tok_request: jax.Array
+    tok_position: jax.Array
+    seg_request: jax.Array
+    seg_row_base: jax.Array
+    seg_gather_start: jax.Array
+    seg_comp_start: jax.Array
+    seg_raw_start: jax.Array
+    chunk_seg_start: jax.Array
+    chunk_token_start: jax.Array
+    chunk_n: jax.Array
+    num_chunks: jax.Array  # scalar
+    L: int  # entries per row (static)
 
-    def __getattr__(self, name):
-        return self.table[globals()[name.upper()]]
-
-    @property
-    def num_chunks(self):
-        return self.table[SCALARS, 0]
+    @classmethod
+    def of(cls, table) -> "_Fields":
+        return cls(*(table[i] for i in range(SCALARS)), num_chunks=table[SCALARS, 0], L=table.shape[1])
 
 
 def _run_ladder(count, ladder, body, carry):
@@ -513,15 +550,17 @@ def _tile_indices(f: _Fields, shape: KindShape, c, k, valid, topk_rows):
 TRACE_COUNT = {"prefill": 0}  # traces of `_prefill_jit`; each is one compilation
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "sm_scale", "backend"))
-def _prefill_jit(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_scale: float, backend: str):
+@functools.partial(jax.jit, static_argnames=("shape", "sm_scale", "backend", "fill"))
+def _prefill_jit(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_scale: float, backend: str, fill=0.0):
+    """The layer call. `fill`: the workspace's initial value (tests pass NaN: rows no chunk
+    wrote must never reach an output)."""
     TRACE_COUNT["prefill"] += 1
-    f = _Fields(table)
+    f = _Fields.of(table)
     T_q, H, D = q.shape
     out = jnp.zeros((T_q, H, value_dim(D)), q.dtype)
     if T_q == 0:
         return out
-    ws = jnp.zeros((shape.workspace_rows, D), q.dtype)
+    ws = jnp.full((shape.workspace_rows, D), fill, q.dtype)
 
     def chunk(c, carry):
         ws, out = carry
@@ -597,8 +636,8 @@ def prefill_attention(
         if not hasattr(attn_sink, "shape") or tuple(attn_sink.shape) != (H,):
             raise ValueError(f"attn_sink: expected shape ({H},), got {_shape(attn_sink)}")
         attn_sink = jnp.asarray(attn_sink, jnp.float32)
-    if isinstance(sm_scale, jax.core.Tracer):
-        raise TypeError("sm_scale: must be a Python float (a compile-time constant), got a traced value")
+    if isinstance(sm_scale, jax.core.Tracer) or isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.number)):
+        raise TypeError(f"sm_scale: expected a Python float (a compile-time constant), got {type(sm_scale).__name__}")
     name = resolve_backend(backend)
     meta.last_backend = name
     return _prefill_jit(q, meta.table, raw, comp, topk_rows, attn_sink, shape=shape, sm_scale=float(sm_scale), backend=name)
@@ -616,13 +655,14 @@ def build_indices(meta: KindMetadata, chunk: int, topk_indices=None):
     topk_rows = _check_topk(topk_indices, meta) if meta.kind is LayerKind.CSA else None
     t0, t1 = int(kp.chunk_token_starts[c]), int(kp.chunk_token_starts[c + 1])
     # A bucketed tile, as in the layer call; the rows past the chunk are cut off here.
-    idx, length = _indices_jit(meta.table, topk_rows, jnp.int32(c), jnp.int32(t0), jnp.int32(t1), size=bucket(t1 - t0), shape=meta.shape)
+    bounds = (jnp.int32(c), jnp.int32(t0), jnp.int32(t1))
+    idx, length = _indices_jit(meta.table, topk_rows, *bounds, size=bucket(t1 - t0), shape=meta.shape)
     return idx[: t1 - t0], length[: t1 - t0]
 
 
 @functools.partial(jax.jit, static_argnames=("size", "shape"))
 def _indices_jit(table, topk_rows, c, t0, t1, *, size, shape):
-    f = _Fields(table)
+    f = _Fields.of(table)
     k = t0 + jnp.arange(size, dtype=jnp.int32)
     return _tile_indices(f, shape, c, jnp.minimum(k, f.L - 1), k < t1, topk_rows)
 
@@ -647,7 +687,7 @@ def gather_workspace(meta: KindMetadata, chunk: int, raw_kv: KVSource, compresse
 def _gather_jit(table, raw, comp, c, *, shape):
     rows, _ = _flat_rows(raw)
     ws = jnp.zeros((shape.workspace_rows, rows.shape[1]), rows.dtype)
-    return _gather_chunk(ws, _Fields(table), c, raw, comp, shape)
+    return _gather_chunk(ws, _Fields.of(table), c, raw, comp, shape)
 
 
 # ----------------------------------------------------------------------------- checks

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from dsv4_torch.hf.capture import capture_attention  # noqa: E402
+from dsv4_torch.hf.capture import capture_attention, capture_attention_layers  # noqa: E402
 from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 from planner.batch import LayerKind  # noqa: E402
 from planner.oracle import prefill_attention  # noqa: E402
@@ -38,14 +38,12 @@ def ids():
 @pytest.fixture(scope="module")
 def captures(model, ids):
     """{kind: (single-call capture, [capture of each chunked call])}."""
-    out = {}
-    for kind, layer in LAYERS.items():
-        single, _ = capture_attention(model, ids[:, :PROMPT_LEN], layer)
-        cache = transformers.DynamicCache(config=model.config)
-        chunked = [capture_attention(model, ids[:, a:b], layer, past_key_values=cache, use_cache=True)[0]
-                   for a, b in CHUNKS]
-        out[kind] = (single, chunked)
-    return out
+    layers = list(LAYERS.values())
+    single, _ = capture_attention_layers(model, ids[:, :PROMPT_LEN], layers)
+    cache = transformers.DynamicCache(config=model.config)
+    chunked = [capture_attention_layers(model, ids[:, a:b], layers, past_key_values=cache, use_cache=True)[0]
+               for a, b in CHUNKS]
+    return {kind: (single[i], [c[i] for c in chunked]) for kind, i in LAYERS.items()}
 
 
 def oracle_output(cap):
@@ -135,6 +133,14 @@ def test_chunked_prefill_sees_what_single_call_sees(captures, kind):
             torch.testing.assert_close(cap.compressed_kv, single.compressed_kv[:n], rtol=1e-5, atol=1e-5)
         if kind == "CSA":
             assert torch.equal(cap.topk_indices, single.topk_indices[a:b, : cap.topk_indices.shape[1]])
+
+
+def test_one_layer_capture_equals_the_multi_layer_one(model, ids, captures):
+    cap, out = capture_attention(model, ids[:, :PROMPT_LEN], LAYERS["CSA"])
+    ref = captures["CSA"][0]
+    for field in ("query", "window_kv", "compressed_kv", "topk_indices", "attention_mask", "output"):
+        assert torch.equal(getattr(cap, field), getattr(ref, field)), field
+    assert out.logits.shape == (1, PROMPT_LEN, model.config.vocab_size)
 
 
 def test_capture_rejects_bad_inputs(model, ids):

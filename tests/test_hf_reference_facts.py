@@ -79,6 +79,7 @@ def _chunked_vs_single(model, ids, bounds):
     return (torch.cat(parts, 1) - full).abs().max().item()
 
 
+@pytest.mark.slow
 def test_float64_model_keeps_float32_islands_and_chunking_is_exact_without_them(tmp_path, monkeypatch):
     """In a .double() model, norms / mHC / RoPE / gate softmaxes / indexer scores still run in float32,
     so chunked and one-call logits differ at ~1e-7. Forcing those casts to float64 leaves ~1e-14:

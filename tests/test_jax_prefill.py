@@ -6,6 +6,7 @@ ladders and default buckets get tests of their own.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import planner as P
+import dsv4_jax.attention
 from dsv4_jax import buckets as B
 from dsv4_jax import prefill as JP
 from tests.cases import boundary_cases, make_case
@@ -207,20 +209,61 @@ def test_runs_inside_user_jit_and_traces_once_per_bucket():
     traces = []
 
     @jax.jit
-    def layer(q, meta, raw, comp, topk_rows, sink):
+    def layer(q, step_meta, raw, comp, topk_rows, sink):  # the whole step's metadata is a pytree too
         traces.append(1)
-        return JP.prefill_attention(q, meta, raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows)
+        return JP.prefill_attention(q, step_meta[4], raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows)
 
+    build = lambda case: JP.build_step_metadata(  # noqa: E731
+        P.plan_step(case.batch, case.plan_config(), [4]), index_topk=topk, token_tile=16, gather_tile=16, min_workspace_rows=256
+    )  # fmt: skip
+    assert build(cases[0])[4].shape == build(cases[1])[4].shape
     for case in cases:
-        step = P.plan_step(case.batch, case.plan_config(), [4])
-        smeta = JP.build_step_metadata(step, index_topk=topk, token_tile=16, gather_tile=16, min_workspace_rows=256)
+        smeta = build(case)
         raw, comp = caches(case)
-        args = (jnp.asarray(smeta.pad_tokens(case.q)), smeta[4], raw, comp, jnp.asarray(smeta.pad_tokens(case.topk_rows)), jnp.asarray(case.sink))
-        got = np.asarray(layer(*args))
-        assert smeta[4].shape == JP.build_step_metadata(P.plan_step(cases[0].batch, cases[0].plan_config(), [4]), index_topk=topk, token_tile=16, gather_tile=16, min_workspace_rows=256)[4].shape
-        np.testing.assert_array_equal(got, np.asarray(JP.prefill_attention(*args[:4], sm_scale=0.25, attn_sink=args[5], topk_indices=args[4])))
+        q, topk_rows, sink = (jnp.asarray(x) for x in (smeta.pad_tokens(case.q), smeta.pad_tokens(case.topk_rows), case.sink))
+        got = np.asarray(layer(q, smeta, raw, comp, topk_rows, sink))
+        eager = JP.prefill_attention(q, smeta[4], raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows)
+        np.testing.assert_array_equal(got, np.asarray(eager))
         close(got[: case.batch.num_tokens], case.oracle()[0])
     assert len(traces) == 1  # both batches fall in the same buckets
+
+
+def test_server_sizes_leave_only_the_token_bucket_static():
+    cfg = P.PlanConfig(window_size=128, max_model_len=65536, max_num_batched_tokens=8192)
+    rng = np.random.default_rng(2)
+    shapes = set()
+    for _ in range(30):
+        n = int(rng.integers(1, 20))
+        qry = rng.integers(0, 400, n)
+        seq = qry + rng.integers(0, 60000, n)
+        policy = str(rng.choice(POLICIES))
+        smeta = JP.build_step_metadata(P.PrefillBatch(seq, qry), config=cfg, planner=policy, index_topk=512, sizes="server")
+        for kind, meta in smeta.kinds.items():
+            assert meta.shape.workspace_rows == meta.plan.budget_rows >= meta.plan.max_workspace_rows
+            shapes.add(dataclasses.replace(meta.shape, padded_tokens=0, token_ladder=()))
+    assert len(shapes) == 3  # one per kind, whatever the batch
+    # the same bits as per-step buckets (a wider HCA row, a bigger workspace: no difference)
+    for ratio in (4, 128):
+        case = boundary_cases(ratio)[2]
+        ref, _ = run(case)
+        out, meta = run(case, meta_kw=dict(FAST, sizes="server", padded_tokens=case.batch.num_tokens))
+        assert meta.padded_tokens == case.batch.num_tokens
+        np.testing.assert_array_equal(out, ref)
+
+
+def test_rows_no_chunk_wrote_are_never_read():
+    """A NaN-filled workspace: a read of any row the chunk's gathers did not write would show."""
+    for ratio in (0, 4, 128):
+        case = boundary_cases(ratio)[3]
+        step = P.plan_step(case.batch, case.plan_config(policy="fixed"), [ratio])
+        smeta = JP.build_step_metadata(step, index_topk=case.topk, **FAST)
+        raw, comp = caches(case, paged_kv=True)
+        out = JP._prefill_jit(
+            jnp.asarray(smeta.pad_tokens(case.q)), smeta[ratio].table, raw, comp,
+            jnp.asarray(smeta.pad_tokens(case.topk_rows)) if ratio == 4 else None, jnp.asarray(case.sink),
+            shape=smeta[ratio].shape, sm_scale=case.sm_scale, backend="xla", fill=float("nan"),
+        )  # fmt: skip
+        close(np.asarray(out)[: case.batch.num_tokens], case.oracle()[0])
 
 
 def test_zero_token_batch_and_unpadded_q():
@@ -234,7 +277,8 @@ def test_zero_token_batch_and_unpadded_q():
     case = boundary_cases(0)[1]
     step = P.plan_step(case.batch, case.plan_config(), [0])
     meta = JP.build_step_metadata(step, **FAST)[0]
-    out = JP.prefill_attention(jnp.asarray(case.q), meta, [jnp.asarray(x) for x in case.raw], sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink))
+    raw = [jnp.asarray(x) for x in case.raw]
+    out = JP.prefill_attention(jnp.asarray(case.q), meta, raw, sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink))
     close(np.asarray(out), case.oracle()[0])
 
 
@@ -304,6 +348,8 @@ def test_bad_inputs():
         call(raw_kv=raw[:4])
     with pytest.raises(TypeError, match="compressed_kv: expected a PagedKV"):
         call(compressed_kv="cache")
+    with pytest.raises(TypeError, match="sm_scale"):
+        call(sm_scale="0.1")
     with pytest.raises(ValueError, match="attn_sink"):
         call(attn_sink=jnp.zeros(3))
     with pytest.raises(ValueError, match="backend"):
@@ -321,6 +367,10 @@ def test_bad_inputs():
         JP.build_step_metadata(case.batch)
     with pytest.raises(ValueError, match="planner"):
         JP.build_step_metadata(step, planner="fixed", index_topk=6)
+    with pytest.raises(ValueError, match="sizes"):
+        JP.build_step_metadata(step, index_topk=6, sizes="exact")
+    with pytest.raises(ValueError, match="padded_tokens"):
+        JP.build_step_metadata(step, index_topk=6, padded_tokens=10)
     with pytest.raises(ValueError, match="token_tile"):
         JP.build_step_metadata(step, index_topk=6, token_tile=100)
     with pytest.raises(ValueError, match="chunk"):
@@ -332,3 +382,29 @@ def test_bad_inputs():
     # inside a trace the host plan is gone: building indices needs it
     with pytest.raises(ValueError, match="meta: build_indices needs the host plan"):
         jax.jit(lambda m: JP.build_indices(m, 0, rows)[0])(meta)
+
+
+def test_prefill_lowers_for_cuda_with_the_triton_kernel(monkeypatch):
+    """The whole layer call (loops, gathers, one Triton kernel per token tile size) lowers for
+    CUDA with V4-Flash's CSA configuration, on a machine without a GPU."""
+    monkeypatch.setattr(dsv4_jax.attention, "_pallas_triton_unavailable", lambda: None)
+    H, D, topk, W = 64, 512, 512, 128
+    batch = P.PrefillBatch([5000, 300], [300, 300])
+    cfg = P.PlanConfig(window_size=W, max_model_len=8192, max_num_batched_tokens=512)
+    meta = JP.build_step_metadata(batch, config=cfg, compress_ratios=[4], index_topk=topk)[4]
+    assert meta.shape.token_ladder == (256, 64, 16)
+
+    def layer(q, meta, raw_pages, comp_pages, block_table, comp_table, topk_rows, sink):
+        raw, comp = JP.PagedKV(raw_pages, block_table), JP.PagedKV(comp_pages, comp_table)
+        return JP.prefill_attention(q, meta, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk_rows,
+                                    backend="pallas_triton")  # fmt: skip
+
+    T = meta.padded_tokens
+    args = (jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16), meta,
+            jax.ShapeDtypeStruct((1024, 64, D), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 16, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((8, 128), jnp.int32), jax.ShapeDtypeStruct((8, 128), jnp.int32),
+            jax.ShapeDtypeStruct((T, topk), jnp.int32), jax.ShapeDtypeStruct((H,), jnp.float32))  # fmt: skip
+    text = jax.jit(layer).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+    token_grids = [max(int(g) for g in re.findall(r"grid_[xyz] = (\d+)", call)) for call in calls]
+    assert sorted(token_grids) == [16, 64, 256], token_grids  # one kernel per token tile size

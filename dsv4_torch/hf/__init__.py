@@ -11,6 +11,7 @@ _LAZY = {
     "write_tiny_checkpoint": "tiny_checkpoint",
     "tiny_config": "tiny_checkpoint",
     "capture_attention": "capture",
+    "capture_attention_layers": "capture",
     "AttentionCapture": "capture",
     "require_supported_transformers": "versions",
 }

@@ -84,17 +84,18 @@ def _decoder_layers(model):
 
 
 @contextlib.contextmanager
-def _wrapped_attention_function(target, record: dict):
-    """Temporarily wrap `modeling_deepseek_v4.eager_attention_forward` to record `target`'s call."""
+def _wrapped_attention_function(records: dict):
+    """Temporarily wrap `modeling_deepseek_v4.eager_attention_forward` to record the calls of the
+    attention modules in `records` ({module: dict})."""
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mod
 
     original = mod.eager_attention_forward
 
     def recording(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         out, weights = original(module, query, key, value, attention_mask, scaling, dropout=dropout, **kwargs)
-        if module is target:
-            record.update(query=query, key=key, value=value, attention_mask=attention_mask, scaling=scaling,
-                          sink=kwargs.get("s_aux"), output=out)
+        if module in records:
+            records[module].update(query=query, key=key, attention_mask=attention_mask, scaling=scaling,
+                                   sink=kwargs.get("s_aux"), output=out)
         return out, weights
 
     mod.eager_attention_forward = recording
@@ -117,10 +118,20 @@ def capture_attention(model, input_ids: torch.Tensor, layer_idx: int, past_key_v
     Returns:
       (AttentionCapture, the forward's output).
     """
+    captures, result = capture_attention_layers(model, input_ids, [layer_idx], past_key_values, **forward_kwargs)
+    return captures[layer_idx], result
+
+
+def capture_attention_layers(model, input_ids: torch.Tensor, layer_idxs, past_key_values=None, **forward_kwargs):
+    """`capture_attention` for several layers in one forward: returns ({layer_idx: AttentionCapture}, output)."""
     require_supported_transformers()
     layers = _decoder_layers(model)
-    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(layers):
-        raise ValueError(f"layer_idx: expected an int in 0..{len(layers) - 1}, got {layer_idx!r}")
+    layer_idxs = list(layer_idxs)
+    if not layer_idxs:
+        raise ValueError("layer_idxs: no layer to capture")
+    for i in layer_idxs:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(layers):
+            raise ValueError(f"layer_idx: expected an int in 0..{len(layers) - 1}, got {i!r}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[0] != 1:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids: expected a (1, T) tensor (one request), got {shape}")
@@ -132,32 +143,37 @@ def capture_attention(model, input_ids: torch.Tensor, layer_idx: int, past_key_v
     if "position_ids" in forward_kwargs or "attention_mask" in forward_kwargs:
         raise ValueError("forward_kwargs: position_ids / attention_mask are not supported (positions come from the cache)")
 
-    cfg = model.config
-    attn = layers[layer_idx].self_attn
-    ltype = cfg.layer_types[layer_idx]
-    ratio = 0 if ltype == "sliding_attention" else int(cfg.compress_rates[ltype])
-    kind = layer_kind(ratio)
-    W = int(cfg.sliding_window)
-
-    record: dict = {}
-    handles = [
-        attn.register_forward_pre_hook(
-            lambda m, args, kwargs: record.update(position_ids=kwargs["position_ids"]), with_kwargs=True
-        ),
-        attn.o_a_proj.register_forward_pre_hook(lambda m, args: record.update(derotated=args[0])),
-    ]
-    if kind is LayerKind.CSA:
-        handles.append(attn.compressor.indexer.register_forward_hook(lambda m, a, out: record.update(topk=out)))
+    records = {layers[i].self_attn: {} for i in layer_idxs}
+    handles = []
+    for attn, record in records.items():
+        handles.append(attn.register_forward_pre_hook(
+            lambda m, args, kwargs, record=record: record.update(position_ids=kwargs["position_ids"]), with_kwargs=True
+        ))
+        handles.append(attn.o_a_proj.register_forward_pre_hook(
+            lambda m, args, record=record: record.update(derotated=args[0])
+        ))
+        if attn.layer_type == "compressed_sparse_attention":
+            handles.append(attn.compressor.indexer.register_forward_hook(
+                lambda m, a, out, record=record: record.update(topk=out)
+            ))
     try:
-        with torch.no_grad(), _wrapped_attention_function(attn, record):
+        with torch.no_grad(), _wrapped_attention_function(records):
             result = model(input_ids, past_key_values=past_key_values, **forward_kwargs)
     finally:
         for h in handles:
             h.remove()
+    captures = {i: _to_capture(model.config, i, records[layers[i].self_attn], input_ids.shape[1]) for i in layer_idxs}
+    return captures, result
+
+
+def _to_capture(cfg, layer_idx: int, record: dict, T: int) -> AttentionCapture:
+    """Cut one layer's recorded tensors into the capture, checking the layout we rely on."""
     if "output" not in record:
         raise RuntimeError(f"layer {layer_idx}: the eager attention function was not called")
-
-    T = input_ids.shape[1]
+    ltype = cfg.layer_types[layer_idx]
+    ratio = 0 if ltype == "sliding_attention" else int(cfg.compress_rates[ltype])
+    kind = layer_kind(ratio)
+    W = int(cfg.sliding_window)
     positions = record["position_ids"].reshape(-1)[-T:].to(torch.int64).cpu()
     seq_len = int(positions[-1]) + 1
     if not torch.equal(positions, torch.arange(seq_len - T, seq_len)):
@@ -179,7 +195,7 @@ def capture_attention(model, input_ids: torch.Tensor, layer_idx: int, past_key_v
         raise RuntimeError(f"layer {layer_idx}: mask shape {tuple(mask.shape)}, expected {(T, key.shape[0])}")
     topk = record.get("topk")
     H, D = record["query"].shape[1], record["query"].shape[3]
-    capture = AttentionCapture(
+    return AttentionCapture(
         layer_idx=layer_idx,
         kind=kind,
         compress_ratio=ratio,
@@ -198,4 +214,3 @@ def capture_attention(model, input_ids: torch.Tensor, layer_idx: int, past_key_v
         output=record["output"][0],
         output_derotated=record["derotated"][0].reshape(T, H, D),
     )
-    return capture, result
