@@ -183,7 +183,7 @@ class ModelConfig:
             if unknown:
                 raise ValueError(f"compress_ratios: entries must be 0, 4 or 128, got {unknown}")
             types = [_LEGACY_RATIO_TYPE[r] for r in legacy]
-        if types is None:  # transformers' default: the V4-Pro layout
+        if types is None:  # transformers' default (HCA, HCA, HCA, CSA, ...: not the spec's V4-Pro parity)
             types = ["heavily_compressed_attention"] * min(n, 2) + [
                 "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))
             ]
