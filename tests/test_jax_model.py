@@ -245,6 +245,14 @@ def test_bad_inputs_raise(model, checkpoints):
         gen.generate([[1]], -1)
 
 
+def test_runtime_modules_do_not_import_torch():
+    code = "import sys, dsv4_jax.generate, dsv4_jax.checkpoint; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
+
+
 # ----------------------------------------------------------------------------- head-sharded attention
 
 SHARDED_SCRIPT = """
