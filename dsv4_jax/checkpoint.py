@@ -143,42 +143,47 @@ _DEEPSEEK_LAYER = [  # DeepSeek suffix -> transformers suffix inside layers.{i}.
     ("hc_ffn_base", "ffn_hc.base"),
     ("hc_ffn_scale", "ffn_hc.scale"),
 ]
+_DEEPSEEK_LAYER_MAP = dict(_DEEPSEEK_LAYER)
 _EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 
 
-def is_deepseek_style(names) -> bool:
-    return any(n == "embed.weight" or n.startswith("layers.") for n in names)
+# transformers' `save_pretrained` undoes its load-time renames: DeepSeek's layer names come back
+# under "model.", and every attention-side "kv_norm" comes back as "norm" (the reverse of its
+# ".norm." -> ".kv_norm." rename), whichever style the model was loaded from.
+_LAYER_ALIASES = {"attn.norm.weight": "attn.kv_norm.weight"}
+_SAVED_NORM = re.compile(r"\.(self_attn(?:\.compressor(?:\.indexer)?)?)\.norm\.weight$")
 
 
 def to_transformers_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """DeepSeek's original names -> transformers' (section 14); per-expert w1/w3 are stacked and
-    concatenated into `gate_up_proj` (E, 2I, hidden), w2 into `down_proj` (E, hidden, I).
-    transformers-named input is returned as is; `mtp.*` is dropped."""
-    if not is_deepseek_style(tensors):
-        return {k: v for k, v in tensors.items() if not k.startswith(("mtp.", "model.mtp."))}
+    """Any of the name styles transformers loads -> transformers' names (notes section 14).
+
+    Per tensor: DeepSeek's original names (`layers.{i}.attn.wq_a.weight`, `embed.weight`, ...),
+    the same layer names under `model.` (what transformers' `save_pretrained` writes), and
+    transformers' own names. Per-expert w1/w3 are stacked and concatenated into `gate_up_proj`
+    (E, 2I, hidden), w2 into `down_proj` (E, hidden, I); `mtp.*` is dropped. Names this does not
+    know pass through, and `load_params` refuses what it does not use."""
     out: dict[str, np.ndarray] = {}
     experts: dict[int, dict[str, dict[int, np.ndarray]]] = {}
     for name, t in tensors.items():
-        if name.startswith("mtp."):
+        if name.startswith(("mtp.", "model.mtp.")):
             continue
-        if name.endswith(".scale") and not re.search(r"hc_(attn|ffn|head)_scale$", name):
+        if name.endswith(".scale") and not re.search(r"hc_(attn|ffn|head)_scale$|\.(attn|ffn)_hc\.scale$|hc_scale$", name):
             raise ValueError(f"tensors: {name!r} is an FP8 scale; FP8 checkpoints are not supported (dequantize first)")
-        if name in _DEEPSEEK_TOP:
-            out[_DEEPSEEK_TOP[name]] = t
+        key = name[len("model.") :] if name.startswith("model.layers.") else name
+        if key in _DEEPSEEK_TOP:
+            out[_DEEPSEEK_TOP[key]] = t
             continue
-        m = _EXPERT.match(name)
+        m = _EXPERT.match(key)
         if m:
             experts.setdefault(int(m[1]), {}).setdefault(m[3], {})[int(m[2])] = t
             continue
-        if not name.startswith("layers."):
-            raise ValueError(f"tensors: unknown DeepSeek tensor name {name!r}")
-        i, rest = name[len("layers.") :].split(".", 1)
-        for ds, hf in _DEEPSEEK_LAYER:
-            if rest == ds:
-                out[f"model.layers.{i}.{hf}"] = t
-                break
-        else:
-            raise ValueError(f"tensors: unknown DeepSeek tensor name {name!r}")
+        if key.startswith("layers."):
+            i, rest = key[len("layers.") :].split(".", 1)
+            rest = _LAYER_ALIASES.get(rest, rest)
+            hf = f"model.layers.{i}.{_DEEPSEEK_LAYER_MAP.get(rest, rest)}"
+            out[_SAVED_NORM.sub(r".\1.kv_norm.weight", hf)] = t
+            continue
+        out[name] = t
     for i, ws in experts.items():
         ids = sorted(ws.get("w1", {}))
         for w in ("w1", "w2", "w3"):

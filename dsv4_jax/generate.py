@@ -70,6 +70,7 @@ class JaxGenerator:
         self.config = self.model.config
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cache = self.model.init_cache()
+        self.last_plan = None  # the planner.StepPlan of the last step
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -128,20 +129,10 @@ class JaxGenerator:
                 i, p = waiting.popleft()
                 active.append(_Request(i, p, free.popleft()))
             pending = [r for r in active if r.cached < len(r.prompt)]
-            if pending:  # prefill step: chunks of the pending prompts, ragged, within the token budget
-                chosen, budget = [], self.max_num_batched_tokens
-                for r in pending:
-                    take = min(len(r.prompt) - r.cached, budget)
-                    if take == 0:
-                        break
-                    chosen.append((r, take))
-                    budget -= take
-                tokens = [r.prompt[r.cached : r.cached + take] for r, take in chosen]
-                next_tokens = self._run("prefill", [r for r, _ in chosen], tokens)
+            if pending:
                 done = set()
-                for (r, take), tok in zip(chosen, next_tokens):
-                    r.cached += take
-                    if r.cached == len(r.prompt) and finish(r, tok):
+                for r, tok in self._prefill_step(pending):
+                    if finish(r, tok):
                         done.add(id(r))
             else:  # decode step: the last token of every request in flight
                 next_tokens = self._run("decode", active, [[r.output[-1]] for r in active])
@@ -152,6 +143,29 @@ class JaxGenerator:
                         done.add(id(r))
             active = [r for r in active if id(r) not in done]
         return results  # type: ignore[return-value]
+
+    def _prefill_step(self, pending: list[_Request]) -> list[tuple[_Request, int]]:
+        """One prefill step: chunks of the pending prompts, ragged, within the token budget.
+        Returns (request, next token) for the requests whose prompt is now fully cached."""
+        chosen, budget = [], self.max_num_batched_tokens
+        for r in pending:
+            take = min(len(r.prompt) - r.cached, budget)
+            if take == 0:
+                break
+            chosen.append((r, take))
+            budget -= take
+        tokens = [r.prompt[r.cached : r.cached + take] for r, take in chosen]
+        next_tokens = self._run("prefill", [r for r, _ in chosen], tokens)
+        finished = []
+        for (r, take), tok in zip(chosen, next_tokens):
+            r.cached += take
+            if r.cached == len(r.prompt):
+                finished.append((r, tok))
+        return finished
+
+    def session(self) -> "GenerationSession":
+        """A step-level view of this generator (what eval/gsm8k.py drives)."""
+        return GenerationSession(self)
 
     def _run(self, phase: str, reqs: list[_Request], tokens: list[list[int]]) -> list[int]:
         before = sum(compile_counts().values())
@@ -166,9 +180,57 @@ class JaxGenerator:
         if sum(compile_counts().values()) > before:
             s["compile_seconds"] += seconds
         s["compiles"] = compile_counts()
+        self.last_plan = out.plan
         s["peak_workspace_rows"] = max(s["peak_workspace_rows"], out.plan.max_workspace_rows)
         for kind, kp in out.plan.kinds.items():
             total, count, most = self._chunks.get(kind.name, (0, 0, 0))
             self._chunks[kind.name] = (total + kp.num_chunks, count + 1, max(most, kp.num_chunks))
         s["chunks_per_step"] = {k: {"mean": t / c, "max": m} for k, (t, c, m) in self._chunks.items()}
         return next_tokens
+
+
+class GenerationSession:
+    """Greedy generation driven one step at a time, for callers with their own loop.
+
+        session = JaxGenerator(ckpt).session()
+        next_tokens = session.prefill(prompts)      # one greedy token per prompt
+        next_tokens = session.decode(next_tokens)   # one more per request, all requests every step
+
+    Request i of the last `prefill` holds cache slot i; `decode` takes one token per request (feed
+    anything, e.g. a pad token, to requests the caller has finished with).
+    """
+
+    def __init__(self, generator: JaxGenerator):
+        self.generator = generator
+        self.requests: list[_Request] = []
+
+    def prefill(self, prompts) -> list[int]:
+        gen = self.generator
+        prompts, _ = gen._check(prompts, 1, ())
+        if len(prompts) > gen.model.max_batch_size:
+            raise ValueError(f"prompts: {len(prompts)} requests exceed max_batch_size = {gen.model.max_batch_size}")
+        self.requests = [_Request(i, p, slot=i) for i, p in enumerate(prompts)]
+        next_tokens = [0] * len(prompts)
+        pending = list(self.requests)
+        while pending:
+            for r, tok in gen._prefill_step(pending):
+                next_tokens[r.index] = tok
+            pending = [r for r in pending if r.cached < len(r.prompt)]
+        return next_tokens
+
+    def decode(self, tokens) -> list[int]:
+        if len(tokens) != len(self.requests):
+            raise ValueError(f"tokens: {len(tokens)} tokens for {len(self.requests)} requests of the last prefill")
+        limit = self.generator.model.max_model_len
+        if any(r.cached + 1 > limit for r in self.requests):
+            raise ValueError(f"tokens: a request would exceed max_model_len = {limit}")
+        out = self.generator._run("decode", self.requests, [[int(t)] for t in tokens])
+        for r in self.requests:
+            r.cached += 1
+        return out
+
+    def end_session(self) -> None:
+        self.requests = []
+
+    def last_step_plan(self):
+        return self.generator.last_plan

@@ -25,7 +25,6 @@ sparse path keeps per-request compressor state and runs batched.
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import time
 from abc import ABC, abstractmethod
@@ -400,13 +399,12 @@ class HFTorchGenerator(Generator):
 
 
 class JaxGenerator(Generator):
-    """Adapter over the JAX DeepSeek-V4 model. Expected from `dsv4_jax.model` (issue 7):
+    """Adapter over the JAX DeepSeek-V4 model (`dsv4_jax.generate.JaxGenerator(...).session()`):
 
-        load_generator(checkpoint_dir, *, attention, planner, dtype) -> session, with
-            session.prefill(prompts: list[list[int]]) -> list[int]   # greedy next token per request
-            session.decode(tokens: list[int]) -> list[int]
-            session.end_session()                                   # optional: drop caches
-            session.last_step_plan() -> planner.StepPlan | None     # optional: planner figures
+        session.prefill(prompts: list[list[int]]) -> list[int]   # greedy next token per request
+        session.decode(tokens: list[int]) -> list[int]
+        session.end_session()
+        session.last_step_plan() -> planner.StepPlan | None     # planner figures
     """
 
     def __init__(self, session, codec, *, attention, planner, dtype, batching="batched"):
@@ -417,7 +415,7 @@ class JaxGenerator(Generator):
 
     @classmethod
     def from_checkpoint(cls, checkpoint, *, attention="auto", planner="adaptive", dtype="float32",
-                        batching="auto") -> "JaxGenerator":
+                        batching="auto", max_batch_size=8, max_model_len=8192) -> "JaxGenerator":
         if attention not in JAX_ATTENTION:
             raise ValueError(f"attention: for --framework jax expected one of {JAX_ATTENTION}, got {attention!r}")
         if planner not in PLANNERS:
@@ -425,23 +423,12 @@ class JaxGenerator(Generator):
         if dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
         try:
-            module = importlib.import_module("dsv4_jax.model")
+            from dsv4_jax.generate import JaxGenerator as Model
         except ModuleNotFoundError as e:
-            if e.name not in ("dsv4_jax", "dsv4_jax.model"):
-                raise
-            raise SetupError(
-                "--framework jax needs the JAX DeepSeek-V4 model (issue 7): dsv4_jax.model is not in this checkout"
-            ) from None
-        load = getattr(module, "load_generator", None)
-        if load is None:
-            raise SetupError(
-                "dsv4_jax.model has no load_generator(checkpoint_dir, *, attention, planner, dtype); "
-                "the GSM8K adapter (eval/generators.py, JaxGenerator) needs it"
-            )
-        session = load(str(checkpoint), attention=attention, planner=planner, dtype=dtype)
-        for name in ("prefill", "decode"):
-            if not callable(getattr(session, name, None)):
-                raise SetupError(f"dsv4_jax.model.load_generator returned {type(session).__name__} without {name}()")
+            raise SetupError(f"--framework jax needs JAX and dsv4_jax.generate ({e})") from None
+        backend = "auto" if attention == "auto" else attention
+        session = Model(str(checkpoint), attention_backend=backend, planner=planner, dtype=dtype,
+                        max_batch_size=max_batch_size, max_model_len=max_model_len).session()
         return cls(session, TextCodec.from_checkpoint(checkpoint), attention=attention, planner=planner,
                    dtype=dtype, batching=batching)
 
@@ -467,7 +454,7 @@ class JaxGenerator(Generator):
 
 
 def load_generator(checkpoint, *, framework="torch", attention="auto", planner="adaptive", dtype="float32",
-                   device=None, batching="auto") -> Generator:
+                   device=None, batching="auto", batch_size=8) -> Generator:
     """The generator for one configuration (see `HFTorchGenerator` / `JaxGenerator`)."""
     if framework == "torch":
         return HFTorchGenerator.from_checkpoint(checkpoint, attention=attention, planner=planner, dtype=dtype,
@@ -476,5 +463,5 @@ def load_generator(checkpoint, *, framework="torch", attention="auto", planner="
         if device is not None:
             raise ValueError(f"device: not supported for --framework jax (JAX picks its default device), got {device!r}")
         return JaxGenerator.from_checkpoint(checkpoint, attention=attention, planner=planner, dtype=dtype,
-                                            batching=batching)
+                                            batching=batching, max_batch_size=batch_size)
     raise ValueError(f"framework: expected 'torch' or 'jax', got {framework!r}")

@@ -453,7 +453,8 @@ def run_config(cfg: RunConfig, prompts, test, *, max_new_tokens, progress=True, 
     """Load the generator of `cfg`, evaluate, free it; the report with its `config` section."""
     cfg = cfg.resolved()
     generator = load_generator(cfg.checkpoint, framework=cfg.framework, attention=cfg.attention,
-                               planner=cfg.planner, dtype=cfg.dtype, device=cfg.device, batching=cfg.batching)
+                               planner=cfg.planner, dtype=cfg.dtype, device=cfg.device, batching=cfg.batching,
+                               batch_size=cfg.batch_size)
     try:
         body = evaluate(generator, prompts, test, batch_size=cfg.batch_size, max_new_tokens=max_new_tokens,
                         progress=progress, label=label)

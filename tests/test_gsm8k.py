@@ -587,3 +587,21 @@ def test_cli_compare_eager_vs_our_ragged_batches(tiny_eager, tmp_path):
     lengths = sorted(p["prompt_tokens"] for p in report["b"]["problems"])
     assert lengths[0] < 32 and lengths[-1] > 128
     assert report["a"]["planner"] is None and report["b"]["planner"] is not None
+
+
+def test_cli_compare_torch_vs_jax(tiny_eager, tmp_path):
+    """`--compare framework=torch framework=jax`: both frameworks' models, each on its own ragged
+    batched path, generate identical tokens for prompts of 20 to 170 tokens."""
+    pytest.importorskip("jax")
+    _, ckpt = tiny_eager
+    test = [{"question": "Tom has 3 apples. " * n + "How many?", "answer": "#### 3"} for n in (9, 1, 4)]
+    write_split(tmp_path / "test.jsonl", test)
+    write_split(tmp_path / "train.jsonl", TRAIN)
+    out = tmp_path / "r.json"
+    argv = ["--checkpoint", str(ckpt), "--data", str(tmp_path), "--num-fewshot", "0", "--max-new-tokens", "6",
+            "--batch-size", "3", "--output", str(out), "--no-progress", "--compare", "framework=torch,attention=reference",
+            "framework=jax,attention=xla"]  # fmt: skip
+    assert E.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["compare"]["problems"] == 3 and report["compare"]["identical_problems"] == 3
+    assert report["b"]["planner"] is not None

@@ -135,6 +135,19 @@ def test_both_name_styles_load_the_same_parameters(checkpoints, model, hf_model)
     np.testing.assert_array_equal(logits[0], logits[1])
 
 
+def test_loads_what_transformers_save_pretrained_writes(hf_model, tmp_path):
+    """transformers' save_pretrained undoes its load renames (attention "kv_norm" is written as
+    "norm"; a model built in code writes DeepSeek's layer names under "model."): same tensors."""
+    hf_model.save_pretrained(tmp_path)
+    written = read_safetensors(tmp_path / "model.safetensors")
+    assert "model.layers.0.self_attn.norm.weight" in written  # the quirk this test is about
+    ours = to_transformers_names(written)
+    theirs = hf_model.state_dict()
+    assert set(ours) == set(theirs)
+    for name, t in ours.items():
+        np.testing.assert_array_equal(t, theirs[name].numpy(), err_msg=name)
+
+
 def test_loader_rejects_bad_checkpoints(checkpoints, tmp_path):
     tensors = read_safetensors(checkpoints["hf"])
     cfg = ModelConfig.from_name("tiny")
