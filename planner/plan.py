@@ -276,6 +276,13 @@ def _split_request(prefix: int, query_len: int, r: int, W: int, budget: int, req
     return pieces
 
 
+def _frozen32(*arrays) -> list[np.ndarray]:
+    """Equal-length arrays as read-only int32 rows of one buffer (one copy, not one per array)."""
+    buf = np.array(arrays, dtype=np.int32).reshape(len(arrays), -1)
+    buf.setflags(write=False)
+    return list(buf)
+
+
 def _ro32(a) -> np.ndarray:
     a = np.asarray(a)
     if a.dtype != np.int32 or a.flags.writeable:
@@ -368,29 +375,17 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, compress_ratio: int, _sha
         token_position = batch.token_position[token_index]
         token_request = seg_slot[tok_seg]
         chunk_token_starts = seg_cum[chunk_starts]
+    seg = _frozen32(seg_req, seg_seq, seg_q, seg_off, seg_comp, seg_gath, seg_seq - seg_gath, seg_row_base)
+    chunk_N, chunk_M = _frozen32(chunk_N, chunk_M)
+    chunk_starts, chunk_token_starts = _frozen32(chunk_starts, chunk_token_starts)
     return KindPlan(
-        compress_ratio=r,
-        config=config,
-        budget_rows=budget,
-        order=_ro32(active),
-        skipped=_ro32(skipped),
-        split_requests=_ro32(split),
-        seg_request=_ro32(seg_req),
-        seg_seq_len=_ro32(seg_seq),
-        seg_query_len=_ro32(seg_q),
-        seg_query_offset=_ro32(seg_off),
-        seg_compressed_len=_ro32(seg_comp),
-        seg_gather_len=_ro32(seg_gath),
-        seg_gather_start=_ro32(seg_seq - seg_gath),
-        seg_row_base=_ro32(seg_row_base),
-        chunk_starts=_ro32(chunk_starts),
-        chunk_N=_ro32(chunk_N),
-        chunk_M=_ro32(chunk_M),
-        chunk_token_starts=_ro32(chunk_token_starts),
-        token_index=_ro32(token_index),
-        token_request=_ro32(token_request),
-        token_position=_ro32(token_position),
-    )
+        compress_ratio=r, config=config, budget_rows=budget,
+        order=_ro32(active), skipped=_ro32(skipped), split_requests=_ro32(split),
+        seg_request=seg[0], seg_seq_len=seg[1], seg_query_len=seg[2], seg_query_offset=seg[3],
+        seg_compressed_len=seg[4], seg_gather_len=seg[5], seg_gather_start=seg[6], seg_row_base=seg[7],
+        chunk_starts=chunk_starts, chunk_N=chunk_N, chunk_M=chunk_M, chunk_token_starts=chunk_token_starts,
+        token_index=_ro32(token_index), token_request=_ro32(token_request), token_position=_ro32(token_position),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
@@ -419,7 +414,7 @@ def plan_step(batch: PrefillBatch, config: PlanConfig, compress_ratios=(0, 4, 12
     """Plan every layer kind among `compress_ratios` (a model's per-layer list is fine) once."""
     kinds = {}
     shared = _active_requests(batch, config)
-    for r in compress_ratios:
+    for r in dict.fromkeys(compress_ratios):  # a model lists its ratio per layer: visit each once
         k = layer_kind(r)
         if k not in kinds:
             kinds[k] = plan_kind(batch, config, k.ratio, shared)
