@@ -1,0 +1,210 @@
+"""JAX prefill benchmark on CPU: tokens/s per plan, compiles, and bucket padding waste.
+
+    /work/venv/bin/python bench/bench_jax_prefill.py [--scale 0.125] [--heads 16] [--dim 128]
+        [--repeats 3] [--kinds SWA,CSA,HCA] [--stream 500] [--json out.json]
+
+Part 1: for each named workload of `bench/workloads.py` (lengths scaled by --scale so a CPU
+finishes), each layer kind and each plan (adaptive / fixed / per_request), one
+`dsv4_jax.prefill.prefill_attention` layer call on the xla backend: the first call's extra
+time (trace + compile), the median steady-state time, prefill tokens/s, and what the buckets
+and tile ladders pad (tokens: bucketed / real and attended / real; rows: gathered / real and the
+bucketed workspace / the largest chunk). Then the Pallas kernel in interpret mode on the
+smallest workload (much slower by nature; it checks the path, not speed). Ratios within one
+run are what to read; the machine is noisy.
+
+Part 2: a random stream of batches (host only): aggregate padding waste, and how many distinct
+compiled programs (bucket keys) the stream needs versus distinct exact shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench.workloads import workloads  # noqa: E402
+from dsv4_jax import prefill as JP  # noqa: E402
+from planner import LayerKind, PlanConfig, PrefillBatch  # noqa: E402
+from planner.report import table as _table  # noqa: E402
+
+POLICIES = ("adaptive", "fixed", "per_request")
+TOPK = 512  # V4-Flash
+
+
+def table(rows: list[dict]) -> str:
+    return _table([list(r.values()) for r in rows], list(rows[0]))
+
+
+def make_inputs(batch: PrefillBatch, padded_tokens: int, H: int, D: int, rng):
+    """Random q, logical caches and valid top-k rows for one batch."""
+    raw = JP.LogicalKV.from_list([rng.standard_normal((s, D), dtype=np.float32) for s in batch.seq_lens.tolist()])
+    comp4 = JP.LogicalKV.from_list([rng.standard_normal((s // 4, D), dtype=np.float32) for s in batch.seq_lens.tolist()])
+    comp128 = JP.LogicalKV.from_list([rng.standard_normal((s // 128, D), dtype=np.float32) for s in batch.seq_lens.tolist()])
+    q = rng.standard_normal((padded_tokens, H, D), dtype=np.float32)
+    visible = (batch.token_position.astype(np.int64) + 1) // 4
+    topk = (rng.random((padded_tokens, TOPK)) * np.pad(visible, (0, padded_tokens - visible.shape[0]))[:, None]).astype(np.int32)
+    topk[np.arange(TOPK)[None, :] >= np.pad(np.minimum(visible, TOPK), (0, padded_tokens - visible.shape[0]))[:, None]] = -1
+    sink = rng.standard_normal(H).astype(np.float32)
+    return jnp.asarray(q), raw, {4: comp4, 128: comp128}, jnp.asarray(topk), jnp.asarray(sink)
+
+
+def time_layer(q, meta, raw, comp, topk, sink, backend: str, repeats: int):
+    D = q.shape[2]
+    call = lambda: JP.prefill_attention(  # noqa: E731
+        q, meta, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk, backend=backend
+    ).block_until_ready()
+    t0 = time.perf_counter()
+    call()
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    steady = float(np.median(times))
+    return max(0.0, first - steady), steady
+
+
+def layer_rows(args, names, kinds) -> list[dict]:
+    rows = []
+    rng = np.random.default_rng(0)
+    for name, (seq, qry, limits) in workloads(scale=args.scale).items():
+        if names and name not in names:
+            continue
+        batch = PrefillBatch(seq, qry)
+        cfg = PlanConfig(**limits)
+        metas = {p: JP.build_step_metadata(batch, config=cfg, planner=p, index_topk=TOPK) for p in POLICIES}
+        q, raw, comps, topk, sink = make_inputs(batch, metas["adaptive"].padded_tokens, args.heads, args.dim, rng)
+        for kind in kinds:
+            base = None
+            for policy in POLICIES:
+                meta = metas[policy][kind]
+                compile_s, steady = time_layer(q, meta, raw, comps.get(kind.ratio), topk, sink, "xla", args.repeats)
+                pad = meta.padding()
+                base = base or steady
+                rows.append(dict(
+                    workload=name, kind=kind.name, plan=policy, chunks=meta.plan.num_chunks, T=pad["tokens"],
+                    T_pad=pad["padded_tokens"], attended=round(pad["attended_tokens"] / max(1, pad["tokens"]), 3),
+                    rows_x=round(pad["gathered_rows"] / max(1, pad["rows"]), 3),
+                    ws_rows=pad["workspace_rows"], ws_x=round(pad["workspace_rows"] / max(1, pad["max_chunk_rows"]), 3),
+                    compile_s=round(compile_s, 2), ms=round(steady * 1e3, 1),
+                    tok_per_s=round(pad["tokens"] / steady), vs_adaptive=round(base / steady, 2),
+                ))  # fmt: skip
+                print(f"  {name} {kind.name} {policy}: {rows[-1]['ms']} ms", file=sys.stderr, flush=True)
+    print(table(rows))
+    return rows
+
+
+def pallas_rows(args) -> list[dict]:
+    """Pallas in interpret mode on the smallest workload, SWA and CSA, adaptive plan."""
+    seq, qry, limits = workloads(scale=args.scale)["spec-example"]
+    batch = PrefillBatch(seq, qry)
+    meta = JP.build_step_metadata(batch, config=PlanConfig(**limits), index_topk=TOPK)
+    q, raw, comps, topk, sink = make_inputs(batch, meta.padded_tokens, args.heads, args.dim, np.random.default_rng(1))
+    rows = []
+    for kind in (LayerKind.SWA, LayerKind.CSA):
+        m = meta[kind]
+        outs = {}
+        for backend in ("xla", "pallas"):
+            compile_s, steady = time_layer(q, m, raw, comps.get(kind.ratio), topk, sink, backend, 1)
+            outs[backend] = np.asarray(JP.prefill_attention(q, m, raw, comps.get(kind.ratio), sm_scale=args.dim**-0.5,
+                                                            attn_sink=sink, topk_indices=topk, backend=backend))  # fmt: skip
+            rows.append(dict(workload="spec-example", kind=kind.name, backend=m.last_backend, T=batch.num_tokens,
+                             compile_s=round(compile_s, 2), ms=round(steady * 1e3, 1),
+                             tok_per_s=round(batch.num_tokens / steady)))  # fmt: skip
+        err = np.abs(outs["pallas"] - outs["xla"]).max() / np.abs(outs["xla"]).max()
+        rows[-1]["max_rel_diff_vs_xla"] = rows[-2]["max_rel_diff_vs_xla"] = f"{err:.1e}"
+    return rows
+
+
+def stream_report(num_batches: int, seed: int = 1) -> list[dict]:
+    """Padding waste and distinct programs over a random stream of batches (V4-Flash kinds).
+
+    Per `sizes` mode of `build_step_metadata`: distinct static keys per kind (each is one
+    compilation of the layer call) and, for a jitted model, distinct (tokens, every kind's key)
+    combinations, beside the distinct exact shapes an unbucketed design would compile for.
+    """
+    cfg = PlanConfig(window_size=128, max_model_len=65536, max_num_batched_tokens=8192)
+    out = []
+    for sizes in JP.SIZES:
+        rng = np.random.default_rng(seed)
+        totals, keys, models, exact, per_batch = {}, set(), set(), set(), []
+        for _ in range(num_batches):
+            n = int(rng.integers(1, 33))
+            qry = np.exp(rng.uniform(0, np.log(4096), n)).astype(np.int64)
+            qry[rng.random(n) < 0.1] = 0  # KV-transfer loads
+            qry = (qry * min(1.0, 8192 / max(1, qry.sum()))).astype(np.int64)
+            seq = qry + np.exp(rng.uniform(0, np.log(60000), n)).astype(np.int64)
+            policy = str(rng.choice(POLICIES))
+            smeta = JP.build_step_metadata(PrefillBatch(seq, qry), config=cfg, planner=policy, index_topk=TOPK, sizes=sizes)
+            for kind, meta in smeta.kinds.items():
+                pad = meta.padding()
+                for k, v in pad.items():
+                    totals[k] = totals.get(k, 0) + v
+                if pad["tokens"]:
+                    per_batch.append(pad["attended_tokens"] / pad["tokens"])
+                keys.add(meta.shape)
+                exact.add((kind, pad["tokens"], pad["max_chunk_rows"], int(seq.max())))
+            models.add(tuple(m.shape for m in smeta.kinds.values()))
+        out.append(dict(
+            sizes=sizes,
+            batches=num_batches,
+            padded_tokens_x=round(totals["padded_tokens"] / totals["tokens"], 3),
+            attended_tokens_x=round(totals["attended_tokens"] / totals["tokens"], 3),
+            worst_batch_attended_x=round(max(per_batch), 2),
+            gathered_rows_x=round(totals["gathered_rows"] / totals["rows"], 3),
+            workspace_rows_x=round(totals["workspace_rows"] / totals["max_chunk_rows"], 3),
+            layer_programs=len(keys),
+            model_programs=len(models),
+            exact_shapes=len(exact),
+        ))  # fmt: skip
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scale", type=float, default=0.125)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kinds", default="SWA,CSA,HCA")
+    ap.add_argument("--workloads", default="", help="comma-separated names (default: all)")
+    ap.add_argument("--stream", type=int, default=500, help="random batches for the padding report")
+    ap.add_argument("--no-pallas", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    kinds = [LayerKind[k] for k in args.kinds.split(",") if k]
+    names = [n for n in args.workloads.split(",") if n]
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; H={args.heads} D={args.dim} scale={args.scale}\n")
+
+    cache0 = JP._prefill_jit._cache_size()
+    t0 = time.perf_counter()
+    rows = layer_rows(args, names, kinds)
+    compiles = JP._prefill_jit._cache_size() - cache0
+    keys = len({(r["workload"], r["kind"], r["plan"]) for r in rows})
+    print(f"\nlayer calls: {len(rows)} configurations, {compiles} compilations, "
+          f"{sum(r['compile_s'] for r in rows):.1f} s compiling, {time.perf_counter() - t0:.0f} s in all")  # fmt: skip
+    result = dict(layers=rows, compilations=compiles, configurations=keys)
+    if not args.no_pallas:
+        print("\nPallas kernel, interpret mode (CPU), vs the xla backend:")
+        result["pallas"] = pallas_rows(args)
+        print(table(result["pallas"]))
+    print(f"\nRandom stream (V4-Flash kinds, W=128, topk={TOPK}, max_num_batched_tokens=8192):")
+    result["stream"] = stream_report(args.stream)
+    print(table(result["stream"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

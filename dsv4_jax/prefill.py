@@ -1,0 +1,770 @@
+"""Prefill attention of one DeepSeek-V4 layer in JAX, driven by the planner's step plan.
+
+The JAX twin of `dsv4_torch.prefill`: same inputs, outputs, names and `planner=` choices.
+
+Once per step, on the host: `build_step_metadata` plans every layer kind (or takes a
+`planner.StepPlan`) and packs each kind's plan into one int32 table `(NUM_FIELDS, L)`, copied
+to the device in one transfer per kind, plus a few static ints (`KindShape`). Every layer then
+calls `prefill_attention` with the metadata of its kind. Nothing in a layer call reads device
+memory on the host, so nothing syncs.
+
+Design: one jitted function per layer call, jit-compatible all the way down.
+  * Static: `KindShape` = kind, W, the token count padded to a bucket (`padded_tokens`), the index
+    width (bucketed for HCA, whose width grows with the batch's longest context; fixed by topk
+    and W for CSA/SWA), the workspace rows padded to a bucket, and two tile ladders derived from
+    those. Buckets are 1, 1.25, 1.5, 1.75 x 2^k (`dsv4_jax.buckets`): shapes pad at most 1.25x and
+    a stream of varied batches compiles once per bucket combination, not once per batch.
+  * `sizes="server"` trades memory for compiles: the workspace takes the plan's budget and the
+    HCA width max_model_len's, both fixed for a server, so the token bucket is the only static
+    size left that varies (what a jitted model wants: it compiles once per token bucket).
+    Padding the tokens costs no attention work either way: the loops cover real tokens only.
+  * Dynamic (device int32): everything per token, per segment and per chunk, including the
+    number of chunks. Segment and chunk arrays are padded to `padded_tokens` too (a segment has
+    at least one token), so their lengths add nothing to the compile key.
+  * The chunk loop is a `lax.fori_loop` over the (dynamic) chunk count. Per chunk, the
+    compressed and the raw region of the workspace are gathered from the paged or logical
+    cache, and the chunk's tokens are attended, each as a ladder of static-size tiles:
+    as many tiles of the largest size (256 tokens, 4096 rows by default) as fit, then up to
+    three of each 4x smaller size, and on the last rung (16) the remainder rounded up, the tail
+    masked. Each tile is one vectorized
+    gather (or one `sparse_attention` call) at a dynamic offset. So a chunk costs its own
+    size plus at most 15 masked items per region, whatever the other chunks look like, with a
+    bounded transient (one tile) and a handful of static tile sizes per program.
+  * The workspace is one `(workspace_rows, D)` buffer, the loop carry, reused by every chunk;
+    rows a chunk does not write are never indexed.
+
+Why not the alternatives: one uniform per-chunk token and row window (a scan over chunks)
+pads every chunk to the largest one, which costs several x for per-request plans and mixed
+batches; a host loop over chunks with per-chunk shapes is cheap outside `jax.jit` but, inside a
+user's jitted model, unrolls into a program whose shape depends on every chunk, so the model
+recompiles for most new batches.
+
+Under a user's `jax.jit`, pass the metadata as an argument (it is a pytree: the table is a leaf,
+`KindShape` is static), never as a closure constant. Host-only checks that need the plan (token
+count, cache sizes, top-k rows on the host) run when the metadata still carries it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.tree_util import register_pytree_node_class
+
+from dsv4_jax.attention import resolve_backend, sparse_attention
+from dsv4_jax.buckets import MIN_TILE, bucket, tile_ladder, tiled_items
+from planner import LayerKind, PlanConfig, PrefillBatch, StepPlan, layer_kind, plan_step
+from planner.layout import INDEX_ALIGN, index_width, round_up
+from planner.oracle import value_dim
+from planner.plan import KindPlan
+
+MIN_WORKSPACE_ROWS = 128
+SIZES = ("bucket", "server")
+DROP = int(np.iinfo(np.int32).max)  # a row index out of every array: scatters with mode="drop" skip it
+
+# Rows of `KindMetadata.table`; each row has L = padded_tokens + 1 int32 entries.
+TOK_INDEX = 0  # planned token -> row of q / out
+TOK_REQUEST = 1  # planned token -> chunk-local request b (its segment is chunk_seg_start + b)
+TOK_POSITION = 2  # planned token -> absolute position p
+SEG_REQUEST = 3  # segment -> batch request (row of the block table / logical offsets)
+SEG_ROW_BASE = 4  # segment -> b * M
+SEG_GATHER_START = 5  # segment -> first raw position gathered
+SEG_COMP_START = 6  # exclusive prefix sum of compressed_len over segments; entries >= n_seg: total
+SEG_RAW_START = 7  # exclusive prefix sum of gather_len over segments; entries >= n_seg: total
+CHUNK_SEG_START = 8  # chunk -> first segment; entries >= num_chunks: n_seg
+CHUNK_TOKEN_START = 9  # chunk -> first planned token; entries >= num_chunks: T
+CHUNK_N = 10  # chunk -> N
+SCALARS = 11  # [num_chunks, T, n_seg]
+NUM_FIELDS = 12
+
+
+# ----------------------------------------------------------------------------- caches
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _shape(x):
+    return tuple(x.shape) if hasattr(x, "shape") else type(x).__name__
+
+
+@register_pytree_node_class
+@dataclass(frozen=True)
+class PagedKV:
+    """A paged cache as serving engines keep it.
+
+    pages: (num_pages, page_size, D): raw tokens (page_size = block_size) or compressed entries
+      (page_size = block_size // compress_ratio), q's dtype.
+    block_table: (B, max_pages_per_request) int32: row i lists request i's pages, so entry e of
+      request i lives at pages[block_table[i, e // page_size], e % page_size].
+    """
+
+    pages: jax.Array
+    block_table: jax.Array
+
+    def __post_init__(self):
+        if not _is_array(self.pages) or self.pages.ndim != 3:
+            raise ValueError(f"pages: expected a (num_pages, page_size, D) array, got {_shape(self.pages)}")
+        if not _is_array(self.block_table) or self.block_table.ndim != 2:
+            raise ValueError(f"block_table: expected a (B, max_pages) array, got {_shape(self.block_table)}")
+        if jnp.dtype(self.block_table.dtype) != jnp.int32:
+            raise TypeError(f"block_table: expected int32, got {jnp.dtype(self.block_table.dtype)}")
+
+    def tree_flatten(self):
+        return (self.pages, self.block_table), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)  # no checks: JAX unflattens with tracers and placeholders
+        object.__setattr__(obj, "pages", children[0])
+        object.__setattr__(obj, "block_table", children[1])
+        return obj
+
+
+@register_pytree_node_class
+@dataclass(frozen=True)
+class LogicalKV:
+    """Per-request contiguous caches packed in one array (the bucket-friendly logical form).
+
+    rows: (S, D), q's dtype: request i's entries are rows offsets[i] .. offsets[i] + len_i - 1.
+    offsets: (B,) int32.
+    """
+
+    rows: jax.Array
+    offsets: jax.Array
+
+    def __post_init__(self):
+        if not _is_array(self.rows) or self.rows.ndim != 2:
+            raise ValueError(f"rows: expected a (S, D) array, got {_shape(self.rows)}")
+        if not _is_array(self.offsets) or self.offsets.ndim != 1:
+            raise ValueError(f"offsets: expected a (B,) array, got {_shape(self.offsets)}")
+        if jnp.dtype(self.offsets.dtype) != jnp.int32:
+            raise TypeError(f"offsets: expected int32, got {jnp.dtype(self.offsets.dtype)}")
+
+    @classmethod
+    def from_list(cls, arrays: Sequence, *, pad_rows: bool = True) -> "LogicalKV":
+        """Pack per-request (len_i, D) arrays (NumPy packs on the host, no device op per shape).
+
+        pad_rows: pad the packed rows to a bucket so varied batches share compiled programs.
+        """
+        if not isinstance(arrays, (list, tuple)) or not arrays:
+            raise TypeError(f"arrays: expected a non-empty sequence of (len_i, D) arrays, got {type(arrays).__name__}")
+        for i, a in enumerate(arrays):
+            if not _is_array(a) or a.ndim != 2:
+                raise TypeError(f"arrays[{i}]: expected a (len_i, D) array, got {_shape(a)}")
+        lens = [a.shape[0] for a in arrays]
+        offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32)
+        total = int(sum(lens))
+        pad = (bucket(total, MIN_WORKSPACE_ROWS) if pad_rows else max(total, 1)) - total
+        xp = np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
+        rows = xp.concatenate([*arrays, xp.zeros((pad, arrays[0].shape[1]), arrays[0].dtype)])
+        return cls(rows, offsets if xp is np else jnp.asarray(offsets))
+
+    def tree_flatten(self):
+        return (self.rows, self.offsets), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "rows", children[0])
+        object.__setattr__(obj, "offsets", children[1])
+        return obj
+
+
+# A cache argument: paged, packed logical, or a per-request list (packed on each call: tests).
+KVSource = Union[PagedKV, LogicalKV, Sequence[jax.Array]]
+
+
+def _flat_rows(src):
+    """(rows (S, D), lookup(request, entry) -> row) of a PagedKV or LogicalKV."""
+    if isinstance(src, PagedKV):
+        page_size = src.pages.shape[1]
+        rows = src.pages.reshape(-1, src.pages.shape[2])
+
+        def lookup(request, entry):
+            page = src.block_table[request, entry // page_size]
+            return page * page_size + entry % page_size
+
+        return rows, lookup
+    return src.rows, lambda request, entry: src.offsets[request] + entry
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+@dataclass(frozen=True)
+class KindShape:
+    """The static part of a kind's metadata: the jit cache key (with the input shapes)."""
+
+    compress_ratio: int
+    window_size: int
+    padded_tokens: int  # bucket(T): every table row has padded_tokens + 1 entries
+    index_width: int  # columns of every index row (a multiple of 128)
+    workspace_rows: int  # bucket(max rows of a chunk)
+    token_ladder: tuple[int, ...]  # attention tile sizes, largest first
+    gather_ladder: tuple[int, ...]  # gather tile sizes, largest first
+
+    @property
+    def kind(self) -> LayerKind:
+        return layer_kind(self.compress_ratio)
+
+
+@register_pytree_node_class
+class KindMetadata:
+    """Device-side plan of one layer kind for one step; reuse it for every layer of that kind.
+
+    Reuse is valid while the batch, the caches' block tables and the plan are those of this step.
+    A pytree: `table` (NUM_FIELDS, padded_tokens + 1) int32 is its leaf, `shape` is static. The
+    host plan (`plan`, `num_tokens`, `num_requests`) rides along outside `jax.jit` for checks
+    and `build_indices`; a copy rebuilt by JAX inside a trace has them as None.
+    """
+
+    def __init__(self, table, shape: KindShape, plan: KindPlan | None = None, num_tokens=None, num_requests=None):
+        self.table = table
+        self.shape = shape
+        self.plan = plan
+        self.num_tokens = num_tokens
+        self.num_requests = num_requests
+        self.last_backend: str | None = None  # the concrete backend the last call ran (traced)
+
+    @property
+    def kind(self) -> LayerKind:
+        return self.shape.kind
+
+    @property
+    def index_width(self) -> int:
+        return self.shape.index_width
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.shape.padded_tokens
+
+    def tree_flatten(self):
+        return (self.table,), self.shape
+
+    @classmethod
+    def tree_unflatten(cls, shape, children):
+        return cls(children[0], shape)
+
+    def __repr__(self):
+        return f"KindMetadata({self.shape}, num_tokens={self.num_tokens})"
+
+    def padding(self) -> dict:
+        """Real vs padded/processed elements of this kind's layer call (host; needs the plan).
+
+        tokens: T; padded_tokens: the bucket; attended_tokens: tokens the attention tiles cover.
+        rows: rows the gathers must write; gathered_rows: rows the gather tiles cover;
+        max_chunk_rows / workspace_rows: the largest chunk's rows and the bucketed buffer.
+        """
+        kp = _host_plan(self, "padding")
+        s = self.shape
+        tok = np.diff(kp.chunk_token_starts.astype(np.int64))
+        comp = np.add.reduceat(kp.seg_compressed_len.astype(np.int64), kp.chunk_starts[:-1]) if kp.num_chunks else tok
+        raw = np.add.reduceat(kp.seg_gather_len.astype(np.int64), kp.chunk_starts[:-1]) if kp.num_chunks else tok
+        regions = [raw] + ([comp] if s.kind is not LayerKind.SWA else [])
+        return dict(
+            tokens=int(tok.sum()),
+            padded_tokens=s.padded_tokens,
+            attended_tokens=sum(tiled_items(n, s.token_ladder) for n in tok.tolist()),
+            rows=int(sum(r.sum() for r in regions)),
+            gathered_rows=sum(tiled_items(n, s.gather_ladder) for r in regions for n in r.tolist()),
+            max_chunk_rows=kp.max_workspace_rows,
+            workspace_rows=s.workspace_rows,
+        )
+
+
+@register_pytree_node_class
+class StepMetadata:
+    """All kinds' metadata for one step. A pytree of its `KindMetadata`s."""
+
+    def __init__(self, kinds: dict, padded_tokens: int, step_plan: StepPlan | None = None):
+        self.kinds = kinds
+        self.padded_tokens = padded_tokens
+        self.step_plan = step_plan
+
+    def __getitem__(self, kind) -> KindMetadata:
+        k = layer_kind(kind)
+        if k not in self.kinds:
+            raise KeyError(f"no metadata for {k.name} in this step (built: {[x.name for x in self.kinds]})")
+        return self.kinds[k]
+
+    def pad_tokens(self, x):
+        """Pad axis 0 (tokens) of q or top-k rows with zeros to `padded_tokens` (NumPy or jax)."""
+        n = x.shape[0]
+        if n > self.padded_tokens:
+            raise ValueError(f"x: {n} tokens exceed padded_tokens = {self.padded_tokens}")
+        widths = [(0, self.padded_tokens - n)] + [(0, 0)] * (x.ndim - 1)
+        return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)
+
+    def tree_flatten(self):
+        keys = tuple(self.kinds)
+        return tuple(self.kinds[k] for k in keys), (keys, self.padded_tokens)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        keys, padded = aux
+        return cls(dict(zip(keys, children)), padded)
+
+
+def build_step_metadata(
+    plan_or_batch: StepPlan | PrefillBatch,
+    *,
+    index_topk: int | None = None,
+    config: PlanConfig | None = None,
+    compress_ratios: Sequence[int] = (0, 4, 128),
+    planner: str | None = None,
+    sizes: str = "bucket",
+    padded_tokens: int | None = None,
+    token_tile: int = 256,
+    gather_tile: int = 4096,
+    min_tokens: int = MIN_TILE,
+    min_workspace_rows: int = MIN_WORKSPACE_ROWS,
+    device=None,
+) -> StepMetadata:
+    """Per-step metadata for every layer kind, built once on the host, one transfer per kind.
+
+    Args:
+      plan_or_batch: a `planner.StepPlan`, or a `PrefillBatch` to plan here with `config`.
+      index_topk: the indexer's top-k (CSA index width); required when CSA is planned.
+      config: the `PlanConfig` when a batch is given.
+      compress_ratios: the model's per-layer ratios (or just the kinds) when a batch is given.
+      planner: "adaptive", "fixed" or "per_request": overrides `config.policy`.
+      sizes: how the workspace rows and the HCA index width are sized (both static):
+        "bucket": from this step (the largest chunk's rows, the longest context), bucketed.
+          Tight memory; a program per (tokens, rows, width) bucket combination.
+        "server": from the `PlanConfig` alone: the plan's workspace budget (what the fixed plan
+          allocates and the adaptive plan never exceeds) and max_model_len's width. The token
+          bucket is then the only static size that changes from step to step: a jitted model
+          compiles once per token bucket, at the price of a budget-sized workspace every call.
+      padded_tokens: the static token count (>= T); default `bucket(T, min_tokens)`. A model
+        that pads its tokens to its own buckets passes its padded count here.
+      token_tile: largest attention tile (tokens), a power of two; the ladder goes down 4x to 16.
+      gather_tile: largest gather tile (workspace rows), a power of two; down 4x to 16.
+      min_tokens, min_workspace_rows: the smallest token and workspace buckets (all smaller
+        batches share them, and their compiled programs).
+      device: where the tables go (default: JAX's default device).
+    """
+    if isinstance(plan_or_batch, StepPlan):
+        step = plan_or_batch
+        if planner is not None and planner != step.config.policy:
+            raise ValueError(f"planner: {planner!r} differs from the given StepPlan's policy {step.config.policy!r}")
+    elif isinstance(plan_or_batch, PrefillBatch):
+        if config is None:
+            raise ValueError("config: a PlanConfig is required to plan a PrefillBatch")
+        if planner is not None:
+            config = dataclasses.replace(config, policy=planner)
+        step = plan_step(plan_or_batch, config, compress_ratios)
+    else:
+        raise TypeError(f"plan_or_batch: expected a StepPlan or PrefillBatch, got {type(plan_or_batch).__name__}")
+    for name, v in (("token_tile", token_tile), ("gather_tile", gather_tile)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+            raise ValueError(f"{name}: expected a power of two, got {v!r}")
+    for name, v in (("min_tokens", min_tokens), ("min_workspace_rows", min_workspace_rows)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    if index_topk is not None and (isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1):
+        raise ValueError(f"index_topk: expected a positive int, got {index_topk!r}")
+    if sizes not in SIZES:
+        raise ValueError(f"sizes: expected one of {SIZES}, got {sizes!r}")
+    T = step.batch.num_tokens
+    if padded_tokens is None:
+        padded_tokens = bucket(T, min_tokens)
+    elif isinstance(padded_tokens, bool) or not isinstance(padded_tokens, int) or padded_tokens < T:
+        raise ValueError(f"padded_tokens: expected an int >= the batch's {T} tokens, got {padded_tokens!r}")
+    kinds = {}
+    for kind, kp in step.kinds.items():
+        if kind is LayerKind.CSA and index_topk is None:
+            raise ValueError("index_topk: required when CSA (ratio-4) layers are planned")
+        shape, table = _kind_table(kp, padded_tokens, index_topk, sizes, token_tile, gather_tile, min_workspace_rows)
+        kinds[kind] = KindMetadata(jax.device_put(table, device), shape, kp, step.batch.num_tokens, step.batch.num_requests)
+    return StepMetadata(kinds, padded_tokens, step)
+
+
+def _kind_table(kp: KindPlan, padded: int, index_topk, sizes: str, token_tile: int, gather_tile: int, min_rows: int):
+    L = padded + 1
+    T, n_seg, n_c = kp.token_index.shape[0], kp.seg_request.shape[0], kp.num_chunks
+    table = np.zeros((NUM_FIELDS, L), dtype=np.int32)
+    table[TOK_INDEX, :T] = kp.token_index
+    table[TOK_REQUEST, :T] = kp.token_request
+    table[TOK_POSITION, :T] = kp.token_position
+    table[SEG_REQUEST, :n_seg] = kp.seg_request
+    table[SEG_ROW_BASE, :n_seg] = kp.seg_row_base
+    table[SEG_GATHER_START, :n_seg] = kp.seg_gather_start
+    for row, lens in ((SEG_COMP_START, kp.seg_compressed_len), (SEG_RAW_START, kp.seg_gather_len)):
+        cum = np.cumsum(lens, dtype=np.int64)
+        table[row, 1 : n_seg + 1] = cum
+        table[row, n_seg + 1 :] = cum[-1] if n_seg else 0
+    table[CHUNK_SEG_START, : n_c + 1] = kp.chunk_starts
+    table[CHUNK_SEG_START, n_c + 1 :] = n_seg
+    table[CHUNK_TOKEN_START, : n_c + 1] = kp.chunk_token_starts
+    table[CHUNK_TOKEN_START, n_c + 1 :] = T
+    table[CHUNK_N, :n_c] = kp.chunk_N
+    table[SCALARS, :3] = (n_c, T, n_seg)
+
+    width = index_width(kp, index_topk if kp.kind is LayerKind.CSA else None)
+    if sizes == "server":
+        if kp.kind is LayerKind.HCA:  # the most entries any context up to max_model_len sees
+            width = round_up(kp.config.max_model_len // kp.compress_ratio + kp.window_size, INDEX_ALIGN)
+        rows = max(kp.budget_rows, min_rows)
+        if kp.max_workspace_rows > rows:  # the planner keeps every chunk within its budget
+            raise AssertionError(f"a chunk needs {kp.max_workspace_rows} rows, over the budget {rows}")
+    else:
+        if kp.kind is LayerKind.HCA:  # grows with the longest context of the batch: bucket it
+            width = bucket(width // INDEX_ALIGN) * INDEX_ALIGN
+        rows = bucket(kp.max_workspace_rows, min_rows)
+    shape = KindShape(
+        compress_ratio=kp.compress_ratio,
+        window_size=kp.window_size,
+        padded_tokens=padded,
+        index_width=width,
+        workspace_rows=rows,
+        token_ladder=tile_ladder(token_tile, padded),
+        gather_ladder=tile_ladder(gather_tile, rows),
+    )
+    return shape, table
+
+
+def _host_plan(meta: KindMetadata, what: str) -> KindPlan:
+    if not isinstance(meta, KindMetadata):
+        raise TypeError(f"meta: expected a KindMetadata (build_step_metadata(...)[ratio]), got {type(meta).__name__}")
+    if meta.plan is None:
+        raise ValueError(f"meta: {what} needs the host plan, which a copy rebuilt inside jax.jit does not carry")
+    return meta.plan
+
+
+# ----------------------------------------------------------------------------- device side
+
+
+class _Fields:
+    """Named rows of a kind's table (traced)."""
+
+    def __init__(self, table):
+        self.table = table
+        self.L = table.shape[1]
+
+    def __getattr__(self, name):
+        return self.table[globals()[name.upper()]]
+
+    @property
+    def num_chunks(self):
+        return self.table[SCALARS, 0]
+
+
+def _run_ladder(count, ladder, body, carry):
+    """Cover items 0 .. count-1 with tiles of the static ladder: carry = body(carry, start, size)."""
+    start = jnp.int32(0)
+    rem = count
+    for i, size in enumerate(ladder):
+        n = (rem + size - 1) // size if i == len(ladder) - 1 else rem // size  # = buckets.ladder_counts
+        carry = lax.fori_loop(0, n, lambda j, cr, size=size, start=start: body(cr, start + j * size, size), carry)
+        start = start + n * size
+        rem = rem - n * size
+    return carry
+
+
+def _gather_region(ws, src, f: _Fields, region_start, s0, s1, dst_offset, src_start, ladder):
+    """One region (compressed or raw) of a chunk into the workspace, one gather per tile.
+
+    Segment s of the chunk owns flat rows region_start[s] .. region_start[s+1] - 1; its row j
+    goes to workspace row seg_row_base[s] + dst_offset + j and comes from entry
+    (src_start[s] if given else 0) + j of request seg_request[s].
+    """
+    first = region_start[s0]
+    count = region_start[s1] - first
+    rows, lookup = _flat_rows(src)
+
+    def tile(ws, off, size):
+        j = off + jnp.arange(size, dtype=jnp.int32)
+        valid = j < count
+        flat = first + j
+        owner = jnp.clip(jnp.searchsorted(region_start, flat, side="right").astype(jnp.int32) - 1, 0, f.L - 1)
+        e = flat - region_start[owner]
+        entry = e if src_start is None else src_start[owner] + e
+        src_row = lookup(jnp.where(valid, f.seg_request[owner], 0), jnp.where(valid, entry, 0))
+        dst = jnp.where(valid, f.seg_row_base[owner] + dst_offset + e, DROP)
+        return ws.at[dst].set(rows[jnp.where(valid, src_row, 0)], mode="drop")
+
+    return _run_ladder(count, ladder, tile, ws)
+
+
+def _gather_chunk(ws, f: _Fields, c, raw, comp, shape: KindShape):
+    s0, s1 = f.chunk_seg_start[c], f.chunk_seg_start[c + 1]
+    if comp is not None:
+        ws = _gather_region(ws, comp, f, f.seg_comp_start, s0, s1, 0, None, shape.gather_ladder)
+    return _gather_region(ws, raw, f, f.seg_raw_start, s0, s1, f.chunk_n[c], f.seg_gather_start, shape.gather_ladder)
+
+
+def _tile_indices(f: _Fields, shape: KindShape, c, k, valid, topk_rows):
+    """Combined indices of planned tokens k (size,) of chunk c; invalid tokens get none.
+
+    Same rows as `planner.build_chunk_indices` (compressed part, then window, -1 padded).
+    Top-k entries outside 0 .. (p+1)//4 - 1 are dropped to -1 here, never read.
+    """
+    kind, W, width = shape.kind, shape.window_size, shape.index_width
+    seg = jnp.minimum(f.chunk_seg_start[c] + f.tok_request[k], f.L - 1)
+    p = f.tok_position[k]
+    base = f.seg_row_base[seg]
+    gstart = f.seg_gather_start[seg]
+    col = jnp.arange(width, dtype=jnp.int32)[None, :]
+    if kind is LayerKind.SWA:
+        visible = jnp.zeros_like(p)
+    else:
+        visible = (p + 1) // kind.ratio
+    bad = None
+    if kind is LayerKind.CSA:
+        topk = topk_rows.shape[1]
+        ncomp = jnp.minimum(visible, topk)
+        sel = topk_rows[f.tok_index[k]]  # (size, topk)
+        comp_val = jnp.pad(sel, ((0, 0), (0, width - topk)))
+        bad = (comp_val < 0) | (comp_val >= visible[:, None])
+    else:
+        ncomp = visible
+        comp_val = col
+    nwin = jnp.minimum(p + 1, W)
+    length = ncomp + nwin
+    in_comp = col < ncomp[:, None]
+    in_win = (col >= ncomp[:, None]) & (col < length[:, None])
+    # Window position q = p - nwin + 1 + (col - ncomp); its row is N + q - gather_start.
+    win_val = f.chunk_n[c] + (p - nwin + 1 - gstart)[:, None] + (col - ncomp[:, None])
+    idx = jnp.where(in_comp, base[:, None] + comp_val, jnp.where(in_win, base[:, None] + win_val, -1))
+    if bad is not None:
+        idx = jnp.where(in_comp & bad, -1, idx)
+    idx = jnp.where(valid[:, None], idx, -1)
+    return idx.astype(jnp.int32), jnp.where(valid, length, 0).astype(jnp.int32)
+
+
+TRACE_COUNT = {"prefill": 0}  # traces of `_prefill_jit`; each is one compilation
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "sm_scale", "backend"))
+def _prefill_jit(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_scale: float, backend: str):
+    TRACE_COUNT["prefill"] += 1
+    f = _Fields(table)
+    T_q, H, D = q.shape
+    out = jnp.zeros((T_q, H, value_dim(D)), q.dtype)
+    if T_q == 0:
+        return out
+    ws = jnp.zeros((shape.workspace_rows, D), q.dtype)
+
+    def chunk(c, carry):
+        ws, out = carry
+        ws = _gather_chunk(ws, f, c, raw, comp, shape)
+        t0, t1 = f.chunk_token_start[c], f.chunk_token_start[c + 1]
+
+        def attend(out, off, size):
+            k = t0 + off + jnp.arange(size, dtype=jnp.int32)
+            valid = k < t1
+            k = jnp.minimum(k, f.L - 1)
+            rows = f.tok_index[k]
+            idx, length = _tile_indices(f, shape, c, k, valid, topk_rows)
+            o, _, _ = sparse_attention(q[rows], ws, idx, sm_scale, attn_sink, length, backend=backend)
+            return out.at[jnp.where(valid, rows, DROP)].set(o, mode="drop")
+
+        return ws, _run_ladder(t1 - t0, shape.token_ladder, attend, out)
+
+    _, out = lax.fori_loop(0, f.num_chunks, chunk, (ws, out))
+    return out
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def prefill_attention(
+    q,
+    meta: KindMetadata,
+    raw_kv: KVSource,
+    compressed_kv: KVSource | None = None,
+    *,
+    sm_scale: float,
+    attn_sink=None,
+    topk_indices=None,
+    backend: str = "auto",
+):
+    """Sparse prefill attention of one layer for all prefill tokens of the step. Jit-compatible.
+
+    Args:
+      q: (T_q, H, D), bfloat16 / float16 / float32: the step's prefill query tokens,
+        request-major (batch order), after all query-side processing; D = 512 in DeepSeek-V4.
+        T_q >= T; rows past T are padding. Pad to `padded_tokens` (`StepMetadata.pad_tokens`)
+        so that varied batches share compiled programs.
+      meta: `build_step_metadata(...)[compress_ratio]` for this layer's kind.
+      raw_kv: the raw-token latents, q's dtype: a `PagedKV` (page_size tokens per page), a
+        `LogicalKV`, or per-request (seq_len_i, D) arrays (packed on every call: for tests).
+        Must hold positions gather_start .. seq_len - 1 of each request.
+      compressed_kv: CSA/HCA only: compressed entries in the same forms (block_size // r entries
+        per page; seq_len_i // r rows per request).
+      sm_scale: softmax scale, a Python float. attn_sink: optional (H,) float32.
+      topk_indices: CSA only: (T_q', topk) int32 with T_q' >= T, the indexer's request-local top-k
+        entries per token (the first min((p+1)//4, topk) are used).
+      backend: passed to `sparse_attention`; the concrete one is recorded in `meta.last_backend`.
+
+    Returns:
+      (T_q, H, d_v), q.dtype (d_v = 512 for D >= 512); padding rows are 0.
+    """
+    if not isinstance(meta, KindMetadata):
+        raise TypeError(f"meta: expected a KindMetadata (build_step_metadata(...)[ratio]), got {type(meta).__name__}")
+    shape = meta.shape
+    kind = shape.kind
+    T_q, H, D = _check_q(q, meta)
+    q = jnp.asarray(q)
+    raw = _check_kv(raw_kv, "raw_kv", q, meta)
+    comp = None
+    if kind is not LayerKind.SWA:
+        if compressed_kv is None:
+            raise ValueError(f"compressed_kv: required for {kind.name} layers")
+        comp = _check_kv(compressed_kv, "compressed_kv", q, meta)
+    topk_rows = None
+    if kind is LayerKind.CSA:
+        topk_rows = _check_topk(topk_indices, meta)
+    if attn_sink is not None:
+        if not hasattr(attn_sink, "shape") or tuple(attn_sink.shape) != (H,):
+            raise ValueError(f"attn_sink: expected shape ({H},), got {_shape(attn_sink)}")
+        attn_sink = jnp.asarray(attn_sink, jnp.float32)
+    if isinstance(sm_scale, jax.core.Tracer):
+        raise TypeError("sm_scale: must be a Python float (a compile-time constant), got a traced value")
+    name = resolve_backend(backend)
+    meta.last_backend = name
+    return _prefill_jit(q, meta.table, raw, comp, topk_rows, attn_sink, shape=shape, sm_scale=float(sm_scale), backend=name)
+
+
+def build_indices(meta: KindMetadata, chunk: int, topk_indices=None):
+    """Combined indices of one chunk, built on the device by the code the layer call runs.
+
+    Equal to `planner.build_chunk_indices(meta.plan, chunk, topk_rows, width=meta.index_width)`.
+    Needs the host plan (call it outside `jax.jit`). Returns (indices (T_chunk, index_width)
+    int32, topk_length (T_chunk,) int32) as jax arrays.
+    """
+    kp = _host_plan(meta, "build_indices")
+    c = _check_chunk(kp, chunk)
+    topk_rows = _check_topk(topk_indices, meta) if meta.kind is LayerKind.CSA else None
+    t0, t1 = int(kp.chunk_token_starts[c]), int(kp.chunk_token_starts[c + 1])
+    # A bucketed tile, as in the layer call; the rows past the chunk are cut off here.
+    idx, length = _indices_jit(meta.table, topk_rows, jnp.int32(c), jnp.int32(t0), jnp.int32(t1), size=bucket(t1 - t0), shape=meta.shape)
+    return idx[: t1 - t0], length[: t1 - t0]
+
+
+@functools.partial(jax.jit, static_argnames=("size", "shape"))
+def _indices_jit(table, topk_rows, c, t0, t1, *, size, shape):
+    f = _Fields(table)
+    k = t0 + jnp.arange(size, dtype=jnp.int32)
+    return _tile_indices(f, shape, c, jnp.minimum(k, f.L - 1), k < t1, topk_rows)
+
+
+def gather_workspace(meta: KindMetadata, chunk: int, raw_kv: KVSource, compressed_kv: KVSource | None = None):
+    """The workspace `(workspace_rows, D)` after one chunk's gathers, by the layer call's code.
+
+    Rows the chunk does not write stay 0. Needs the host plan (call it outside `jax.jit`).
+    """
+    kp = _host_plan(meta, "gather_workspace")
+    c = _check_chunk(kp, chunk)
+    raw = _as_source(raw_kv, "raw_kv")
+    comp = None
+    if meta.kind is not LayerKind.SWA:
+        if compressed_kv is None:
+            raise ValueError(f"compressed_kv: required for {meta.kind.name} layers")
+        comp = _as_source(compressed_kv, "compressed_kv")
+    return _gather_jit(meta.table, raw, comp, jnp.int32(c), shape=meta.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("shape",))
+def _gather_jit(table, raw, comp, c, *, shape):
+    rows, _ = _flat_rows(raw)
+    ws = jnp.zeros((shape.workspace_rows, rows.shape[1]), rows.dtype)
+    return _gather_chunk(ws, _Fields(table), c, raw, comp, shape)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_chunk(kp: KindPlan, chunk) -> int:
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or not 0 <= int(chunk) < kp.num_chunks:
+        raise ValueError(f"chunk: expected 0..{kp.num_chunks - 1}, got {chunk!r}")
+    return int(chunk)
+
+
+def _check_q(q, meta: KindMetadata):
+    if not _is_array(q):
+        raise TypeError(f"q: expected a jax.Array, got {type(q).__name__}")
+    if q.ndim != 3:
+        raise ValueError(f"q: expected (T, H, D), got shape {tuple(q.shape)}")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        raise TypeError(f"q: expected bfloat16, float16 or float32, got {jnp.dtype(q.dtype)}")
+    if meta.num_tokens is not None and q.shape[0] < meta.num_tokens:
+        raise ValueError(f"q: {q.shape[0]} tokens, but the step's batch has {meta.num_tokens}")
+    return q.shape
+
+
+def _as_source(src, name: str):
+    if isinstance(src, (PagedKV, LogicalKV)):
+        return src
+    if isinstance(src, (list, tuple)) and src and all(_is_array(a) and a.ndim == 2 for a in src):
+        return LogicalKV.from_list(list(src), pad_rows=False)
+    raise TypeError(f"{name}: expected a PagedKV, a LogicalKV or a sequence of (len_i, D) arrays, got {type(src).__name__}")
+
+
+def _check_kv(src, name: str, q, meta: KindMetadata):
+    if isinstance(src, (list, tuple)) and meta.num_requests is not None and len(src) != meta.num_requests:
+        raise ValueError(f"{name}: {len(src)} per-request arrays, but the batch has {meta.num_requests} requests")
+    if isinstance(src, (list, tuple)) and meta.plan is not None:
+        need = _needed_entries(meta, name)
+        for i, a in enumerate(src):
+            if _is_array(a) and a.ndim == 2 and a.shape[0] < need[i]:
+                raise ValueError(f"{name}[{i}]: {a.shape[0]} rows, but request {i} needs {need[i]}")
+    src = _as_source(src, name)
+    rows, _ = _flat_rows(src)
+    if jnp.dtype(rows.dtype) != jnp.dtype(q.dtype):
+        raise TypeError(f"{name}: dtype {jnp.dtype(rows.dtype)} differs from q's {jnp.dtype(q.dtype)}")
+    if rows.shape[1] != q.shape[2]:
+        raise ValueError(f"{name}: row dim {rows.shape[1]} differs from q's head dim {q.shape[2]}")
+    requests = src.block_table.shape[0] if isinstance(src, PagedKV) else src.offsets.shape[0]
+    if meta.num_requests is not None and requests < meta.num_requests:
+        raise ValueError(f"{name}: {requests} requests, but the batch has {meta.num_requests}")
+    if isinstance(src, PagedKV) and meta.plan is not None:
+        need = int(_needed_entries(meta, name).max(initial=0))
+        have = src.block_table.shape[1] * src.pages.shape[1]
+        if have < need:
+            raise ValueError(f"{name}: block_table covers {have} entries per request, but a request needs {need}")
+    return src
+
+
+def _needed_entries(meta: KindMetadata, name: str) -> np.ndarray:
+    """Entries each batch request's cache must hold for this kind (host)."""
+    batch_seq = np.zeros(meta.num_requests, dtype=np.int64)
+    kp = meta.plan
+    np.maximum.at(batch_seq, kp.seg_request.astype(np.int64), kp.seg_seq_len.astype(np.int64))
+    return batch_seq // kp.compress_ratio if name == "compressed_kv" else batch_seq
+
+
+def _check_topk(topk_indices, meta: KindMetadata):
+    if not _is_array(topk_indices) or topk_indices.ndim != 2:
+        raise ValueError(f"topk_indices: expected (T, topk) for a CSA layer, got {_shape(topk_indices)}")
+    if jnp.dtype(topk_indices.dtype).kind not in "iu":
+        raise TypeError(f"topk_indices: expected int32, got {jnp.dtype(topk_indices.dtype)}")
+    if meta.num_tokens is not None and topk_indices.shape[0] < meta.num_tokens:
+        raise ValueError(f"topk_indices: {topk_indices.shape[0]} rows, but the step's batch has {meta.num_tokens} tokens")
+    if topk_indices.shape[1] + meta.shape.window_size > meta.index_width:
+        raise ValueError(f"topk_indices: top-k {topk_indices.shape[1]} does not fit index width {meta.index_width}")
+    if isinstance(topk_indices, np.ndarray) and meta.plan is not None:  # on the host: free to check
+        _check_topk_on_host(topk_indices, meta.plan)
+    return jnp.asarray(topk_indices, jnp.int32)
+
+
+def _check_topk_on_host(topk_indices: np.ndarray, plan: KindPlan):
+    pos = plan.token_position.astype(np.int64)
+    visible = (pos + 1) // plan.compress_ratio
+    rows = topk_indices[plan.token_index].astype(np.int64)
+    used = np.arange(rows.shape[1])[None, :] < np.minimum(visible, rows.shape[1])[:, None]
+    bad = used & ((rows < 0) | (rows >= visible[:, None]))
+    if bad.any():
+        t = int(np.argmax(bad.any(axis=1)))
+        raise ValueError(
+            f"topk_indices: row {int(plan.token_index[t])} (position {int(pos[t])}) points at entries outside "
+            f"0..{int(visible[t]) - 1}"
+        )
