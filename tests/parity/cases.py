@@ -200,6 +200,7 @@ VARIANTS = (  # (policy, cache layout); the first is the primary one every backe
 PRIMARY = VARIANTS[0]
 # Larger classes: one of each plan and layout (each variant is another run of every layer).
 FEW_VARIANTS = (PRIMARY, ("fixed", "paged"), ("per_request", "logical"), ("adaptive+tight-budget", "paged"))
+TWO_VARIANTS = (PRIMARY, ("per_request", "paged"))  # the model-shape classes: heads and widths are the point
 
 
 @dataclass
@@ -219,6 +220,7 @@ class StepCase:
     variants: tuple = VARIANTS
     jax_layouts: tuple = ("paged", "logical")  # layouts JAX runs (each layout compiles its own program)
     block_size: int = 16
+    family: str = "tiny"  # cases of one family share shapes, hence compiled JAX programs: test them together
 
     @property
     def first(self) -> PrefillCase:
@@ -258,10 +260,12 @@ class StepCase:
 
 
 def step_case(klass, name, seq_lens, query_lens, *, dtype="float32", window_size=8, topk=6, H=4, D=32, seed=0,
-              ratios=(0, 4, 128), **kw) -> StepCase:  # fmt: skip
+              ratios=(0, 4, 128), family=None, **kw) -> StepCase:  # fmt: skip
     layers = {r: make_case(name, seq_lens, query_lens, r, window_size=window_size, topk=topk, H=H, D=D, seed=seed * 10 + i)
               for i, r in enumerate(ratios)}  # fmt: skip
-    return StepCase(klass, name, dtype, layers, **kw)
+    if family is None:
+        family = f"tiny-{DTYPE_TAG[dtype]}" if (window_size, topk, H, D) == (8, 6, 4, 32) else name
+    return StepCase(klass, name, dtype, layers, family=family, **kw)
 
 
 def split_points(length: int, boundaries) -> list[tuple[int, int]]:
@@ -291,9 +295,9 @@ def step_cases(quick: bool = False) -> list[StepCase]:
         step_case("long prefixes", "long-prefix", [300, 517, 260], [7, 13, 1], seed=3, dtype="bfloat16", jax_layouts=("paged",)),
         # V4-Flash / V4-Pro: 64 / 128 heads, top-k 512 / 1024, W = 128: index widths 640 / 1152
         step_case("V4-Flash: H=64, width 640", "v4-flash", [4200, 2100, 700], [3, 2, 0], window_size=128, topk=512, H=64, D=16,
-                  seed=6, variants=FEW_VARIANTS, jax_layouts=("paged",)),  # fmt: skip
+                  seed=6, variants=TWO_VARIANTS, jax_layouts=("paged",)),  # fmt: skip
         step_case("V4-Pro: H=128, width 1152", "v4-pro", [4200, 300], [2, 3], window_size=128, topk=1024, H=128, D=16,
-                  seed=7, variants=FEW_VARIANTS, jax_layouts=("paged",)),  # fmt: skip
+                  seed=7, variants=TWO_VARIANTS, jax_layouts=("paged",)),  # fmt: skip
     ]
     if quick:
         return out

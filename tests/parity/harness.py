@@ -336,10 +336,12 @@ def _run_split(name: str, case: StepCase, layers, sm_scale):
     """The one-request prompt of `case` prefilled over several steps, outputs concatenated."""
     parts = []
     seq = case.first.seq_lens[0]
+    # every step padded to the one-step token bucket: one JAX program per kind for all steps
+    jax_meta = dict(padded_tokens=B.padded(seq, B.JAX_PREFILL_META["min_tokens"]))
     for a, b in case.splits:
         batch = P.PrefillBatch([b], [b - a])
         step = P.plan_step(batch, case.plan_config(PRIMARY), list(case.layers))
         sub = {r: x.tokens(a, b) for r, x in layers.items()}
-        parts.append(B.run_prefill(name, step, sub, PRIMARY[1], case.topk, sm_scale))
+        parts.append(B.run_prefill(name, step, sub, PRIMARY[1], case.topk, sm_scale, jax_meta=jax_meta))
     assert case.splits[-1][1] == seq
     return {r: np.concatenate([p[r] for p in parts]) for r in layers}

@@ -37,7 +37,7 @@ CHUNKS = [(0, 37), (37, 211), (211, 299), (299, 300)]  # boundaries not multiple
 TRUTH = "transformers"
 DTYPES = ("float64", "float32")
 PADDED_TOKENS = 320  # every call's tokens padded to one JAX bucket: one program per kind
-VARIANTS = (("adaptive", "paged"), ("fixed", "paged"), ("per_request", "logical"))  # one request per call: plans differ in N, M
+VARIANTS = (("adaptive", "paged"), ("per_request", "logical"))  # one request per call: plans differ in N, M
 BLOCK_SIZE = 16
 
 

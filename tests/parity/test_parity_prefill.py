@@ -3,6 +3,9 @@
 Every pair of backends agrees within the tolerance table, and the reference backends
 (torch.reference, jax.xla) give the same bits under every plan (adaptive, fixed, per_request,
 length order, a budget that splits requests) and cache layout (paged, logical) in fp32.
+
+One test per case family: the cases of a family share shapes, so its JAX programs compile once
+(compiling dominates on CPU; spreading a family over pytest-xdist workers would compile twice).
 """
 
 import pytest
@@ -12,48 +15,61 @@ from tests.parity import backends as B
 from tests.parity import cases as C
 from tests.parity import harness as H
 
-QUICK = {f"{c.name}-{c.dtype}": c for c in C.step_cases(quick=True)}
-FULL = {f"{c.name}-{c.dtype}": c for c in C.step_cases() if f"{c.name}-{c.dtype}" not in QUICK and not c.splits}
-# FlashMLA's own shape (H=64, D=512, bf16) is for the GPU; on CPU the quick bf16 classes cover bf16.
-GPU_ONLY_HERE = {"flashmla-shape-bfloat16"}
+FAMILIES = {}
+for _case in C.step_cases():
+    if not _case.splits:  # the split prompt has its own test below
+        FAMILIES.setdefault(_case.family, []).append(_case)
+QUICK = {c.family for c in C.step_cases(quick=True)}
+# On CPU these run in the parity report (python -m tests.parity.report) and in pytest on a GPU:
+# a 40000-token context, and FlashMLA's own shape (H=64, D=512, bf16) which is for the GPU.
+CPU_REPORT_ONLY = {"long-context", "flashmla-shape"}
 
 
 def check(case: C.StepCase):
     rows = H.run_step_case(case)
     assert [r.name for r in rows] == [case.row(r) for r in case.layers]
+    failures = []
     for row in rows:
-        assert row.passed, "\n".join(row.failures())
+        failures += row.failures()
         expected = {b.name for b in B.BACKENDS if B.why_not(b, case.dtype, case.head_dim, case.tiny) is None}
-        assert row.ran == expected, (row.ran, expected)
+        assert row.ran == expected, (row.name, row.ran, expected)
         for name in ("torch.reference", "jax.xla"):
-            if name in expected:
-                # every plan and layout ran (the primary one is the base of the comparison)
-                jax_skip = 0 if name == "torch.reference" else sum(v[1] not in case.jax_layouts for v in case.variants)
-                extra = 1 if case.splits else 0
-                assert len(row.invariance[name]) == len(case.variants) - 1 - jax_skip + extra, name
-                assert (name in row.bitwise_required) == (case.dtype == "float32")
+            # every plan and layout ran (the primary one is the base of the comparison)
+            runs = [v for v in case.variants if name != "jax.xla" or v[1] in case.jax_layouts]
+            assert len(row.invariance.get(name, [])) == len(runs) - 1 + bool(case.splits), (row.name, name)
+            assert (name in row.bitwise_required) == (case.dtype == "float32")
         if any(B.BY_NAME[b].framework == "jax" for b in row.ran):
             assert row.crossings > 0
-    return rows
+    return rows, failures
 
 
-@pytest.mark.parametrize("name", list(QUICK))
-def test_step(name):
-    check(QUICK[name])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family(family):
+    if family in CPU_REPORT_ONLY and not torch.cuda.is_available():
+        pytest.skip("CPU: in the parity report only (python -m tests.parity.report); runs here on a GPU")
+    failures = []
+    for case in FAMILIES[family]:
+        failures += check(case)[1]
+    assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("name", list(FULL))
-def test_larger_step(name):
-    if name in GPU_ONLY_HERE and not torch.cuda.is_available():
-        pytest.skip(B.GPU_ONLY)
-    check(FULL[name])
+def test_families_cover_the_quick_report():
+    assert QUICK <= set(FAMILIES)
+    kinds = {r for cases in FAMILIES.values() for c in cases for r in c.layers}
+    assert kinds == {0, 4, 128}
+    policies = {v[0] for cases in FAMILIES.values() for c in cases for v in c.variants}
+    assert {"adaptive", "fixed", "per_request"} <= policies
+    assert any(0 in c.first.query_lens for cases in FAMILIES.values() for c in cases)
+    heads = {c.first.q.shape[1] for cases in FAMILIES.values() for c in cases}
+    assert {64, 128} <= heads
 
 
 def test_split_prompt_equals_one_step_bitwise():
-    """Chunked prefill over six steps == one step, bit for bit on the reference backends."""
-    case = next(c for c in C.step_cases() if c.splits)
+    """Chunked prefill over six steps == one step: bit for bit on the reference backends."""
+    (case,) = [c for c in C.step_cases() if c.splits]
     assert [b for _, b in case.splits][:-1] == [37, 128, 136, 211, 256]
-    rows = check(case)
+    rows, failures = check(case)
+    assert not failures, "\n".join(failures)
     for row in rows:
         for name in ("torch.reference", "jax.xla"):
             assert row.invariant(name).max_abs == 0.0

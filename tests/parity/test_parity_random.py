@@ -66,8 +66,9 @@ def step_case(draw):
     prefix = draw(st.lists(st.sampled_from([0, 1, 3, 4, 7, 8, 9, 31, 127, 128, 129, 200, 255]) | st.integers(0, 280),
                            min_size=n, max_size=n))  # fmt: skip
     seq = [p + q for p, q in zip(prefix, query)]
-    # the tiny family's shapes (W=8, top-k 6, H=4, D=32): the JAX programs are shared
-    return C.step_case("hypothesis", "random batch", seq, query, seed=draw(st.integers(0, 2**20)))
+    # the tiny family's shapes (W=8, top-k 6, H=4, D=32), paged only for JAX: few programs to compile
+    return C.step_case("hypothesis", "random batch", seq, query, seed=draw(st.integers(0, 2**20)),
+                       variants=C.FEW_VARIANTS, jax_layouts=("paged",))  # fmt: skip
 
 
 @parity_settings(ci_examples=4)
