@@ -1,19 +1,21 @@
 """JAX prefill benchmark on CPU: tokens/s per plan, compiles, and bucket padding waste.
 
     /work/venv/bin/python bench/bench_jax_prefill.py [--scale 0.125] [--heads 16] [--dim 128]
-        [--repeats 3] [--kinds SWA,CSA,HCA] [--stream 500] [--json out.json]
+        [--repeats 7] [--kinds SWA,CSA,HCA] [--workloads NAME,...] [--stream 500] [--json out.json]
 
 Part 1: for each named workload of `bench/workloads.py` (lengths scaled by --scale so a CPU
 finishes), each layer kind and each plan (adaptive / fixed / per_request), one
 `dsv4_jax.prefill.prefill_attention` layer call on the xla backend: the first call's extra
-time (trace + compile), the median steady-state time, prefill tokens/s, and what the buckets
+time (trace + compile), the median steady-state time (the three plans timed round-robin),
+prefill tokens/s, and what the buckets
 and tile ladders pad (tokens: bucketed / real and attended / real; rows: gathered / real and the
 bucketed workspace / the largest chunk). Then the Pallas kernel in interpret mode on the
 smallest workload (much slower by nature; it checks the path, not speed). Ratios within one
 run are what to read; the machine is noisy.
 
-Part 2: a random stream of batches (host only): aggregate padding waste, and how many distinct
-compiled programs (bucket keys) the stream needs versus distinct exact shapes.
+Part 2: a random stream of batches (host only), for both `sizes` modes: aggregate padding
+waste, and how many distinct compiled programs the stream needs (per layer kind, and for a
+jitted model: all kinds' keys together) versus distinct exact shapes.
 """
 
 from __future__ import annotations
@@ -57,21 +59,27 @@ def make_inputs(batch: PrefillBatch, padded_tokens: int, H: int, D: int, rng):
     return jnp.asarray(q), raw, {4: comp4, 128: comp128}, jnp.asarray(topk), jnp.asarray(sink)
 
 
-def time_layer(q, meta, raw, comp, topk, sink, backend: str, repeats: int):
+def layer_call(q, meta, raw, comp, topk, sink, backend: str):
     D = q.shape[2]
-    call = lambda: JP.prefill_attention(  # noqa: E731
+    return lambda: JP.prefill_attention(
         q, meta, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk, backend=backend
     ).block_until_ready()
-    t0 = time.perf_counter()
-    call()
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(repeats):
+
+
+def time_calls(calls: dict, repeats: int) -> dict:
+    """name -> (first call's extra time (trace + compile), median steady time), interleaved."""
+    first, times = {}, {name: [] for name in calls}
+    for name, call in calls.items():
         t0 = time.perf_counter()
         call()
-        times.append(time.perf_counter() - t0)
-    steady = float(np.median(times))
-    return max(0.0, first - steady), steady
+        first[name] = time.perf_counter() - t0
+    for _ in range(repeats):  # round-robin: every plan sees the same machine state
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t0)
+    steady = {name: float(np.median(t)) for name, t in times.items()}
+    return {name: (max(0.0, first[name] - steady[name]), steady[name]) for name in calls}
 
 
 def layer_rows(args, names, kinds) -> list[dict]:
@@ -85,21 +93,21 @@ def layer_rows(args, names, kinds) -> list[dict]:
         metas = {p: JP.build_step_metadata(batch, config=cfg, planner=p, index_topk=TOPK) for p in POLICIES}
         q, raw, comps, topk, sink = make_inputs(batch, metas["adaptive"].padded_tokens, args.heads, args.dim, rng)
         for kind in kinds:
-            base = None
+            calls = {p: layer_call(q, metas[p][kind], raw, comps.get(kind.ratio), topk, sink, "xla") for p in POLICIES}
+            timed = time_calls(calls, args.repeats)
             for policy in POLICIES:
                 meta = metas[policy][kind]
-                compile_s, steady = time_layer(q, meta, raw, comps.get(kind.ratio), topk, sink, "xla", args.repeats)
+                compile_s, steady = timed[policy]
                 pad = meta.padding()
-                base = base or steady
                 rows.append(dict(
                     workload=name, kind=kind.name, plan=policy, chunks=meta.plan.num_chunks, T=pad["tokens"],
                     T_pad=pad["padded_tokens"], attended=round(pad["attended_tokens"] / max(1, pad["tokens"]), 3),
                     rows_x=round(pad["gathered_rows"] / max(1, pad["rows"]), 3),
                     ws_rows=pad["workspace_rows"], ws_x=round(pad["workspace_rows"] / max(1, pad["max_chunk_rows"]), 3),
                     compile_s=round(compile_s, 2), ms=round(steady * 1e3, 1),
-                    tok_per_s=round(pad["tokens"] / steady), vs_adaptive=round(base / steady, 2),
+                    tok_per_s=round(pad["tokens"] / steady), vs_adaptive=round(timed["adaptive"][1] / steady, 2),
                 ))  # fmt: skip
-                print(f"  {name} {kind.name} {policy}: {rows[-1]['ms']} ms", file=sys.stderr, flush=True)
+            print(f"  {name} {kind.name}: " + ", ".join(f"{r['plan']} {r['ms']} ms" for r in rows[-3:]), file=sys.stderr, flush=True)
     print(table(rows))
     return rows
 
@@ -114,8 +122,9 @@ def pallas_rows(args) -> list[dict]:
     for kind in (LayerKind.SWA, LayerKind.CSA):
         m = meta[kind]
         outs = {}
+        timed = time_calls({b: layer_call(q, m, raw, comps.get(kind.ratio), topk, sink, b) for b in ("xla", "pallas")}, 3)
         for backend in ("xla", "pallas"):
-            compile_s, steady = time_layer(q, m, raw, comps.get(kind.ratio), topk, sink, backend, 1)
+            compile_s, steady = timed[backend]
             outs[backend] = np.asarray(JP.prefill_attention(q, m, raw, comps.get(kind.ratio), sm_scale=args.dim**-0.5,
                                                             attn_sink=sink, topk_indices=topk, backend=backend))  # fmt: skip
             rows.append(dict(workload="spec-example", kind=kind.name, backend=m.last_backend, T=batch.num_tokens,
@@ -175,7 +184,7 @@ def main():
     ap.add_argument("--scale", type=float, default=0.125)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--kinds", default="SWA,CSA,HCA")
     ap.add_argument("--workloads", default="", help="comma-separated names (default: all)")
     ap.add_argument("--stream", type=int, default=500, help="random batches for the padding report")

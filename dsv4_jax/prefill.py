@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import NamedTuple, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -205,9 +205,9 @@ class KindShape:
 
     compress_ratio: int
     window_size: int
-    padded_tokens: int  # bucket(T): every table row has padded_tokens + 1 entries
+    padded_tokens: int  # bucket(T) or the caller's count: every table row has padded_tokens + 1 entries
     index_width: int  # columns of every index row (a multiple of 128)
-    workspace_rows: int  # bucket(max rows of a chunk)
+    workspace_rows: int  # bucket(max rows of a chunk), or the plan's budget (sizes="server")
     token_ladder: tuple[int, ...]  # attention tile sizes, largest first
     gather_ladder: tuple[int, ...]  # gather tile sizes, largest first
 
@@ -442,19 +442,26 @@ def _host_plan(meta: KindMetadata, what: str) -> KindPlan:
 # ----------------------------------------------------------------------------- device side
 
 
-class _Fields:
-    """Named rows of a kind's table (traced)."""
+class _Fields(NamedTuple):
+    """The rows of a kind's table, by name (traced)."""
 
-    def __init__(self, table):
-        self.table = table
-        self.L = table.shape[1]
+    tok_index: jax.Array
+    tok_request: jax.Array
+    tok_position: jax.Array
+    seg_request: jax.Array
+    seg_row_base: jax.Array
+    seg_gather_start: jax.Array
+    seg_comp_start: jax.Array
+    seg_raw_start: jax.Array
+    chunk_seg_start: jax.Array
+    chunk_token_start: jax.Array
+    chunk_n: jax.Array
+    num_chunks: jax.Array  # scalar
+    L: int  # entries per row (static)
 
-    def __getattr__(self, name):
-        return self.table[globals()[name.upper()]]
-
-    @property
-    def num_chunks(self):
-        return self.table[SCALARS, 0]
+    @classmethod
+    def of(cls, table) -> "_Fields":
+        return cls(*(table[i] for i in range(SCALARS)), num_chunks=table[SCALARS, 0], L=table.shape[1])
 
 
 def _run_ladder(count, ladder, body, carry):
@@ -543,15 +550,17 @@ def _tile_indices(f: _Fields, shape: KindShape, c, k, valid, topk_rows):
 TRACE_COUNT = {"prefill": 0}  # traces of `_prefill_jit`; each is one compilation
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "sm_scale", "backend"))
-def _prefill_jit(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_scale: float, backend: str):
+@functools.partial(jax.jit, static_argnames=("shape", "sm_scale", "backend", "fill"))
+def _prefill_jit(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_scale: float, backend: str, fill=0.0):
+    """The layer call. `fill`: the workspace's initial value (tests pass NaN: rows no chunk
+    wrote must never reach an output)."""
     TRACE_COUNT["prefill"] += 1
-    f = _Fields(table)
+    f = _Fields.of(table)
     T_q, H, D = q.shape
     out = jnp.zeros((T_q, H, value_dim(D)), q.dtype)
     if T_q == 0:
         return out
-    ws = jnp.zeros((shape.workspace_rows, D), q.dtype)
+    ws = jnp.full((shape.workspace_rows, D), fill, q.dtype)
 
     def chunk(c, carry):
         ws, out = carry
@@ -627,8 +636,8 @@ def prefill_attention(
         if not hasattr(attn_sink, "shape") or tuple(attn_sink.shape) != (H,):
             raise ValueError(f"attn_sink: expected shape ({H},), got {_shape(attn_sink)}")
         attn_sink = jnp.asarray(attn_sink, jnp.float32)
-    if isinstance(sm_scale, jax.core.Tracer):
-        raise TypeError("sm_scale: must be a Python float (a compile-time constant), got a traced value")
+    if isinstance(sm_scale, jax.core.Tracer) or isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.number)):
+        raise TypeError(f"sm_scale: expected a Python float (a compile-time constant), got {type(sm_scale).__name__}")
     name = resolve_backend(backend)
     meta.last_backend = name
     return _prefill_jit(q, meta.table, raw, comp, topk_rows, attn_sink, shape=shape, sm_scale=float(sm_scale), backend=name)
@@ -646,13 +655,14 @@ def build_indices(meta: KindMetadata, chunk: int, topk_indices=None):
     topk_rows = _check_topk(topk_indices, meta) if meta.kind is LayerKind.CSA else None
     t0, t1 = int(kp.chunk_token_starts[c]), int(kp.chunk_token_starts[c + 1])
     # A bucketed tile, as in the layer call; the rows past the chunk are cut off here.
-    idx, length = _indices_jit(meta.table, topk_rows, jnp.int32(c), jnp.int32(t0), jnp.int32(t1), size=bucket(t1 - t0), shape=meta.shape)
+    bounds = (jnp.int32(c), jnp.int32(t0), jnp.int32(t1))
+    idx, length = _indices_jit(meta.table, topk_rows, *bounds, size=bucket(t1 - t0), shape=meta.shape)
     return idx[: t1 - t0], length[: t1 - t0]
 
 
 @functools.partial(jax.jit, static_argnames=("size", "shape"))
 def _indices_jit(table, topk_rows, c, t0, t1, *, size, shape):
-    f = _Fields(table)
+    f = _Fields.of(table)
     k = t0 + jnp.arange(size, dtype=jnp.int32)
     return _tile_indices(f, shape, c, jnp.minimum(k, f.L - 1), k < t1, topk_rows)
 
@@ -677,7 +687,7 @@ def gather_workspace(meta: KindMetadata, chunk: int, raw_kv: KVSource, compresse
 def _gather_jit(table, raw, comp, c, *, shape):
     rows, _ = _flat_rows(raw)
     ws = jnp.zeros((shape.workspace_rows, rows.shape[1]), rows.dtype)
-    return _gather_chunk(ws, _Fields(table), c, raw, comp, shape)
+    return _gather_chunk(ws, _Fields.of(table), c, raw, comp, shape)
 
 
 # ----------------------------------------------------------------------------- checks

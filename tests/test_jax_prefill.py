@@ -209,18 +209,21 @@ def test_runs_inside_user_jit_and_traces_once_per_bucket():
     traces = []
 
     @jax.jit
-    def layer(q, meta, raw, comp, topk_rows, sink):
+    def layer(q, step_meta, raw, comp, topk_rows, sink):  # the whole step's metadata is a pytree too
         traces.append(1)
-        return JP.prefill_attention(q, meta, raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows)
+        return JP.prefill_attention(q, step_meta[4], raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows)
 
+    build = lambda case: JP.build_step_metadata(  # noqa: E731
+        P.plan_step(case.batch, case.plan_config(), [4]), index_topk=topk, token_tile=16, gather_tile=16, min_workspace_rows=256
+    )  # fmt: skip
+    assert build(cases[0])[4].shape == build(cases[1])[4].shape
     for case in cases:
-        step = P.plan_step(case.batch, case.plan_config(), [4])
-        smeta = JP.build_step_metadata(step, index_topk=topk, token_tile=16, gather_tile=16, min_workspace_rows=256)
+        smeta = build(case)
         raw, comp = caches(case)
-        args = (jnp.asarray(smeta.pad_tokens(case.q)), smeta[4], raw, comp, jnp.asarray(smeta.pad_tokens(case.topk_rows)), jnp.asarray(case.sink))
-        got = np.asarray(layer(*args))
-        assert smeta[4].shape == JP.build_step_metadata(P.plan_step(cases[0].batch, cases[0].plan_config(), [4]), index_topk=topk, token_tile=16, gather_tile=16, min_workspace_rows=256)[4].shape
-        np.testing.assert_array_equal(got, np.asarray(JP.prefill_attention(*args[:4], sm_scale=0.25, attn_sink=args[5], topk_indices=args[4])))
+        q, topk_rows, sink = (jnp.asarray(x) for x in (smeta.pad_tokens(case.q), smeta.pad_tokens(case.topk_rows), case.sink))
+        got = np.asarray(layer(q, smeta, raw, comp, topk_rows, sink))
+        eager = JP.prefill_attention(q, smeta[4], raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows)
+        np.testing.assert_array_equal(got, np.asarray(eager))
         close(got[: case.batch.num_tokens], case.oracle()[0])
     assert len(traces) == 1  # both batches fall in the same buckets
 
@@ -233,7 +236,8 @@ def test_server_sizes_leave_only_the_token_bucket_static():
         n = int(rng.integers(1, 20))
         qry = rng.integers(0, 400, n)
         seq = qry + rng.integers(0, 60000, n)
-        smeta = JP.build_step_metadata(P.PrefillBatch(seq, qry), config=cfg, planner=str(rng.choice(POLICIES)), index_topk=512, sizes="server")
+        policy = str(rng.choice(POLICIES))
+        smeta = JP.build_step_metadata(P.PrefillBatch(seq, qry), config=cfg, planner=policy, index_topk=512, sizes="server")
         for kind, meta in smeta.kinds.items():
             assert meta.shape.workspace_rows == meta.plan.budget_rows >= meta.plan.max_workspace_rows
             shapes.add(dataclasses.replace(meta.shape, padded_tokens=0, token_ladder=()))
@@ -247,6 +251,21 @@ def test_server_sizes_leave_only_the_token_bucket_static():
         np.testing.assert_array_equal(out, ref)
 
 
+def test_rows_no_chunk_wrote_are_never_read():
+    """A NaN-filled workspace: a read of any row the chunk's gathers did not write would show."""
+    for ratio in (0, 4, 128):
+        case = boundary_cases(ratio)[3]
+        step = P.plan_step(case.batch, case.plan_config(policy="fixed"), [ratio])
+        smeta = JP.build_step_metadata(step, index_topk=case.topk, **FAST)
+        raw, comp = caches(case, paged_kv=True)
+        out = JP._prefill_jit(
+            jnp.asarray(smeta.pad_tokens(case.q)), smeta[ratio].table, raw, comp,
+            jnp.asarray(smeta.pad_tokens(case.topk_rows)) if ratio == 4 else None, jnp.asarray(case.sink),
+            shape=smeta[ratio].shape, sm_scale=case.sm_scale, backend="xla", fill=float("nan"),
+        )  # fmt: skip
+        close(np.asarray(out)[: case.batch.num_tokens], case.oracle()[0])
+
+
 def test_zero_token_batch_and_unpadded_q():
     case = make_case("none", [40, 9], [0, 0], 128, window_size=8, H=2, D=16)
     step = P.plan_step(case.batch, case.plan_config(), [128])
@@ -258,7 +277,8 @@ def test_zero_token_batch_and_unpadded_q():
     case = boundary_cases(0)[1]
     step = P.plan_step(case.batch, case.plan_config(), [0])
     meta = JP.build_step_metadata(step, **FAST)[0]
-    out = JP.prefill_attention(jnp.asarray(case.q), meta, [jnp.asarray(x) for x in case.raw], sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink))
+    raw = [jnp.asarray(x) for x in case.raw]
+    out = JP.prefill_attention(jnp.asarray(case.q), meta, raw, sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink))
     close(np.asarray(out), case.oracle()[0])
 
 
@@ -328,6 +348,8 @@ def test_bad_inputs():
         call(raw_kv=raw[:4])
     with pytest.raises(TypeError, match="compressed_kv: expected a PagedKV"):
         call(compressed_kv="cache")
+    with pytest.raises(TypeError, match="sm_scale"):
+        call(sm_scale="0.1")
     with pytest.raises(ValueError, match="attn_sink"):
         call(attn_sink=jnp.zeros(3))
     with pytest.raises(ValueError, match="backend"):
@@ -374,7 +396,8 @@ def test_prefill_lowers_for_cuda_with_the_triton_kernel(monkeypatch):
 
     def layer(q, meta, raw_pages, comp_pages, block_table, comp_table, topk_rows, sink):
         raw, comp = JP.PagedKV(raw_pages, block_table), JP.PagedKV(comp_pages, comp_table)
-        return JP.prefill_attention(q, meta, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk_rows, backend="pallas_triton")
+        return JP.prefill_attention(q, meta, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk_rows,
+                                    backend="pallas_triton")  # fmt: skip
 
     T = meta.padded_tokens
     args = (jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16), meta,
