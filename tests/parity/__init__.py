@@ -10,10 +10,13 @@ Modules, in reading order:
 
 Triton reads TRITON_INTERPRET when a kernel module is first imported, so (as tests/conftest.py
 does for pytest) it is switched on here, before anything imports a kernel, on machines without a
-CUDA GPU: the torch Triton backend then runs in Triton's interpreter on CPU tensors.
+CUDA GPU: the torch Triton backend then runs in Triton's interpreter on CPU tensors. On a GPU,
+torch and JAX share the device: JAX must not grab most of its memory up front.
 """
 
 import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 if "TRITON_INTERPRET" not in os.environ:
     try:

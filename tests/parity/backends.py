@@ -298,6 +298,8 @@ def run_prefill(name: str, step: P.StepPlan, layers: dict[int, LayerInputs], lay
         meta = TP.build_step_metadata(step, device=TORCH_DEVICE, index_topk=topk)
         for r, x in layers.items():
             km = meta[r]
+            if x.q.dtype.is_floating_point:  # rows no chunk writes must never reach an output
+                meta.workspace(x.q.shape[2], x.q.dtype).fill_(float("nan"))
             res = TP.prefill_attention(
                 x.q, km, x.raw.torch_source(layout), None if x.comp is None else x.comp.torch_source(layout),
                 sm_scale=sm_scale, attn_sink=x.sink, topk_indices=x.topk, backend=st.kernel,

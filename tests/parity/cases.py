@@ -221,6 +221,7 @@ class StepCase:
     jax_layouts: tuple = ("paged", "logical")  # layouts JAX runs (each layout compiles its own program)
     block_size: int = 16
     family: str = "tiny"  # cases of one family share shapes, hence compiled JAX programs: test them together
+    plan_kw: dict = field(default_factory=dict)  # PlanConfig fields (engine limits, prefill_chunk_size)
 
     @property
     def first(self) -> PrefillCase:
@@ -239,16 +240,19 @@ class StepCase:
         return self.first.batch
 
     def plan_config(self, variant) -> P.PlanConfig:
+        """The variant's plan: "adaptive", "fixed", "per_request", or adaptive with a length order or
+        a tight budget (as many rows as the widest compressed part plus a window and a bit: splits
+        long requests along their queries and packs few requests per chunk)."""
         policy, _ = variant
-        kw = {}
+        c = self.first
+        kw = dict(window_size=c.window_size, max_model_len=max(max(c.seq_lens), 1),
+                  max_num_batched_tokens=max(max(c.query_lens), 1))  # fmt: skip
+        kw.update(self.plan_kw)
         if policy == "adaptive+length-order":
-            policy, kw = "adaptive", dict(order="length")
+            policy, kw["order"] = "adaptive", "length"
         elif policy == "adaptive+tight-budget":
-            # as many rows as the widest request's compressed part plus a window and a bit:
-            # splits long requests along their queries and packs few requests per chunk
-            seq = max(self.first.seq_lens)
-            policy, kw = "adaptive", dict(budget_rows=seq // 4 + self.first.window_size + 4)
-        return self.first.plan_config(policy=policy, **kw)
+            policy, kw["budget_rows"] = "adaptive", max(c.seq_lens) // 4 + c.window_size + 4
+        return P.PlanConfig(policy=policy, **kw)
 
     def row(self, ratio: int) -> str:
         return f"{self.klass} · {P.layer_kind(ratio).name} · {DTYPE_TAG[self.dtype]}"
@@ -260,9 +264,20 @@ class StepCase:
 
 
 def step_case(klass, name, seq_lens, query_lens, *, dtype="float32", window_size=8, topk=6, H=4, D=32, seed=0,
-              ratios=(0, 4, 128), family=None, **kw) -> StepCase:  # fmt: skip
+              ratios=(0, 4, 128), family=None, topk_garbage=False, **kw) -> StepCase:  # fmt: skip
+    """A step over one batch with a layer per ratio. topk_garbage: CSA top-k rows hold arbitrary
+    ids (future entries, negatives, huge) past each token's min((p+1)//4, topk) used entries,
+    which every backend must ignore."""
     layers = {r: make_case(name, seq_lens, query_lens, r, window_size=window_size, topk=topk, H=H, D=D, seed=seed * 10 + i)
               for i, r in enumerate(ratios)}  # fmt: skip
+    if topk_garbage and 4 in layers:
+        c = layers[4]
+        rng = np.random.default_rng(seed)
+        used = np.minimum((c.batch.token_position + 1) // 4, topk)
+        past = np.arange(topk)[None, :] >= used[:, None]
+        noise = rng.choice(np.array([-1, -3, INT32_MIN, INT32_MAX, 10**6]), size=past.shape)
+        future = (used[:, None] + rng.integers(0, 50, past.shape)).astype(np.int64)  # not visible yet
+        c.topk_rows = np.where(past, np.where(rng.random(past.shape) < 0.5, noise, future), c.topk_rows).astype(np.int32)
     if family is None:
         family = f"tiny-{DTYPE_TAG[dtype]}" if (window_size, topk, H, D) == (8, 6, 4, 32) else name
     return StepCase(klass, name, dtype, layers, family=family, **kw)
@@ -289,6 +304,9 @@ def step_cases(quick: bool = False) -> list[StepCase]:
         # query_len == 0 requests (KV-transfer loads) first, between and last; a step of only those
         step_case("ragged, query_len == 0", "zero-query", [40, 0, 200, 9, 64, 17, 300, 50], [0, 0, 5, 9, 0, 17, 0, 0], seed=4),
         step_case("ragged, query_len == 0", "no queries at all", [40, 9], [0, 0], seed=5),
+        # the indexer's rows past the used entries hold anything (ignored by contract)
+        step_case("top-k rows: junk past the used entries", "topk-junk", [9, 30, 41, 100], [9, 12, 6, 20], seed=11,
+                  topk_garbage=True),  # fmt: skip
         # the same classes in bf16 (against the fp32-or-better oracle on bf16-rounded inputs)
         step_case("boundaries W, 4, 128", "boundaries", [W + 1, 5, 129, 131, 257, 12], [2, 2, 3, 4, 3, 12], seed=2,
                   dtype="bfloat16", jax_layouts=("paged",)),  # fmt: skip

@@ -66,9 +66,15 @@ def step_case(draw):
     prefix = draw(st.lists(st.sampled_from([0, 1, 3, 4, 7, 8, 9, 31, 127, 128, 129, 200, 255]) | st.integers(0, 280),
                            min_size=n, max_size=n))  # fmt: skip
     seq = [p + q for p, q in zip(prefix, query)]
+    # engine limits above the batch's (they size the fixed plan and the adaptive budget)
+    plan_kw = dict(
+        max_model_len=max(max(seq), 1) + draw(st.integers(0, 300)),
+        max_num_batched_tokens=max(max(query), 1) + draw(st.integers(0, 40)),
+        prefill_chunk_size=draw(st.sampled_from([1, 2, 4])),
+    )
     # the tiny family's shapes (W=8, top-k 6, H=4, D=32), paged only for JAX: few programs to compile
-    return C.step_case("hypothesis", "random batch", seq, query, seed=draw(st.integers(0, 2**20)),
-                       variants=C.FEW_VARIANTS, jax_layouts=("paged",))  # fmt: skip
+    return C.step_case("hypothesis", "random batch", seq, query, seed=draw(st.integers(0, 2**20)), plan_kw=plan_kw,
+                       topk_garbage=draw(st.booleans()), variants=C.FEW_VARIANTS, jax_layouts=("paged",))  # fmt: skip
 
 
 @parity_settings(ci_examples=4)
