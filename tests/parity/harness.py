@@ -112,7 +112,7 @@ def _backends(only=None):
     return [b for b in B.BACKENDS if only is None or b.name in only]
 
 
-def _error(name: str, what: str, e: Exception) -> str:
+def backend_error(name: str, what: str, e: Exception) -> str:
     tb = traceback.format_exception_only(type(e), e)[-1].strip()
     return f"{what}: {name} raised {tb}"
 
@@ -161,7 +161,7 @@ def run_kernel_case(case: KernelCase, only=None) -> Row:
             row.ran.add(be.name)
             row.backend_seconds[be.name] = time.perf_counter() - tb
         except Exception as e:  # a backend failure is a result, reported like a mismatch
-            row.errors.append(_error(be.name, case.describe(), e))
+            row.errors.append(backend_error(be.name, case.describe(), e))
     if "oracle" in results:  # the oracle's scale and special values are every pair's reference
         oref, mref, lref = results["oracle"]
         for a, b in itertools.combinations(results, 2):
@@ -288,7 +288,7 @@ def run_step_case(case: StepCase, only=None) -> list[Row]:
                 row.backend_seconds[be.name] = (time.perf_counter() - tb) / len(rows)
         except Exception as e:
             for row in rows.values():
-                row.errors.append(_error(be.name, case.describe(), e))
+                row.errors.append(backend_error(be.name, case.describe(), e))
     oracle = outputs.get("oracle", {}).get(PRIMARY)
     for r, row in rows.items():
         row.crossings = crossings
@@ -311,14 +311,16 @@ def run_step_case(case: StepCase, only=None) -> list[Row]:
             for v, res in per_variant.items():
                 if v == PRIMARY:
                     continue
-                row.invariance.setdefault(name, []).append(_bitwise(base, res[r], ref, required, v))
+                row.invariance.setdefault(name, []).append(bitwise_agreement(base, res[r], ref, required, v))
     elapsed = time.perf_counter() - t0
     for row in rows.values():
         row.seconds = elapsed / len(rows)
     return list(rows.values())
 
 
-def _bitwise(a: np.ndarray, b: np.ndarray, ref: np.ndarray, required: bool, variant) -> Agreement:
+def bitwise_agreement(a: np.ndarray, b: np.ndarray, ref: np.ndarray, required: bool, variant) -> Agreement:
+    """Plan invariance of one backend: output `b` of `variant` against `a` of the primary plan;
+    passes if bit-identical, or always when bitwise equality is not `required` (figures only)."""
     label = variant if isinstance(variant, str) else "/".join(variant)
     if a.shape != b.shape:
         return Agreement(np.inf, np.inf, False, f"{label}: shape {b.shape} vs {a.shape}")

@@ -18,6 +18,7 @@ float32 runs within 1e-5 (relative to its largest |value|).
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 import time
 from dataclasses import dataclass
@@ -28,8 +29,8 @@ import torch
 import planner as P
 from tests.parity import backends as B
 from tests.parity.cases import DTYPE_TAG
-from tests.parity.harness import Row, _error, make_cache
-from tests.parity.tolerances import Agreement, compare_out
+from tests.parity.harness import Row, backend_error, bitwise_agreement, make_cache
+from tests.parity.tolerances import compare_out
 
 LAYERS = {"SWA": 1, "CSA": 2, "HCA": 3}  # layer index of each kind in the tiny preset
 PROMPT_LEN = 299  # 2 HCA entries, 74 CSA entries; the decode step at 299 completes CSA entry 74
@@ -127,54 +128,51 @@ def _run_set(kind, set_name, call_list, dtype, index_topk, only) -> Row:
     t0 = time.perf_counter()
     name = f"{kind} · {set_name} · {DTYPE_TAG[dtype]}"
     row = Row("hf", name, [f"calls {[(c.capture.seq_len - c.capture.query_len, c.capture.seq_len) for c in call_list]}"])
-    cap0 = call_list[0].capture
     runnable = []
     for be in B.BACKENDS:
         if only is not None and be.name not in only:
             continue
-        reason = B.why_not(be, dtype, cap0.query.shape[2], tiny=False)
-        if reason is not None:
-            row.not_run.setdefault(be.name, set()).add(reason)
-        else:
+        reason = B.why_not(be, dtype, call_list[0].capture.query.shape[2], tiny=False)
+        if reason is None:
             runnable.append(be)
+        else:
+            row.not_run.setdefault(be.name, set()).add(reason)
     for call in call_list:
         cap = call.capture
         truth = cap.output.numpy()
         layers = {cap.compress_ratio: _layer_inputs(call, dtype, index_topk)}
-        batch = P.PrefillBatch([cap.seq_len], [cap.query_len])
-        outputs = {TRUTH: {v: truth for v in VARIANTS}}
+        outputs = {}  # backend -> {variant: out}
         for be in runnable:
+            # plans and layouts on the float64 torch reference; one plan elsewhere (the synthetic
+            # prefill cases cover the plan invariance of every backend)
+            variants = VARIANTS if (be.framework == "torch" and be.reference and dtype == "float64") else VARIANTS[:1]
             tb = time.perf_counter()
             try:
-                # plans and layouts on the float64 reference runs; one plan elsewhere (the synthetic
-                # prefill cases cover plan invariance of every backend)
-                variants = list(VARIANTS) if (be.framework == "torch" and be.reference and dtype == "float64") else [VARIANTS[0]]
-                res = {}
-                for v in variants:
-                    cfg = P.PlanConfig(window_size=cap.window_size, max_model_len=CHUNKS[-1][1],
-                                       max_num_batched_tokens=PROMPT_LEN, policy=v[0])  # fmt: skip
-                    step = P.plan_step(batch, cfg, [cap.compress_ratio])
-                    out = B.run_prefill(be.name, step, layers, v[1], index_topk, cap.sm_scale, jax_meta=dict(padded_tokens=PADDED_TOKENS))
-                    res[v] = out[cap.compress_ratio]
-                outputs[be.name] = res if be.framework != "numpy" else {v: res[VARIANTS[0]] for v in VARIANTS}
-                row.ran.add(be.name)
-                for v, o in res.items():
-                    if v != variants[0]:
-                        same = np.array_equal(o, res[variants[0]])
-                        required = be.reference
-                        if required:
-                            row.bitwise_required.add(be.name)
-                        row.invariance.setdefault(be.name, []).append(
-                            Agreement(0.0 if same else float(np.abs(o - res[variants[0]]).max()), 0.0, same or not required,
-                                      "" if same or not required else f"{'/'.join(v)}: not bitwise"))  # fmt: skip
+                outputs[be.name] = {v: _run_call(be.name, cap, layers, v, index_topk) for v in variants}
             except Exception as e:
-                row.errors.append(_error(be.name, f"{name} call {cap.seq_len - cap.query_len}:{cap.seq_len}", e))
-            row.backend_seconds[be.name] = row.backend_seconds.get(be.name, 0.0) + time.perf_counter() - tb
-        names = list(outputs)
-        for i, a in enumerate(names):
-            for b in names[i + 1 :]:
-                for v in outputs[b]:
-                    if v in outputs[a]:
-                        row.add_pair(a, b, compare_out(outputs[a][v], outputs[b][v], truth, dtype))
+                row.errors.append(backend_error(be.name, f"{name} call {cap.seq_len - cap.query_len}:{cap.seq_len}", e))
+                continue
+            finally:
+                row.backend_seconds[be.name] = row.backend_seconds.get(be.name, 0.0) + time.perf_counter() - tb
+            row.ran.add(be.name)
+            first = outputs[be.name][variants[0]]
+            for v in variants[1:]:
+                if be.reference:
+                    row.bitwise_required.add(be.name)
+                row.invariance.setdefault(be.name, []).append(bitwise_agreement(first, outputs[be.name][v], truth, be.reference, v))
+        for b, res in outputs.items():  # transformers against every run of every backend
+            for out in res.values():
+                row.add_pair(TRUTH, b, compare_out(truth, out, truth, dtype))
+        for a, b in itertools.combinations(outputs, 2):  # and every pair of backends, same plan
+            row.add_pair(a, b, compare_out(outputs[a][VARIANTS[0]], outputs[b][VARIANTS[0]], truth, dtype))
     row.seconds = time.perf_counter() - t0
     return row.finish()
+
+
+def _run_call(name: str, cap, layers, variant, index_topk: int) -> np.ndarray:
+    """One backend's output for one captured call, as a one-request prefill step."""
+    policy, layout = variant
+    cfg = P.PlanConfig(window_size=cap.window_size, max_model_len=CHUNKS[-1][1], max_num_batched_tokens=PROMPT_LEN, policy=policy)
+    step = P.plan_step(P.PrefillBatch([cap.seq_len], [cap.query_len]), cfg, [cap.compress_ratio])
+    out = B.run_prefill(name, step, layers, layout, index_topk, cap.sm_scale, jax_meta=dict(padded_tokens=PADDED_TOKENS))
+    return out[cap.compress_ratio]

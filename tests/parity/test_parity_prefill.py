@@ -9,7 +9,6 @@ One test per case family: the cases of a family share shapes, so its JAX program
 """
 
 import pytest
-import torch
 
 from tests.parity import backends as B
 from tests.parity import cases as C
@@ -20,9 +19,6 @@ for _case in C.step_cases():
     if not _case.splits:  # the split prompt has its own test below
         FAMILIES.setdefault(_case.family, []).append(_case)
 QUICK = {c.family for c in C.step_cases(quick=True)}
-# On CPU these run in the parity report (python -m tests.parity.report) and in pytest on a GPU:
-# a 40000-token context, and FlashMLA's own shape (H=64, D=512, bf16) which is for the GPU.
-CPU_REPORT_ONLY = {"long-context", "flashmla-shape"}
 
 
 def check(case: C.StepCase):
@@ -45,8 +41,6 @@ def check(case: C.StepCase):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family(family):
-    if family in CPU_REPORT_ONLY and not torch.cuda.is_available():
-        pytest.skip("CPU: in the parity report only (python -m tests.parity.report); runs here on a GPU")
     failures = []
     for case in FAMILIES[family]:
         failures += check(case)[1]

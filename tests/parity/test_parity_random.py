@@ -10,8 +10,7 @@ Shapes are drawn from small sets in CI so that the JAX programs compile a handfu
 
 import os
 
-import numpy as np
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
 
 import planner as P
@@ -46,7 +45,7 @@ def kernel_case(draw):
         T, H, S = 8, 16, 64
         D, K = (64 if dtype == "float32" else 512), draw(st.sampled_from([128, 256]))
     return C.random_kernel_case(
-        "hypothesis", f"seed draw", dtype, seed=draw(st.integers(0, 2**31 - 1)), T=T, H=H, D=D, S=S, K=K,
+        "hypothesis", "random draw", dtype, seed=draw(st.integers(0, 2**31 - 1)), T=T, H=H, D=D, S=S, K=K,
         invalid=draw(st.sampled_from([0.0, 0.2, 0.7, 1.0])), duplicates=draw(st.sampled_from([0.0, 0.3])),
         topk=draw(st.sampled_from(["random", "none"])), sink=draw(st.sampled_from([None, "random", "mixed", 0.0])),
     )  # fmt: skip
@@ -82,6 +81,8 @@ def step_case(draw):
 def test_random_prefill_steps(case):
     """Reference backends (and any GPU backend) on every plan and layout; bitwise across plans."""
     only = [b.name for b in B.BACKENDS if not B.machine_status()[b.name].interpreted]
+    T = case.batch.num_tokens
+    event(f"tokens: {'0' if T == 0 else '1-15' if T < 16 else '16-47' if T < 48 else '48+'}")
     rows = H.run_step_case(case, only=only)
     for row in rows:
         assert row.passed, case.describe() + "\n" + "\n".join(row.failures())
