@@ -265,12 +265,14 @@ class LayerInputs:
         return LayerInputs(self.ratio, self.q[a:b], self.sink, None if self.topk is None else self.topk[a:b], self.raw, self.comp)
 
     def jax_q(self, padded: int):
+        """q and top-k rows crossed to JAX and padded to `padded` tokens. The padding is NaN queries
+        and junk top-k ids: padding rows must neither be attended nor leak into outputs."""
         if ("q", padded) not in self._jax:
             q = to_jax(self.q)
-            self._jax[("q", padded)] = jnp.pad(q, ((0, padded - q.shape[0]), (0, 0), (0, 0)))
+            self._jax[("q", padded)] = jnp.pad(q, ((0, padded - q.shape[0]), (0, 0), (0, 0)), constant_values=jnp.nan)
             if self.topk is not None:
                 k = to_jax(self.topk)
-                self._jax[("topk", padded)] = jnp.pad(k, ((0, padded - k.shape[0]), (0, 0)), constant_values=-1)
+                self._jax[("topk", padded)] = jnp.pad(k, ((0, padded - k.shape[0]), (0, 0)), constant_values=2**31 - 1)
             self._jax["sink"] = to_jax(self.sink)
         return self._jax[("q", padded)], self._jax.get(("topk", padded)), self._jax["sink"]
 

@@ -288,10 +288,9 @@ def split_points(length: int, boundaries) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def step_cases(quick: bool = False) -> list[StepCase]:
+def step_cases() -> list[StepCase]:
     """Every prefill-level case, fixed seeds (W = 8, top-k 6, H = 4, D = 32 unless the class says).
 
-    quick: the tiny classes only (what the interpreters take on CPU).
     """
     W = 8
     out = [
@@ -317,8 +316,6 @@ def step_cases(quick: bool = False) -> list[StepCase]:
         step_case("V4-Pro: H=128, width 1152", "v4-pro", [4200, 300], [2, 3], window_size=128, topk=1024, H=128, D=16,
                   seed=7, variants=TWO_VARIANTS, jax_layouts=("paged",)),  # fmt: skip
     ]
-    if quick:
-        return out
     out += [
         # one 300-token prompt over six steps (boundaries 37, 128, 136, 211, 256: multiples of
         # 4, 8 and 128 and not) against the same prompt in one step

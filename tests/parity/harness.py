@@ -179,12 +179,17 @@ def run_kernel_cases(cases: list[KernelCase], only=None) -> list[Row]:
 # ----------------------------------------------------------------------------- prefill level
 
 
+JUNK = int(np.iinfo(np.int32).max)
+
+
 def make_cache(arrays, page_size: int, dtype: torch.dtype, *, seed: int = 0) -> B.Cache:
     """One KV source from per-request (len_i, D) arrays, in both layouts, as torch tensors.
 
     Packed rows are padded to a bucket (zeros); pages are shuffled across requests (as
     `tests/cases.PrefillCase.paged` does), unused slots and spare pages NaN; block table and
-    request count padded to buckets too, so that cases of one family share JAX programs.
+    request count padded to buckets too, so that cases of one family share JAX programs. Block
+    table slots past a request's pages, and table rows and offsets past the batch, hold junk
+    (int32 max, -7): a backend that read one would crash or show NaN.
     """
     arrays = [np.asarray(a, np.float64) for a in arrays]
     D = arrays[0].shape[1]
@@ -193,14 +198,15 @@ def make_cache(arrays, page_size: int, dtype: torch.dtype, *, seed: int = 0) -> 
     n_req = B.padded(len(arrays), 8)
     rows = np.zeros((B.padded(total, 2048), D))
     rows[:total] = np.concatenate(arrays)
-    offsets = np.zeros(n_req, np.int32)
+    offsets = np.full(n_req, JUNK, np.int32)
     offsets[: len(arrays)] = np.concatenate([[0], np.cumsum(lens)[:-1]])
     counts = [-(-n // page_size) for n in lens]
     used = sum(counts) + 1
     n_pages = B.padded(used, 256)
     perm = np.random.default_rng(seed).permutation(used)
     pages = np.full((n_pages, page_size, D), np.nan)
-    table = np.zeros((n_req, B.padded(max(max(counts), 1), 64)), np.int32)
+    table = np.full((n_req, B.padded(max(max(counts), 1), 64)), JUNK, np.int32)
+    table[len(arrays) :] = -7
     k = 0
     for i, a in enumerate(arrays):
         for j in range(counts[i]):

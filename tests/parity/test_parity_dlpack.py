@@ -30,7 +30,7 @@ def test_same_bits_sees_a_flipped_bit():
 
 
 def test_prefill_inputs_cross_bitwise():
-    case = next(c for c in C.step_cases(quick=True) if c.dtype == "bfloat16")
+    case = next(c for c in C.step_cases() if c.dtype == "bfloat16" and c.family == "tiny-bf16")
     layers = H.step_inputs(case)
     n = H.check_step_crossing(layers, padded=64)
     # per layer: q, sink, top-k rows (CSA), and rows/offsets/pages/block table of each cache

@@ -18,7 +18,6 @@ FAMILIES = {}
 for _case in C.step_cases():
     if not _case.splits:  # the split prompt has its own test below
         FAMILIES.setdefault(_case.family, []).append(_case)
-QUICK = {c.family for c in C.step_cases(quick=True)}
 
 
 def check(case: C.StepCase):
@@ -47,8 +46,9 @@ def test_family(family):
     assert not failures, "\n".join(failures)
 
 
-def test_families_cover_the_quick_report():
-    assert QUICK <= set(FAMILIES)
+def test_families_cover_the_issue():
+    """Kinds, plans, query_len == 0 requests, model head counts and index widths, both dtypes."""
+    assert "tiny-fp32" in FAMILIES  # the report's --quick family
     kinds = {r for cases in FAMILIES.values() for c in cases for r in c.layers}
     assert kinds == {0, 4, 128}
     policies = {v[0] for cases in FAMILIES.values() for c in cases for v in c.variants}
@@ -56,6 +56,9 @@ def test_families_cover_the_quick_report():
     assert any(0 in c.first.query_lens for cases in FAMILIES.values() for c in cases)
     heads = {c.first.q.shape[1] for cases in FAMILIES.values() for c in cases}
     assert {64, 128} <= heads
+    widths = {c.topk + c.first.window_size for cases in FAMILIES.values() for c in cases}
+    assert {640, 1152} <= widths
+    assert {c.dtype for cases in FAMILIES.values() for c in cases} == {"float32", "bfloat16"}
 
 
 def test_split_prompt_equals_one_step_bitwise():
