@@ -264,13 +264,13 @@ class StepCase:
 
 
 def step_case(klass, name, seq_lens, query_lens, *, dtype="float32", window_size=8, topk=6, H=4, D=32, seed=0,
-              ratios=(0, 4, 128), family=None, topk_garbage=False, **kw) -> StepCase:  # fmt: skip
-    """A step over one batch with a layer per ratio. topk_garbage: CSA top-k rows hold arbitrary
+              ratios=(0, 4, 128), family=None, topk_junk=False, **kw) -> StepCase:  # fmt: skip
+    """A step over one batch with a layer per ratio. topk_junk: CSA top-k rows hold arbitrary
     ids (future entries, negatives, huge) past each token's min((p+1)//4, topk) used entries,
     which every backend must ignore."""
     layers = {r: make_case(name, seq_lens, query_lens, r, window_size=window_size, topk=topk, H=H, D=D, seed=seed * 10 + i)
               for i, r in enumerate(ratios)}  # fmt: skip
-    if topk_garbage and 4 in layers:
+    if topk_junk and 4 in layers:
         c = layers[4]
         rng = np.random.default_rng(seed)
         used = np.minimum((c.batch.token_position + 1) // 4, topk)
@@ -289,11 +289,9 @@ def split_points(length: int, boundaries) -> list[tuple[int, int]]:
 
 
 def step_cases() -> list[StepCase]:
-    """Every prefill-level case, fixed seeds (W = 8, top-k 6, H = 4, D = 32 unless the class says).
-
-    """
+    """Every prefill-level case, fixed seeds (W = 8, top-k 6, H = 4, D = 32 unless the class says)."""
     W = 8
-    out = [
+    return [
         # spec section 5: fresh prompts shorter and longer than the window
         step_case("fresh prompts", "fresh", [3, W - 1, W, W + 1, 21], [3, W - 1, W, W + 1, 21], seed=1),
         # queries at positions W-1/W, r-1/r (4), 127/128 and 255/256 (r = 128), and beyond
@@ -305,7 +303,7 @@ def step_cases() -> list[StepCase]:
         step_case("ragged, query_len == 0", "no queries at all", [40, 9], [0, 0], seed=5),
         # the indexer's rows past the used entries hold anything (ignored by contract)
         step_case("top-k rows: junk past the used entries", "topk-junk", [9, 30, 41, 100], [9, 12, 6, 20], seed=11,
-                  topk_garbage=True),  # fmt: skip
+                  topk_junk=True),  # fmt: skip
         # the same classes in bf16 (against the fp32-or-better oracle on bf16-rounded inputs)
         step_case("boundaries W, 4, 128", "boundaries", [W + 1, 5, 129, 131, 257, 12], [2, 2, 3, 4, 3, 12], seed=2,
                   dtype="bfloat16", jax_layouts=("paged",)),  # fmt: skip
@@ -315,8 +313,6 @@ def step_cases() -> list[StepCase]:
                   seed=6, variants=TWO_VARIANTS, jax_layouts=("paged",)),  # fmt: skip
         step_case("V4-Pro: H=128, width 1152", "v4-pro", [4200, 300], [2, 3], window_size=128, topk=1024, H=128, D=16,
                   seed=7, variants=TWO_VARIANTS, jax_layouts=("paged",)),  # fmt: skip
-    ]
-    out += [
         # one 300-token prompt over six steps (boundaries 37, 128, 136, 211, 256: multiples of
         # 4, 8 and 128 and not) against the same prompt in one step
         step_case("prompt split over steps", "split", [300], [300], seed=8, tiny=False,
@@ -328,4 +324,3 @@ def step_cases() -> list[StepCase]:
         step_case("FlashMLA shape: H=64, D=512", "flashmla-shape", [700, 300, 130], [5, 3, 0], window_size=128, topk=512, H=64,
                   D=512, seed=10, dtype="bfloat16", tiny=False, variants=FEW_VARIANTS, jax_layouts=("paged",)),  # fmt: skip
     ]
-    return out

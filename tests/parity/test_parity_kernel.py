@@ -14,6 +14,8 @@ CASES = C.kernel_cases()
 ROWS = list(dict.fromkeys(c.row for c in CASES))
 
 
+# Triton's interpreter evaluates exp2 of huge sink logits in NumPy (the result, 0 weight, is right)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
 @pytest.mark.parametrize("row", ROWS, ids=[r.replace(" · ", "-") for r in ROWS])
 def test_every_backend_pair_agrees(row):
     cases = [c for c in CASES if c.row == row]
