@@ -1,28 +1,26 @@
 """Session setup shared by the test files.
 
-Triton reads TRITON_INTERPRET when `@triton.jit` decorates a kernel, i.e. when the kernel's module
-is first imported, so it has to be set before any test imports one. On a machine without a GPU
-we switch the interpreter on, so the Triton kernel's tests run on CPU tensors; on a GPU machine
-we leave it alone and those tests run on the GPU.
+`tests.parity` sets the environment every test needs before any kernel module is imported
+(TRITON_INTERPRET=1 on machines without a CUDA GPU, so the Triton kernel's tests run on CPU
+tensors; no up-front JAX preallocation, so torch and JAX can share a GPU); the parity report,
+which runs outside pytest, imports the same.
 """
-
-import os
 
 import pytest
 
-if "TRITON_INTERPRET" not in os.environ:
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"
-    except ImportError:  # a JAX-only environment
-        pass
+import tests.parity  # noqa: F401  (environment set-up, see above)
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint_dir(tmp_path_factory):
-    """The tiny random DeepSeek-V4 checkpoint (`write_tiny_checkpoint`, seed 0), written once per session."""
+def tiny_checkpoints(tmp_path_factory):
+    """The tiny random DeepSeek-V4 checkpoint (seed 0) in both name styles, written once per session."""
     from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint
 
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-ckpt") / "ckpt", seed=0)
+    root = tmp_path_factory.mktemp("tiny-ckpt")
+    return {names: write_tiny_checkpoint(root / names, seed=0, names=names) for names in ("hf", "deepseek")}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_dir(tiny_checkpoints):
+    """The tiny checkpoint with transformers' names."""
+    return tiny_checkpoints["hf"]

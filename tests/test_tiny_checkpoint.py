@@ -24,12 +24,8 @@ FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return {
-        "hf": write_tiny_checkpoint(root / "hf", seed=0, names="hf"),
-        "deepseek": write_tiny_checkpoint(root / "deepseek", seed=0, names="deepseek"),
-    }
+def ckpt(tiny_checkpoints):
+    return tiny_checkpoints
 
 
 @pytest.fixture(scope="module")
