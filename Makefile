@@ -1,4 +1,5 @@
-# Two commands: `make demo` runs the main job, `make test` runs the whole test suite.
+# Two commands: `make demo` runs the main job, `make test` runs the whole test suite (and, where a
+# Python >= 3.12 exists, the JAX path again on the newest jax: `make test-jax-new`).
 # Each creates or updates ./.venv and installs what it needs. torch is pinned to the CPU build
 # (2.13.0) so nothing downloads a multi-GB CUDA build; GPU machines: see README.
 PYTHON ?= python3
@@ -19,3 +20,22 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2
+	@if [ -n "$(JAX_NEW_PYTHON)" ]; then $(MAKE) --no-print-directory test-jax-new; \
+	else echo "test: skipped the jax >= 0.11 run (no Python >= 3.12 here)"; fi
+
+# The JAX path on jax >= 0.11 (needs Python 3.12; no torch there): `make test-jax-new`.
+JAX_NEW_PYTHON ?= $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/3.1[23]*/bin/python; do \
+	$$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $$p && break; done)
+JAX_NEW_VENV := .venv-jax-new
+JAX_TESTS := tests/test_planner.py tests/test_layout_oracle.py tests/test_jax_sparse_attention.py \
+	tests/test_jax_sharding.py tests/test_jax_prefill.py
+
+.PHONY: test-jax-new
+test-jax-new:
+	@test -n "$(JAX_NEW_PYTHON)" || { echo "test-jax-new: needs Python >= 3.12 (set JAX_NEW_PYTHON=...)"; exit 2; }
+	@# A registry that cannot serve the install skips this run with a message; failing tests fail it.
+	@if (test -x $(JAX_NEW_VENV)/bin/python || $(JAX_NEW_PYTHON) -m venv $(JAX_NEW_VENV)) && \
+	    $(JAX_NEW_VENV)/bin/python -m pip install -q --upgrade pip && \
+	    $(JAX_NEW_VENV)/bin/python -m pip install -q "jax>=0.11" numpy safetensors pytest hypothesis pytest-xdist; \
+	then $(JAX_NEW_VENV)/bin/python -m pytest -q -n 2 -p no:cacheprovider $(JAX_TESTS); \
+	else echo "test-jax-new: could not install jax >= 0.11 with $(JAX_NEW_PYTHON): skipped"; fi

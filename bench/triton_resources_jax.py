@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from dsv4_jax.aot import lower_for_cuda  # noqa: E402
 from dsv4_jax.pallas_kernel import default_tuning, sparse_attention_pallas  # noqa: E402
 
 SHAPES = {"V4-Flash": (4096, 64, 512, 65536, 640), "V4-Pro": (4096, 128, 512, 65536, 1152)}
@@ -61,7 +62,7 @@ def triton_ir(T, H, D, S, K, tiling) -> str:
             jax.ShapeDtypeStruct((H,), jnp.float32),
             jax.ShapeDtypeStruct((T,), jnp.int32),
         )
-        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        lower_for_cuda(f, *args)
     finally:
         registration.lowering.lower_jaxpr_to_triton_module = original
     return captured[0]

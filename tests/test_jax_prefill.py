@@ -16,6 +16,7 @@ import pytest
 import planner as P
 import dsv4_jax.attention
 from dsv4_jax import buckets as B
+from dsv4_jax.aot import lower_for_cuda
 from dsv4_jax import prefill as JP
 from tests.cases import boundary_cases, make_case
 
@@ -404,7 +405,7 @@ def test_prefill_lowers_for_cuda_with_the_triton_kernel(monkeypatch):
             jax.ShapeDtypeStruct((1024, 64, D), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 16, D), jnp.bfloat16),
             jax.ShapeDtypeStruct((8, 128), jnp.int32), jax.ShapeDtypeStruct((8, 128), jnp.int32),
             jax.ShapeDtypeStruct((T, topk), jnp.int32), jax.ShapeDtypeStruct((H,), jnp.float32))  # fmt: skip
-    text = jax.jit(layer).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(layer, *args).as_text()
     calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
     token_grids = [max(int(g) for g in re.findall(r"grid_[xyz] = (\d+)", call)) for call in calls]
     assert sorted(token_grids) == [16, 64, 256], token_grids  # one kernel per token tile size

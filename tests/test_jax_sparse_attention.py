@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax
+from dsv4_jax.aot import lower_for_cuda
 from dsv4_jax.pallas_kernel import default_tuning, sparse_attention_pallas
 from dsv4_jax.xla_reference import sparse_attention_xla
 from planner import oracle
@@ -350,7 +351,7 @@ def test_triton_lowering_for_cuda(name, H, D, K):
         jax.ShapeDtypeStruct((H,), jnp.float32),
         jax.ShapeDtypeStruct((T,), jnp.int32),
     )
-    text = jax.jit(prefill_layer).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(prefill_layer, *args).as_text()
     calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
     assert len(calls) == 1, f"{name}: expected one Triton kernel, found {len(calls)}"
     call = calls[0]
