@@ -32,6 +32,16 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", type=int_list, default=list(SPEC_SEQ_LENS), help="context length of each request after this step")
@@ -40,9 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=SPEC_LIMITS["max_model_len"])
     p.add_argument("--max-num-batched-tokens", type=int, default=SPEC_LIMITS["max_num_batched_tokens"])
     p.add_argument("--prefill-chunk-size", type=int, default=SPEC_LIMITS["prefill_chunk_size"])
-    p.add_argument("--heads", type=int, default=16, help="query heads (V4-Flash 64, V4-Pro 128)")
-    p.add_argument("--head-dim", type=int, default=512, help="latent width D (512 in DeepSeek-V4)")
-    p.add_argument("--index-topk", type=int, default=512, help="CSA top-k (V4-Flash 512, V4-Pro 1024)")
+    p.add_argument("--heads", type=positive_int, default=16, help="query heads (V4-Flash 64, V4-Pro 128)")
+    p.add_argument("--head-dim", type=positive_int, default=512, help="latent width D (512 in DeepSeek-V4)")
+    p.add_argument("--index-topk", type=positive_int, default=512, help="CSA top-k (V4-Flash 512, V4-Pro 1024)")
     p.add_argument("--frameworks", default="torch,jax", help="comma-separated: torch, jax; empty to skip part 2")
     p.add_argument("--backend", default="auto", help="backend for both frameworks (auto, reference/xla, ...)")
     p.add_argument("--seed", type=int, default=0)
