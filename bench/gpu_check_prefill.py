@@ -7,7 +7,7 @@ D 512, top-k 512 / 1024, W 128), one layer of each kind runs through `dsv4_torch
 workspace MiB, and the step time summed over the model's layers of each kind; the adaptive plan's
 output is compared with the fixed plan's (bitwise expected: same index rows, same kernel).
 
-Run: python bench/gpu_check_prefill.py [--seconds 150] [--frameworks torch,jax] [--dry-run]
+Run: python bench/gpu_check_prefill.py [--seconds 150] [--frameworks torch,jax] [--workloads a,b] [--dry-run]
 Without a GPU it exits 0 with a message; --dry-run runs tiny shapes on CPU to check the script.
 """
 
@@ -32,21 +32,39 @@ from planner.report import BYTES_PER_ROW, table  # noqa: E402
 PLANS = ("adaptive", "fixed", "per_request")
 
 
-def layer_inputs(batch: PrefillBatch, ratio: int, H: int, D: int, topk: int, seed: int = 0):
-    """NumPy float32 latents of one layer (converted per framework)."""
-    rng = np.random.default_rng(seed)
-    raw = rng.standard_normal((int(batch.seq_lens.sum()), D), dtype=np.float32) * 0.1
-    offsets = np.concatenate([[0], np.cumsum(batch.seq_lens)[:-1]]).astype(np.int32)
-    comp_lens = batch.seq_lens // ratio if ratio > 1 else np.zeros_like(batch.seq_lens)
-    comp = rng.standard_normal((max(1, int(comp_lens.sum())), D), dtype=np.float32) * 0.1
-    comp_offsets = np.concatenate([[0], np.cumsum(comp_lens)[:-1]]).astype(np.int32)
-    q = rng.standard_normal((batch.num_tokens, H, D), dtype=np.float32)
+def layer_plan_inputs(batch: PrefillBatch, topk: int):
+    """The host-side inputs of one layer: the CSA top-k rows (a stand-in for the indexer's choice:
+    the most recent visible entries) and the request offsets of packed caches."""
     visible = (batch.token_position.astype(np.int64) + 1) // 4
-    # the most recent visible entries, as a stand-in for the indexer's choice
     rows = (visible[:, None] - 1 - np.arange(topk)[None, :]).astype(np.int32)
     rows[np.arange(topk)[None, :] >= np.minimum(visible, topk)[:, None]] = -1
-    sink = rng.standard_normal(H).astype(np.float32)
-    return dict(raw=raw, offsets=offsets, comp=comp, comp_offsets=comp_offsets, q=q, rows=rows, sink=sink)
+    return rows
+
+
+def packed_offsets(lens) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32)
+
+
+def torch_inputs(batch, ratio, H, D, topk, dry, seed=0):
+    """Random latents made on the device (NumPy would spend seconds per GiB), caches packed once."""
+    import torch
+
+    from dsv4_torch import prefill as TP
+
+    dev = "cpu" if dry else "cuda"
+    dt = torch.float32 if dry else torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(seed)
+    randn = lambda *shape: (torch.randn(shape, generator=g, device=dev, dtype=torch.float32) * 0.1).to(dt)  # noqa: E731
+    seq = batch.seq_lens
+    raw = TP.LogicalKV(randn(int(seq.sum()), D), torch.as_tensor(packed_offsets(seq), device=dev))
+    comp = None
+    if ratio > 1:
+        clen = seq // ratio
+        comp = TP.LogicalKV(randn(max(1, int(clen.sum())), D), torch.as_tensor(packed_offsets(clen), device=dev))
+    q = randn(batch.num_tokens, H, D) * 10
+    rows = torch.as_tensor(layer_plan_inputs(batch, topk), device=dev) if ratio == 4 else None
+    sink = randn(H).float() * 10
+    return dict(q=q, raw=raw, comp=comp, rows=rows, sink=sink)
 
 
 def time_torch(step, ratio, x, topk, iters, dry):
@@ -55,16 +73,10 @@ def time_torch(step, ratio, x, topk, iters, dry):
     from dsv4_torch import prefill as TP
 
     dev = "cpu" if dry else "cuda"
-    dt = torch.float32 if dry else torch.bfloat16
     meta = TP.build_step_metadata(step, device=dev, index_topk=topk)[ratio]
-    t = lambda a: torch.from_numpy(a).to(dev)
-    raw = [t(x["raw"][o : o + int(s)]).to(dt) for o, s in zip(x["offsets"], step.batch.seq_lens)]
-    comp = None
-    if ratio > 1:
-        comp = [t(x["comp"][o : o + int(s) // ratio]).to(dt) for o, s in zip(x["comp_offsets"], step.batch.seq_lens)]
-    q, rows, sink = t(x["q"]).to(dt), t(x["rows"]), t(x["sink"])
-    call = lambda: TP.prefill_attention(q, meta, raw, comp, sm_scale=q.shape[-1] ** -0.5, attn_sink=sink,
-                                        topk_indices=rows if ratio == 4 else None)  # fmt: skip
+    q = x["q"]
+    call = lambda: TP.prefill_attention(q, meta, x["raw"], x["comp"], sm_scale=q.shape[-1] ** -0.5,  # noqa: E731
+                                        attn_sink=x["sink"], topk_indices=x["rows"])  # fmt: skip
     out = call()
     times = []
     for _ in range(iters):
@@ -82,21 +94,38 @@ def time_torch(step, ratio, x, topk, iters, dry):
     return statistics.median(times), out.float().cpu().numpy(), meta.last_backend
 
 
-def time_jax(step, ratio, x, topk, iters, dry):
-    import jax  # noqa: F401 - fail early if JAX is missing
+def jax_inputs(batch, ratio, H, D, topk, dry, seed=0):
+    import jax
     import jax.numpy as jnp
 
     from dsv4_jax import prefill as JP
 
     dt = jnp.float32 if dry else jnp.bfloat16
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    seq = batch.seq_lens
+    raw = JP.LogicalKV(jax.random.normal(keys[0], (int(seq.sum()), D), dt) * 0.1, jnp.asarray(packed_offsets(seq)))
+    comp = None
+    if ratio > 1:
+        clen = seq // ratio
+        comp = JP.LogicalKV(jax.random.normal(keys[1], (max(1, int(clen.sum())), D), dt) * 0.1,
+                            jnp.asarray(packed_offsets(clen)))  # fmt: skip
+    q = jax.random.normal(keys[2], (batch.num_tokens, H, D), dt)
+    rows = layer_plan_inputs(batch, topk) if ratio == 4 else None
+    sink = np.asarray(jax.random.normal(keys[3], (H,), jnp.float32))
+    return dict(q=q, raw=raw, comp=comp, rows=rows, sink=sink)
+
+
+def time_jax(step, ratio, x, topk, iters, dry):
+    import jax.numpy as jnp
+
+    from dsv4_jax import prefill as JP
+
     meta = JP.build_step_metadata(step, index_topk=topk)
     km = meta[ratio]
-    raw = JP.LogicalKV(jnp.asarray(x["raw"], dt), jnp.asarray(x["offsets"]))
-    comp = JP.LogicalKV(jnp.asarray(x["comp"], dt), jnp.asarray(x["comp_offsets"])) if ratio > 1 else None
-    q = jnp.asarray(meta.pad_tokens(x["q"]), dt)
-    rows = jnp.asarray(meta.pad_tokens(x["rows"])) if ratio == 4 else None
-    call = lambda: JP.prefill_attention(q, km, raw, comp, sm_scale=x["q"].shape[-1] ** -0.5, attn_sink=x["sink"],
-                                        topk_indices=rows, backend="auto").block_until_ready()  # fmt: skip
+    q = meta.pad_tokens(x["q"])
+    rows = jnp.asarray(meta.pad_tokens(x["rows"])) if x["rows"] is not None else None
+    call = lambda: JP.prefill_attention(q, km, x["raw"], x["comp"], sm_scale=q.shape[-1] ** -0.5,  # noqa: E731
+                                        attn_sink=x["sink"], topk_indices=rows, backend="auto").block_until_ready()  # fmt: skip
     out = call()
     times = []
     for _ in range(iters):
@@ -106,11 +135,16 @@ def time_jax(step, ratio, x, topk, iters, dry):
     return statistics.median(times), np.asarray(out[: step.batch.num_tokens], np.float32), km.last_backend
 
 
+HEADER = ["workload", "model", "kind", "framework", "backend", "plan", "chunks", "ms/layer", "tokens/s",
+          "workspace MiB", "ms/step (all layers of kind)", "plans bitwise equal"]  # fmt: skip
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=150, help="stop starting new measurements after this")
     ap.add_argument("--frameworks", default="torch,jax")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--workloads", default="", help="comma-separated names from bench/workloads.py (default: all)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     start = time.time()
@@ -128,21 +162,28 @@ def main(argv=None):
     scale = 1 / 64 if dry else 1.0
     shapes = [("V4-Flash", 64, 512), ("V4-Pro", 128, 1024)] if not dry else [("tiny", 4, 16)]
     D = 32 if dry else 512
-    rows_out = []
-    for wname, (seq, qry, limits) in workloads(scale=scale).items():
+    rows_out, skipped = [], []
+    chosen = workloads(scale=scale)
+    if args.workloads:
+        unknown = set(args.workloads.split(",")) - set(chosen)
+        if unknown:
+            ap.error(f"--workloads: unknown {sorted(unknown)}; choose from {sorted(chosen)}")
+        chosen = {k: v for k, v in chosen.items() if k in args.workloads.split(",")}
+    for wname, (seq, qry, limits) in chosen.items():
         batch = PrefillBatch(seq, qry)
         for mname, H, topk in shapes:
             layers = (PRESETS["v4-flash" if mname != "V4-Pro" else "v4-pro"]).layers_per_kind()
             for kind in LayerKind:
                 if time.time() - start > args.seconds:
-                    print(f"[time budget of {args.seconds:.0f} s spent: stopping]")
-                    break
-                x = layer_inputs(batch, kind.ratio, H, D, topk)
+                    skipped.append(f"{wname}/{mname}/{kind.name}")
+                    continue
                 steps = {p: plan_step(batch, PlanConfig(policy=p, **limits), [kind.ratio]) for p in PLANS}
                 for fw in args.frameworks.split(","):
                     try:
-                        fn = time_torch if fw == "torch" else time_jax
+                        make, fn = (torch_inputs, time_torch) if fw == "torch" else (jax_inputs, time_jax)
+                        x = make(batch, kind.ratio, H, D, topk, dry)
                         res = {p: fn(steps[p], kind.ratio, x, topk, args.iters, dry) for p in PLANS}
+                        del x
                     except Exception as e:  # noqa: BLE001 - keep going, report
                         print(f"[{fw} {wname} {mname} {kind.name}] {type(e).__name__}: {e}")
                         traceback.print_exc(limit=3)
@@ -155,10 +196,12 @@ def main(argv=None):
                                          f"{batch.num_tokens / ms * 1e3:.0f}",
                                          f"{kp.max_workspace_rows * BYTES_PER_ROW / 2**20:.1f}",
                                          f"{ms * layers[kind]:.1f}", "yes" if same else "NO"])  # fmt: skip
-                    print(".", end="", flush=True)
-    print()
-    print(table(rows_out, ["workload", "model", "kind", "framework", "backend", "plan", "chunks", "ms/layer",
-                           "tokens/s", "workspace MiB", "ms/step (all layers of kind)", "plans bitwise equal"]))  # fmt: skip
+                    # Each row as soon as it is measured: a run stopped at its time cap keeps them.
+                    print(table(rows_out[-len(PLANS):], HEADER), flush=True)
+    if skipped:
+        print(f"\n[time budget of {args.seconds:.0f} s spent: not measured: {', '.join(skipped)}]")
+    print("\nall rows:")
+    print(table(rows_out, HEADER))
     return 0
 
 
