@@ -123,7 +123,7 @@ def _sparse_attention_kernel(
         return plt.load(kv_ref.at[rows[:, None], cols], mask=valid[:, None], other=0)
 
     def fold_chunk(j, carry):
-        acc, m, l = carry  # [block_h, block_dv], [block_h], [block_h]
+        acc, m, l, n_keys = carry  # [block_h, block_dv], [block_h], [block_h], []
         start = pl.multiple_of(j * block_k, block_k)
         idx = indices_ref[pl.ds(start, block_k)]
         col = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
@@ -141,17 +141,22 @@ def _sparse_attention_kernel(
         l = l * alpha + p.sum(axis=1)
         v = k_main if block_dv == d_main else gather(rows, valid, dv_start, block_dv)
         acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, contract_mid)
-        return acc, m_new, l
+        return acc, m_new, l, n_keys + valid.astype(jnp.int32).sum()
 
     init = (
         jnp.zeros((block_h, block_dv), jnp.float32),
         jnp.full((block_h,), -jnp.inf, jnp.float32),
         jnp.zeros((block_h,), jnp.float32),
+        jnp.int32(0),
     )
     # Loop only over chunks that can hold a valid column: the trip count is data dependent.
-    acc, m, l = lax.fori_loop(0, (n_valid + block_k - 1) // block_k, fold_chunk, init)
+    acc, m, l, n_keys = lax.fori_loop(0, (n_valid + block_k - 1) // block_k, fold_chunk, init)
 
-    has_keys = l > 0
+    # NaN in q or in a gathered row must come out as NaN, as in the oracle. So "no valid key"
+    # comes from the count (l > 0 is False for NaN), and m is set to NaN wherever l is: Triton
+    # lowers max to maxnumf, which drops NaN, so m alone may miss it; l (a plain sum) keeps it.
+    has_keys = n_keys > 0
+    m = jnp.where(jnp.isnan(l), jnp.nan, m)
     lse = jnp.where(has_keys, m + jnp.log(l), jnp.inf)
     # The sink joins the denominator only: out *= exp(lse) / (exp(lse) + exp(sink)). Applied
     # here rather than by starting the running max at the sink and the sum at 1: then the

@@ -141,6 +141,33 @@ def test_no_valid_key_anywhere(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_propagates_like_the_oracle(backend):
+    """A NaN in one token's q head, or in a gathered KV row, gives NaN in exactly the rows the
+    oracle gives NaN (out, max_logits and lse), not 0 / -inf / +inf; other rows are untouched."""
+    q, kv, idx, sink, topk_length = _case(8, T=8, H=4, D=32, S=48, K=64)
+    idx[1] = -1  # token 1 has no valid key: still 0 / -inf / +inf
+    idx[4, 0], topk_length[4] = 7, max(topk_length[4], 1)  # token 4 reads row 7 ...
+    idx[:, 1:][idx[:, 1:] == 7] = 8  # ... and no other token does
+    q = jnp.asarray(q).at[0, 2, 5].set(jnp.nan)  # token 0, head 2
+    kv = jnp.asarray(kv).at[7, 3].set(jnp.nan).at[40:].set(jnp.nan)  # row 7, and rows nobody reads
+    idx = np.where((idx >= 40) & (idx < 48), 9, idx).astype(np.int32)
+    got = _run(backend, q, kv, idx, 0.125, sink, topk_length)
+    ref = oracle.sparse_attention(_f64(q), _f64(kv), idx, 0.125, _f64(sink), topk_length)
+    nan_rows = np.zeros((8, 4), bool)
+    nan_rows[0, 2] = True
+    nan_rows[4, :] = True
+    for name, g, r in zip(("out", "max_logits", "lse"), got, ref):
+        np.testing.assert_array_equal(np.isnan(r).reshape(8, 4, -1).any(-1), nan_rows, err_msg=f"oracle {name}")
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(r), err_msg=name)
+    clean = ~nan_rows
+    np.testing.assert_allclose(got[0][clean], ref[0][clean], **FP32_TOL)
+    np.testing.assert_array_equal(np.isposinf(got[2]), np.isposinf(ref[2]))
+    finite = np.isfinite(ref[2])
+    np.testing.assert_allclose(got[2][finite], ref[2][finite], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1][finite], ref[1][finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("width", [128, 100])  # a multiple of 128 and not
 def test_index_widths(backend, width):
     q, kv, idx, sink, topk_length = _case(3, K=width)
