@@ -301,6 +301,29 @@ def test_backend_resolution_on_this_machine(caplog):
     assert any(f"'auto' -> {expected}" in r.getMessage() for r in caplog.records)
 
 
+def test_backend_follows_committed_arrays(monkeypatch, caplog):
+    """With a (pretend) capable GPU as the default device, arrays committed to the CPU still
+    resolve "auto" to xla; uncommitted or traced arrays follow the default device."""
+    monkeypatch.setattr(dsv4_jax.attention, "_pallas_triton_unavailable", lambda: None)
+    cpu = jax.devices("cpu")[0]
+    q, kv, idx, _, _ = _case(0, T=2)
+    committed = [jax.device_put(x, cpu) for x in (q, kv, jnp.asarray(idx))]
+    assert dsv4_jax.resolve_backend("auto") == "pallas_triton"
+    assert dsv4_jax.resolve_backend("auto", jnp.asarray(q)) == "pallas_triton"  # uncommitted
+    assert dsv4_jax.resolve_backend("auto", *committed) == "xla"
+    assert dsv4_jax.resolve_backend("pallas", *committed) == "pallas_interpret"
+    assert "NVIDIA GPU" in dsv4_jax.available_backends(*committed)["pallas_triton"]
+    with pytest.raises(RuntimeError, match="pallas_triton.*NVIDIA GPU.*cpu"):
+        dsv4_jax.resolve_backend("pallas_triton", committed[0])
+    seen = []
+    jax.jit(lambda x: seen.append(dsv4_jax.resolve_backend("auto", x)) or x)(committed[0])
+    assert seen == ["pallas_triton"]  # traced: the caller's jit places it, default device rules
+    with caplog.at_level(logging.DEBUG, logger="dsv4_jax"):
+        got = dsv4_jax.sparse_attention(*committed, 0.125, backend="auto")
+    assert any("'auto' -> xla" in r.getMessage() for r in caplog.records)
+    _assert_matches_oracle(tuple(np.asarray(x) for x in got), q, kv, idx, 0.125)
+
+
 # --- Bad inputs ---------------------------------------------------------------------------
 
 
