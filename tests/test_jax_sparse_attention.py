@@ -19,7 +19,7 @@ import pytest
 
 import dsv4_jax
 from dsv4_jax.aot import lower_for_cuda
-from dsv4_jax.pallas_kernel import default_tuning, sparse_attention_pallas
+from dsv4_jax.pallas_kernel import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas
 from dsv4_jax.xla_reference import sparse_attention_xla
 from planner import oracle
 
@@ -200,16 +200,25 @@ def test_general_head_dims_pallas(D):
     _assert_matches_oracle(got, q, kv, idx, 0.1, sink, topk_length)
 
 
-def test_gpu_tiling_in_interpret_mode():
-    """The tiling the GPU runs (head blocks, d_v split into programs, small index blocks) is
-    checked for correctness here, on 20 heads (padded to 32) and D = 576."""
+@pytest.mark.parametrize(
+    "tiling",
+    [None, (16, 32, 256, 8, 3), (16, 16, 128, 4, 2)],
+    ids=["gpu-default", "two-dv-programs", "four-dv-programs"],
+)
+def test_gpu_tiling_in_interpret_mode(tiling):
+    """The tilings a GPU runs, checked for correctness on 20 heads (padded to 32) and D = 576:
+    the default (whole d_v per program, 64-row steps) and d_v split over 2 or 4 programs (each
+    gathers its own V slice first and scores with the pieces in rotated order)."""
     q, kv, idx, sink, topk_length = _case(7, T=3, H=20, D=576, S=40, K=80, dtype=jnp.bfloat16)
-    cfg = default_tuning(64, 576, interpret=False)
-    assert cfg.block_dv < 512  # the split-accumulator path is what this test exercises
+    if tiling is None:
+        cfg = default_tuning(20, 576, interpret=False)
+        assert cfg.block_dv == 512  # no score recomputation by default
+        tiling = (cfg.block_h, cfg.block_k, cfg.block_dv, cfg.num_warps, cfg.num_stages)
+    block_h, block_k, block_dv, num_warps, num_stages = tiling
     got = sparse_attention_pallas(
         q, kv, jnp.asarray(idx), 576**-0.5, jnp.asarray(sink), jnp.asarray(topk_length),
-        block_h=16, block_k=cfg.block_k, block_dv=cfg.block_dv, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, interpret=True,
+        block_h=block_h, block_k=block_k, block_dv=block_dv, num_warps=num_warps,
+        num_stages=num_stages, interpret=True,
     )
     got = tuple(np.asarray(x) for x in got)
     _assert_matches_oracle(got, q, kv, idx, 576**-0.5, sink, topk_length, out_tol=BF16_OUT_TOL)
@@ -426,5 +435,21 @@ def test_default_gpu_tiling_fits_hopper(D):
     res = compile_resources(triton_ir(4096, 64, D, 65536, 640, vars(cfg)), cfg.num_warps, cfg.num_stages, arch=90)
     assert res["ptxas_error"] is None, res
     assert res["shared_kb"] <= 227, res
-    assert res["wgmma"] and res["cp_async"], res
-    assert res["spill_bytes"] is not None and res["spill_bytes"] <= 64, res  # 0 / 8 bytes with Triton 3.9
+    assert (res["wgmma"] or res["mma_sync"]) and res["cp_async"], res  # tensor-core dots, async copies
+    assert res["spill_bytes"] is not None and res["spill_bytes"] <= 64, res  # 0 bytes with Triton 3.9
+    assert cfg.block_dv == 512  # whole d_v per program: no score recomputation
+
+
+@pytest.mark.parametrize("tiling", [t for t in ALTERNATIVE_TILINGS if t is not None])
+def test_alternative_tilings_gather_each_kv_column_once(tiling):
+    """Every GPU tiling lowers to Triton IR whose loop gathers each KV column of a step exactly
+    once: with d_v split over programs, V comes from the gathered K pieces, not a second load."""
+    from bench.triton_resources_jax import triton_ir
+
+    block_h, block_k, block_dv, num_warps, num_stages = tiling
+    cfg = dict(block_h=block_h, block_k=block_k, block_dv=block_dv, num_warps=num_warps, num_stages=num_stages)
+    ir = triton_ir(64, 64, 576, 4096, 640, cfg)
+    gathered = re.findall(rf"tt.load %\w+, %\w+, %\w+ : tensor<{block_k}x(\d+)x!tt.ptr<bf16>>", ir)
+    assert sum(map(int, gathered)) == 576, gathered  # 512 value columns (in pieces) + the 64-dim tail
+    assert all(int(w) in (block_dv, 64) for w in gathered), gathered
+    assert "__nv_exp2f" in ir and "__nv_expf" in ir  # exp2 in the loop; exp once for the sink
