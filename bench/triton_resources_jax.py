@@ -3,13 +3,15 @@
 Lowers `dsv4_jax.pallas_kernel.sparse_attention_pallas` for CUDA on this machine, takes the
 Triton IR that Pallas produced, compiles it with the `triton` pip wheel for an SM90 (or SM100)
 target and runs the wheel's ptxas with -v. Prints, per tiling: shared memory, registers per
-thread, spill bytes, and whether the loop got wgmma / cp.async. A tiling that spills or needs
+thread, spill bytes, which tensor-core instruction the dots got (wgmma, mma.sync) and
+whether loads got cp.async. A tiling that spills or needs
 more than 227 KB of shared memory will be slow or fail on the GPU; this finds out on a CPU.
 
 Caveat: XLA compiles Pallas kernels with the Triton bundled in jaxlib, not the pip wheel, so
 numbers are indicative (same IR, possibly different Triton passes).
 
   python bench/triton_resources_jax.py                 # default tilings, V4-Flash and V4-Pro shapes
+  python bench/triton_resources_jax.py --alternatives  # pallas_kernel.ALTERNATIVE_TILINGS
   python bench/triton_resources_jax.py --sweep         # a grid of tilings
   python bench/triton_resources_jax.py --arch 100      # Blackwell target
   python bench/triton_resources_jax.py --d 576 --shape V4-Pro --tiling 64,16,256,8,2
@@ -33,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from dsv4_jax.aot import lower_for_cuda  # noqa: E402
-from dsv4_jax.pallas_kernel import default_tuning, sparse_attention_pallas  # noqa: E402
+from dsv4_jax.pallas_kernel import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas  # noqa: E402
 
 SHAPES = {"V4-Flash": (4096, 64, 512, 65536, 640), "V4-Pro": (4096, 128, 512, 65536, 1152)}
 
@@ -98,6 +100,7 @@ def compile_resources(ir_text: str, num_warps: int, num_stages: int, arch: int) 
         "regs": int(regs.group(1)) if regs else None,
         "spill_bytes": int(spills.group(1)) if spills else None,
         "wgmma": "wgmma" in ptx,
+        "mma_sync": "mma.sync" in ptx,
         "cp_async": "cp.async" in ptx,
         "ptxas_error": None if log.returncode == 0 else text.strip().splitlines()[-1],
     }
@@ -106,6 +109,7 @@ def compile_resources(ir_text: str, num_warps: int, num_stages: int, arch: int) 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="try a grid of tilings")
+    parser.add_argument("--alternatives", action="store_true", help="the kernel's ALTERNATIVE_TILINGS")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
     parser.add_argument("--d", type=int, default=512, help="head dim D (512 or 576)")
     parser.add_argument(
@@ -123,14 +127,17 @@ def main():
     if args.sweep:
         tilings = [
             dict(block_h=bh, block_k=bk, block_dv=dv, num_warps=w, num_stages=s)
-            for bh, bk, dv, w, s in itertools.product((64,), (16, 32, 64), (128, 256, 512), (4, 8), (1, 2, 3))
+            for bh, bk, dv, w, s in itertools.product((32, 64), (16, 32, 64), (128, 256, 512), (4, 8), (1, 2, 3))
         ]
+    elif args.alternatives:
+        keys = ("block_h", "block_k", "block_dv", "num_warps", "num_stages")
+        tilings = [None if t is None else dict(zip(keys, t)) for t in ALTERNATIVE_TILINGS]
     elif args.tiling:
         keys = ("block_h", "block_k", "block_dv", "num_warps", "num_stages")
         tilings = [dict(zip(keys, map(int, t.split(",")))) for t in args.tiling]
     else:
         tilings = [None]
-    print(f"{'shape':9} {'bh':>3} {'bk':>3} {'dv':>3} {'w':>2} {'st':>2} {'smem KB':>8} {'regs':>4} {'spill B':>7} wgmma cp.async  time")
+    print(f"{'shape':9} {'bh':>3} {'bk':>3} {'dv':>3} {'w':>2} {'st':>2} {'smem KB':>8} {'regs':>4} {'spill B':>7} {'mma':8} cp.async  time")
     for name in args.shape or SHAPES:
         T, H, D, S, K = SHAPES[name]
         D = args.d
@@ -142,7 +149,7 @@ def main():
                 res = compile_resources(triton_ir(T, H, D, S, K, cfg), cfg["num_warps"], cfg["num_stages"], args.arch)
                 line = (
                     f"{res['shared_kb']:8.1f} {res['regs'] or '?':>4} {res['spill_bytes'] if res['spill_bytes'] is not None else '?':>7}"
-                    f" {str(res['wgmma']):5} {str(res['cp_async']):5}"
+                    f" {'wgmma' if res['wgmma'] else 'mma.sync' if res['mma_sync'] else 'none':8} {str(res['cp_async']):5}"
                 )
                 if res["ptxas_error"]:
                     line += f"  ptxas: {res['ptxas_error']}"

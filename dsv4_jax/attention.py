@@ -7,7 +7,8 @@ One entry point, three backends behind it:
 Requested names: "auto" (pallas_triton on an NVIDIA GPU, else xla), "pallas" (pallas_triton on an
 NVIDIA GPU, else pallas_interpret), or one of the three above. `resolve_backend` says which one
 a request runs, `available_backends` says which can run here and why not, and every trace logs
-the choice at DEBUG level on the "dsv4_jax" logger.
+the choice at DEBUG level on the "dsv4_jax" logger. The choice follows the devices of committed
+input arrays (CPU arrays run "auto" on xla even where a GPU exists), else JAX's default device.
 """
 
 from __future__ import annotations
@@ -31,14 +32,10 @@ FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.f
 
 
 @functools.lru_cache(maxsize=None)
-def _pallas_triton_unavailable() -> str | None:
-    """None if the Pallas->Triton path can run on JAX's default device, else the reason."""
-    try:
-        device = jax.devices()[0]
-    except RuntimeError as e:  # pragma: no cover - broken installs
-        return f"JAX found no device ({e})"
+def _device_unavailable(device) -> str | None:
+    """None if the Pallas->Triton path can run on `device`, else the reason (cached per device)."""
     if device.platform != "gpu":
-        return f"needs an NVIDIA GPU, but JAX's default device is {device.platform} ({device.device_kind})"
+        return f"needs an NVIDIA GPU, but the device is {device.platform} ({device.device_kind})"
     version = str(getattr(device.client, "platform_version", "")).lower()
     if "rocm" in version or "hip" in version:
         return f"needs an NVIDIA GPU, but the GPU runtime is {version}"
@@ -48,20 +45,66 @@ def _pallas_triton_unavailable() -> str | None:
     return None
 
 
-def available_backends() -> dict[str, str | None]:
-    """Concrete backend name -> None if it can run here, else the reason it cannot."""
-    return {"xla": None, "pallas_triton": _pallas_triton_unavailable(), "pallas_interpret": None}
+def _default_device():
+    """Where a computation on uncommitted or traced arrays runs: jax.default_device, else the
+    first device of the default backend."""
+    default = jax.config.jax_default_device
+    if isinstance(default, str):
+        return jax.devices(default)[0]
+    return default if default is not None else jax.devices()[0]
 
 
-def resolve_backend(backend: str = "auto") -> str:
+def _pallas_triton_unavailable() -> str | None:
+    """None if the Pallas->Triton path can run on JAX's default device, else the reason."""
+    try:
+        device = _default_device()
+    except RuntimeError as e:  # pragma: no cover - broken installs
+        return f"JAX found no device ({e})"
+    return _device_unavailable(device)
+
+
+def _committed_devices(arrays) -> set:
+    """Devices of the concrete, committed arrays among `arrays` (tracers and uncommitted
+    arrays follow the default device, so they do not count)."""
+    devices = set()
+    for x in arrays:
+        if not isinstance(x, jax.Array):
+            continue
+        try:
+            if x.committed:
+                devices |= set(x.devices())
+        except jax.errors.ConcretizationTypeError:  # a tracer: placement decided by the caller's jit
+            continue
+    return devices
+
+
+def _triton_unavailable_for(arrays) -> str | None:
+    devices = _committed_devices(arrays)
+    if not devices:
+        return _pallas_triton_unavailable()
+    reasons = [r for r in map(_device_unavailable, sorted(devices, key=lambda d: (d.platform, d.id))) if r]
+    return reasons[0] if reasons else None
+
+
+def available_backends(*arrays) -> dict[str, str | None]:
+    """Concrete backend name -> None if it can run here (on `arrays`' devices when given and
+    committed, else on the default device), else the reason it cannot."""
+    return {"xla": None, "pallas_triton": _triton_unavailable_for(arrays), "pallas_interpret": None}
+
+
+def resolve_backend(backend: str = "auto", *arrays) -> str:
     """The concrete backend ("xla", "pallas_triton" or "pallas_interpret") a request runs.
 
+    The choice follows the devices of `arrays` when some are concrete and committed (e.g.
+    CPU arrays while a GPU exists run "auto" on xla); otherwise JAX's default device, which is
+    where a jitted call on traced or uncommitted arrays runs.
+
     Raises ValueError for an unknown name and RuntimeError, with the reason, for a named
-    backend that cannot run on this machine.
+    backend that cannot run on those devices.
     """
     if backend not in REQUESTABLE_BACKENDS:
         raise ValueError(f"backend: expected one of {REQUESTABLE_BACKENDS}, got {backend!r}")
-    triton_missing = _pallas_triton_unavailable()
+    triton_missing = _triton_unavailable_for(arrays)
     if backend == "auto":
         return "xla" if triton_missing else "pallas_triton"
     if backend == "pallas":
@@ -168,7 +211,7 @@ def sparse_attention(q, kv, indices, sm_scale, attn_sink=None, topk_length=None,
     checked at trace time; indices and lengths may be traced).
     """
     q, kv, indices, sm_scale, attn_sink, topk_length = check_inputs(q, kv, indices, sm_scale, attn_sink, topk_length)
-    concrete = resolve_backend(backend)
+    concrete = resolve_backend(backend, q, kv, indices)
     logger.debug(
         "sparse_attention: backend %r -> %s (T=%d H=%d D=%d S=%d K=%d %s)",
         backend, concrete, *q.shape, kv.shape[0], indices.shape[1], jnp.dtype(q.dtype).name,

@@ -13,7 +13,9 @@ dot dims are >= 16; explicit `plt.CompilerParams` selects the Triton backend on 
 The QK dot splits D into the value part (d_v columns) and the tail (RoPE dims when D = 576),
 so D = 576 needs no padding. With `block_dv < d_v` several programs share a token and head
 block, each owning a slice of the output accumulator (smaller register footprint, at the price
-of recomputing the scores per slice).
+of recomputing the scores per slice); each gathers the value part in `block_dv`-column pieces,
+its own slice first, and uses that piece as V, so no KV column is gathered twice. Scores are
+kept in log2 units (exp2 in the softmax); max_logits and lse come out in natural log.
 
 On a machine without an NVIDIA GPU the same kernel runs with `interpret=True`.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +36,8 @@ from dsv4_jax.xla_reference import no_key_result
 from planner.oracle import value_dim
 
 MIN_BLOCK = 16  # Triton's smallest dot dimension.
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
 
 
 def _next_pow2(n: int) -> int:
@@ -64,14 +69,24 @@ class TuningConfig:
 def default_tuning(num_heads: int, d_qk: int, interpret: bool) -> TuningConfig:
     """Tiling for a problem shape.
 
-    GPU (Triton): 64 heads per program so the QK and PV dots have M = 64 (one wgmma row block
-    on Hopper; H = 128 takes two programs that read the same rows, mostly from L2). With
-    d_v = 512 the fp32 accumulator is split into two 256-column programs over 8 warps: a single
-    64 x 512 block spills about 1 KB per thread, the split costs scoring each chunk twice.
-    32 gathered rows per step. Checked offline with bench/triton_resources_jax.py (Triton 3.9,
-    sm_90a): D = 512 uses 160 KB of shared memory, 255 registers, no spills; D = 576 176 KB and
-    8 bytes of spill. 64-row steps need more than Hopper's 227 KB. These are starting points:
-    bench/gpu_check_jax.py times alternatives on the GPU itself.
+    GPU (Triton): 32 heads, all of d_v and 64 gathered rows per program, 8 warps, 2 stages.
+    The whole 32 x 512 fp32 accumulator fits in one program, so each chunk's scores are
+    computed once (the 64-head alternative must split d_v over two programs, each scoring
+    every chunk: 1.5x the MMA work). Both gather every KV row twice per token for H = 64 (two
+    head blocks, or two d_v programs), the second time mostly from L2. The price of 32-row
+    blocks is mma.sync instead of Hopper's wgmma (which needs 64 rows per warpgroup); a
+    64 x 512 block that would get both spills about 1 KB per thread. Offline figures
+    (bench/triton_resources_jax.py, Triton 3.9 wheel, sm_90a; jaxlib's Triton may differ):
+
+      tiling (bh,bk,dv,w,st)  D=512: smem  regs spill   D=576: smem  regs spill   MMA
+      32,64,512,8,2 default         100 KB  255    0          112 KB  255    0   mma.sync
+      32,32,512,8,2                  66 KB  173    0           74 KB  181    0   mma.sync
+      64,32,256,8,3                 128 KB  255    0          144 KB  255    0   wgmma
+      64,16,256,8,2                  96 KB  240    0          108 KB  253    0   wgmma
+      64,32,512,8,2                 128 KB  255 1000          144 KB  255  964   wgmma
+
+    Whether wgmma with recomputed scores beats mma.sync without is for the GPU to say:
+    bench/gpu_check_jax.py times `ALTERNATIVE_TILINGS`.
 
     Interpret mode (CPU): as few, as large programs as possible (one per token for H <= 128).
     """
@@ -79,11 +94,20 @@ def default_tuning(num_heads: int, d_qk: int, interpret: bool) -> TuningConfig:
     heads = _next_pow2(max(num_heads, MIN_BLOCK))
     if interpret:
         return TuningConfig(block_h=min(heads, 128), block_k=128, block_dv=d_main, num_warps=4, num_stages=1)
-    block_h = min(heads, 64)
-    block_dv = min(d_main, 256)
-    big = block_h * block_dv >= 64 * 256
-    block_k = 32 if d_main >= 256 else 64
-    return TuningConfig(block_h=block_h, block_k=block_k, block_dv=block_dv, num_warps=8 if big else 4, num_stages=3)
+    block_h = min(heads, 32)
+    big = block_h * d_main >= 32 * 512
+    return TuningConfig(block_h=block_h, block_k=64, block_dv=d_main, num_warps=8 if big else 4, num_stages=2)
+
+
+# GPU tilings worth timing against the default, as (block_h, block_k, block_dv, num_warps,
+# num_stages); None = `default_tuning`. Offline resource figures in `default_tuning`.
+ALTERNATIVE_TILINGS = [
+    None,  # 32, 64, 512, 8, 2 for D >= 512
+    (32, 32, 512, 8, 2),  # no score recomputation, 173 registers: headroom if 255 spills
+    (64, 32, 256, 8, 3),  # the former default: wgmma, scores computed in both d_v halves
+    (64, 16, 256, 8, 2),  # wgmma, smaller steps
+    (64, 32, 128, 8, 2),  # wgmma, four accumulator slices (210 registers)
+]
 
 
 def _sparse_attention_kernel(
@@ -110,9 +134,21 @@ def _sparse_attention_kernel(
     dot = functools.partial(lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
     contract_last = (((1,), (1,)), ((), ()))  # [m, d] x [n, d] -> [m, n]
     contract_mid = (((1,), (0,)), ((), ()))  # [m, k] x [k, n] -> [m, n]
-    dv_start = pl.program_id(1) * block_dv
+    # Scores in log2 units (sm_scale * log2(e) folded into the one scaling multiply) so the
+    # softmax uses exp2: on CUDA Pallas lowers exp to libdevice's full-precision expf, exp2
+    # to the much shorter exp2f. max_logits and lse go back to natural log at the end.
+    score_scale = sm_scale * LOG2_E
 
-    q_main = q_ref[:, pl.ds(0, d_main)]
+    # The value part of K in `block_dv`-column pieces, starting with this program's output
+    # slice: the scores need every piece, the first one is also V, so each KV column is
+    # gathered once per step (no second gather of V when block_dv < d_main).
+    d_v_block = pl.program_id(1)
+    num_pieces = d_main // block_dv
+    if num_pieces == 1:
+        piece_starts = [0]
+    else:
+        piece_starts = [pl.multiple_of(((d_v_block + i) % num_pieces) * block_dv, block_dv) for i in range(num_pieces)]
+    q_pieces = [q_ref[:, pl.ds(first, block_dv)] for first in piece_starts]  # [block_h, block_dv] each
     q_tail = q_ref[:, pl.ds(d_main, d_tail)] if d_tail else None
     n_valid = jnp.clip(topk_length_ref[()], 0, num_cols)
 
@@ -123,35 +159,42 @@ def _sparse_attention_kernel(
         return plt.load(kv_ref.at[rows[:, None], cols], mask=valid[:, None], other=0)
 
     def fold_chunk(j, carry):
-        acc, m, l = carry  # [block_h, block_dv], [block_h], [block_h]
+        acc, m, l, n_keys = carry  # [block_h, block_dv], [block_h], [block_h], []
         start = pl.multiple_of(j * block_k, block_k)
         idx = indices_ref[pl.ds(start, block_k)]
         col = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         valid = (idx >= 0) & (idx < num_rows) & (col < n_valid)
         rows = jnp.where(valid, idx, 0)
-        k_main = gather(rows, valid, 0, d_main)  # [block_k, d_main]
-        s = dot(q_main, k_main, contract_last)
+        k_pieces = [gather(rows, valid, first, block_dv) for first in piece_starts]  # [block_k, block_dv]
+        s = dot(q_pieces[0], k_pieces[0], contract_last)
+        for q_piece, k_piece in zip(q_pieces[1:], k_pieces[1:]):
+            s += dot(q_piece, k_piece, contract_last)
         if d_tail:
             s += dot(q_tail, gather(rows, valid, d_main, d_tail), contract_last)
-        s = jnp.where(valid[None, :], s * sm_scale, -jnp.inf)  # [block_h, block_k]
+        s = jnp.where(valid[None, :], s * score_scale, -jnp.inf)  # [block_h, block_k], log2 units
         m_new = jnp.maximum(m, s.max(axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key yet: avoid inf - inf
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe[:, None])
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
         l = l * alpha + p.sum(axis=1)
-        v = k_main if block_dv == d_main else gather(rows, valid, dv_start, block_dv)
+        v = k_pieces[0]  # this program's slice of V, already gathered for the scores
         acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, contract_mid)
-        return acc, m_new, l
+        return acc, m_new, l, n_keys + valid.astype(jnp.int32).sum()
 
     init = (
         jnp.zeros((block_h, block_dv), jnp.float32),
         jnp.full((block_h,), -jnp.inf, jnp.float32),
         jnp.zeros((block_h,), jnp.float32),
+        jnp.int32(0),
     )
     # Loop only over chunks that can hold a valid column: the trip count is data dependent.
-    acc, m, l = lax.fori_loop(0, (n_valid + block_k - 1) // block_k, fold_chunk, init)
+    acc, m, l, n_keys = lax.fori_loop(0, (n_valid + block_k - 1) // block_k, fold_chunk, init)
 
-    has_keys = l > 0
+    # NaN in q or in a gathered row must come out as NaN, as in the oracle. So "no valid key"
+    # comes from the count (l > 0 is False for NaN), and m is set to NaN wherever l is: Triton
+    # lowers max to maxnumf, which drops NaN, so m alone may miss it; l (a plain sum) keeps it.
+    has_keys = n_keys > 0
+    m = jnp.where(jnp.isnan(l), jnp.nan, m) * LN_2  # natural-log units from here on
     lse = jnp.where(has_keys, m + jnp.log(l), jnp.inf)
     # The sink joins the denominator only: out *= exp(lse) / (exp(lse) + exp(sink)). Applied
     # here rather than by starting the running max at the sink and the sum at 1: then the
@@ -159,8 +202,17 @@ def _sparse_attention_kernel(
     # a large sink (sink = 30 against logits near 0), and exp(s - sink) underflows.
     scale = jnp.where(has_keys, 1.0 / (l * (1.0 + jnp.exp(sink_ref[...] - lse))), 0.0)
     out_ref[...] = (acc * scale[:, None]).astype(out_ref.dtype)
-    max_logits_ref[...] = m  # every d_v block writes the same values
-    lse_ref[...] = lse
+
+    def write_row_stats():
+        max_logits_ref[...] = m
+        lse_ref[...] = lse
+
+    if num_pieces == 1:
+        write_row_stats()
+    else:
+        # The d_v programs sum their score pieces in different orders (last bits differ), so
+        # one of them writes the row statistics: no race, the same bits on every run.
+        pl.when(d_v_block == 0)(write_row_stats)
 
 
 def _check_tuning(cfg: TuningConfig, d_main: int) -> None:

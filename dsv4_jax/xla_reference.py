@@ -92,7 +92,7 @@ def sparse_attention_xla(
         q_t = q_t.astype(jnp.float32)
 
         def fold_chunk(j, carry):
-            acc, m, l = carry  # (bt, H, d_v), (bt, H), (bt, H)
+            acc, m, l, n_keys = carry  # (bt, H, d_v), (bt, H), (bt, H), (bt,)
             start = j * block_k
             idx = lax.dynamic_slice_in_dim(idx_t, start, block_k, axis=1)  # (bt, bk)
             col = start + jnp.arange(block_k, dtype=jnp.int32)
@@ -107,18 +107,23 @@ def sparse_attention_xla(
             p = jnp.exp(s - m_safe[..., None])
             l = l * alpha + p.sum(axis=-1)
             acc = acc * alpha[..., None] + jnp.einsum("thk,tkv->thv", p, keys[..., :d_v], precision=hi)
-            return acc, m_new, l
+            return acc, m_new, l, n_keys + valid.sum(axis=1, dtype=jnp.int32)
 
         init = (
             jnp.zeros((block_t, H, d_v), jnp.float32),
             jnp.full((block_t, H), -jnp.inf, jnp.float32),
             jnp.zeros((block_t, H), jnp.float32),
+            jnp.zeros((block_t,), jnp.int32),
         )
         # Only chunks that can hold a valid entry for some token of the block.
         num_chunks = (n_t_valid.max() + block_k - 1) // block_k
-        acc, m, l = lax.fori_loop(0, num_chunks, fold_chunk, init)
+        acc, m, l, n_keys = lax.fori_loop(0, num_chunks, fold_chunk, init)
 
-        has_keys = l > 0
+        # "No valid key" comes from the count, not from l > 0: a NaN in q or in a gathered row
+        # makes l NaN, and it must come out as NaN (as in the oracle), not as 0 / +inf. The
+        # running max may have dropped the NaN (XLA's reduce-max does on CPU); l keeps it.
+        has_keys = (n_keys > 0)[:, None]
+        m = jnp.where(jnp.isnan(l), jnp.nan, m)
         lse = jnp.where(has_keys, m + jnp.log(l), jnp.inf)
         # The sink joins the denominator only: out *= exp(lse) / (exp(lse) + exp(sink)).
         scale = jnp.where(has_keys, 1.0 / (l * (1.0 + jnp.exp(sink - lse))), 0.0)

@@ -24,7 +24,9 @@ CHECK = textwrap.dedent(
     from dsv4_jax.sharding import sparse_attention_head_sharded
 
     assert jax.device_count() == 8, jax.devices()
-    mesh = jax.make_mesh((8,), ("heads",), axis_types=(jax.sharding.AxisType.Auto,))
+    auto_mesh = jax.make_mesh((8,), ("heads",), axis_types=(jax.sharding.AxisType.Auto,))
+    default_mesh = jax.make_mesh((8,), ("heads",))  # Explicit axes on jax >= 0.10
+    assert default_mesh.axis_types == (jax.sharding.AxisType.Explicit,), default_mesh.axis_types
     rng = np.random.default_rng(0)
     T, H, D, S, K = 6, 16, 64, 40, 96
     q = jnp.asarray(rng.standard_normal((T, H, D)), jnp.float32)
@@ -35,25 +37,36 @@ CHECK = textwrap.dedent(
     sink = jnp.asarray(np.r_[-np.inf, 30.0, rng.standard_normal(H - 2)], jnp.float32)
     topk_length = jnp.asarray(rng.integers(0, K + 1, T), jnp.int32)
 
-    for backend in ("xla", "pallas_interpret"):
-        single = dsv4_jax.sparse_attention(q, kv, idx, 0.125, sink, topk_length, backend=backend)
-        run = jax.jit(lambda q, kv, idx, sink, tl: sparse_attention_head_sharded(
-            q, kv, idx, 0.125, sink, tl, mesh=mesh, backend=backend))
-        sharded = run(q, kv, idx, sink, topk_length)
-        by_heads = NamedSharding(mesh, P(None, "heads", None))
-        assert sharded[0].sharding.is_equivalent_to(by_heads, 3), sharded[0].sharding
-        bitwise = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(single, sharded))
+    def assert_same(single, sharded):
         for a, b in zip(single, sharded):
             a, b = np.asarray(a), np.asarray(b)
             np.testing.assert_array_equal(np.isinf(a), np.isinf(b))
             np.testing.assert_allclose(np.where(np.isinf(a), 0, a), np.where(np.isinf(b), 0, b), rtol=1e-6, atol=1e-7)
-        # No sink / no lengths, and inputs already placed with a NamedSharding.
-        q_sharded = jax.device_put(q, NamedSharding(mesh, P(None, "heads", None)))
-        plain = sparse_attention_head_sharded(q_sharded, kv, idx, 0.125, mesh=mesh, backend=backend)
-        ref = dsv4_jax.sparse_attention(q, kv, idx, 0.125, backend=backend)
-        np.testing.assert_allclose(np.asarray(plain[0]), np.asarray(ref[0]), rtol=1e-6, atol=1e-7)
-        print(backend, "bitwise" if bitwise else "close")
+        return all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(single, sharded))
 
+    for mesh_name, mesh in (("auto", auto_mesh), ("explicit", default_mesh)):
+        by_heads = NamedSharding(mesh, P(None, "heads", None))
+        for backend in ("xla", "pallas_interpret"):
+            single = dsv4_jax.sparse_attention(q, kv, idx, 0.125, sink, topk_length, backend=backend)
+            # Jitted, inputs not placed on the mesh (single-device arrays).
+            run = jax.jit(lambda q, kv, idx, sink, tl: sparse_attention_head_sharded(
+                q, kv, idx, 0.125, sink, tl, mesh=mesh, backend=backend))
+            sharded = run(q, kv, idx, sink, topk_length)
+            assert sharded[0].sharding.is_equivalent_to(by_heads, 3), sharded[0].sharding
+            bitwise = assert_same(single, sharded)
+            # Eager, the same unplaced inputs.
+            eager = sparse_attention_head_sharded(q, kv, idx, 0.125, sink, topk_length, mesh=mesh, backend=backend)
+            assert eager[0].sharding.is_equivalent_to(by_heads, 3), eager[0].sharding
+            assert_same(single, eager)
+            # No sink / no lengths; q already placed by heads, kv placed replicated on the mesh.
+            q_sharded = jax.device_put(q, by_heads)
+            kv_placed = jax.device_put(kv, NamedSharding(mesh, P()))
+            plain = sparse_attention_head_sharded(q_sharded, kv_placed, idx, 0.125, mesh=mesh, backend=backend)
+            ref = dsv4_jax.sparse_attention(q, kv, idx, 0.125, backend=backend)
+            np.testing.assert_allclose(np.asarray(plain[0]), np.asarray(ref[0]), rtol=1e-6, atol=1e-7)
+            print(mesh_name, backend, "bitwise" if bitwise else "close")
+
+    mesh = default_mesh
     try:
         sparse_attention_head_sharded(q[:, :12], kv, idx, 0.125, mesh=mesh)
     except ValueError as e:

@@ -19,7 +19,7 @@ import pytest
 
 import dsv4_jax
 from dsv4_jax.aot import lower_for_cuda
-from dsv4_jax.pallas_kernel import default_tuning, sparse_attention_pallas
+from dsv4_jax.pallas_kernel import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas
 from dsv4_jax.xla_reference import sparse_attention_xla
 from planner import oracle
 
@@ -141,6 +141,33 @@ def test_no_valid_key_anywhere(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_propagates_like_the_oracle(backend):
+    """A NaN in one token's q head, or in a gathered KV row, gives NaN in exactly the rows the
+    oracle gives NaN (out, max_logits and lse), not 0 / -inf / +inf; other rows are untouched."""
+    q, kv, idx, sink, topk_length = _case(8, T=8, H=4, D=32, S=48, K=64)
+    idx[1] = -1  # token 1 has no valid key: still 0 / -inf / +inf
+    idx[4, 0], topk_length[4] = 7, max(topk_length[4], 1)  # token 4 reads row 7 ...
+    idx[:, 1:][idx[:, 1:] == 7] = 8  # ... and no other token does
+    q = jnp.asarray(q).at[0, 2, 5].set(jnp.nan)  # token 0, head 2
+    kv = jnp.asarray(kv).at[7, 3].set(jnp.nan).at[40:].set(jnp.nan)  # row 7, and rows nobody reads
+    idx = np.where((idx >= 40) & (idx < 48), 9, idx).astype(np.int32)
+    got = _run(backend, q, kv, idx, 0.125, sink, topk_length)
+    ref = oracle.sparse_attention(_f64(q), _f64(kv), idx, 0.125, _f64(sink), topk_length)
+    nan_rows = np.zeros((8, 4), bool)
+    nan_rows[0, 2] = True
+    nan_rows[4, :] = True
+    for name, g, r in zip(("out", "max_logits", "lse"), got, ref):
+        np.testing.assert_array_equal(np.isnan(r).reshape(8, 4, -1).any(-1), nan_rows, err_msg=f"oracle {name}")
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(r), err_msg=name)
+    clean = ~nan_rows
+    np.testing.assert_allclose(got[0][clean], ref[0][clean], **FP32_TOL)
+    np.testing.assert_array_equal(np.isposinf(got[2]), np.isposinf(ref[2]))
+    finite = np.isfinite(ref[2])
+    np.testing.assert_allclose(got[2][finite], ref[2][finite], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1][finite], ref[1][finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("width", [128, 100])  # a multiple of 128 and not
 def test_index_widths(backend, width):
     q, kv, idx, sink, topk_length = _case(3, K=width)
@@ -173,16 +200,25 @@ def test_general_head_dims_pallas(D):
     _assert_matches_oracle(got, q, kv, idx, 0.1, sink, topk_length)
 
 
-def test_gpu_tiling_in_interpret_mode():
-    """The tiling the GPU runs (head blocks, d_v split into programs, small index blocks) is
-    checked for correctness here, on 20 heads (padded to 32) and D = 576."""
+@pytest.mark.parametrize(
+    "tiling",
+    [None, (16, 32, 256, 8, 3), (16, 16, 128, 4, 2)],
+    ids=["gpu-default", "two-dv-programs", "four-dv-programs"],
+)
+def test_gpu_tiling_in_interpret_mode(tiling):
+    """The tilings a GPU runs, checked for correctness on 20 heads (padded to 32) and D = 576:
+    the default (whole d_v per program, 64-row steps) and d_v split over 2 or 4 programs (each
+    gathers its own V slice first and scores with the pieces in rotated order)."""
     q, kv, idx, sink, topk_length = _case(7, T=3, H=20, D=576, S=40, K=80, dtype=jnp.bfloat16)
-    cfg = default_tuning(64, 576, interpret=False)
-    assert cfg.block_dv < 512  # the split-accumulator path is what this test exercises
+    if tiling is None:
+        cfg = default_tuning(20, 576, interpret=False)
+        assert cfg.block_dv == 512  # no score recomputation by default
+        tiling = (cfg.block_h, cfg.block_k, cfg.block_dv, cfg.num_warps, cfg.num_stages)
+    block_h, block_k, block_dv, num_warps, num_stages = tiling
     got = sparse_attention_pallas(
         q, kv, jnp.asarray(idx), 576**-0.5, jnp.asarray(sink), jnp.asarray(topk_length),
-        block_h=16, block_k=cfg.block_k, block_dv=cfg.block_dv, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, interpret=True,
+        block_h=block_h, block_k=block_k, block_dv=block_dv, num_warps=num_warps,
+        num_stages=num_stages, interpret=True,
     )
     got = tuple(np.asarray(x) for x in got)
     _assert_matches_oracle(got, q, kv, idx, 576**-0.5, sink, topk_length, out_tol=BF16_OUT_TOL)
@@ -272,6 +308,29 @@ def test_backend_resolution_on_this_machine(caplog):
         dsv4_jax.sparse_attention(q, kv, jnp.asarray(idx), 0.125, backend="auto")
     expected = dsv4_jax.resolve_backend("auto")
     assert any(f"'auto' -> {expected}" in r.getMessage() for r in caplog.records)
+
+
+def test_backend_follows_committed_arrays(monkeypatch, caplog):
+    """With a (pretend) capable GPU as the default device, arrays committed to the CPU still
+    resolve "auto" to xla; uncommitted or traced arrays follow the default device."""
+    monkeypatch.setattr(dsv4_jax.attention, "_pallas_triton_unavailable", lambda: None)
+    cpu = jax.devices("cpu")[0]
+    q, kv, idx, _, _ = _case(0, T=2)
+    committed = [jax.device_put(x, cpu) for x in (q, kv, jnp.asarray(idx))]
+    assert dsv4_jax.resolve_backend("auto") == "pallas_triton"
+    assert dsv4_jax.resolve_backend("auto", jnp.asarray(q)) == "pallas_triton"  # uncommitted
+    assert dsv4_jax.resolve_backend("auto", *committed) == "xla"
+    assert dsv4_jax.resolve_backend("pallas", *committed) == "pallas_interpret"
+    assert "NVIDIA GPU" in dsv4_jax.available_backends(*committed)["pallas_triton"]
+    with pytest.raises(RuntimeError, match="pallas_triton.*NVIDIA GPU.*cpu"):
+        dsv4_jax.resolve_backend("pallas_triton", committed[0])
+    seen = []
+    jax.jit(lambda x: seen.append(dsv4_jax.resolve_backend("auto", x)) or x)(committed[0])
+    assert seen == ["pallas_triton"]  # traced: the caller's jit places it, default device rules
+    with caplog.at_level(logging.DEBUG, logger="dsv4_jax"):
+        got = dsv4_jax.sparse_attention(*committed, 0.125, backend="auto")
+    assert any("'auto' -> xla" in r.getMessage() for r in caplog.records)
+    _assert_matches_oracle(tuple(np.asarray(x) for x in got), q, kv, idx, 0.125)
 
 
 # --- Bad inputs ---------------------------------------------------------------------------
@@ -376,5 +435,21 @@ def test_default_gpu_tiling_fits_hopper(D):
     res = compile_resources(triton_ir(4096, 64, D, 65536, 640, vars(cfg)), cfg.num_warps, cfg.num_stages, arch=90)
     assert res["ptxas_error"] is None, res
     assert res["shared_kb"] <= 227, res
-    assert res["wgmma"] and res["cp_async"], res
-    assert res["spill_bytes"] is not None and res["spill_bytes"] <= 64, res  # 0 / 8 bytes with Triton 3.9
+    assert (res["wgmma"] or res["mma_sync"]) and res["cp_async"], res  # tensor-core dots, async copies
+    assert res["spill_bytes"] is not None and res["spill_bytes"] <= 64, res  # 0 bytes with Triton 3.9
+    assert cfg.block_dv == 512  # whole d_v per program: no score recomputation
+
+
+@pytest.mark.parametrize("tiling", [t for t in ALTERNATIVE_TILINGS if t is not None])
+def test_alternative_tilings_gather_each_kv_column_once(tiling):
+    """Every GPU tiling lowers to Triton IR whose loop gathers each KV column of a step exactly
+    once: with d_v split over programs, V comes from the gathered K pieces, not a second load."""
+    from bench.triton_resources_jax import triton_ir
+
+    block_h, block_k, block_dv, num_warps, num_stages = tiling
+    cfg = dict(block_h=block_h, block_k=block_k, block_dv=block_dv, num_warps=num_warps, num_stages=num_stages)
+    ir = triton_ir(64, 64, 576, 4096, 640, cfg)
+    gathered = re.findall(rf"tt.load %\w+, %\w+, %\w+ : tensor<{block_k}x(\d+)x!tt.ptr<bf16>>", ir)
+    assert sum(map(int, gathered)) == 576, gathered  # 512 value columns (in pieces) + the 64-dim tail
+    assert all(int(w) in (block_dv, 64) for w in gathered), gathered
+    assert "__nv_exp2f" in ir and "__nv_expf" in ir  # exp2 in the loop; exp once for the sink
