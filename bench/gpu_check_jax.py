@@ -33,15 +33,9 @@ SHAPES = [("V4-Flash", 4096, 64, 512, 65536, 640), ("V4-Pro", 4096, 128, 512, 65
 DRY_RUN = bool(os.environ.get("DSV4_GPU_CHECK_DRY_RUN"))
 if DRY_RUN:
     SHAPES = [(name, 8, H, D, 4096, K) for name, _, H, D, _, K in SHAPES]
-# (block_h, block_k, block_dv, num_warps, num_stages); None = default_tuning's GPU tiling
-# (used explicitly, so a dry run on CPU exercises the very tiling a GPU runs).
-ALTERNATIVE_TILINGS = [
-    None,
-    (64, 16, 256, 8, 2),  # smaller steps, no spills
-    (32, 64, 512, 8, 2),  # no score recomputation, no spills, 100 KB shared memory
-    (32, 32, 512, 8, 2),  # no score recomputation, mma.sync instead of wgmma
-    (64, 32, 128, 8, 2),  # four accumulator slices
-]
+# The tilings timed: dsv4_jax.pallas_kernel.ALTERNATIVE_TILINGS ((block_h, block_k, block_dv,
+# num_warps, num_stages); None = default_tuning's GPU tiling, used explicitly so a dry run on CPU
+# exercises the very tiling a GPU runs).
 FLASHMLA_TOL = dict(abs=8e-4, rel=3 / 128)
 
 
@@ -65,7 +59,7 @@ def main():
         import numpy as np
 
         import dsv4_jax
-        from dsv4_jax.pallas_kernel import default_tuning, sparse_attention_pallas
+        from dsv4_jax.pallas_kernel import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas
         from dsv4_jax.xla_reference import sparse_attention_xla
     except Exception as e:  # noqa: BLE001
         print(f"cannot import the JAX path: {type(e).__name__}: {e}")
