@@ -1,7 +1,8 @@
 """JAX prefill benchmark on CPU: tokens/s per plan, compiles, and bucket padding waste.
 
     /work/venv/bin/python bench/bench_jax_prefill.py [--scale 0.125] [--heads 16] [--dim 128]
-        [--repeats 7] [--kinds SWA,CSA,HCA] [--workloads NAME,...] [--stream 500] [--json out.json]
+        [--repeats 7] [--kinds SWA,CSA,HCA] [--workloads NAME,...] [--stream 500] [--stream-only]
+        [--json out.json]
 
 Part 1: for each named workload of `bench/workloads.py` (lengths scaled by --scale so a CPU
 finishes), each layer kind and each plan (adaptive / fixed / per_request), one
@@ -13,9 +14,10 @@ bucketed workspace / the largest chunk). Then the Pallas kernel in interpret mod
 smallest workload (much slower by nature; it checks the path, not speed). Ratios within one
 run are what to read; the machine is noisy.
 
-Part 2: a random stream of batches (host only), for both `sizes` modes: aggregate padding
-waste, and how many distinct compiled programs the stream needs (per layer kind, and for a
-jitted model: all kinds' keys together) versus distinct exact shapes.
+Part 2: a random stream of batches (host only), for each `sizes` mode: aggregate padding
+waste (tokens, workspace rows, HCA index width), and how many distinct compiled programs the
+stream needs (per layer kind, and for a model jitted whole: all kinds' keys together) versus
+distinct exact shapes. `--stream-only` runs just this part (seconds).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench.workloads import workloads  # noqa: E402
 from dsv4_jax import prefill as JP  # noqa: E402
+from dsv4_jax.buckets import pow2_bucket  # noqa: E402
 from planner import LayerKind, PlanConfig, PrefillBatch  # noqa: E402
 from planner.report import table as _table  # noqa: E402
 
@@ -135,16 +138,21 @@ def pallas_rows(args) -> list[dict]:
     return rows
 
 
+STREAM_MODES = [(sizes, "fine") for sizes in JP.SIZES] + [("bucket", "pow2")]
+
+
 def stream_report(num_batches: int, seed: int = 1) -> list[dict]:
     """Padding waste and distinct programs over a random stream of batches (V4-Flash kinds).
 
-    Per `sizes` mode of `build_step_metadata`: distinct static keys per kind (each is one
-    compilation of the layer call) and, for a jitted model, distinct (tokens, every kind's key)
-    combinations, beside the distinct exact shapes an unbucketed design would compile for.
+    Per `sizes` mode of `build_step_metadata` (and, last, the default sizes with tokens padded
+    to powers of two by the caller, as `DeepseekV4(token_buckets="pow2")` does): distinct static
+    keys per kind (each is one compilation of the layer call) and, for a model jitted whole,
+    distinct (tokens, every kind's key) combinations, beside the distinct exact shapes an
+    unbucketed design would compile for.
     """
     cfg = PlanConfig(window_size=128, max_model_len=65536, max_num_batched_tokens=8192)
     out = []
-    for sizes in JP.SIZES:
+    for sizes, tokens in STREAM_MODES:
         rng = np.random.default_rng(seed)
         totals, keys, models, exact, per_batch = {}, set(), set(), set(), []
         for _ in range(num_batches):
@@ -154,11 +162,16 @@ def stream_report(num_batches: int, seed: int = 1) -> list[dict]:
             qry = (qry * min(1.0, 8192 / max(1, qry.sum()))).astype(np.int64)
             seq = qry + np.exp(rng.uniform(0, np.log(60000), n)).astype(np.int64)
             policy = str(rng.choice(POLICIES))
-            smeta = JP.build_step_metadata(PrefillBatch(seq, qry), config=cfg, planner=policy, index_topk=TOPK, sizes=sizes)
+            batch = PrefillBatch(seq, qry)
+            padded = pow2_bucket(batch.num_tokens, 16) if tokens == "pow2" else None
+            smeta = JP.build_step_metadata(batch, config=cfg, planner=policy, index_topk=TOPK, sizes=sizes, padded_tokens=padded)
             for kind, meta in smeta.kinds.items():
                 pad = meta.padding()
                 for k, v in pad.items():
                     totals[k] = totals.get(k, 0) + v
+                if kind is LayerKind.HCA:  # the only width that varies (CSA's and SWA's are fixed)
+                    for k in ("needed_width", "index_width"):
+                        totals["hca_" + k] = totals.get("hca_" + k, 0) + pad[k]
                 if pad["tokens"]:
                     per_batch.append(pad["attended_tokens"] / pad["tokens"])
                 keys.add(meta.shape)
@@ -166,12 +179,14 @@ def stream_report(num_batches: int, seed: int = 1) -> list[dict]:
             models.add(tuple(m.shape for m in smeta.kinds.values()))
         out.append(dict(
             sizes=sizes,
+            tokens=tokens,
             batches=num_batches,
             padded_tokens_x=round(totals["padded_tokens"] / totals["tokens"], 3),
             attended_tokens_x=round(totals["attended_tokens"] / totals["tokens"], 3),
             worst_batch_attended_x=round(max(per_batch), 2),
             gathered_rows_x=round(totals["gathered_rows"] / totals["rows"], 3),
             workspace_rows_x=round(totals["workspace_rows"] / totals["max_chunk_rows"], 3),
+            hca_width_x=round(totals["hca_index_width"] / totals["hca_needed_width"], 3),
             layer_programs=len(keys),
             model_programs=len(models),
             exact_shapes=len(exact),
@@ -189,21 +204,24 @@ def main():
     ap.add_argument("--workloads", default="", help="comma-separated names (default: all)")
     ap.add_argument("--stream", type=int, default=500, help="random batches for the padding report")
     ap.add_argument("--no-pallas", action="store_true")
+    ap.add_argument("--stream-only", action="store_true", help="part 2 only (host only, seconds)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     kinds = [LayerKind[k] for k in args.kinds.split(",") if k]
     names = [n for n in args.workloads.split(",") if n]
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; H={args.heads} D={args.dim} scale={args.scale}\n")
 
-    cache0 = JP._prefill_jit._cache_size()
-    t0 = time.perf_counter()
-    rows = layer_rows(args, names, kinds)
-    compiles = JP._prefill_jit._cache_size() - cache0
-    keys = len({(r["workload"], r["kind"], r["plan"]) for r in rows})
-    print(f"\nlayer calls: {len(rows)} configurations, {compiles} compilations, "
-          f"{sum(r['compile_s'] for r in rows):.1f} s compiling, {time.perf_counter() - t0:.0f} s in all")  # fmt: skip
-    result = dict(layers=rows, compilations=compiles, configurations=keys)
-    if not args.no_pallas:
+    result = {}
+    if not args.stream_only:
+        cache0 = JP._prefill_jit._cache_size()
+        t0 = time.perf_counter()
+        rows = layer_rows(args, names, kinds)
+        compiles = JP._prefill_jit._cache_size() - cache0
+        keys = len({(r["workload"], r["kind"], r["plan"]) for r in rows})
+        print(f"\nlayer calls: {len(rows)} configurations, {compiles} compilations, "
+              f"{sum(r['compile_s'] for r in rows):.1f} s compiling, {time.perf_counter() - t0:.0f} s in all")  # fmt: skip
+        result = dict(layers=rows, compilations=compiles, configurations=keys)
+    if not args.no_pallas and not args.stream_only:
         print("\nPallas kernel, interpret mode (CPU), vs the xla backend:")
         result["pallas"] = pallas_rows(args)
         print(table(result["pallas"]))

@@ -3,7 +3,8 @@
 Buckets: every integer 1..8, then m * 2^k for m in 4..7 (1, 1.25, 1.5, 1.75 x 2^k):
 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ... A value is padded to the smallest bucket that holds
 it, so a padded shape is at most 1.25x the real one (the worst case is 2^k + 1 -> 1.25 * 2^k)
-and a stream of sizes up to n touches about 4 * log2(n) buckets.
+and a stream of sizes up to n touches about 4 * log2(n) buckets. `pow2_bucket` is the coarse
+ladder (powers of two: pads under 2x, log2(n) buckets) for sizes that cost memory, not compute.
 
 Tile ladders: a dynamic count of items (tokens of a chunk, rows of a gather) is covered by
 static-size tiles: as many tiles of the largest size as fit, then of each smaller size (sizes
@@ -29,6 +30,12 @@ def bucket(n: int, minimum: int = 1) -> int:
         if m << k >= n:
             return m << k
     raise AssertionError(n)  # unreachable: 8 << k >= n
+
+
+def pow2_bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum) (a power of two `minimum` keeps it one)."""
+    n = max(int(n), int(minimum), 1)
+    return 1 << (n - 1).bit_length()
 
 
 def tile_ladder(largest: int, limit: int | None = None, smallest: int = MIN_TILE) -> tuple[int, ...]:

@@ -12,8 +12,12 @@ Design: one jitted function per layer call, jit-compatible all the way down.
   * Static: `KindShape` = kind, W, the token count padded to a bucket (`padded_tokens`), the index
     width (bucketed for HCA, whose width grows with the batch's longest context; fixed by topk
     and W for CSA/SWA), the workspace rows padded to a bucket, and two tile ladders derived from
-    those. Buckets are 1, 1.25, 1.5, 1.75 x 2^k (`dsv4_jax.buckets`): shapes pad at most 1.25x and
-    a stream of varied batches compiles once per bucket combination, not once per batch.
+    those. Token buckets are 1, 1.25, 1.5, 1.75 x 2^k (`dsv4_jax.buckets.bucket`: pad at most
+    1.25x); the workspace rows and the HCA width (in 128-column units) are padded to powers of
+    two (`pow2_bucket`: under 2x), since they cost memory but no attention work, and every
+    bucket they add multiplies the programs (a program per token x rows x width combination).
+    A stream of varied batches compiles once per bucket combination, not once per batch.
+    `sizes="fine"` pads rows and width like the tokens (less memory, about 1.5x the programs).
   * `sizes="server"` trades memory for compiles: the workspace takes the plan's budget and the
     HCA width max_model_len's, both fixed for a server, so the token bucket is the only static
     size left that varies (what a jitted model wants: it compiles once per token bucket).
@@ -57,7 +61,7 @@ from jax import lax
 from jax.tree_util import register_pytree_node_class
 
 from dsv4_jax.attention import resolve_backend, sparse_attention
-from dsv4_jax.buckets import MIN_TILE, bucket, tile_ladder, tiled_items
+from dsv4_jax.buckets import MIN_TILE, bucket, pow2_bucket, tile_ladder, tiled_items
 from planner import LayerKind, PlanConfig, PrefillBatch, StepPlan, layer_kind
 from planner.plan import as_step_plan
 from planner.layout import INDEX_ALIGN, check_topk_rows, index_width, round_up
@@ -65,7 +69,7 @@ from planner.oracle import value_dim
 from planner.plan import KindPlan
 
 MIN_WORKSPACE_ROWS = 128
-SIZES = ("bucket", "server")
+SIZES = ("bucket", "fine", "server")
 DROP = int(np.iinfo(np.int32).max)  # a row index out of every array: scatters with mode="drop" skip it
 
 # Rows of `KindMetadata.table`; each row has L = padded_tokens + 1 int32 entries.
@@ -135,7 +139,12 @@ class LogicalKV:
 
     rows: (S, D), q's dtype: request i's entries are rows offsets[i] .. offsets[i] + len_i - 1.
     offsets: (B,) int32.
+    lengths: optional host-side (B,) len_i (`from_list` sets it), for checks only: a request
+      whose cache is shorter than its seq_len (or seq_len // r) would silently read the next
+      request's rows. Not a pytree leaf: a copy rebuilt inside a trace has None.
     """
+
+    lengths = None
 
     rows: jax.Array
     offsets: jax.Array
@@ -160,12 +169,18 @@ class LogicalKV:
             if not _is_array(a) or a.ndim != 2:
                 raise TypeError(f"arrays[{i}]: expected a (len_i, D) array, got {_shape(a)}")
         lens = [a.shape[0] for a in arrays]
+        D = arrays[0].shape[1]
+        for i, a in enumerate(arrays):
+            if a.shape[1] != D:
+                raise ValueError(f"arrays[{i}]: last dim {a.shape[1]} differs from arrays[0]'s {D}")
         offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32)
         total = int(sum(lens))
         pad = (bucket(total, MIN_WORKSPACE_ROWS) if pad_rows else max(total, 1)) - total
         xp = np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
-        rows = xp.concatenate([*arrays, xp.zeros((pad, arrays[0].shape[1]), arrays[0].dtype)])
-        return cls(rows, offsets if xp is np else jnp.asarray(offsets))
+        rows = xp.concatenate([*arrays, xp.zeros((pad, D), arrays[0].dtype)])
+        out = cls(rows, offsets if xp is np else jnp.asarray(offsets))
+        object.__setattr__(out, "lengths", np.asarray(lens, dtype=np.int64))
+        return out
 
     def tree_flatten(self):
         return (self.rows, self.offsets), None
@@ -207,7 +222,7 @@ class KindShape:
     window_size: int
     padded_tokens: int  # bucket(T) or the caller's count: every table row has padded_tokens + 1 entries
     index_width: int  # columns of every index row (a multiple of 128)
-    workspace_rows: int  # bucket(max rows of a chunk), or the plan's budget (sizes="server")
+    workspace_rows: int  # pow2_bucket (or bucket) of a chunk's max rows, or the plan's budget (sizes="server")
     token_ladder: tuple[int, ...]  # attention tile sizes, largest first
     gather_ladder: tuple[int, ...]  # gather tile sizes, largest first
 
@@ -232,7 +247,10 @@ class KindMetadata:
         self.plan = plan
         self.num_tokens = num_tokens
         self.num_requests = num_requests
-        self.last_backend: str | None = None  # the concrete backend the last call ran (traced)
+        # The concrete backend of the last `prefill_attention` call on this object. Under a
+        # user's jax.jit the call sees a copy JAX rebuilt, so the caller's object keeps None:
+        # there, `dsv4_jax.resolve_backend(backend)` names the backend (the call asks it too).
+        self.last_backend: str | None = None
 
     @property
     def kind(self) -> LayerKind:
@@ -262,6 +280,8 @@ class KindMetadata:
         tokens: T; padded_tokens: the bucket; attended_tokens: tokens the attention tiles cover.
         rows: rows the gathers must write; gathered_rows: rows the gather tiles cover;
         max_chunk_rows / workspace_rows: the largest chunk's rows and the bucketed buffer.
+        needed_width / index_width: the planner's index width for this step (HCA's grows with
+        the longest context; CSA's and SWA's are fixed by topk and W) and the bucketed one.
         """
         kp = _host_plan(self, "padding")
         s = self.shape
@@ -277,6 +297,8 @@ class KindMetadata:
             gathered_rows=sum(tiled_items(n, s.gather_ladder) for r in regions for n in r.tolist()),
             max_chunk_rows=kp.max_workspace_rows,
             workspace_rows=s.workspace_rows,
+            needed_width=index_width(kp) if s.kind is LayerKind.HCA else s.index_width,
+            index_width=s.index_width,
         )
 
 
@@ -337,8 +359,11 @@ def build_step_metadata(
       compress_ratios: the model's per-layer ratios (or just the kinds) when a batch is given.
       planner: "adaptive", "fixed" or "per_request": overrides `config.policy`.
       sizes: how the workspace rows and the HCA index width are sized (both static):
-        "bucket": from this step (the largest chunk's rows, the longest context), bucketed.
-          Tight memory; a program per (tokens, rows, width) bucket combination.
+        "bucket" (default): from this step (the largest chunk's rows, the longest context),
+          padded to powers of two (under 2x memory; they cost no attention work). A program
+          per (tokens, rows, width) bucket combination.
+        "fine": the same, padded to the 1.25x token buckets: tighter memory, about 1.5x the
+          programs over a varied stream (bench/bench_jax_prefill.py --stream-only).
         "server": from the `PlanConfig` alone: the plan's workspace budget (what the fixed plan
           allocates and the adaptive plan never exceeds) and max_model_len's width. The token
           bucket is then the only static size that changes from step to step: a jitted model
@@ -404,10 +429,11 @@ def _kind_table(kp: KindPlan, padded: int, index_topk, sizes: str, token_tile: i
         rows = max(kp.budget_rows, min_rows)
         if kp.max_workspace_rows > rows:  # the planner keeps every chunk within its budget
             raise AssertionError(f"a chunk needs {kp.max_workspace_rows} rows, over the budget {rows}")
-    else:
+    else:  # "bucket": powers of two (they pad memory, not work); "fine": the 1.25x token buckets
+        size = pow2_bucket if sizes == "bucket" else bucket
         if kp.kind is LayerKind.HCA:  # grows with the longest context of the batch: bucket it
-            width = bucket(width // INDEX_ALIGN) * INDEX_ALIGN
-        rows = bucket(kp.max_workspace_rows, min_rows)
+            width = size(width // INDEX_ALIGN) * INDEX_ALIGN
+        rows = size(kp.max_workspace_rows, min_rows)
     shape = KindShape(
         compress_ratio=kp.compress_ratio,
         window_size=kp.window_size,
@@ -599,9 +625,12 @@ def prefill_attention(
       compressed_kv: CSA/HCA only: compressed entries in the same forms (block_size // r entries
         per page; seq_len_i // r rows per request).
       sm_scale: softmax scale, a Python float. attn_sink: optional (H,) float32.
-      topk_indices: CSA only: (T_q', topk) int32 with T_q' >= T, the indexer's request-local top-k
+      topk_indices: CSA only: (T_q', topk) int32 (other dtypes: TypeError) with T_q' >= T, the indexer's request-local top-k
         entries per token (the first min((p+1)//4, topk) are used).
-      backend: passed to `sparse_attention`; the concrete one is recorded in `meta.last_backend`.
+      backend: passed to `sparse_attention`; the concrete one is recorded in `meta.last_backend`
+        when `meta` is the caller's object (outside `jax.jit`). Inside a user's `jax.jit` the
+        call gets a copy of `meta` that JAX rebuilt, so the caller's `last_backend` is not set;
+        `dsv4_jax.resolve_backend(backend)`, which this call uses, says which backend runs.
 
     Returns:
       (T_q, H, d_v), q.dtype (d_v = 512 for D >= 512); padding rows are 0.
@@ -709,27 +738,60 @@ def _as_source(src, name: str):
 
 
 def _check_kv(src, name: str, q, meta: KindMetadata):
-    if isinstance(src, (list, tuple)) and meta.num_requests is not None and len(src) != meta.num_requests:
-        raise ValueError(f"{name}: {len(src)} per-request arrays, but the batch has {meta.num_requests} requests")
-    if isinstance(src, (list, tuple)) and meta.plan is not None:
-        need = _needed_entries(meta, name)
+    """Check a cache against q and, when the metadata carries the host plan, against the rows each
+    request needs (raw: seq_len; compressed: seq_len // r). Host-side only: a `PagedKV` block
+    table or `LogicalKV` offsets are read only when they are NumPy arrays (free), never synced
+    from the device; under a user's `jax.jit` the plan is gone and only shapes are checked."""
+    D = q.shape[2]
+    need = _needed_entries(meta, name) if meta.plan is not None else None
+    if isinstance(src, (list, tuple)):
+        if meta.num_requests is not None and len(src) != meta.num_requests:
+            raise ValueError(f"{name}: {len(src)} per-request arrays, but the batch has {meta.num_requests} requests")
         for i, a in enumerate(src):
-            if _is_array(a) and a.ndim == 2 and a.shape[0] < need[i]:
+            if not (_is_array(a) and a.ndim == 2):
+                continue  # _as_source names it
+            if a.shape[1] != D:
+                raise ValueError(f"{name}[{i}]: last dim {a.shape[1]} differs from q's head dim {D}")
+            if need is not None and a.shape[0] < need[i]:
                 raise ValueError(f"{name}[{i}]: {a.shape[0]} rows, but request {i} needs {need[i]}")
     src = _as_source(src, name)
     rows, _ = _flat_rows(src)
     if jnp.dtype(rows.dtype) != jnp.dtype(q.dtype):
         raise TypeError(f"{name}: dtype {jnp.dtype(rows.dtype)} differs from q's {jnp.dtype(q.dtype)}")
-    if rows.shape[1] != q.shape[2]:
-        raise ValueError(f"{name}: row dim {rows.shape[1]} differs from q's head dim {q.shape[2]}")
-    requests = src.block_table.shape[0] if isinstance(src, PagedKV) else src.offsets.shape[0]
+    if rows.shape[1] != D:
+        raise ValueError(f"{name}: last dim {rows.shape[1]} differs from q's head dim {D}")
+    paged = isinstance(src, PagedKV)
+    requests = src.block_table.shape[0] if paged else src.offsets.shape[0]
     if meta.num_requests is not None and requests < meta.num_requests:
-        raise ValueError(f"{name}: {requests} requests, but the batch has {meta.num_requests}")
-    if isinstance(src, PagedKV) and meta.plan is not None:
-        need = int(_needed_entries(meta, name).max(initial=0))
-        have = src.block_table.shape[1] * src.pages.shape[1]
-        if have < need:
-            raise ValueError(f"{name}: block_table covers {have} entries per request, but a request needs {need}")
+        what = "block_table rows" if paged else "offsets"
+        raise ValueError(f"{name}: {requests} {what}, but the batch has {meta.num_requests} requests")
+    if need is None:
+        return src
+    if paged:
+        page_size, num_pages = src.pages.shape[1], src.pages.shape[0]
+        have = src.block_table.shape[1] * page_size
+        i = int(np.argmax(need)) if need.size else 0
+        if need.size and have < need[i]:
+            raise ValueError(f"{name}: block_table covers {have} entries per request "
+                             f"({src.block_table.shape[1]} pages of {page_size}), but request {i} needs {need[i]}")  # fmt: skip
+        if isinstance(src.block_table, np.ndarray):  # host table: check every page a request reads
+            pages_needed = -(-need // page_size)
+            for i, n in enumerate(pages_needed.tolist()):
+                used = src.block_table[i, :n]
+                if used.size and (used.min() < 0 or used.max() >= num_pages):
+                    bad = int(used[(used < 0) | (used >= num_pages)][0])
+                    raise ValueError(f"{name}: block_table[{i}] lists page {bad}, outside 0..{num_pages - 1}")
+    else:
+        S = rows.shape[0]
+        if src.lengths is not None:
+            for i, n in enumerate(need.tolist()):
+                if src.lengths[i] < n:
+                    raise ValueError(f"{name}: request {i} has {src.lengths[i]} rows, but needs {n}")
+        if isinstance(src.offsets, np.ndarray):  # host offsets: every request's rows lie inside rows
+            off = src.offsets[: need.size].astype(np.int64)
+            for i in np.flatnonzero((off < 0) | (off + need > S)).tolist()[:1]:
+                raise ValueError(f"{name}: request {i} at offset {off[i]} needs rows up to {off[i] + need[i]}, "
+                                 f"but rows has {S}")  # fmt: skip
     return src
 
 
@@ -744,7 +806,7 @@ def _needed_entries(meta: KindMetadata, name: str) -> np.ndarray:
 def _check_topk(topk_indices, meta: KindMetadata):
     if not _is_array(topk_indices) or topk_indices.ndim != 2:
         raise ValueError(f"topk_indices: expected (T, topk) for a CSA layer, got {_shape(topk_indices)}")
-    if jnp.dtype(topk_indices.dtype).kind not in "iu":
+    if jnp.dtype(topk_indices.dtype) != jnp.int32:  # never cast silently: int64 ids could wrap
         raise TypeError(f"topk_indices: expected int32, got {jnp.dtype(topk_indices.dtype)}")
     if meta.num_tokens is not None and topk_indices.shape[0] < meta.num_tokens:
         raise ValueError(f"topk_indices: {topk_indices.shape[0]} rows, but the step's batch has {meta.num_tokens} tokens")
@@ -752,5 +814,5 @@ def _check_topk(topk_indices, meta: KindMetadata):
         raise ValueError(f"topk_indices: top-k {topk_indices.shape[1]} does not fit index width {meta.index_width}")
     if isinstance(topk_indices, np.ndarray) and meta.plan is not None:  # on the host: free to check
         check_topk_rows(topk_indices, meta.plan.token_index, meta.plan.token_position, 4, "topk_indices")
-    return jnp.asarray(topk_indices, jnp.int32)
+    return jnp.asarray(topk_indices)
 

@@ -18,7 +18,7 @@ import dsv4_jax.attention
 from dsv4_jax import buckets as B
 from dsv4_jax.aot import lower_for_cuda
 from dsv4_jax import prefill as JP
-from tests.cases import boundary_cases, make_case
+from tests.cases import PrefillCase, boundary_cases, make_case
 
 POLICIES = ("adaptive", "fixed", "per_request")
 FAST = dict(token_tile=16, gather_tile=16, min_tokens=64, min_workspace_rows=1024)
@@ -97,7 +97,8 @@ def test_tile_ladders_and_default_buckets_are_bitwise_equal():
     for policy in ("adaptive", "per_request"):
         out, meta = run(case, policy=policy, meta_kw=dict(token_tile=64, gather_tile=64), paged_kv=True)
         assert meta.shape.token_ladder == (64, 16) and meta.shape.gather_ladder == (64, 16)
-        assert meta.shape.padded_tokens == 160 and meta.shape.workspace_rows < 1024
+        assert meta.shape.padded_tokens == 160  # the default buckets: 1.25x tokens, power-of-two rows
+        assert meta.shape.workspace_rows == B.pow2_bucket(meta.plan.max_workspace_rows, JP.MIN_WORKSPACE_ROWS) < 2048
         np.testing.assert_array_equal(out, ref, err_msg=policy)
 
 
@@ -170,37 +171,83 @@ def test_device_gathers_equal_numpy_workspace(paged_kv):
             assert not got[: want.shape[0]][~written].any() and not got[want.shape[0] :].any()  # nothing else written
 
 
-def random_batch(rng):
-    n = int(rng.integers(1, 4))
-    qry = rng.integers(0, 25, n)
-    qry[rng.integers(0, n)] = max(1, qry.max())  # at least one request with queries
-    seq = qry + rng.integers(0, 60, n)
-    return seq.tolist(), qry.tolist()
+def random_topk_rows(rng, positions, topk):
+    """Valid CSA top-k rows: distinct visible entries (first min((p+1)//4, topk)), -1 after."""
+    rows = np.full((len(positions), topk), -1, np.int32)
+    for t, p in enumerate(positions.tolist()):
+        k = min((p + 1) // 4, topk)
+        rows[t, :k] = rng.choice((p + 1) // 4, size=k, replace=False)
+    return rows
 
 
 def test_compile_count_bounded_by_buckets():
-    """50 varied batches and plans: one compilation per distinct static key, none per batch."""
-    W, H, D = 8, 2, 16
+    """50 random batches, each through an SWA, a CSA (top-k) and an HCA layer call, contexts of
+    6k..48k tokens: the token, workspace-row and HCA-width buckets all vary. Compilations (jit
+    cache misses) stay <= the buckets touched, computed here from the planner's own numbers with
+    the public bucket functions (never from the metadata the jit keys on), and the buckets
+    touched are far fewer than the exact shapes. Padding waste of each size stays under 2x."""
+    W, H, D, topk, max_requests = 8, 2, 16, 8, 2
+    min_tokens, min_rows, max_len = 32, 512, 48_018
+    rng = np.random.default_rng(0)
+    # One cache bank per kind, request i at rows i * max_len // r: its shape never changes, so
+    # only the buckets can make a new program.
+    banks = {r: rng.standard_normal((max_requests * (max_len // max(r, 1)), D)).astype(np.float32) for r in (0, 4, 128)}
+    kv = {r: JP.LogicalKV(jnp.asarray(b), np.arange(max_requests, dtype=np.int32) * (max_len // max(r, 1))) for r, b in banks.items()}
+    sink = rng.standard_normal(H).astype(np.float32)
+    touched, exact, waste = set(), set(), {}
+
+    def count(name, real, padded):
+        w = waste.setdefault(name, [0, 0])
+        w[0], w[1] = w[0] + real, w[1] + padded
+
     traces0, cache0 = JP.TRACE_COUNT["prefill"], JP._prefill_jit._cache_size()
-    keys, exact = set(), set()
-    for _ in range(2):  # the second pass over the same batches compiles nothing new
-        rng = np.random.default_rng(0)
-        for _ in range(50):
-            seq, qry = random_batch(rng)
-            case = make_case("r", seq, qry, 0, window_size=W, H=H, D=D, seed=int(rng.integers(1 << 30)))
-            cfg = dataclasses.replace(case.plan_config(), max_model_len=100, max_num_batched_tokens=25)
-            smeta = JP.build_step_metadata(case.batch, config=cfg, compress_ratios=[0], planner=str(rng.choice(POLICIES)),
-                                           token_tile=16, gather_tile=16, min_tokens=32)  # fmt: skip
-            meta = smeta[0]
-            raw = logical(case.raw, rows=256)  # the cache keeps its shape from step to step
-            out = JP.prefill_attention(jnp.asarray(smeta.pad_tokens(case.q)), meta, raw, sm_scale=0.25, attn_sink=jnp.asarray(case.sink))
-            keys.add(meta.shape)
-            exact.add((case.batch.num_tokens, meta.plan.max_workspace_rows))
-        compiles = JP._prefill_jit._cache_size() - cache0
-        assert JP.TRACE_COUNT["prefill"] - traces0 == compiles <= len(keys)
-    assert compiles == len(keys)  # every key compiled once (none was compiled before this test)
-    assert len(keys) <= len(exact) / 4, (len(keys), len(exact))  # buckets, not shapes
-    close(np.asarray(out)[: case.batch.num_tokens], case.oracle()[0])  # and the last batch is right
+    for i in range(50):
+        n = int(rng.integers(1, max_requests + 1))
+        qry = rng.integers(12, 19, n)
+        seq = qry + np.exp(rng.uniform(np.log(6000), np.log(48_000), n)).astype(int)
+        batch = P.PrefillBatch(seq, qry)
+        cfg = P.PlanConfig(window_size=W, max_model_len=max_len, max_num_batched_tokens=18, policy=str(rng.choice(POLICIES)))
+        step = P.plan_step(batch, cfg, [0, 4, 128])
+        smeta = JP.build_step_metadata(step, index_topk=topk, token_tile=16, gather_tile=64, min_tokens=min_tokens,
+                                       min_workspace_rows=min_rows)  # fmt: skip
+        T = batch.num_tokens
+        q = rng.standard_normal((T, H, D)).astype(np.float32)
+        rows = random_topk_rows(rng, batch.token_position, topk)
+        token_bucket = B.bucket(T, min_tokens)
+        count("tokens", T, token_bucket)
+        for kind, kp in step.kinds.items():  # the static sizes, from the planner's numbers
+            width = P.index_width(kp, topk if kind is P.LayerKind.CSA else None)
+            width_bucket = B.pow2_bucket(width // 128) * 128 if kind is P.LayerKind.HCA else width
+            rows_bucket = B.pow2_bucket(kp.max_workspace_rows, min_rows)
+            touched.add((kind, token_bucket, rows_bucket, width_bucket))
+            exact.add((kind, T, kp.max_workspace_rows, width))
+            count("workspace rows", kp.max_workspace_rows, rows_bucket)
+            if kind is P.LayerKind.HCA:
+                count("HCA index width", width, width_bucket)
+            r = kind.ratio if kind is not P.LayerKind.SWA else 0
+            out = JP.prefill_attention(
+                jnp.asarray(smeta.pad_tokens(q)), smeta[kind], kv[0], kv[r] if r else None, sm_scale=D**-0.5,
+                attn_sink=jnp.asarray(sink), topk_indices=jnp.asarray(smeta.pad_tokens(rows)) if r == 4 else None,
+                backend="xla",
+            )  # fmt: skip
+            if i % 10 == 9:  # and the results are right
+                per = max_len // max(r, 1)
+                case = PrefillCase("r", seq.tolist(), qry.tolist(), r, W, topk, q,
+                                   [banks[0][j * max_len : j * max_len + s] for j, s in enumerate(seq)],
+                                   [banks[r][j * per : j * per + s // r] for j, s in enumerate(seq)] if r else [],
+                                   rows, sink)  # fmt: skip
+                close(np.asarray(out)[:T], case.oracle()[0])
+    compiles = JP._prefill_jit._cache_size() - cache0
+    assert JP.TRACE_COUNT["prefill"] - traces0 == compiles <= len(touched)
+    assert len(touched) <= len(exact) / 4, (len(touched), len(exact))  # buckets, not shapes
+    # every bucketed size took several buckets (SWA's workspace follows its few tokens)
+    assert len({t[1] for t in touched}) > 1
+    assert all(len({t[2] for t in touched if t[0] is kind}) > 1 for kind in (P.LayerKind.CSA, P.LayerKind.HCA))
+    assert len({t[3] for t in touched if t[0] is P.LayerKind.HCA}) > 1
+    ratios = {name: padded / real for name, (real, padded) in waste.items()}
+    print(f"\n{compiles} compilations, {len(touched)} buckets touched, {len(exact)} exact shapes; padding waste "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))  # fmt: skip
+    assert all(v < 2 for v in ratios.values()), ratios
 
 
 def test_runs_inside_user_jit_and_traces_once_per_bucket():
@@ -296,27 +343,44 @@ def test_buckets_and_ladders():
         assert n <= B.tiled_items(n, (256, 64, 16)) < n + 16
     with pytest.raises(ValueError, match="power of two"):
         B.tile_ladder(48)
+    assert [B.pow2_bucket(n) for n in (0, 1, 2, 3, 4, 5, 1000, 1024, 1025)] == [1, 1, 2, 4, 4, 8, 1024, 1024, 2048]
+    assert B.pow2_bucket(3, minimum=128) == 128 and B.pow2_bucket(129, minimum=128) == 256
+    assert max(B.pow2_bucket(n) / n for n in range(2, 5000)) < 2
 
 
 def test_padding_waste_over_random_stream_is_under_2x():
-    rng = np.random.default_rng(1)
+    """Default sizes (powers of two for workspace rows and HCA width) vs "fine" (1.25x buckets):
+    both waste under 2x; the default takes far fewer (workspace rows, width) sizes, the part of
+    the compile key it decides (a program per token bucket x those)."""
     cfg = P.PlanConfig(window_size=128, max_model_len=65536, max_num_batched_tokens=8192)
-    totals = {}
-    for _ in range(60):
-        n = int(rng.integers(1, 24))
-        qry = np.exp(rng.uniform(0, np.log(2048), n)).astype(int)
-        qry[rng.random(n) < 0.1] = 0
-        qry = (qry * min(1.0, 8192 / max(1, qry.sum()))).astype(int)
-        seq = qry + np.exp(rng.uniform(0, np.log(60000), n)).astype(int)
-        policy = str(rng.choice(POLICIES))
-        smeta = JP.build_step_metadata(P.PrefillBatch(seq, qry), config=cfg, planner=policy, index_topk=512)
-        for kind, meta in smeta.kinds.items():
-            for k, v in meta.padding().items():
-                totals[k] = totals.get(k, 0) + v
-    assert totals["padded_tokens"] / totals["tokens"] < 1.25
-    assert totals["attended_tokens"] / totals["tokens"] < 2
-    assert totals["gathered_rows"] / totals["rows"] < 2
-    assert totals["workspace_rows"] / totals["max_chunk_rows"] < 1.25
+    totals, keys = {}, {}
+    for sizes in ("bucket", "fine"):
+        rng = np.random.default_rng(1)
+        totals[sizes], keys[sizes] = {}, set()
+        for _ in range(60):
+            n = int(rng.integers(1, 24))
+            qry = np.exp(rng.uniform(0, np.log(2048), n)).astype(int)
+            qry[rng.random(n) < 0.1] = 0
+            qry = (qry * min(1.0, 8192 / max(1, qry.sum()))).astype(int)
+            seq = qry + np.exp(rng.uniform(0, np.log(60000), n)).astype(int)
+            policy = str(rng.choice(POLICIES))
+            smeta = JP.build_step_metadata(P.PrefillBatch(seq, qry), config=cfg, planner=policy, index_topk=512, sizes=sizes)
+            for kind, meta in smeta.kinds.items():
+                keys[sizes].add((kind, meta.shape.workspace_rows, meta.shape.index_width))
+                for k, v in meta.padding().items():
+                    totals[sizes][k] = totals[sizes].get(k, 0) + v
+                s = meta.shape
+                if sizes == "bucket":  # powers of two, each under 2x its step's need (above the minimum)
+                    assert s.workspace_rows == B.pow2_bucket(meta.plan.max_workspace_rows, JP.MIN_WORKSPACE_ROWS)
+                    assert s.index_width == (B.pow2_bucket(P.index_width(meta.plan) // 128) * 128 if kind is P.LayerKind.HCA
+                                             else P.index_width(meta.plan, 512 if kind is P.LayerKind.CSA else None))  # fmt: skip
+        t = totals[sizes]
+        assert t["padded_tokens"] / t["tokens"] < 1.25
+        assert t["attended_tokens"] / t["tokens"] < 2
+        assert t["gathered_rows"] / t["rows"] < 2
+        assert t["workspace_rows"] / t["max_chunk_rows"] < (2 if sizes == "bucket" else 1.25)
+        assert t["index_width"] / t["needed_width"] < (2 if sizes == "bucket" else 1.25)
+    assert len(keys["bucket"]) < 0.5 * len(keys["fine"]), {k: len(v) for k, v in keys.items()}
 
 
 def test_bad_inputs():
@@ -337,8 +401,9 @@ def test_bad_inputs():
         call(meta=step[4])
     with pytest.raises(ValueError, match="topk_indices"):
         call(topk_indices=None)
-    with pytest.raises(TypeError, match="topk_indices: expected int32"):
-        call(topk_indices=rows.astype(np.float32))
+    for dtype in (np.float32, np.int64, np.uint32, np.int16):  # never a silent cast
+        with pytest.raises(TypeError, match=f"topk_indices: expected int32, got {np.dtype(dtype).name}"):
+            call(topk_indices=rows.astype(dtype))
     with pytest.raises(ValueError, match="compressed_kv: required"):
         call(compressed_kv=None)
     with pytest.raises(TypeError, match="raw_kv: dtype"):
@@ -356,7 +421,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="backend"):
         call(backend="cuda")
     short = JP.PagedKV(jnp.zeros((4, 4, 32)), jnp.zeros((5, 2), jnp.int32))
-    with pytest.raises(ValueError, match="raw_kv: block_table covers 8 entries"):
+    with pytest.raises(ValueError, match="raw_kv: block_table covers 8 entries per request .2 pages of 4., but request 4 needs 21"):
         call(raw_kv=short)
     future = rows.copy()
     future[-1, 0] = 10_000
@@ -383,6 +448,84 @@ def test_bad_inputs():
     # inside a trace the host plan is gone: building indices needs it
     with pytest.raises(ValueError, match="meta: build_indices needs the host plan"):
         jax.jit(lambda m: JP.build_indices(m, 0, rows)[0])(meta)
+
+
+def test_bad_caches_raise_naming_the_argument():
+    """Caches that do not hold what the step reads: a ValueError on the host, never a silently
+    wrong output (JAX gathers clamp out-of-range rows) or a bare IndexError."""
+    case = boundary_cases(4)[0]  # seq_lens [3, 7, 8, 9, 21], D = 32; compressed lens [0, 1, 2, 2, 5]
+    step = P.plan_step(case.batch, case.plan_config(), [4])
+    meta = JP.build_step_metadata(step, index_topk=case.topk, **FAST)[4]
+    q, rows, D = jnp.asarray(case.q), jnp.asarray(case.topk_rows), case.q.shape[2]
+    raw, comp = list(case.raw), list(case.comp)
+    call = lambda raw_kv=raw, compressed_kv=comp: JP.prefill_attention(  # noqa: E731
+        q, meta, raw_kv, compressed_kv, sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink), topk_indices=rows
+    )  # fmt: skip
+    want = case.oracle()[0]
+    extra = np.zeros((1, D), np.float32)
+    # request 0 one row short, the last one row long: the total is right, the split is not
+    shifted = [raw[0][:-1], *raw[1:-1], np.concatenate([raw[-1], extra])]
+    with pytest.raises(ValueError, match=r"raw_kv\[0\]: 2 rows, but request 0 needs 3"):
+        call(raw_kv=shifted)
+    with pytest.raises(ValueError, match="raw_kv: request 0 has 2 rows, but needs 3"):
+        call(raw_kv=JP.LogicalKV.from_list(shifted))
+    comp_shifted = [comp[0], comp[1][:-1], *comp[2:-1], np.concatenate([comp[-1], extra])]
+    with pytest.raises(ValueError, match=r"compressed_kv\[1\]: 0 rows, but request 1 needs 1"):
+        call(compressed_kv=comp_shifted)
+    with pytest.raises(ValueError, match="compressed_kv: request 1 has 0 rows, but needs 1"):
+        call(compressed_kv=JP.LogicalKV.from_list(comp_shifted))
+    # packed rows with host offsets: a request past the end of rows
+    packed = np.concatenate(raw)  # 48 rows
+    offsets = np.array([0, 3, 10, 18, 28], np.int32)  # the last should start at 27
+    with pytest.raises(ValueError, match="raw_kv: request 4 at offset 28 needs rows up to 49, but rows has 48"):
+        call(raw_kv=JP.LogicalKV(jnp.asarray(packed), offsets))
+    with pytest.raises(ValueError, match="raw_kv: 3 offsets, but the batch has 5 requests"):
+        call(raw_kv=JP.LogicalKV(jnp.asarray(packed), offsets[:3]))
+    # wrong last dim: per-request, packed, paged
+    with pytest.raises(ValueError, match=rf"raw_kv\[2\]: last dim {D + 1} differs from q's head dim {D}"):
+        call(raw_kv=[*raw[:2], np.zeros((8, D + 1), np.float32), *raw[3:]])
+    with pytest.raises(ValueError, match=r"arrays\[1\]: last dim 16 differs from arrays\[0\]'s 32"):
+        JP.LogicalKV.from_list([raw[0], np.zeros((7, 16), np.float32)])
+    pages, table = case.paged("raw")
+    with pytest.raises(ValueError, match=f"raw_kv: last dim 16 differs from q's head dim {D}"):
+        call(raw_kv=JP.PagedKV(jnp.asarray(pages[..., :16]), table))
+    # block tables: too few rows, too narrow (in test_bad_inputs), a page id out of the pages
+    with pytest.raises(ValueError, match="raw_kv: 3 block_table rows, but the batch has 5 requests"):
+        call(raw_kv=JP.PagedKV(jnp.asarray(pages), table[:3]))
+    for bad in (pages.shape[0], -1):
+        wrong = table.copy()
+        wrong[2, 0] = bad
+        with pytest.raises(ValueError, match=rf"raw_kv: block_table\[2\] lists page {bad}, outside 0..{pages.shape[0] - 1}"):
+            call(raw_kv=JP.PagedKV(jnp.asarray(pages), wrong))
+    # the right caches in every form pass the checks and give the oracle's answer
+    cpages, ctable = case.paged("comp")
+    for r, c in ((raw, comp), (JP.LogicalKV.from_list(raw), JP.LogicalKV.from_list(comp)),
+                 (JP.LogicalKV(jnp.asarray(packed), offsets - (offsets == 28)), JP.LogicalKV.from_list(comp)),
+                 (JP.PagedKV(jnp.asarray(pages), table), JP.PagedKV(jnp.asarray(cpages), ctable))):  # fmt: skip
+        close(np.asarray(call(r, c)), want)
+
+
+def test_last_backend_outside_and_inside_a_user_jit():
+    """Outside jax.jit the caller's metadata records the backend; inside a user's jit the call
+    sees a copy JAX rebuilt, so `resolve_backend` is the way to know (it is what the call asks)."""
+    case = boundary_cases(0)[0]
+    step = P.plan_step(case.batch, case.plan_config(), [0])
+    raw, sink = logical(case.raw), jnp.asarray(case.sink)
+    meta = JP.build_step_metadata(step, **FAST)[0]
+    q = jnp.asarray(JP.build_step_metadata(step, **FAST).pad_tokens(case.q))
+    eager = JP.prefill_attention(q, meta, raw, sm_scale=0.25, attn_sink=sink)
+    assert meta.last_backend == dsv4_jax.resolve_backend("auto") == "xla"  # CPU
+    seen = []
+
+    @jax.jit
+    def layer(q, meta):
+        out = JP.prefill_attention(q, meta, raw, sm_scale=0.25, attn_sink=sink)
+        seen.append(meta.last_backend)  # the traced copy's
+        return out
+
+    fresh = JP.build_step_metadata(step, **FAST)[0]
+    np.testing.assert_array_equal(np.asarray(layer(q, fresh)), np.asarray(eager))
+    assert seen == ["xla"] and fresh.last_backend is None
 
 
 def test_prefill_lowers_for_cuda_with_the_triton_kernel(monkeypatch):
