@@ -656,7 +656,7 @@ def prefill_attention(
         attn_sink = jnp.asarray(attn_sink, jnp.float32)
     if isinstance(sm_scale, jax.core.Tracer) or isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.number)):
         raise TypeError(f"sm_scale: expected a Python float (a compile-time constant), got {type(sm_scale).__name__}")
-    name = resolve_backend(backend)
+    name = resolve_backend(backend, q)
     meta.last_backend = name
     return _prefill_jit(q, meta.table, raw, comp, topk_rows, attn_sink, shape=shape, sm_scale=float(sm_scale), backend=name)
 
