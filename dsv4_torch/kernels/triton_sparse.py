@@ -181,23 +181,42 @@ class TritonConfig:
 def default_config(
     num_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16, arch: int | None = None
 ) -> TritonConfig:
-    """A starting point per GPU generation, untuned on hardware (bench/gpu_check_torch.py sweeps).
+    """A starting point per GPU generation, untuned for speed (bench/gpu_check_torch.py sweeps).
 
     arch: compute capability as an int (90 = H100); None = unknown (treated like sm_80).
     Each program re-gathers the token's KV rows, so more heads per program means less gather
-    traffic per flop. On sm_90/sm_100 BLOCK_H = 64 lets Triton use wgmma (M >= 64); its
-    64 x 512 float32 accumulator needs 8 warps (128 registers a thread). Elsewhere (mma.sync,
-    ~100 KB shared memory on sm_86/89/120) BLOCK_H = 32 fits without spills.
-    bench/triton_resources_torch.py shows registers, spills and shared memory per config.
+    traffic per flop; BLOCK_H = 64 lets Triton use wgmma on sm_90 and tcgen05 on sm_100 (M >= 64).
+    Chosen so no register spills sit in the key loop (bench/triton_resources_torch.py, bf16,
+    Triton 3.9, regs / spill bytes / loop LDL+STL / shared memory):
+
+      arch    D    config (BLOCK_H, BLOCK_K, warps, stages)   regs  spill  loop  smem
+      sm_80   512  32, 32, 8, 2  (mma.sync)                  181      0     0   67712
+      sm_80   576  32, 32, 8, 2                              183      0     0   75904
+      sm_90   512  64, 16, 8, 2  (wgmma)                     255      0     0   98368
+      sm_90   576  64, 16, 8, 2                              255     32     0  110656
+      sm_100  512  64, 32, 8, 2  (tcgen05)                   235      0     0  164512
+      sm_100  576  64, 32, 8, 2                              247      0     0  144040
+      sm_120  512  32, 32, 8, 2  (mma.sync, ~100 KB smem)    180      0     0   67712
+      sm_120  576  32, 32, 8, 2                              186      0     0   75904
+      any     576  16, 16, 8, 2  (float32 inputs)        122-128      0     0   74944
+
+    On sm_90 the 64 x 512 float32 accumulator lives in registers (128 a thread at 8 warps), so
+    BLOCK_K = 32 spills inside the loop (52 B at D=512, 92 B at D=576) and BLOCK_K = 64 more;
+    16 warps cap registers at 128 and spill hundreds of bytes. The 32 B at sm_90/D=576 are
+    loop-invariant values stored before the loop and reloaded after it. sm_100 keeps the
+    accumulator in tensor memory, hence BLOCK_K = 32 there.
     """
     big = head_dim >= 256
-    if num_heads <= 16 or (big and dtype == torch.float32):
-        block_h = 16
-    elif arch in (90, 100, 103) and num_heads >= 64 and dtype != torch.float32:
-        block_h = 64
-    else:
-        block_h = 32
-    return TritonConfig(block_h=block_h, block_k=32 if big else 64, num_warps=8 if big else 4, num_stages=2)
+    if big and dtype == torch.float32:  # IEEE fp32 dots on CUDA cores; BLOCK_K = 32 spills on sm_80
+        return TritonConfig(block_h=16, block_k=16, num_warps=8, num_stages=2)
+    if num_heads <= 16:
+        return TritonConfig(block_h=16, block_k=32 if big else 64, num_warps=8 if big else 4, num_stages=2)
+    wide = num_heads >= 64 and dtype != torch.float32 and arch in (90, 100, 103)  # wgmma / tcgen05
+    if not big:  # small test dims: nothing near the register limit
+        return TritonConfig(block_h=64 if wide else 32, block_k=64, num_warps=4, num_stages=2)
+    if wide:
+        return TritonConfig(block_h=64, block_k=16 if arch == 90 else 32, num_warps=8, num_stages=2)
+    return TritonConfig(block_h=32, block_k=32, num_warps=8, num_stages=2)
 
 
 def sparse_attention_triton(
