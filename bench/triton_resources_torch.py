@@ -3,11 +3,29 @@
 Triton compiles ahead of time for any target (`triton.compile(..., target=GPUTarget("cuda", 90, 32))`)
 and its wheel ships ptxas, so a CPU machine can see what a launch configuration costs on an
 H100 (sm_90), B200 (sm_100), A100 (sm_80), L40/4090 (sm_89) or RTX 50xx (sm_120): registers a
-thread, spill bytes (ptxas -v), shared memory, and whether the matmuls became wgmma (Hopper
-tensor-core instructions, need BLOCK_H >= 64) or mma.sync. It cannot tell speed; the GPU
-check script (bench/gpu_check_torch.py) measures that.
+thread, spill bytes (ptxas -v), shared memory, whether the matmuls became wgmma (Hopper,
+BLOCK_H >= 64), tcgen05 (datacenter Blackwell) or mma.sync, and how many local-memory
+loads/stores (spills) sit inside the key loop (nvdisasm). It cannot tell speed; the GPU check
+script (bench/gpu_check_torch.py) measures that.
 
 Run: python bench/triton_resources_torch.py [--arch 90] [--dim 576] [--dtype bf16] [--sweep]
+     [--configs "64,16,8,2 64,32,8,1"]   (unset TRITON_INTERPRET first)
+
+Figures (Triton 3.9, bf16, H = 64; regs / spill B / loop LDL+STL / smem B):
+
+  config             sm_90 D=512          sm_90 D=576          sm_100 D=512      sm_100 D=576
+  64,32,8,2 before   255/88/-/131200      255/128/-/147584     239/0/-/164512    251/0/-/144040
+  64,32,8,2 after    255/52/2/131200      255/92/19/147584     235/0/0/164512    247/0/0/144040
+  64,16,8,2          255/0/0/98368        255/32/0/110656      226/0/0/115296    238/0/0/109160
+  64,32,8,1          255/64/-/98304       255/112/-/110592     255/0/-/98816     255/48/-/110600
+  64,64,8,1          255/72/-/131080      255/156/-/147456     255/60/-/131584   255/120/-/147464
+  64,32,16,2         128/332/-/131200     128/432/-/147584
+
+"before" is the earlier kernel, which added the P@V product to the rescaled accumulator instead
+of feeding the accumulator to tl.dot (a second 64 x 512 fp32 temporary); every other row is the
+current kernel ("-": not measured). sm_80 and sm_120 run BLOCK_H = 32 (32,32,8,2): 180-186
+registers, no spills, 67712 / 75904 B of shared memory (fits sm_120's ~100 KB; BLOCK_K = 64
+does not). Defaults per arch: `dsv4_torch.kernels.triton_sparse.default_config`.
 """
 
 from __future__ import annotations
@@ -56,9 +74,39 @@ def compile_config(arch: int, dim: int, dtype: str, block_h: int, block_k: int, 
         options={"num_warps": num_warps, "num_stages": num_stages},
     )
     ptx = kernel.asm["ptx"]
-    info = {"smem": kernel.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync")}
+    info = {"smem": kernel.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
+            "tcgen05": ptx.count("tcgen05.mma")}
     info.update(_ptxas_stats(ptx, arch))
+    info["loop_spill"] = _loop_spill_ops(kernel.asm.get("cubin"))
     return info
+
+
+def _loop_spill_ops(cubin: bytes | None) -> int:
+    """Local-memory loads/stores (LDL/STL) inside the kernel's loops, from nvdisasm; -1 if unknown.
+
+    Spills of loop-invariant values (addresses, masks for the epilogue) sit before and after the
+    key loop and cost a few bytes per program; the ones inside the loop are the expensive kind.
+    """
+    import triton
+
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not cubin or not os.path.exists(exe):
+        return -1
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        res = subprocess.run([exe, "-c", path], capture_output=True, text=True)
+    if res.returncode != 0:
+        return -1
+    lines = res.stdout.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line.strip()))}
+    loops = [  # a branch back to an earlier label closes a loop
+        (labels[m.group(1)], i) for i, line in enumerate(lines)
+        if (m := re.search(r"\bBRA\b.*\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i
+    ]
+    spill = re.compile(r"\b(LDL|STL)(\.\S+)?\s")
+    return sum(1 for i, line in enumerate(lines) if spill.search(line) and any(a < i < b for a, b in loops))
 
 
 def _ptxas_stats(ptx: str, arch: int) -> dict:
@@ -94,6 +142,7 @@ def main():
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     ap.add_argument("--heads", type=int, default=64, help="H, for the default config")
     ap.add_argument("--sweep", action="store_true", help="also compile a grid of launch configs")
+    ap.add_argument("--configs", default="", help="also compile these, e.g. '64,64,8,1 64,32,8,1' (BLOCK_H,BLOCK_K,warps,stages)")
     args = ap.parse_args()
 
     import torch
@@ -112,15 +161,21 @@ def main():
             for st in (1, 2, 3)
             if (bh, bk, w, st) != configs[0] and not (bh == 64 and w == 4)
         ]
+    for spec in args.configs.split():
+        cfg = tuple(int(x) for x in spec.split(","))
+        if len(cfg) != 4:
+            ap.error(f"--configs: expected BLOCK_H,BLOCK_K,warps,stages, got {spec!r}")
+        if cfg not in configs:
+            configs.append(cfg)
     limit = SMEM_LIMIT.get(args.arch)
     print(f"sm_{args.arch}, D={args.dim}, {args.dtype}; default config for H={args.heads}: {default}")
-    print(f"{'BLOCK_H':>7s} {'BLOCK_K':>7s} {'warps':>5s} {'stages':>6s} {'regs':>5s} {'spill B':>8s} {'smem B':>8s} {'fits':>5s} {'wgmma':>6s} {'mma.sync':>8s}")
+    print(f"{'BLOCK_H':>7s} {'BLOCK_K':>7s} {'warps':>5s} {'stages':>6s} {'regs':>5s} {'spill B':>8s} {'smem B':>8s} {'fits':>5s} {'wgmma':>6s} {'mma.sync':>8s} {'tcgen05':>7s} {'loop LDL/STL':>12s}")
     for bh, bk, w, st in configs:
         try:
             r = compile_config(args.arch, args.dim, args.dtype, bh, bk, w, st)
             fits = "?" if limit is None else ("yes" if r["smem"] <= limit else "NO")
             note = "" if "ptxas_error" not in r else "  " + r["ptxas_error"][:80]
-            print(f"{bh:7d} {bk:7d} {w:5d} {st:6d} {r['regs']:5d} {r['spill']:8d} {r['smem']:8d} {fits:>5s} {r['wgmma']:6d} {r['mma_sync']:8d}{note}", flush=True)
+            print(f"{bh:7d} {bk:7d} {w:5d} {st:6d} {r['regs']:5d} {r['spill']:8d} {r['smem']:8d} {fits:>5s} {r['wgmma']:6d} {r['mma_sync']:8d} {r['tcgen05']:7d} {r['loop_spill']:12d}{note}", flush=True)
         except Exception as e:  # noqa: BLE001 - e.g. out of resources at compile time
             print(f"{bh:7d} {bk:7d} {w:5d} {st:6d}  failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
 

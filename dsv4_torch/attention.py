@@ -45,7 +45,8 @@ def sparse_attention(
         (d_v = 512 if D >= 512 else D, `planner.oracle.value_dim`).
       indices: (T, K) or (T, 1, K), int32. An entry is invalid if it is negative, >= S, or at a
         column >= topk_length[t]. Duplicated indices count once per occurrence.
-      sm_scale: float, finite: the logit is sm_scale * <q[t, h], kv[i]>.
+      sm_scale: float (or a 0-d CPU tensor), finite: the logit is sm_scale * <q[t, h], kv[i]>.
+        A tensor on a GPU raises TypeError: reading it would make the host wait for the device.
       attn_sink: optional (H,), float32 (or float64): a per-head logit that joins the softmax
         denominator only, scaling out by exp(lse) / (exp(lse) + exp(sink)). -inf = no sink.
       topk_length: optional (T,), int32: only columns < topk_length[t] are read.
@@ -204,7 +205,13 @@ def _validate(q, kv, indices, sm_scale, attn_sink, topk_length):
     if indices.shape[0] != T:
         raise ValueError(f"indices: {indices.shape[0]} rows for {T} query tokens")
 
-    if isinstance(sm_scale, torch.Tensor) and sm_scale.numel() == 1:
+    if isinstance(sm_scale, torch.Tensor):
+        # Reading a device tensor on the host would wait for the GPU on every call.
+        if sm_scale.ndim != 0 or sm_scale.device.type != "cpu":
+            raise TypeError(
+                f"sm_scale: pass a float (or a 0-d CPU tensor), got a tensor of shape {tuple(sm_scale.shape)} "
+                f"on {sm_scale.device}"
+            )
         sm_scale = sm_scale.item()
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
         raise TypeError(f"sm_scale: expected a real number, got {type(sm_scale).__name__} {sm_scale!r}")

@@ -263,6 +263,118 @@ def test_triton_launch_configs_agree(cfg):
     assert_stats_close(got[2], want_lse, 1e-5, "lse")
 
 
+@needs_triton
+def test_triton_two_head_blocks_per_token():
+    # H = 128 with block_h = 64: two programs per token, pid -> (token, head block) on a 1-D grid.
+    from dsv4_torch.kernels import triton_sparse as ts
+
+    case = make_case(3, 128, 32, 40, 64, seed=19, topk=True, sink="random")
+    got = ts.sparse_attention_triton(**on(DEVICE, case), config=ts.TritonConfig(64, 32, 4, 1))
+    want_out, want_max, want_lse = run_oracle(case)
+    assert_out_fp32_close(got[0], want_out)
+    assert_stats_close(got[1], want_max, 1e-5, "max_logits")
+    assert_stats_close(got[2], want_lse, 1e-5, "lse")
+
+
+@needs_triton
+def test_triton_grid_fits_cuda_limits(monkeypatch):
+    """CUDA caps grid axes y and z at 65,535 (the interpreter does not): T > 65,535 tokens must
+    launch on axis x. The launch is recorded, not run."""
+    from dsv4_torch.kernels import triton_sparse as ts
+
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(ts, "_sparse_attention_kernel", Recorder())
+    T, H = 70_000, 40
+    q = torch.zeros(T, H, 16)
+    ts.sparse_attention_triton(q, torch.zeros(4, 16), torch.zeros(T, 16, dtype=torch.int32), 1.0,
+                               config=ts.TritonConfig(16, 16, 4, 1))
+    (grid,) = grids
+    assert all(n <= 65_535 for n in grid[1:]) and grid[0] < 2**31, grid
+    assert int(np.prod(grid)) == T * 3  # 3 head blocks of 16 for H = 40
+
+
+@pytest.mark.skipif(not GPU, reason="needs an SM90/SM100 GPU")
+@pytest.mark.gpu
+def test_triton_more_tokens_than_grid_axis_y_on_gpu():
+    T = 70_000  # > 65,535, the CUDA limit of grid axes y and z
+    case = make_case(T, 16, 32, 256, 32, seed=20, topk=True, sink="random")
+    got = sparse_attention(**on("cuda", case), backend="triton")
+    want = sparse_attention(**on("cuda", case), backend="reference")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(got[2][-1]).any()  # the last tokens were computed, not left as garbage
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ((24, 32, 4, 2), "block_h: must be a power of two, got 24"),
+        ((32, 48, 4, 2), "block_k: must be a power of two, got 48"),
+        ((8, 32, 4, 2), "block_h: expected an int >= 16, got 8"),
+        ((32, 32, 3, 2), "num_warps: must be a power of two, got 3"),
+        ((32, 32, 4, 0), "num_stages: expected an int >= 1, got 0"),
+    ],
+)
+def test_triton_config_rejects_bad_fields(fields, match):
+    from dsv4_torch.kernels import triton_sparse as ts
+
+    with pytest.raises(ValueError, match=match):
+        ts.TritonConfig(*fields)
+
+
+# ----------------------------------------------------------------------------- NaN inputs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_inputs_propagate_like_the_oracle(backend):
+    """A NaN in q (one head) or in a gathered kv row (every head) makes that token's out, lse and
+    max_logits NaN, as in planner.oracle; a token with no valid key stays out 0 / lse +inf, and
+    other tokens are untouched."""
+    T, H, D, S, K = 6, 16, 64, 40, 96
+    case = make_case(T, H, D, S, K, seed=21, invalid=0.2, sink="random")
+    idx, q, kv = case["indices"], case["q"], case["kv"]
+    idx[idx == S - 1] = 0  # row S-1 is read by token 2 only
+    idx[2, 70] = S - 1  # in the second key block
+    kv[S - 1, 5] = float("nan")
+    q[1, 3, 7] = float("nan")  # token 1, head 3
+    q[4, :, 0] = float("nan")  # token 4 has NaN queries but no valid key
+    idx[4] = -1
+    dev = DEVICE if backend != "reference" else "cpu"
+    got = [x.detach().cpu().double().numpy() for x in sparse_attention(**on(dev, case), backend=backend)]
+    want = run_oracle(case)
+    for name, g, w in zip(("out", "max_logits", "lse"), got, want):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=f"{name}: NaN pattern")
+    assert np.isnan(want[0][1, 3]).all() and np.isnan(want[0][2]).all()
+    assert not np.isnan(want[0][[0, 3, 4, 5]]).any()
+    assert (got[0][4] == 0).all() and np.isposinf(got[2][4]).all() and np.isneginf(got[1][4]).all()
+    keep = [0, 3, 5]  # tokens without NaN: as close as ever
+    assert_out_fp32_close(torch.from_numpy(got[0][keep]), want[0][keep])
+    assert_stats_close(torch.from_numpy(got[2][keep]), want[2][keep], 1e-5, "lse")
+
+
+# ----------------------------------------------------------------------------- host syncs
+
+
+def test_reference_backend_never_syncs_with_the_host():
+    """`auto` reaches the reference backend on GPUs too (float64, no Triton): it must queue work
+    without reading device values on the host (nonzero, int(), bool())."""
+    from tests.no_host_sync import forbid_host_sync
+
+    case = make_case(150, 16, 64, 90, 200, seed=22, topk=True, sink="random")  # several token tiles
+    case["indices"][:, 130:] = -1  # trailing all-invalid key blocks
+    want = sparse_attention(**case, backend="reference")
+    with forbid_host_sync():
+        got = sparse_attention(**case, backend="reference")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_reference_odd_sizes():
     # H, D not multiples of anything; a head dim above 512 that is not 576.
     check(make_case(5, 3, 33, 20, 70, seed=12, topk=True, sink="random"), "reference")
@@ -358,6 +470,34 @@ def test_flashmla_wrapper_pads_and_strips(monkeypatch):
         assert all(c[1] == -(-K // 128) * 128 and c[2] is True for c in calls)  # SM90: use_legacy=True
 
 
+def test_flashmla_wrapper_inspects_the_signature_once(monkeypatch):
+    """Upstream FlashMLA's flash_mla_sparse_fwd has no use_legacy: it is not passed, and the
+    signature is looked up once per function, not per call."""
+    import inspect
+
+    from dsv4_torch.kernels import flashmla
+
+    def upstream_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+        return ref_kernel.sparse_attention_reference(q, kv[:, 0], indices[:, 0], sm_scale, attn_sink, topk_length)
+
+    lookups = []
+    real_signature = inspect.signature
+
+    def counting_signature(fn, *args, **kwargs):
+        lookups.append(fn)
+        return real_signature(fn, *args, **kwargs)
+
+    flashmla._parameters.cache_clear()
+    monkeypatch.setattr(flashmla.inspect, "signature", counting_signature)
+    monkeypatch.setitem(flashmla._cache, "fn", upstream_sparse_fwd)
+    monkeypatch.setattr(flashmla, "unavailable_reason", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    case = make_case(2, 64, 512, 50, 128, seed=23, dtype=torch.bfloat16, sink="random", kv_scale=0.1)
+    for _ in range(3):
+        flashmla.sparse_attention_flashmla(**case)  # TypeError if use_legacy were passed
+    assert lookups.count(upstream_sparse_fwd) == 1
+
+
 @pytest.mark.skipif(not GPU, reason="needs an SM90/SM100 GPU")
 def test_auto_prefers_flashmla_on_sm90_sm100():
     q = torch.zeros(1, 64, 576, dtype=torch.bfloat16, device="cuda")
@@ -435,9 +575,10 @@ def test_triton_kernel_compiles_for_gpus(arch):
     )
     assert res.returncode == 0, res.stderr[-2000:]
     row = res.stdout.strip().splitlines()[-1].split()
-    assert len(row) >= 10 and row[7] == "yes", res.stdout  # compiled, fits shared memory
-    regs, wgmma = int(row[4]), int(row[8])
+    assert len(row) >= 12 and row[7] == "yes", res.stdout  # compiled, fits shared memory
+    regs, spill, wgmma, loop_spill = int(row[4]), int(row[5]), int(row[8]), int(row[11])
     assert 0 < regs <= 255
+    assert spill == 0 and loop_spill == 0, res.stdout  # the default config does not spill at D=512
     assert (wgmma > 0) == (arch == 90), "BLOCK_H=64 on sm_90 should give wgmma"
 
 
@@ -468,6 +609,8 @@ def _good():
         (lambda c: c.update(attn_sink=c["attn_sink"].bfloat16()), TypeError, "attn_sink: expected float32"),
         (lambda c: c.update(sm_scale=float("nan")), ValueError, "sm_scale: must be finite"),
         (lambda c: c.update(sm_scale="0.1"), TypeError, "sm_scale: expected a real number"),
+        (lambda c: c.update(sm_scale=torch.tensor(0.1, device="meta")), TypeError, "sm_scale: pass a float"),
+        (lambda c: c.update(sm_scale=torch.tensor([0.1])), TypeError, "sm_scale: pass a float"),
         (lambda c: c.update(attn_sink=c["attn_sink"].to("meta")), ValueError, "attn_sink: on device meta"),
         (lambda c: c.update(indices=c["indices"].to("meta")), ValueError, "indices: on device meta"),
     ],
@@ -477,6 +620,14 @@ def test_bad_inputs_name_the_argument(change, exc, match):
     change(c)
     with pytest.raises(exc, match=match):
         sparse_attention(**c, backend="reference")
+
+
+def test_sm_scale_as_a_cpu_scalar_tensor():
+    c = _good()
+    want = sparse_attention(**c, backend="reference")
+    got = sparse_attention(**{**c, "sm_scale": torch.tensor(c["sm_scale"], dtype=torch.float64)}, backend="reference")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_bad_backend_name():

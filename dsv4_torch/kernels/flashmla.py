@@ -4,7 +4,8 @@ FlashMLA's `flash_mla_sparse_fwd` serves SM90 (Hopper) and SM100 (Blackwell data
 bf16 inputs, H in {64, 128}, D in {512, 576} and an index width that is a multiple of 128 on
 SM90. This wrapper pads heads and index width to what the kernel takes and strips the padding.
 The sgl-flash-mla wheel keeps the Hopper kernels as "legacy" ones behind `use_legacy=True`; the
-wrapper passes it on SM90 when the installed `flash_mla_sparse_fwd` has that argument.
+wrapper passes it on SM90 when the installed `flash_mla_sparse_fwd` has that argument (upstream
+FlashMLA's `flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)` has not).
 
 `flash_mla` is imported lazily: importing it without an NVIDIA driver (or with a torch it was
 not built for) fails, and that must not break `import dsv4_torch`.
@@ -12,6 +13,7 @@ not built for) fails, and that must not break `import dsv4_torch`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
@@ -118,7 +120,7 @@ def sparse_attention_flashmla(
     for h0 in range(0, H, 128):  # FlashMLA takes at most 128 heads: split, heads are independent
         h1 = min(H, h0 + 128)
         n = h1 - h0
-        padded = 64 if n <= 64 else 128
+        padded = 64 if n <= 64 else 128  # sparse_fwd.h dispatches h_q 64 and 128 on SM90 and SM100
         q_g = q[:, h0:h1]
         sink_g = sink[h0:h1] if sink is not None else None
         if padded != n:
@@ -134,6 +136,7 @@ def sparse_attention_flashmla(
     return out, max_logits, lse
 
 
+@functools.lru_cache(maxsize=8)  # inspect.signature costs microseconds; this runs per call
 def _parameters(fn) -> tuple[str, ...]:
     try:
         return tuple(inspect.signature(fn).parameters)

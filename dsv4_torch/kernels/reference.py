@@ -95,18 +95,19 @@ def sparse_attention_reference(
         lim_tile.zero_()
         lim_tile[:n] = limit[t0 : t0 + n]
         valid = (idx_tile >= 0) & (idx_tile < S) & (cols[None, :] < lim_tile[:, None])  # [tile, Kp]
-        used = valid.any(dim=0).nonzero()
-        blocks = 0 if used.numel() == 0 else int(used[-1]) // KEY_BLOCK + 1  # skip trailing invalid blocks
 
         m = torch.full((tile, heads), -math.inf, dtype=acc_dtype, device=dev)  # running max
         l = torch.zeros((tile, heads), dtype=acc_dtype, device=dev)  # running sum of exp
         acc = torch.zeros((tile, heads, d_v), dtype=acc_dtype, device=dev)
-        for b in range(blocks):
+        # Every block, even all-invalid trailing ones: skipping them would need the host to read
+        # the indices (a sync on a GPU). A block without valid entries leaves a row bitwise as it was.
+        for b in range(num_blocks):
             m, l, acc = _key_block_step(
                 q_tile, kv, idx_tile[:, b * KEY_BLOCK : (b + 1) * KEY_BLOCK],
                 valid[:, b * KEY_BLOCK : (b + 1) * KEY_BLOCK], sm_scale, d_v, m, l, acc,
             )
-        o, mx, ls = _finish(m, l, acc, sink)
+        has_key = valid.any(dim=1)[:, None]  # [tile, 1]
+        o, mx, ls = _finish(m, l, acc, sink, has_key)
         out[t0 : t0 + n] = o[:n, :H]
         max_logits[t0 : t0 + n] = mx[:n, :H]
         lse[t0 : t0 + n] = ls[:n, :H]
@@ -132,8 +133,6 @@ def _key_block_step(q_tile, kv, idx, valid, sm_scale, d_v, m, l, acc):
     p = torch.exp(s - m_ref[:, :, None])
     l_new = l * alpha + p.sum(dim=-1)
     acc_new = torch.baddbmm(acc * alpha[:, :, None], p, keys[:, :, :d_v])
-    if bool(has.all()):
-        return m_new, l_new, acc_new
     return (
         torch.where(has, m_new, m),
         torch.where(has, l_new, l),
@@ -141,9 +140,13 @@ def _key_block_step(q_tile, kv, idx, valid, sm_scale, d_v, m, l, acc):
     )
 
 
-def _finish(m, l, acc, sink):
-    """Normalise, apply the sink, and give rows with no valid key out 0, lse +inf, max -inf."""
-    has = l > 0  # the block holding the max contributes exp(0) = 1
+def _finish(m, l, acc, sink, has_key):
+    """Normalise, apply the sink, and give rows with no valid key out 0, lse +inf, max -inf.
+
+    has_key [tile, 1]: the token has a valid entry. Not `l > 0`: a NaN logit makes l NaN, and
+    such a row must come out NaN, as planner.oracle gives it.
+    """
+    has = has_key.expand_as(m)
     lse = torch.where(has, m + torch.log(l), math.inf)
     out = acc / torch.where(has, l, 1.0)[:, :, None]
     # exp(lse) / (exp(lse) + exp(sink)), written so a large sink cannot overflow into NaN.

@@ -37,6 +37,11 @@ def _round_to_bf16(x):
 
 
 @triton.jit
+def _max_propagating_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _sparse_attention_kernel(
     q_ptr,  # [T, H, D]
     kv_ptr,  # [S, D]
@@ -60,8 +65,12 @@ def _sparse_attention_kernel(
     F32_DOT: tl.constexpr,  # float32 dot operands in IEEE precision (float32 inputs; interpreter)
     EMULATE_BF16: tl.constexpr,  # interpreter + bf16: round to bf16 by hand (its cast truncates)
 ):
-    head_block = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
+    # 1-D grid, pid -> (token, head block) with a token's head blocks adjacent: they gather the
+    # same KV rows, so the second one finds them in L2. (Grid axes y/z stop at 65,535; x does not.)
+    head_blocks = tl.cdiv(H, BLOCK_H)
+    pid = tl.program_id(0)
+    t = (pid // head_blocks).to(tl.int64)
+    head_block = pid % head_blocks
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < H
@@ -85,6 +94,7 @@ def _sparse_attention_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of valid logits (base 2)
     l = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(logit - m)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    num_valid = tl.zeros([BLOCK_H], tl.int32)  # valid entries seen; a NaN logit must not pass for "no valid key"
     # Only blocks below topk_length can hold valid entries.
     for k0 in range(0, limit, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
@@ -105,23 +115,28 @@ def _sparse_attention_kernel(
             else:
                 s += tl.dot(q_tail, tl.trans(kv_tail))
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        num_valid += tl.sum(valid.to(tl.int32), axis=0)
 
-        m_new = tl.maximum(m, tl.max(s, axis=1))
+        # NaN-propagating max (hardware max.f32 drops NaN), so a NaN logit gives max_logits NaN.
+        m_new = tl.maximum(m, tl.reduce(s, 1, _max_propagating_nan), propagate_nan=tl.PropagateNan.ALL)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep everything 0, not NaN
         alpha = tl.exp2(m - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        # P is rounded to the input dtype before the PV matmul, as FlashMLA does.
+        # P is rounded to the input dtype before the PV matmul, as FlashMLA does. The rescaled
+        # accumulator goes in as the dot's accumulator: no second BLOCK_H x BLOCK_DV fp32 temporary.
+        acc = acc * alpha[:, None]
         if EMULATE_BF16:
-            acc = acc * alpha[:, None] + tl.dot(_round_to_bf16(p), kv_main, input_precision="ieee")
+            acc = tl.dot(_round_to_bf16(p), kv_main, acc, input_precision="ieee")
         elif F32_DOT:
-            p_in = p.to(kv_ptr.dtype.element_ty).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p_in, kv_main, input_precision="ieee")
+            acc = tl.dot(p.to(kv_ptr.dtype.element_ty).to(tl.float32), kv_main, acc, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv_ptr.dtype.element_ty), kv_main)
+            acc = tl.dot(p.to(kv_ptr.dtype.element_ty), kv_main, acc)
         m = m_new
 
-    has_key = l > 0.0  # the max logit contributes exp2(0) = 1
+    # Decided by count, not by l > 0: a NaN logit makes l NaN, and the row must come out NaN
+    # (as planner.oracle does), not as "no valid key".
+    has_key = num_valid > 0
     m_ref = tl.where(has_key, m, 0.0)
     l_ref = tl.where(has_key, l, 1.0)
     denom = l_ref
@@ -146,34 +161,62 @@ INTERPRETED = not isinstance(_sparse_attention_kernel, triton.runtime.JITFunctio
 
 @dataclass(frozen=True)
 class TritonConfig:
-    """Launch configuration. BLOCK_H >= 16 (tl.dot); powers of two."""
+    """Launch configuration. block_h, block_k: powers of two >= 16 (tl.dot); num_warps: a power of two."""
 
     block_h: int
     block_k: int
     num_warps: int
     num_stages: int
 
+    def __post_init__(self):
+        # Checked here, so a bad value names its field instead of failing inside Triton's compiler.
+        for name, low in (("block_h", 16), ("block_k", 16), ("num_warps", 1), ("num_stages", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"TritonConfig.{name}: expected an int >= {low}, got {value!r}")
+            if name != "num_stages" and value & (value - 1):
+                raise ValueError(f"TritonConfig.{name}: must be a power of two, got {value}")
+
 
 def default_config(
     num_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16, arch: int | None = None
 ) -> TritonConfig:
-    """A starting point per GPU generation, untuned on hardware (bench/gpu_check_torch.py sweeps).
+    """A starting point per GPU generation, untuned for speed (bench/gpu_check_torch.py sweeps).
 
     arch: compute capability as an int (90 = H100); None = unknown (treated like sm_80).
     Each program re-gathers the token's KV rows, so more heads per program means less gather
-    traffic per flop. On sm_90/sm_100 BLOCK_H = 64 lets Triton use wgmma (M >= 64); its
-    64 x 512 float32 accumulator needs 8 warps (128 registers a thread). Elsewhere (mma.sync,
-    ~100 KB shared memory on sm_86/89/120) BLOCK_H = 32 fits without spills.
-    bench/triton_resources_torch.py shows registers, spills and shared memory per config.
+    traffic per flop; BLOCK_H = 64 lets Triton use wgmma on sm_90 and tcgen05 on sm_100 (M >= 64).
+    Chosen so no register spills sit in the key loop (bench/triton_resources_torch.py, bf16,
+    Triton 3.9, regs / spill bytes / loop LDL+STL / shared memory):
+
+      arch    D    config (BLOCK_H, BLOCK_K, warps, stages)   regs  spill  loop  smem
+      sm_80   512  32, 32, 8, 2  (mma.sync)                  181      0     0   67712
+      sm_80   576  32, 32, 8, 2                              183      0     0   75904
+      sm_90   512  64, 16, 8, 2  (wgmma)                     255      0     0   98368
+      sm_90   576  64, 16, 8, 2                              255     32     0  110656
+      sm_100  512  64, 32, 8, 2  (tcgen05)                   235      0     0  164512
+      sm_100  576  64, 32, 8, 2                              247      0     0  144040
+      sm_120  512  32, 32, 8, 2  (mma.sync, ~100 KB smem)    180      0     0   67712
+      sm_120  576  32, 32, 8, 2                              186      0     0   75904
+      any     576  16, 16, 8, 2  (float32 inputs)        122-128      0     0   74944
+
+    On sm_90 the 64 x 512 float32 accumulator lives in registers (128 a thread at 8 warps), so
+    BLOCK_K = 32 spills inside the loop (52 B at D=512, 92 B at D=576) and BLOCK_K = 64 more;
+    16 warps cap registers at 128 and spill hundreds of bytes. The 32 B at sm_90/D=576 are
+    loop-invariant values stored before the loop and reloaded after it. sm_100 keeps the
+    accumulator in tensor memory, hence BLOCK_K = 32 there.
     """
     big = head_dim >= 256
-    if num_heads <= 16 or (big and dtype == torch.float32):
-        block_h = 16
-    elif arch in (90, 100, 103) and num_heads >= 64 and dtype != torch.float32:
-        block_h = 64
-    else:
-        block_h = 32
-    return TritonConfig(block_h=block_h, block_k=32 if big else 64, num_warps=8 if big else 4, num_stages=2)
+    if big and dtype == torch.float32:  # IEEE fp32 dots on CUDA cores; BLOCK_K = 32 spills on sm_80
+        return TritonConfig(block_h=16, block_k=16, num_warps=8, num_stages=2)
+    if num_heads <= 16:
+        return TritonConfig(block_h=16, block_k=32 if big else 64, num_warps=8 if big else 4, num_stages=2)
+    wide = num_heads >= 64 and dtype != torch.float32 and arch in (90, 100, 103)  # wgmma / tcgen05
+    if not big:  # small test dims: nothing near the register limit
+        return TritonConfig(block_h=64 if wide else 32, block_k=64, num_warps=4, num_stages=2)
+    if wide:
+        return TritonConfig(block_h=64, block_k=16 if arch == 90 else 32, num_warps=8, num_stages=2)
+    return TritonConfig(block_h=32, block_k=32, num_warps=8, num_stages=2)
 
 
 def sparse_attention_triton(
@@ -218,8 +261,8 @@ def sparse_attention_triton(
         major, minor = torch.cuda.get_device_capability(q.device)
         arch = 10 * major + minor
     cfg = config or default_config(H, D, q.dtype, arch)
-    if cfg.block_h < 16 or cfg.block_k < 16:
-        raise ValueError(f"config: block_h and block_k must be >= 16 for tl.dot, got {cfg}")
+    if not isinstance(cfg, TritonConfig):
+        raise TypeError(f"config: expected a TritonConfig, got {type(cfg).__name__}")
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
     dev = q.device
     out = torch.empty((T, H, d_v), dtype=q.dtype, device=dev)
@@ -230,7 +273,7 @@ def sparse_attention_triton(
     sink = attn_sink.to(torch.float32).contiguous() if attn_sink is not None else max_logits  # dummy pointer
     tlen = topk_length.contiguous() if topk_length is not None else indices  # dummy pointer
     tail = D - d_v
-    grid = (triton.cdiv(H, cfg.block_h), T)
+    grid = (T * triton.cdiv(H, cfg.block_h),)  # 1-D: axis y would cap T at 65,535
     _sparse_attention_kernel[grid](
         q, kv, indices, sink, tlen, out, max_logits, lse,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
