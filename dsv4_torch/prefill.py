@@ -285,28 +285,31 @@ def _kind_metadata(kp: KindPlan, step: StepMetadata, device: torch.device, index
 
 
 def _chunk_indices(meta: KindMetadata, chunk: ChunkMeta) -> ChunkIndices:
-    """The top-k-independent index rows of one chunk (device ops, once per step)."""
+    """The top-k-independent index rows of one chunk (device ops, once per step).
+
+    Per token (int64, then int32 for the (T_chunk, width) work): compressed part in columns
+    0 .. ncomp-1, window position q = p - nwin + 1 + (col - ncomp) at row N + q - gather_start.
+    """
     kind, W, width = meta.kind, meta.plan.window_size, meta.index_width
     b = meta.token_request[chunk.t0 : chunk.t1]
     p = meta.token_position[chunk.t0 : chunk.t1]
     base = meta.seg_row_base[chunk.s0 : chunk.s1][b]
     gstart = meta.seg_gather_start[chunk.s0 : chunk.s1][b]
-    col = torch.arange(width, device=p.device)[None, :]
     visible = torch.zeros_like(p) if kind is LayerKind.SWA else torch.div(p + 1, kind.ratio, rounding_mode="floor")
     ncomp = torch.clamp(visible, max=meta.index_topk) if kind is LayerKind.CSA else visible
     nwin = torch.clamp(p + 1, max=W)
-    length = ncomp + nwin
-    in_comp = col < ncomp[:, None]
-    in_win = (col >= ncomp[:, None]) & (col < length[:, None])
-    win_val = chunk.N + (p - nwin + 1 - gstart)[:, None] + (col - ncomp[:, None])
+    length = (ncomp + nwin).to(torch.int32)
+    window_row0 = (base + chunk.N + p - nwin + 1 - gstart - ncomp).to(torch.int32)[:, None]  # row at col 0
+    base32, ncomp32 = base.to(torch.int32)[:, None], ncomp.to(torch.int32)[:, None]
+    col = torch.arange(width, dtype=torch.int32, device=p.device)[None, :]
+    window = torch.where(col < length[:, None], window_row0 + col, -1)
     # HCA reads compressed entries 0 .. ncomp-1 in order; CSA's come from the layer's top-k rows.
-    comp = base[:, None] + col if kind is LayerKind.HCA else torch.full_like(win_val, -1)
-    idx = torch.where(in_comp, comp, torch.where(in_win, base[:, None] + win_val, -1)).to(torch.int32)
+    comp = base32 + col if kind is LayerKind.HCA else -1
+    idx = torch.where(col < ncomp32, comp, window) if kind is not LayerKind.SWA else window
     if kind is not LayerKind.CSA:
-        return ChunkIndices(idx, length.to(torch.int32))
-    used = col[:, : meta.index_topk] < ncomp[:, None]
-    limit = torch.where(used, visible[:, None], 0).to(torch.int32)
-    return ChunkIndices(idx, length.to(torch.int32), limit, base[:, None].to(torch.int32))
+        return ChunkIndices(idx, length)
+    limit = torch.where(col[:, : meta.index_topk] < ncomp32, visible.to(torch.int32)[:, None], 0)
+    return ChunkIndices(idx, length, limit, base32)
 
 
 class _Rows:
