@@ -395,10 +395,10 @@ def _check_source_values(src: _Rows, name: str, needed: np.ndarray, first: np.nd
         lo, hi = index + first[planned], index + needed[planned]
         bad = (lo < 0) | (hi > src.rows.shape[0])
         if bad.any():
-            i = int(planned[np.argmax(bad)])
+            k = int(np.argmax(bad))
             raise ValueError(
-                f"{name}.offsets: request {i} at offset {int(src.index[i])} reads rows "
-                f"{int(lo[np.argmax(bad)])} .. {int(hi[np.argmax(bad)]) - 1}, outside 0 .. {src.rows.shape[0] - 1}"
+                f"{name}.offsets: request {int(planned[k])} at offset {int(index[k])} reads rows "
+                f"{int(lo[k])} .. {int(hi[k]) - 1}, outside 0 .. {src.rows.shape[0] - 1}"
             )
         return
     num_pages = src.rows.shape[0] // src.page_size
