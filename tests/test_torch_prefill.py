@@ -157,3 +157,188 @@ def test_bad_inputs():
         TP.LogicalKV(torch.zeros(4, 8), torch.zeros(2))
     with pytest.raises(TypeError, match="raw_kv"):
         call(raw_kv=[])
+
+
+# --- bad caches: every one a ValueError naming the argument, never a wrong answer ---------------
+
+
+def _layer(ratio, case_no=2):
+    """(call(**overrides), case, meta): a CSA/HCA/SWA layer call with good inputs by default."""
+    case = boundary_cases(ratio)[case_no]
+    step = P.plan_step(case.batch, case.plan_config(), [ratio])
+    meta = TP.build_step_metadata(step, index_topk=case.topk)[ratio]
+    kw = dict(q=torch.from_numpy(case.q), meta=meta, raw_kv=[torch.from_numpy(x) for x in case.raw],
+              compressed_kv=[torch.from_numpy(x) for x in case.comp] if ratio > 1 else None,
+              sm_scale=case.sm_scale, attn_sink=torch.from_numpy(case.sink),
+              topk_indices=torch.from_numpy(case.topk_rows) if ratio == 4 else None, backend="reference")  # fmt: skip
+    return (lambda **o: TP.prefill_attention(**{**kw, **o})), case, meta
+
+
+def _paged(case, which):
+    pages, table = case.paged(which, seed=3)
+    return TP.PagedKV(torch.from_numpy(pages), torch.from_numpy(table))
+
+
+def test_bad_cache_last_dim():
+    call, case, _ = _layer(4)
+    raw = _paged(case, "raw")
+    with pytest.raises(ValueError, match=r"raw_kv: last dim 31, q's D is 32"):
+        call(raw_kv=TP.PagedKV(raw.pages[..., :31].contiguous(), raw.block_table))
+    with pytest.raises(ValueError, match=r"compressed_kv\[1\]: last dim 31"):
+        call(compressed_kv=[torch.from_numpy(x[:, : 31 if i == 1 else None]) for i, x in enumerate(case.comp)])
+    packed = TP.LogicalKV.from_list([torch.from_numpy(x[:, :31]) for x in case.comp])
+    with pytest.raises(ValueError, match=r"compressed_kv: last dim 31"):
+        call(compressed_kv=packed)
+
+
+def test_bad_cache_block_table_too_few_rows():
+    call, case, _ = _layer(128)
+    raw = _paged(case, "raw")
+    with pytest.raises(ValueError, match=r"raw_kv.block_table: 2 rows, but the step's batch has 3 requests"):
+        call(raw_kv=TP.PagedKV(raw.pages, raw.block_table[:2]))
+    comp = _paged(case, "comp")
+    with pytest.raises(ValueError, match=r"compressed_kv.block_table: 1 rows"):
+        call(compressed_kv=TP.PagedKV(comp.pages, comp.block_table[:1]))
+    # extra rows (an engine's padded table) are fine
+    want = call(raw_kv=raw)
+    wide = TP.PagedKV(raw.pages, torch.cat([raw.block_table, raw.block_table[:1]]))
+    assert torch.equal(call(raw_kv=wide), want)
+
+
+def test_bad_cache_block_table_too_narrow():
+    call, case, _ = _layer(4)  # seq_lens [300, 517, 260], raw pages of 16, compressed pages of 4
+    raw, comp = _paged(case, "raw"), _paged(case, "comp")
+    with pytest.raises(ValueError, match=r"raw_kv.block_table: 32 pages of 16 entries hold 512, but request 1 needs 517"):
+        call(raw_kv=TP.PagedKV(raw.pages, raw.block_table[:, :32]))
+    with pytest.raises(ValueError, match=r"compressed_kv.block_table: 32 pages of 4 entries hold 128, but request 1 needs 129"):
+        call(compressed_kv=TP.PagedKV(comp.pages, comp.block_table[:, :32]))
+
+
+def test_bad_cache_page_ids_checked_on_cpu():
+    call, case, _ = _layer(0)
+    raw = _paged(case, "raw")
+    table = raw.block_table.clone()
+    table[2, 16] = raw.pages.shape[0]  # request 2 (seq_len 260) reads pages 0 .. 16
+    with pytest.raises(ValueError, match=r"raw_kv.block_table: request 2 page 16 is \d+, outside 0 \.\. \d+"):
+        call(raw_kv=TP.PagedKV(raw.pages, table))
+    table = raw.block_table.clone()
+    table[2, :] = -1  # pages request 2 never reads (before its window) may be anything
+    table[2, 15:17] = raw.block_table[2, 15:17]
+    assert torch.equal(call(raw_kv=TP.PagedKV(raw.pages, table)), call(raw_kv=raw))
+
+
+def test_bad_cache_per_request_lengths():
+    """The audit's probe: request 0 one row short, the last one row long, same total."""
+    call, case, _ = _layer(0)
+    raw = [torch.from_numpy(x) for x in case.raw]
+    shifted = [raw[0][:-1], raw[1], torch.cat([raw[2], raw[2][:1]])]
+    with pytest.raises(ValueError, match=r"raw_kv\[0\]: 299 rows, but request 0 needs 300"):
+        call(raw_kv=shifted)
+    with pytest.raises(ValueError, match=r"raw_kv: 2 per-request tensors, but the step's batch has 3 requests"):
+        call(raw_kv=raw[:2])
+    call4, case4, _ = _layer(4)
+    comp = [torch.from_numpy(x) for x in case4.comp]
+    with pytest.raises(ValueError, match=r"compressed_kv\[2\]: 64 rows, but request 2 needs 65"):
+        call4(compressed_kv=comp[:2] + [comp[2][:-1]])
+    # longer than needed (a cache holding more) is fine
+    assert torch.equal(call(raw_kv=raw[:2] + [torch.cat([raw[2], raw[2][:5]])]), call())
+
+
+def test_bad_cache_packed_offsets():
+    call, case, _ = _layer(0)
+    packed = TP.LogicalKV.from_list([torch.from_numpy(x) for x in case.raw])
+    with pytest.raises(ValueError, match=r"raw_kv.offsets: 2 rows, but the step's batch has 3 requests"):
+        call(raw_kv=TP.LogicalKV(packed.rows, packed.offsets[:2]))
+    off = packed.offsets.clone()
+    off[0] += 1  # request 0 would read into request 1's rows: fine for the bounds, so shift the last
+    off[2] += 1  # request 2 (260 rows) now ends one row past the end
+    with pytest.raises(ValueError, match=r"raw_kv.offsets: request 2 at offset 818 reads rows .* outside 0 \.\. 1076"):
+        call(raw_kv=TP.LogicalKV(packed.rows, off))
+    off = packed.offsets.clone()
+    off[0] = -300  # request 0 reads positions 286 .. 299 only (7 queries + 7 window rows): -14 .. -1
+    with pytest.raises(ValueError, match=r"raw_kv.offsets: request 0 at offset -300 reads rows -14 \.\. -1"):
+        call(raw_kv=TP.LogicalKV(packed.rows, off))
+
+
+def test_bad_topk_indices():
+    call, case, meta = _layer(4)
+    rows = torch.from_numpy(case.topk_rows)
+    want = call()
+    assert torch.equal(call(topk_indices=rows.long()), want)  # int64 is accepted ...
+    with pytest.raises(TypeError, match=r"topk_indices: expected int32 or int64, got torch.float32"):
+        call(topk_indices=rows.float())  # ... and the message says so
+    with pytest.raises(ValueError, match=r"topk_indices: on meta, q on cpu"):
+        call(topk_indices=torch.empty(rows.shape, dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match=rf"topk_indices: expected \({rows.shape[0]}, {case.topk}\)"):
+        call(topk_indices=rows[:, :-1])
+    with pytest.raises(TypeError, match=r"block_table: expected int32 or int64, got torch.float32"):
+        TP.PagedKV(torch.zeros(2, 4, 8), torch.zeros(3, 2))
+
+
+# --- per-step work stays in the metadata -------------------------------------------------------
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+@pytest.mark.parametrize("layout", ["paged", "packed"])
+def test_layer_call_makes_no_host_sync(ratio, layout, monkeypatch):
+    from tests.no_host_sync import forbid_host_sync
+
+    call, case, meta = _layer(ratio)
+    want = call()
+    if layout == "paged":
+        raw, comp = _paged(case, "raw"), _paged(case, "comp") if ratio > 1 else None
+    else:
+        raw = TP.LogicalKV.from_list([torch.from_numpy(x) for x in case.raw])
+        comp = TP.LogicalKV.from_list([torch.from_numpy(x) for x in case.comp]) if ratio > 1 else None
+    # The value checks read page ids / offsets / top-k rows on the host and run for CPU tensors only
+    # (free there; on a GPU they are skipped), so they are the one thing taken out here.
+    monkeypatch.setattr(TP, "_check_source_values", lambda *a: None)
+    monkeypatch.setattr(TP, "_check_topk_values", lambda *a: None)
+    # The reference kernel is not under test here (it syncs to skip trailing key blocks, and on a
+    # GPU FlashMLA/Triton run instead): it runs with the guard off; everything around it is guarded.
+    kernel, kernel_calls = TP.sparse_attention, []
+
+    def unguarded_kernel(*args, **kwargs):
+        kernel_calls.append(kwargs["backend"])
+        with torch._C.DisableTorchFunction():
+            return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(TP, "sparse_attention", unguarded_kernel)
+    for _ in range(2):  # the first call builds the row maps, the second reuses them
+        with forbid_host_sync():
+            got = call(raw_kv=raw, compressed_kv=comp)
+        assert torch.equal(got, want)
+    assert kernel_calls and set(kernel_calls) == {"reference"}
+
+
+def test_forbid_host_sync_catches_old_style_gather():
+    """The guard would have caught a gather sized from device data (the test above can fail)."""
+    from tests.no_host_sync import HostSyncError, forbid_host_sync
+
+    lengths = torch.tensor([2, 0, 3])
+    with pytest.raises(HostSyncError, match="repeat_interleave"), forbid_host_sync():
+        torch.repeat_interleave(torch.arange(3), lengths)
+
+
+def test_index_rows_and_row_maps_built_once_per_step(monkeypatch):
+    call, case, meta = _layer(4)
+    want = call()
+    monkeypatch.setattr(TP, "_chunk_indices", lambda *a: pytest.fail("index rows rebuilt in a layer call"))
+    raw, comp = _paged(case, "raw"), _paged(case, "comp")
+    assert torch.equal(call(raw_kv=raw, compressed_kv=comp), want)
+    maps = {k: v[2] for k, v in meta._row_maps.items()}
+    # another layer: its own pages, the same block tables -> the same row maps, not recomputed
+    pages2 = TP.PagedKV(raw.pages * 2, raw.block_table)
+    call(raw_kv=pages2, compressed_kv=TP.PagedKV(comp.pages * 2, comp.block_table))
+    assert all(meta._row_maps[k][2] is maps[k] for k in maps)
+    # a different block table (pages moved) or one edited in place is mapped afresh
+    perm = torch.randperm(raw.pages.shape[0], generator=torch.Generator().manual_seed(0))
+    moved = TP.PagedKV(raw.pages[perm], torch.argsort(perm).to(torch.int32)[raw.block_table.long()])
+    assert torch.equal(call(raw_kv=moved, compressed_kv=comp), want)
+    assert meta._row_maps["raw"][2] is not maps["raw"]
+    table = raw.block_table.clone()
+    pages = raw.pages.clone()
+    assert torch.equal(call(raw_kv=TP.PagedKV(pages, table), compressed_kv=comp), want)
+    table.copy_(moved.block_table)  # in place: same tensor, new contents
+    pages.copy_(moved.pages)
+    assert torch.equal(call(raw_kv=TP.PagedKV(pages, table), compressed_kv=comp), want)
