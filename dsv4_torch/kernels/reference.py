@@ -21,6 +21,10 @@ KEY_BLOCK = 64  # index columns per step of the online softmax
 MAX_TOKEN_TILE = 64
 TILE_BUDGET_BYTES = 64 << 20  # working set of one token tile
 _HEAD_ALIGN = 16  # pad heads so every per-token slice starts 64-byte aligned
+# On CPU, reading the indices on the host is free, so key blocks without a valid entry in the
+# whole token tile are skipped (exact: such a block leaves every row as it was). On other devices
+# every block runs, since the read would make the host wait for the device.
+SKIP_EMPTY_BLOCKS_ON_CPU = True
 
 
 def token_tile(num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -99,9 +103,11 @@ def sparse_attention_reference(
         m = torch.full((tile, heads), -math.inf, dtype=acc_dtype, device=dev)  # running max
         l = torch.zeros((tile, heads), dtype=acc_dtype, device=dev)  # running sum of exp
         acc = torch.zeros((tile, heads, d_v), dtype=acc_dtype, device=dev)
-        # Every block, even all-invalid trailing ones: skipping them would need the host to read
-        # the indices (a sync on a GPU). A block without valid entries leaves a row bitwise as it was.
-        for b in range(num_blocks):
+        blocks = range(num_blocks)
+        if dev.type == "cpu" and SKIP_EMPTY_BLOCKS_ON_CPU:
+            active = valid.view(tile, num_blocks, KEY_BLOCK).any(dim=2).any(dim=0).tolist()
+            blocks = [b for b in blocks if active[b]]
+        for b in blocks:
             m, l, acc = _key_block_step(
                 q_tile, kv, idx_tile[:, b * KEY_BLOCK : (b + 1) * KEY_BLOCK],
                 valid[:, b * KEY_BLOCK : (b + 1) * KEY_BLOCK], sm_scale, d_v, m, l, acc,
