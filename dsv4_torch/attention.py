@@ -125,6 +125,8 @@ def available_backends() -> dict[str, str | None]:
 
         if not triton_sparse.INTERPRETED:
             triton_reason = "no CUDA/ROCm GPU (CPU tensors need TRITON_INTERPRET=1 set before first import)"
+        else:
+            triton_reason = triton_sparse.INTERPRETER_UNSUPPORTED
     reasons["triton"] = triton_reason
     reasons["reference"] = None
     return reasons
@@ -145,7 +147,7 @@ def _unavailable_for(name: str, q: torch.Tensor) -> str | None:
         from dsv4_torch.kernels import triton_sparse
 
         if q.device.type == "cpu" and triton_sparse.INTERPRETED:
-            return None
+            return triton_sparse.INTERPRETER_UNSUPPORTED
         return (
             f"q is on {q.device}; the triton backend needs a CUDA/ROCm tensor, or CPU tensors with "
             "TRITON_INTERPRET=1 set before dsv4_torch.kernels.triton_sparse is first imported"

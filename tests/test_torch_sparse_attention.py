@@ -583,6 +583,33 @@ def test_triton_kernel_compiles_for_gpus(arch):
     assert (wgmma > 0) == (arch == 90), "BLOCK_H=64 on sm_90 should give wgmma"
 
 
+def test_default_config_follows_the_triton_version_on_hopper():
+    """Triton 3.6 (torch 2.11) spills 64,16,8,2 inside the key loop on sm_90 and not 64,16,8,1;
+    Triton 3.9 the other way round (offline compiles, see default_config's docstring)."""
+    from dsv4_torch.kernels import triton_sparse as ts
+
+    old = ts.default_config(64, 512, torch.bfloat16, 90, triton_version=(3, 6))
+    new = ts.default_config(64, 512, torch.bfloat16, 90, triton_version=(3, 9))
+    assert (old.block_h, old.block_k, old.num_stages) == (64, 16, 1)
+    assert (new.block_h, new.block_k, new.num_stages) == (64, 16, 2)
+    assert ts.default_config(64, 512, torch.bfloat16, 100, triton_version=(3, 6)).num_stages == 2
+
+
+def test_old_triton_interpreter_is_reported_not_run(monkeypatch):
+    """Interpreters before Triton 3.9 cannot run the kernel: the backend says why instead."""
+    from dsv4_torch.kernels import triton_sparse as ts
+
+    if not ts.INTERPRETED:
+        pytest.skip("needs TRITON_INTERPRET=1 (set by the test suite's conftest)")
+    monkeypatch.setattr(ts, "INTERPRETER_UNSUPPORTED", "Triton 3.6.0's interpreter cannot run this kernel")
+    case = make_case(3, 4, 16, 10, 8, topk=True, sink="random")
+    assert "3.6.0" in available_backends()["triton"]
+    with pytest.raises(BackendUnavailableError, match="3.6.0"):
+        sparse_attention(**case, backend="triton")
+    with pytest.raises(RuntimeError, match="3.6.0"):
+        ts.sparse_attention_triton(case["q"], case["kv"], case["indices"], case["sm_scale"])
+
+
 # ----------------------------------------------------------------------------- bad inputs
 
 

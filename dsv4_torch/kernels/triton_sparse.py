@@ -157,6 +157,13 @@ def _sparse_attention_kernel(
 
 
 INTERPRETED = not isinstance(_sparse_attention_kernel, triton.runtime.JITFunction)
+TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
+# Interpreters before Triton 3.9 cannot run a loop bounded by a loaded value (topk_length):
+# "only 0-dimensional arrays can be converted to Python scalars". Compiled kernels are unaffected.
+INTERPRETER_UNSUPPORTED = (
+    f"Triton {triton.__version__}'s interpreter cannot run this kernel (needs Triton >= 3.9 on CPU)"
+    if INTERPRETED and TRITON_VERSION < (3, 9) else None
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -179,11 +186,13 @@ class TritonConfig:
 
 
 def default_config(
-    num_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16, arch: int | None = None
+    num_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16, arch: int | None = None,
+    triton_version: tuple[int, int] | None = None,
 ) -> TritonConfig:
     """A starting point per GPU generation, untuned for speed (bench/gpu_check_torch.py sweeps).
 
     arch: compute capability as an int (90 = H100); None = unknown (treated like sm_80).
+    triton_version: (major, minor) of the Triton that compiles; None = the installed one.
     Each program re-gathers the token's KV rows, so more heads per program means less gather
     traffic per flop; BLOCK_H = 64 lets Triton use wgmma on sm_90 and tcgen05 on sm_100 (M >= 64).
     Chosen so no register spills sit in the key loop (bench/triton_resources_torch.py, bf16,
@@ -205,6 +214,11 @@ def default_config(
     16 warps cap registers at 128 and spill hundreds of bytes. The 32 B at sm_90/D=576 are
     loop-invariant values stored before the loop and reloaded after it. sm_100 keeps the
     accumulator in tensor memory, hence BLOCK_K = 32 there.
+
+    Triton 3.6 (what torch 2.11 ships) allocates registers differently on sm_90: there
+    64, 16, 8, 2 spills 140 B / 224 B (58 / 97 spill ops in the loop) and 64, 16, 8, 1 spills
+    nothing (221 / 220 registers, 81920 / 92160 B shared memory), while on Triton 3.9 it is the
+    other way round (one stage spills 68 B / 64 B in the loop). Hence one stage before 3.9.
     """
     big = head_dim >= 256
     if big and dtype == torch.float32:  # IEEE fp32 dots on CUDA cores; BLOCK_K = 32 spills on sm_80
@@ -214,8 +228,11 @@ def default_config(
     wide = num_heads >= 64 and dtype != torch.float32 and arch in (90, 100, 103)  # wgmma / tcgen05
     if not big:  # small test dims: nothing near the register limit
         return TritonConfig(block_h=64 if wide else 32, block_k=64, num_warps=4, num_stages=2)
+    if wide and arch == 90:
+        stages = 2 if (triton_version or TRITON_VERSION) >= (3, 9) else 1
+        return TritonConfig(block_h=64, block_k=16, num_warps=8, num_stages=stages)
     if wide:
-        return TritonConfig(block_h=64, block_k=16 if arch == 90 else 32, num_warps=8, num_stages=2)
+        return TritonConfig(block_h=64, block_k=32, num_warps=8, num_stages=2)
     return TritonConfig(block_h=32, block_k=32, num_warps=8, num_stages=2)
 
 
@@ -253,6 +270,8 @@ def sparse_attention_triton(
             "backend='triton' got CPU tensors, but Triton's interpreter is off: set TRITON_INTERPRET=1 "
             "before dsv4_torch.kernels.triton_sparse is first imported, or use a CUDA/ROCm device"
         )
+    if q.device.type == "cpu" and INTERPRETER_UNSUPPORTED:
+        raise RuntimeError(f"backend='triton' on CPU tensors: {INTERPRETER_UNSUPPORTED}")
     T, H, D = q.shape
     S, K = kv.shape[0], indices.shape[1]
     d_v = value_dim(D)
