@@ -64,7 +64,7 @@ def compile_config(arch: int, dim: int, dtype: str, block_h: int, block_k: int, 
     const = dict(
         D=dim, D_V=d_v, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
         BLOCK_DT=0 if dim == d_v else max(16, triton.next_power_of_2(dim - d_v)),
-        HAS_SINK=True, HAS_TOPK_LENGTH=True, F32_DOT=dtype == "fp32", EMULATE_BF16=False,
+        HAS_SINK=True, HAS_TOPK_LENGTH=True, F32_DOT=dtype == "fp32", EMULATE_BF16=False, INTERPRETER=False,
     )
     sig.update({k: "constexpr" for k in const})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(15)}  # pointers and strides 16-aligned

@@ -64,6 +64,7 @@ def _sparse_attention_kernel(
     HAS_TOPK_LENGTH: tl.constexpr,
     F32_DOT: tl.constexpr,  # float32 dot operands in IEEE precision (float32 inputs; interpreter)
     EMULATE_BF16: tl.constexpr,  # interpreter + bf16: round to bf16 by hand (its cast truncates)
+    INTERPRETER: tl.constexpr,  # a custom-combine reduce runs per element in Python there: slow
 ):
     # 1-D grid, pid -> (token, head block) with a token's head blocks adjacent: they gather the
     # same KV rows, so the second one finds them in L2. (Grid axes y/z stop at 65,535; x does not.)
@@ -118,7 +119,12 @@ def _sparse_attention_kernel(
         num_valid += tl.sum(valid.to(tl.int32), axis=0)
 
         # NaN-propagating max (hardware max.f32 drops NaN), so a NaN logit gives max_logits NaN.
-        m_new = tl.maximum(m, tl.reduce(s, 1, _max_propagating_nan), propagate_nan=tl.PropagateNan.ALL)
+        if INTERPRETER:  # the same values, vectorized: the plain max, then NaN where a logit is NaN
+            block_max = tl.max(s, axis=1)
+            block_max = tl.where(tl.sum((s != s).to(tl.int32), axis=1) > 0, float("nan"), block_max)
+        else:
+            block_max = tl.reduce(s, 1, _max_propagating_nan)
+        m_new = tl.maximum(m, block_max, propagate_nan=tl.PropagateNan.ALL)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep everything 0, not NaN
         alpha = tl.exp2(m - m_ref)
         p = tl.exp2(s - m_ref[:, None])
@@ -309,6 +315,7 @@ def sparse_attention_triton(
         F32_DOT=q.dtype == torch.float32 or INTERPRETED,
         # ... and its float32 -> bf16 cast truncates instead of rounding to nearest.
         EMULATE_BF16=INTERPRETED and q.dtype == torch.bfloat16,
+        INTERPRETER=INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, max_logits, lse
