@@ -775,18 +775,19 @@ def _check_kv(src, name: str, q, meta: KindMetadata):
             raise ValueError(f"{name}: block_table covers {have} entries per request "
                              f"({src.block_table.shape[1]} pages of {page_size}), but request {i} needs {need[i]}")  # fmt: skip
         if isinstance(src.block_table, np.ndarray):  # host table: check every page a request reads
-            pages_needed = -(-need // page_size)
-            for i, n in enumerate(pages_needed.tolist()):
-                used = src.block_table[i, :n]
-                if used.size and (used.min() < 0 or used.max() >= num_pages):
-                    bad = int(used[(used < 0) | (used >= num_pages)][0])
-                    raise ValueError(f"{name}: block_table[{i}] lists page {bad}, outside 0..{num_pages - 1}")
+            table = src.block_table[: need.size]
+            read = np.arange(table.shape[1])[None, :] < -(-need // page_size)[:, None]
+            bad = read & ((table < 0) | (table >= num_pages))
+            if bad.any():
+                i, j = np.argwhere(bad)[0]
+                raise ValueError(f"{name}: block_table[{i}] lists page {int(table[i, j])}, outside 0..{num_pages - 1}")
     else:
         S = rows.shape[0]
         if src.lengths is not None:
-            for i, n in enumerate(need.tolist()):
-                if src.lengths[i] < n:
-                    raise ValueError(f"{name}: request {i} has {src.lengths[i]} rows, but needs {n}")
+            short = np.flatnonzero(np.asarray(src.lengths[: need.size]) < need)
+            if short.size:
+                i = int(short[0])
+                raise ValueError(f"{name}: request {i} has {src.lengths[i]} rows, but needs {need[i]}")
         if isinstance(src.offsets, np.ndarray):  # host offsets: every request's rows lie inside rows
             off = src.offsets[: need.size].astype(np.int64)
             for i in np.flatnonzero((off < 0) | (off + need > S)).tolist()[:1]:
