@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.gpu_check_torch import time_ms  # noqa: E402
 from bench.workloads import workloads  # noqa: E402
 from planner import LayerKind, PlanConfig, PrefillBatch, plan_step  # noqa: E402
 from planner.models import PRESETS  # noqa: E402
@@ -68,8 +69,6 @@ def torch_inputs(batch, ratio, H, D, topk, dry, seed=0):
 
 
 def time_torch(step, ratio, x, topk, iters, dry):
-    import torch
-
     from dsv4_torch import prefill as TP
 
     dev = "cpu" if dry else "cuda"
@@ -77,21 +76,9 @@ def time_torch(step, ratio, x, topk, iters, dry):
     q = x["q"]
     call = lambda: TP.prefill_attention(q, meta, x["raw"], x["comp"], sm_scale=q.shape[-1] ** -0.5,  # noqa: E731
                                         attn_sink=x["sink"], topk_indices=x["rows"])  # fmt: skip
-    out = call()
-    times = []
-    for _ in range(iters):
-        if dry:
-            t0 = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - t0) * 1e3)
-        else:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            call()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-    return statistics.median(times), out.float().cpu().numpy(), meta.last_backend
+    out = call()  # also the warm-up
+    ms = time_ms(call, dev, 0, iters)
+    return ms, out.float().cpu().numpy(), meta.last_backend
 
 
 def jax_inputs(batch, ratio, H, D, topk, dry, seed=0):

@@ -40,6 +40,17 @@ from dsv4_jax.pallas_kernel import ALTERNATIVE_TILINGS, default_tuning, sparse_a
 SHAPES = {"V4-Flash": (4096, 64, 512, 65536, 640), "V4-Pro": (4096, 128, 512, 65536, 1152)}
 
 
+def kernel_arg_specs(T, H, D, S, K):
+    """Abstract bf16 inputs of one kernel call: q, kv, indices, sink, topk_length."""
+    return (
+        jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct((S, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct((T, K), jnp.int32),
+        jax.ShapeDtypeStruct((H,), jnp.float32),
+        jax.ShapeDtypeStruct((T,), jnp.int32),
+    )
+
+
 def triton_ir(T, H, D, S, K, tiling) -> str:
     """The Triton MLIR text Pallas emits for one problem shape and tiling (CUDA lowering)."""
     from jax._src.pallas.triton import pallas_call_registration as registration
@@ -57,14 +68,7 @@ def triton_ir(T, H, D, S, K, tiling) -> str:
         def f(q, kv, idx, sink, topk_length):
             return sparse_attention_pallas(q, kv, idx, D**-0.5, sink, topk_length, interpret=False, **tiling)
 
-        args = (
-            jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16),
-            jax.ShapeDtypeStruct((S, D), jnp.bfloat16),
-            jax.ShapeDtypeStruct((T, K), jnp.int32),
-            jax.ShapeDtypeStruct((H,), jnp.float32),
-            jax.ShapeDtypeStruct((T,), jnp.int32),
-        )
-        lower_for_cuda(f, *args)
+        lower_for_cuda(f, *kernel_arg_specs(T, H, D, S, K))
     finally:
         registration.lowering.lower_jaxpr_to_triton_module = original
     return captured[0]

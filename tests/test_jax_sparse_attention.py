@@ -403,14 +403,9 @@ def test_triton_lowering_for_cuda(name, H, D, K):
     def prefill_layer(q, kv, idx, sink, topk_length):
         return sparse_attention_pallas(q, kv, idx, D**-0.5, sink, topk_length, interpret=False)
 
-    args = (
-        jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16),
-        jax.ShapeDtypeStruct((S, D), jnp.bfloat16),
-        jax.ShapeDtypeStruct((T, K), jnp.int32),
-        jax.ShapeDtypeStruct((H,), jnp.float32),
-        jax.ShapeDtypeStruct((T,), jnp.int32),
-    )
-    text = lower_for_cuda(prefill_layer, *args).as_text()
+    from bench.triton_resources_jax import kernel_arg_specs
+
+    text = lower_for_cuda(prefill_layer, *kernel_arg_specs(T, H, D, S, K)).as_text()
     calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
     assert len(calls) == 1, f"{name}: expected one Triton kernel, found {len(calls)}"
     call = calls[0]
