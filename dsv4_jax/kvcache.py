@@ -327,14 +327,19 @@ def _gather_windows(operand, page, col, width):
 
 
 def _decode_rows(data, sc):
-    """uint8 [N, 576] slot data and [N, 8] scale bytes -> bf16 [N, 512] (integer math)."""
+    """uint8 [N, 576] slot data and [N, 8] scale bytes -> bf16 bits, int32 [N, 512] (integer math).
+
+    Everything stays in integers up to the caller's final bitcast: XLA on CPU computes bf16
+    selects in float32, which would rewrite the NaN payloads of copied RoPE dims."""
     N = data.shape[0]
     byte = data[:, :NOPE_DIM].astype(jnp.int32).reshape(N, N_GROUPS, 64)
     sb = sc[:, :N_GROUPS].astype(jnp.int32)[..., None]
-    nope = _bits_to_bf16(_dequant_bits_exact(byte, sb)).reshape(N, NOPE_DIM)
+    nope = _dequant_bits_exact(byte, sb).reshape(N, NOPE_DIM)
     pair = data[:, NOPE_DIM:].astype(jnp.int32).reshape(N, HEAD_DIM - NOPE_DIM, 2)
-    rope = _bits_to_bf16(pair[..., 0] | (pair[..., 1] << 8))
-    return jnp.concatenate([nope, rope], axis=1)
+    return jnp.concatenate([nope, pair[..., 0] | (pair[..., 1] << 8)], axis=1)
+
+
+_NAN_BITS = 0x7FC0
 
 
 @functools.partial(jax.jit, static_argnames=("S", "offset"))
@@ -353,9 +358,10 @@ def _gather_xla(out, k_cache, seq, glen, bt, S, offset):
     data = _gather_windows(k_cache, page, slot * SLOT_DATA_BYTES, SLOT_DATA_BYTES)
     sc = _gather_windows(k_cache, page, S * SLOT_DATA_BYTES + slot * SLOT_SCALE_BYTES, SLOT_SCALE_BYTES)
     rows = _decode_rows(data, sc).reshape(R, n, HEAD_DIM)
-    rows = jnp.where(good[..., None], rows, jnp.bfloat16(jnp.nan))
-    old = out[:R, offset:]
-    return out.at[:R, offset:].set(jnp.where(want[..., None], rows, old))
+    rows = jnp.where(good[..., None], rows, _NAN_BITS).astype(jnp.uint16)
+    bits = lax.bitcast_convert_type(out, jnp.uint16)
+    bits = bits.at[:R, offset:].set(jnp.where(want[..., None], rows, bits[:R, offset:]))
+    return lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
 def _gather_kernel(seq_ref, glen_ref, bt_ref, cache_ref, out_in_ref, out_ref, *,
@@ -391,11 +397,11 @@ def _gather_kernel(seq_ref, glen_ref, bt_ref, cache_ref, out_in_ref, out_ref, *,
         hi = plt.load(cache_ref.at[page, base + lo_col + 1], mask=m & ~is_nope, other=0).astype(jnp.int32)
         sb = plt.load(cache_ref.at[page, sbase + grp_col], mask=m, other=127).astype(jnp.int32)
         if exact:
-            nope = _bits_to_bf16(_dequant_bits_exact(lo, sb))
+            nope = _dequant_bits_exact(lo, sb)
         else:
-            nope = _dequant_float(lo, sb)
-        y = jnp.where(is_nope, nope, _bits_to_bf16(lo | (hi << 8)))
-        y = jnp.where(m, y, jnp.bfloat16(jnp.nan))  # rows whose page is not in k_cache
+            nope = lax.bitcast_convert_type(_dequant_float(lo, sb), jnp.uint16).astype(jnp.int32)
+        y = jnp.where(is_nope, nope, lo | (hi << 8))  # bf16 bits: NaN payloads of RoPE dims kept
+        y = _bits_to_bf16(jnp.where(m, y, _NAN_BITS))  # rows whose page is not in k_cache: NaN
         orow = jnp.where(want, offset + i, 0)[:, None]
         plt.store(out_ref.at[orow, jnp.broadcast_to(d, (block_r, HEAD_DIM))], y, mask=want[:, None])
         return carry
@@ -420,8 +426,12 @@ def default_workers(num_requests: int, interpret: bool) -> int:
     return max(1, min(1024, -(-8 * sms // num_requests)))
 
 
-@functools.partial(jax.jit, static_argnames=("S", "offset", "interpret", "block_r", "workers", "num_warps"))
-def _gather_pallas(out, k_cache, seq, glen, bt, S, offset, interpret, block_r=None, workers=None, num_warps=4):
+@functools.partial(jax.jit, static_argnames=("S", "offset", "interpret", "exact", "block_r", "workers", "num_warps"))
+def _gather_pallas(out, k_cache, seq, glen, bt, S, offset, interpret, exact=None, block_r=None, workers=None,
+                   num_warps=4):  # fmt: skip
+    """The Pallas reader. exact: integer decode (default in interpret mode, where XLA on CPU flushes
+    subnormals) or float32 decode (default on GPUs). block_r rows per step, `workers` programs
+    per request (static; None = `default_workers`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -431,7 +441,8 @@ def _gather_pallas(out, k_cache, seq, glen, bt, S, offset, interpret, block_r=No
     max_blocks = bt.shape[1]
     br = block_r or (64 if interpret else 16)
     nw = workers or default_workers(R, interpret)
-    kernel = functools.partial(_gather_kernel, S=S, offset=offset, num_blocks=nb, block_r=br, workers=nw, exact=interpret)
+    exact = interpret if exact is None else exact
+    kernel = functools.partial(_gather_kernel, S=S, offset=offset, num_blocks=nb, block_r=br, workers=nw, exact=exact)
     return pl.pallas_call(
         kernel,
         grid=(R, nw),

@@ -313,6 +313,7 @@ def decode_slots(data: torch.Tensor, scales: torch.Tensor, buf: torch.Tensor | N
         s2 = torch.where(sb > 134, ((sb - 7) << 7), torch.full_like(sb, 127 << 7))
         s2 = torch.where(sb == 255, torch.full_like(sb, 0x7F80), s2).view(torch.bfloat16)
         nope.mul_(s2[..., None])
+        nope.masked_fill_(torch.isnan(nope), float("nan"))  # 0 * inf: the canonical NaN, as JAX's
     nan = (data[:, :NOPE_DIM] & _NAN_CODE) == _NAN_CODE
     if bool(nan.any()):
         y[:, :NOPE_DIM].masked_fill_(nan, float("nan"))
