@@ -10,6 +10,8 @@ Runs, each in its own process with its own time cap, and prints their tables:
                                  reference; TFLOPS vs FlashMLA's published 640
   2. bench/gpu_check_jax.py      Pallas-Triton vs xla; TFLOPS
   3. bench/gpu_check_prefill.py  whole prefill layers, adaptive vs fixed vs per-request, both frameworks
+  4. bench/gpu_check_kvcache.py  fp8_ds_mla pages: writer/gather bytes vs the NumPy reference, gather
+                                 GB/s vs HBM peak and a device copy (torch Triton, JAX Pallas-Triton)
 Logs go to $OUT (when set, as on the device tool) or ./out/gpu-check/.
 """
 
@@ -36,7 +38,8 @@ def main(argv=None):
     checks = [
         ("gpu_check_torch.py", ["--budget", f"{0.26 * b:.0f}", "--sweep-seconds", f"{0.08 * b:.0f}"], 0.35),
         ("gpu_check_jax.py", ["--budget", f"{0.22 * b:.0f}"], 0.3),
-        ("gpu_check_prefill.py", ["--seconds", f"{0.25 * b:.0f}"], 0.35),
+        ("gpu_check_prefill.py", ["--seconds", f"{0.165 * b:.0f}"], 0.23),
+        ("gpu_check_kvcache.py", ["--budget", f"{0.09 * b:.0f}"], 0.12),
     ]
     # JAX would take 75% of GPU memory at start-up; the prefill check runs torch and JAX in one process.
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")

@@ -321,29 +321,37 @@ def dequantize_and_gather_k_cache(
     return _gather_pallas(out, k_cache, seq, glen, bt, S, offset, interpret=name == "pallas_interpret")
 
 
-def _gather_windows(operand, page, col, width):
-    """operand[page[n], col[n] : col[n] + width] for each n (starts clamped into bounds)."""
-    return jax.vmap(lambda p, c: lax.dynamic_slice(operand, (p, c), (1, width))[0])(page, col)
-
-
-def _decode_rows(data, sc):
-    """uint8 [N, 576] slot data and [N, 8] scale bytes -> bf16 bits, int32 [N, 512] (integer math).
+def _decode_rows(data, sc, exact=None):
+    """uint8 [N, 576] slot data and [N, 8] scale bytes -> bf16 bits, uint16 ([N, 448], [N, 64]).
 
     Everything stays in integers up to the caller's final bitcast: XLA on CPU computes bf16
-    selects in float32, which would rewrite the NaN payloads of copied RoPE dims."""
+    selects in float32, which would rewrite the NaN payloads of copied RoPE dims. The e4m3
+    dims take the float32 decode (fast) when every scale byte is >= 10, where all products are
+    normal floats (XLA on CPU flushes subnormals), else the integer one; `exact` forces one.
+    """
     N = data.shape[0]
     byte = data[:, :NOPE_DIM].astype(jnp.int32).reshape(N, N_GROUPS, 64)
     sb = sc[:, :N_GROUPS].astype(jnp.int32)[..., None]
-    nope = _dequant_bits_exact(byte, sb).reshape(N, NOPE_DIM)
-    pair = data[:, NOPE_DIM:].astype(jnp.int32).reshape(N, HEAD_DIM - NOPE_DIM, 2)
-    return jnp.concatenate([nope, pair[..., 0] | (pair[..., 1] << 8)], axis=1)
+
+    def fast(byte, sb):
+        return lax.bitcast_convert_type(_dequant_float(byte, sb), jnp.uint16)
+
+    def slow(byte, sb):
+        return _dequant_bits_exact(byte, sb).astype(jnp.uint16)
+
+    if exact is None:
+        nope = lax.cond(jnp.all(sb >= 10), fast, slow, byte, sb)
+    else:
+        nope = (slow if exact else fast)(byte, sb)
+    pair = data[:, NOPE_DIM:].astype(jnp.uint16).reshape(N, HEAD_DIM - NOPE_DIM, 2)
+    return nope.reshape(N, NOPE_DIM), pair[..., 0] | (pair[..., 1] << 8)
 
 
 _NAN_BITS = 0x7FC0
 
 
-@functools.partial(jax.jit, static_argnames=("S", "offset"))
-def _gather_xla(out, k_cache, seq, glen, bt, S, offset):
+@functools.partial(jax.jit, static_argnames=("S", "offset", "exact"))
+def _gather_xla(out, k_cache, seq, glen, bt, S, offset, exact=None):
     R = seq.shape[0]
     n = out.shape[1] - offset  # rows each request may fill
     nb, max_blocks = k_cache.shape[0], bt.shape[1]
@@ -355,12 +363,18 @@ def _gather_xla(out, k_cache, seq, glen, bt, S, offset):
     good = (pos >= 0) & (col < max_blocks) & (page >= 0) & (page < nb)
     page = jnp.where(good, page, 0).reshape(-1)
     slot = jnp.where(good, pos % S, 0).reshape(-1)
-    data = _gather_windows(k_cache, page, slot * SLOT_DATA_BYTES, SLOT_DATA_BYTES)
-    sc = _gather_windows(k_cache, page, S * SLOT_DATA_BYTES + slot * SLOT_SCALE_BYTES, SLOT_SCALE_BYTES)
-    rows = _decode_rows(data, sc).reshape(R, n, HEAD_DIM)
-    rows = jnp.where(good[..., None], rows, _NAN_BITS).astype(jnp.uint16)
+    # page_bytes is a multiple of 576: slot p of page g is row g * (page_bytes / 576) + p of the
+    # pages seen as 576-byte rows, and its scales are 8-byte row g * page_bytes / 8 + S * 72 + p.
+    pb = k_cache.shape[1]
+    data = jnp.take(k_cache.reshape(-1, SLOT_DATA_BYTES), page * (pb // SLOT_DATA_BYTES) + slot, axis=0, mode="clip")
+    sc_row = page * (pb // SLOT_SCALE_BYTES) + S * (SLOT_DATA_BYTES // SLOT_SCALE_BYTES) + slot
+    sc = jnp.take(k_cache.reshape(-1, SLOT_SCALE_BYTES), sc_row, axis=0, mode="clip")
+    nope, rope = _decode_rows(data, sc, exact)
     bits = lax.bitcast_convert_type(out, jnp.uint16)
-    bits = bits.at[:R, offset:].set(jnp.where(want[..., None], rows, bits[:R, offset:]))
+    good, want = good[..., None], want[..., None]
+    for part, lo, hi in ((nope, 0, NOPE_DIM), (rope, NOPE_DIM, HEAD_DIM)):  # no concatenate: it stops fusion
+        new = jnp.where(good, part.reshape(R, n, hi - lo), jnp.uint16(_NAN_BITS))
+        bits = bits.at[:R, offset:, lo:hi].set(jnp.where(want, new, bits[:R, offset:, lo:hi]))
     return lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
@@ -402,7 +416,9 @@ def _gather_kernel(seq_ref, glen_ref, bt_ref, cache_ref, out_in_ref, out_ref, *,
             nope = lax.bitcast_convert_type(_dequant_float(lo, sb), jnp.uint16).astype(jnp.int32)
         y = jnp.where(is_nope, nope, lo | (hi << 8))  # bf16 bits: NaN payloads of RoPE dims kept
         y = _bits_to_bf16(jnp.where(m, y, _NAN_BITS))  # rows whose page is not in k_cache: NaN
-        orow = jnp.where(want, offset + i, 0)[:, None]
+        # Masked lanes still name distinct in-bounds rows (block_r <= rows): the interpreter
+        # stores them as read-modify-write, so a shared dummy row would race with a real one.
+        orow = ((offset + i) % rows)[:, None]
         plt.store(out_ref.at[orow, jnp.broadcast_to(d, (block_r, HEAD_DIM))], y, mask=want[:, None])
         return carry
 
@@ -440,6 +456,7 @@ def _gather_pallas(out, k_cache, seq, glen, bt, S, offset, interpret, exact=None
     nb, pb = k_cache.shape
     max_blocks = bt.shape[1]
     br = block_r or (64 if interpret else 16)
+    br = min(br, 1 << (rows.bit_length() - 1))  # a power of two <= rows (see the kernel's stores)
     nw = workers or default_workers(R, interpret)
     exact = interpret if exact is None else exact
     kernel = functools.partial(_gather_kernel, S=S, offset=offset, num_blocks=nb, block_r=br, workers=nw, exact=exact)

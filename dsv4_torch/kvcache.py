@@ -35,7 +35,7 @@ from planner.kvcache import HEAD_DIM, N_GROUPS, NOPE_DIM, SLOT_BYTES, SLOT_DATA_
 BACKENDS = ("triton", "reference")
 _INT_DTYPES = (torch.int32, torch.int64)
 _LITTLE_ENDIAN = sys.byteorder == "little"
-CHUNK_ROWS = 1024  # reference gather: rows decoded per step (the intermediates stay in cache)
+CHUNK_ROWS = 2048  # reference gather: rows decoded per step (the intermediates stay in cache)
 
 __all__ = [
     "BACKENDS",
@@ -145,10 +145,11 @@ def _quantize_insert_reference(k, k_cache, slots, S):
         return
     s = slots[live].long()
     data, scales = encode_slots(k[:n][live])
+    pb = page_bytes(S)
+    rows, words = _row_views(k_cache, pb)
     page, pos = s // S, s % S
-    data_view, scale_view = _slot_views(k_cache, S)
-    data_view[page, pos] = data
-    scale_view[page, pos] = scales
+    rows.index_copy_(0, page * (pb // SLOT_DATA_BYTES) + pos, data.view(rows.dtype).view(-1, rows.shape[1]))
+    words.index_copy_(0, _scale_index(page, pos, pb, S), scales.view(words.dtype).view((-1,) + words.shape[1:]))
 
 
 def exponents(amax: torch.Tensor) -> torch.Tensor:
@@ -275,14 +276,53 @@ def _gather_dequant_reference(out, k_cache, seq, glen, bt, S, offset):
     pos = (seq - g)[req] + i
     page = bt[req, pos // S].long()
     slot = pos % S
-    data_view, scale_view = _slot_views(k_cache, S)
-    row = offset + i
-    buf = torch.empty((min(n, CHUNK_ROWS), HEAD_DIM), dtype=torch.bfloat16, device=dev)
-    for c0 in range(0, n, CHUNK_ROWS):
-        c1 = min(n, c0 + CHUNK_ROWS)
-        p, s = page[c0:c1], slot[c0:c1]
-        rows = decode_slots(data_view[p, s], scale_view[p, s], buf[: c1 - c0])
-        out.index_put_((req[c0:c1], row[c0:c1]), rows)
+    pb = page_bytes(S)
+    rows, words = _row_views(k_cache, pb)
+    row_idx = page * (pb // SLOT_DATA_BYTES) + slot
+    scale_idx = _scale_index(page, slot, pb, S)
+    flat_out = out.view(-1, HEAD_DIM).view(torch.int64) if out.is_contiguous() else None
+    dest = req * out.shape[1] + offset + i if flat_out is not None else None
+    m = min(n, CHUNK_ROWS)
+    buf = torch.empty((m, HEAD_DIM), dtype=torch.bfloat16, device=dev)
+    data_buf = torch.empty((m,) + rows.shape[1:], dtype=rows.dtype, device=dev)
+    sc_buf = torch.empty((m,) + words.shape[1:], dtype=words.dtype, device=dev)
+    for c0, c1, b, r0 in _segments(g.tolist(), direct=out.stride(1) == HEAD_DIM):
+        # index_select with out=: without it torch 2.13 takes a path ~500x slower on these views
+        data = torch.index_select(rows, 0, row_idx[c0:c1], out=data_buf[: c1 - c0])
+        sc = torch.index_select(words, 0, scale_idx[c0:c1], out=sc_buf[: c1 - c0])
+        data, sc = data.view(torch.uint8).view(c1 - c0, -1), sc.view(torch.uint8).view(c1 - c0, -1)
+        if b is not None:  # rows of one request: decode straight into out's (contiguous) rows
+            decode_slots(data, sc, out[b, offset + r0 : offset + r0 + c1 - c0])
+            continue
+        y = decode_slots(data, sc, buf[: c1 - c0])
+        if flat_out is not None:
+            flat_out.index_copy_(0, dest[c0:c1], y.view(torch.int64))
+        else:
+            out.index_put_((req[c0:c1], offset + i[c0:c1]), y)
+
+
+DIRECT_ROWS = 128  # requests gathering at least this many rows are decoded in place
+
+
+def _segments(g: list[int], direct: bool):
+    """Split the row list (requests' rows back to back) into chunks of <= CHUNK_ROWS rows:
+    (c0, c1, b, r0) = rows [c0, c1) of the list, all of request b from its row r0 (decoded in
+    place), or b = None for runs of short requests (decoded into a buffer, then scattered)."""
+    segs, c, run = [], 0, None
+    for b, gb in enumerate(g):
+        if gb == 0:
+            continue
+        if direct and gb >= DIRECT_ROWS:
+            if run is not None:
+                segs += [(r, min(run[1], r + CHUNK_ROWS), None, 0) for r in range(run[0], run[1], CHUNK_ROWS)]
+                run = None
+            segs += [(c + r, c + min(gb, r + CHUNK_ROWS), b, r) for r in range(0, gb, CHUNK_ROWS)]
+        else:
+            run = (c, c + gb) if run is None else (run[0], c + gb)
+        c += gb
+    if run is not None:
+        segs += [(r, min(run[1], r + CHUNK_ROWS), None, 0) for r in range(run[0], run[1], CHUNK_ROWS)]
+    return segs
 
 
 _NAN_CODE = 0x7F
@@ -314,11 +354,27 @@ def decode_slots(data: torch.Tensor, scales: torch.Tensor, buf: torch.Tensor | N
         s2 = torch.where(sb == 255, torch.full_like(sb, 0x7F80), s2).view(torch.bfloat16)
         nope.mul_(s2[..., None])
         nope.masked_fill_(torch.isnan(nope), float("nan"))  # 0 * inf: the canonical NaN, as JAX's
-    nan = (data[:, :NOPE_DIM] & _NAN_CODE) == _NAN_CODE
-    if bool(nan.any()):
-        y[:, :NOPE_DIM].masked_fill_(nan, float("nan"))
+    if _has_nan_code(data):
+        y[:, :NOPE_DIM].masked_fill_((data[:, :NOPE_DIM] & _NAN_CODE) == _NAN_CODE, float("nan"))
     y[:, NOPE_DIM:] = _bf16_from_le_bytes(data[:, NOPE_DIM:])
     return y
+
+
+_LOW7 = 0x7F7F7F7F7F7F7F7F
+_ONES = 0x0101010101010101
+_HIGH = 0x8080808080808080 - (1 << 64)  # as int64
+
+
+def _has_nan_code(data: torch.Tensor) -> bool:
+    """Whether any of the 448 e4m3 bytes per row is a NaN code (0x7F / 0xFF).
+
+    Eight bytes at a time where rows are 8-byte aligned: with t = word & 0x7F7F.., a byte of t
+    is 0x7F exactly where t + 0x0101.. sets that byte's top bit (no carry crosses bytes)."""
+    nope = data[:, :NOPE_DIM]
+    if data.stride(0) % 8 == 0 and data.storage_offset() % 8 == 0 and data.data_ptr() % 8 == 0:
+        w = nope.view(torch.int64) & _LOW7
+        return bool(((w + _ONES) & _HIGH).any())
+    return bool(((nope & _NAN_CODE) == _NAN_CODE).any())
 
 
 def _bf16_from_le_bytes(b: torch.Tensor) -> torch.Tensor:
@@ -333,12 +389,25 @@ def _bf16_from_le_bytes(b: torch.Tensor) -> torch.Tensor:
 # checks and views
 
 
-def _slot_views(k_cache: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views [num_blocks, S, 576] (slot data) and [num_blocks, S, 8] (slot scales) of the pages."""
-    nb, stride, off = k_cache.shape[0], k_cache.stride(0), k_cache.storage_offset()
-    data = k_cache.as_strided((nb, S, SLOT_DATA_BYTES), (stride, SLOT_DATA_BYTES, 1), off)
-    scales = k_cache.as_strided((nb, S, SLOT_SCALE_BYTES), (stride, SLOT_SCALE_BYTES, 1), off + S * SLOT_DATA_BYTES)
-    return data, scales
+def _row_views(k_cache: torch.Tensor, pb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pages as rows of 576 bytes and as 8-byte words (int64 where the pages start 8-byte
+    aligned, else uint8), sharing k_cache's memory.
+
+    page_bytes is a multiple of 576, so slot p of page g is row g * (page_bytes / 576) + p and
+    its 8 scale bytes are word (g * page_bytes + S * 576) / 8 + p. (Torch's index kernels move
+    int64 elements far faster than uint8 ones.)
+    """
+    nb = k_cache.shape[0]
+    flat = k_cache.as_strided((nb * pb,), (1,), k_cache.storage_offset())
+    if k_cache.storage_offset() % 8 == 0 and k_cache.untyped_storage().data_ptr() % 8 == 0:
+        words = flat.view(torch.int64)
+        return words.view(-1, SLOT_DATA_BYTES // 8), words
+    return flat.view(-1, SLOT_DATA_BYTES), flat.view(-1, SLOT_SCALE_BYTES)
+
+
+def _scale_index(page, slot, stride, S):
+    """Index of each slot's 8 scale bytes in `words` (8-byte words, or rows of 8 bytes)."""
+    return page * (stride // SLOT_SCALE_BYTES) + S * (SLOT_DATA_BYTES // SLOT_SCALE_BYTES) + slot
 
 
 def _check_pages(k_cache, S: int) -> int:
