@@ -88,6 +88,8 @@ def test_pallas_float_path_on_written_pages():
     a = (jnp.zeros((1, nb * S, 512), jnp.bfloat16), jnp.asarray(cache), jnp.asarray([nb * S], jnp.int32))
     got = JK._gather_pallas(a[0], a[1], a[2], a[2], jnp.asarray(bt), S, 0, interpret=True, exact=False)
     assert np.array_equal(as_np(got), want, equal_nan=True)
+    got = JK._gather_xla(a[0], a[1], a[2], a[2], jnp.asarray(bt), S, 0, exact=False)  # xla's fast branch
+    assert np.array_equal(as_np(got), want, equal_nan=True)
 
 
 def test_torch_jax_numpy_agree():

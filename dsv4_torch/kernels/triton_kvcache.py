@@ -10,6 +10,10 @@
   dims copied. Only the per-request arrays (seq_lens, gather_lens, block_table) are read: no
   per-row metadata exists anywhere.
 
+On ROCm and NVIDIA GPUs before sm_89 (no e4m3 instructions) and under the interpreter, the
+e4m3 casts are integer math (`SOFT_FP8`, `HW_CAST=False`); Hopper and Blackwell use the hardware
+conversions.
+
 Under TRITON_INTERPRET=1 (CPU tensors) Triton's float32 -> e4m3 cast rounds wrongly when the
 rounding carries into the exponent, its e4m3 -> float32 decode gets NaN codes and subnormals
 wrong, and its float32 -> bf16 cast truncates: the interpreted path encodes and decodes e4m3
@@ -122,7 +126,7 @@ def _gather_dequant_kernel(
     S: tl.constexpr,
     HAS_GLEN: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    INTERPRETER: tl.constexpr,
+    SOFT_FP8: tl.constexpr,  # e4m3 decode and bf16 rounding by integer math (interpreter, < sm_89)
 ):
     b = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
@@ -137,7 +141,7 @@ def _gather_dequant_kernel(
     lane = tl.arange(0, 64)
     d = grp[:, None] * 64 + lane[None, :]  # [8, 64]
     nope = (grp < 7)[None, :, None]
-    for blk in range(w, tl.cdiv(g, BLOCK_R), workers):
+    for blk in range(w, tl.cdiv(g, BLOCK_R).to(tl.int32), workers):
         i = blk * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
         ok = i < g
         pos = start + i
@@ -149,7 +153,7 @@ def _gather_dequant_kernel(
         sb = tl.load(cache_ptr + sbase[:, None] + grp[None, :], mask=ok[:, None], other=127).to(tl.int32)
         # 2^(sb - 127) exactly: the float32 with exponent field sb (sb = 0: 2^-127, a subnormal)
         scale = tl.where(sb == 0, 0x400000, sb << 23).to(tl.float32, bitcast=True)
-        if INTERPRETER:
+        if SOFT_FP8:
             y = _bf16_rtne(_e4m3_to_f32(byte) * scale[:, :, None])
         else:
             y = (byte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]).to(tl.bfloat16)
@@ -162,10 +166,21 @@ def _gather_dequant_kernel(
 INTERPRETED = not isinstance(_gather_dequant_kernel, triton.runtime.JITFunction)
 
 
-def _cache_views(k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+def soft_fp8(device: torch.device) -> bool:
+    """Whether the kernels must do e4m3 in integers on `device`: under the interpreter (its casts
+    are wrong), on ROCm (float8e4nv is the OCP type; gfx942 has FNUZ hardware) and on NVIDIA GPUs
+    before sm_89 (no e4m3 conversion instructions)."""
+    if INTERPRETED or device.type != "cuda":
+        return True
+    if torch.version.hip is not None:
+        return True
+    return torch.cuda.get_device_capability(device) < (8, 9)
+
+
+def _cache_views(k_cache: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(uint8 pointer view, bf16 pointer view, page stride in bytes) of a checked page tensor."""
     flat = k_cache.view(torch.uint8)
-    return flat, flat.view(torch.bfloat16), k_cache.stride(0)
+    return flat, flat.view(torch.bfloat16), ref.page_bytes(S)
 
 
 def quantize_insert(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor, S: int, *, hw_cast=None):
@@ -173,10 +188,10 @@ def quantize_insert(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.
     n = slot_mapping.shape[0]
     if n == 0:
         return
-    u8, b16, stride = _cache_views(k_cache)
+    u8, b16, stride = _cache_views(k_cache, S)
     _quantize_insert_kernel[(n,)](
         k, k.stride(0), slot_mapping, u8, b16, stride, S=S,
-        HW_CAST=(not INTERPRETED) if hw_cast is None else bool(hw_cast),
+        HW_CAST=(not soft_fp8(k.device)) if hw_cast is None else bool(hw_cast),
         num_warps=2,
     )  # fmt: skip
 
@@ -197,15 +212,44 @@ def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, S: int, off
     R = seq_lens.shape[0]
     if R == 0:
         return
-    u8, b16, stride = _cache_views(k_cache)
+    u8, b16, stride = _cache_views(k_cache, S)
     nw = workers or default_workers(R, out.device)
     _gather_dequant_kernel[(R, nw)](
         out, out.stride(0), out.stride(1), u8, b16, stride,
         seq_lens, gather_lens if gather_lens is not None else seq_lens,
         block_table, block_table.stride(0), offset,
-        S=S, HAS_GLEN=gather_lens is not None, BLOCK_R=block_r, INTERPRETER=INTERPRETED,
+        S=S, HAS_GLEN=gather_lens is not None, BLOCK_R=block_r, SOFT_FP8=soft_fp8(out.device),
         num_warps=num_warps,
     )  # fmt: skip
 
 
-__all__ = ["INTERPRETED", "default_workers", "gather_dequant", "quantize_insert", "ref"]
+def compile_for(arch: int, *, S: int = 64, block_r: int = 32, num_warps: int = 4) -> dict[str, str]:
+    """Ahead-of-time compile both kernels for NVIDIA `arch` (90 = H100/H200), no GPU needed (and
+    TRITON_INTERPRET unset); returns their PTX. Pointers and strides are taken as 16-byte
+    aligned, as Triton specializes them at launch (page strides are multiples of 576)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    soft = arch < 89
+
+    def build(fn, sig, const, warps):
+        sig = {**sig, **{k: "constexpr" for k in const}}
+        names = [k for k, v in sig.items() if v != "constexpr"]
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n != "offset"}
+        kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
+                                options={"num_warps": warps, "num_stages": 1})  # fmt: skip
+        return kernel.asm["ptx"]
+
+    common = {"cache_ptr": "*u8", "cache16_ptr": "*bf16", "page_stride": "i64"}
+    return {
+        "insert": build(_quantize_insert_kernel,
+                        {"k_ptr": "*bf16", "stride_kt": "i64", "slot_ptr": "*i64", **common},
+                        dict(S=S, HW_CAST=not soft), 2),  # fmt: skip
+        "gather": build(_gather_dequant_kernel,
+                        {"out_ptr": "*bf16", "stride_ob": "i64", "stride_or": "i64", **common, "seq_ptr": "*i32",
+                         "glen_ptr": "*i32", "bt_ptr": "*i32", "stride_bt": "i64", "offset": "i32"},
+                        dict(S=S, HAS_GLEN=True, BLOCK_R=block_r, SOFT_FP8=soft), num_warps),  # fmt: skip
+    }
+
+
+__all__ = ["INTERPRETED", "compile_for", "default_workers", "gather_dequant", "quantize_insert", "ref", "soft_fp8"]
