@@ -322,7 +322,7 @@ def dequantize_and_gather_k_cache(
 
 
 def _decode_rows(data, sc, exact=None):
-    """uint8 [N, 576] slot data and [N, 8] scale bytes -> bf16 bits, uint16 ([N, 448], [N, 64]).
+    """uint8 [N, 576] slot data and [N, 8] scale bytes -> bf16 bits, uint16 [N, 512].
 
     Everything stays in integers up to the caller's final bitcast: XLA on CPU computes bf16
     selects in float32, which would rewrite the NaN payloads of copied RoPE dims. The e4m3
@@ -330,21 +330,22 @@ def _decode_rows(data, sc, exact=None):
     normal floats (XLA on CPU flushes subnormals), else the integer one; `exact` forces one.
     """
     N = data.shape[0]
-    byte = data[:, :NOPE_DIM].astype(jnp.int32).reshape(N, N_GROUPS, 64)
-    sb = sc[:, :N_GROUPS].astype(jnp.int32)[..., None]
 
-    def fast(byte, sb):
-        return lax.bitcast_convert_type(_dequant_float(byte, sb), jnp.uint16)
+    def unpack(data, sc):  # inside the branches: a cond operand is materialized, so pass bytes
+        return data[:, :NOPE_DIM].astype(jnp.int32).reshape(N, N_GROUPS, 64), sc[:, :N_GROUPS].astype(jnp.int32)[..., None]
 
-    def slow(byte, sb):
-        return _dequant_bits_exact(byte, sb).astype(jnp.uint16)
+    def fast(data, sc):
+        return lax.bitcast_convert_type(_dequant_float(*unpack(data, sc)), jnp.uint16)
+
+    def slow(data, sc):
+        return _dequant_bits_exact(*unpack(data, sc)).astype(jnp.uint16)
 
     if exact is None:
-        nope = lax.cond(jnp.all(sb >= 10), fast, slow, byte, sb)
+        nope = lax.cond(jnp.all(sc[:, :N_GROUPS] >= 10), fast, slow, data, sc)
     else:
-        nope = (slow if exact else fast)(byte, sb)
+        nope = (slow if exact else fast)(data, sc)
     pair = data[:, NOPE_DIM:].astype(jnp.uint16).reshape(N, HEAD_DIM - NOPE_DIM, 2)
-    return nope.reshape(N, NOPE_DIM), pair[..., 0] | (pair[..., 1] << 8)
+    return jnp.concatenate([nope.reshape(N, NOPE_DIM), pair[..., 0] | (pair[..., 1] << 8)], axis=1)
 
 
 _NAN_BITS = 0x7FC0
@@ -369,12 +370,11 @@ def _gather_xla(out, k_cache, seq, glen, bt, S, offset, exact=None):
     data = jnp.take(k_cache.reshape(-1, SLOT_DATA_BYTES), page * (pb // SLOT_DATA_BYTES) + slot, axis=0, mode="clip")
     sc_row = page * (pb // SLOT_SCALE_BYTES) + S * (SLOT_DATA_BYTES // SLOT_SCALE_BYTES) + slot
     sc = jnp.take(k_cache.reshape(-1, SLOT_SCALE_BYTES), sc_row, axis=0, mode="clip")
-    nope, rope = _decode_rows(data, sc, exact)
+    rows = jnp.where(good[..., None], _decode_rows(data, sc, exact).reshape(R, n, HEAD_DIM), jnp.uint16(_NAN_BITS))
     bits = lax.bitcast_convert_type(out, jnp.uint16)
-    good, want = good[..., None], want[..., None]
-    for part, lo, hi in ((nope, 0, NOPE_DIM), (rope, NOPE_DIM, HEAD_DIM)):  # no concatenate: it stops fusion
-        new = jnp.where(good, part.reshape(R, n, hi - lo), jnp.uint16(_NAN_BITS))
-        bits = bits.at[:R, offset:, lo:hi].set(jnp.where(want, new, bits[:R, offset:, lo:hi]))
+    if R == out.shape[0] and offset == 0:  # the whole of out: one select, no update-slice
+        return lax.bitcast_convert_type(jnp.where(want[..., None], rows, bits), jnp.bfloat16)
+    bits = bits.at[:R, offset:].set(jnp.where(want[..., None], rows, bits[:R, offset:]))
     return lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
