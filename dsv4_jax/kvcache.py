@@ -29,7 +29,6 @@ multiplies in float32 (GPUs keep subnormals), the fast path for real pages.
 from __future__ import annotations
 
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +36,14 @@ import numpy as np
 from jax import lax
 
 from planner import kvcache as ref
-from planner.kvcache import HEAD_DIM, N_GROUPS, NOPE_DIM, SLOT_DATA_BYTES, SLOT_SCALE_BYTES, page_bytes
+from planner.kvcache import (
+    HEAD_DIM,
+    N_GROUPS,
+    NOPE_DIM,
+    SLOT_DATA_BYTES,
+    SLOT_SCALE_BYTES,
+    page_bytes,
+)
 
 __all__ = [
     "dequantize_and_gather_k_cache",

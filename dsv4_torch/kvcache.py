@@ -30,7 +30,15 @@ import sys
 import torch
 
 from planner import kvcache as ref
-from planner.kvcache import HEAD_DIM, N_GROUPS, NOPE_DIM, SLOT_BYTES, SLOT_DATA_BYTES, SLOT_SCALE_BYTES, page_bytes
+from planner.kvcache import (
+    HEAD_DIM,
+    N_GROUPS,
+    NOPE_DIM,
+    SLOT_BYTES,
+    SLOT_DATA_BYTES,
+    SLOT_SCALE_BYTES,
+    page_bytes,
+)
 
 BACKENDS = ("triton", "reference")
 _INT_DTYPES = (torch.int32, torch.int64)

@@ -241,14 +241,13 @@ def compile_for(arch: int, *, S: int = 64, block_r: int = 32, num_warps: int = 4
         return kernel.asm["ptx"]
 
     common = {"cache_ptr": "*u8", "cache16_ptr": "*bf16", "page_stride": "i64"}
+    insert_sig = {"k_ptr": "*bf16", "stride_kt": "i64", "slot_ptr": "*i64", **common}
+    gather_sig = {"out_ptr": "*bf16", "stride_ob": "i64", "stride_or": "i64", **common, "seq_ptr": "*i32",
+                  "glen_ptr": "*i32", "bt_ptr": "*i32", "stride_bt": "i64", "offset": "i32"}  # fmt: skip
     return {
-        "insert": build(_quantize_insert_kernel,
-                        {"k_ptr": "*bf16", "stride_kt": "i64", "slot_ptr": "*i64", **common},
-                        dict(S=S, HW_CAST=not soft), 2),  # fmt: skip
-        "gather": build(_gather_dequant_kernel,
-                        {"out_ptr": "*bf16", "stride_ob": "i64", "stride_or": "i64", **common, "seq_ptr": "*i32",
-                         "glen_ptr": "*i32", "bt_ptr": "*i32", "stride_bt": "i64", "offset": "i32"},
-                        dict(S=S, HAS_GLEN=True, BLOCK_R=block_r, SOFT_FP8=soft), num_warps),  # fmt: skip
+        "insert": build(_quantize_insert_kernel, insert_sig, {"S": S, "HW_CAST": not soft}, 2),
+        "gather": build(_gather_dequant_kernel, gather_sig,
+                        {"S": S, "HAS_GLEN": True, "BLOCK_R": block_r, "SOFT_FP8": soft}, num_warps),
     }
 
 
