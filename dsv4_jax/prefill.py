@@ -4,7 +4,7 @@ The JAX twin of `dsv4_torch.prefill`: same inputs, outputs, names and `policy=` 
 
 Once per step, on the host: `build_step_metadata` plans every layer kind (or takes a
 `planner.StepPlan`) and packs each kind's plan into one int32 table `(NUM_FIELDS, L)`, copied
-to the device in one transfer per kind, plus a few static ints (`KindShape`). Every layer then
+to the device in one transfer per step, plus a few static ints (`KindShape`). Every layer then
 calls `prefill_attention` with the metadata of its kind. Nothing in a layer call reads device
 memory on the host, so nothing syncs.
 

@@ -2,8 +2,10 @@
 
 The JAX twin of `dsv4_torch.prefill_metadata`. `build_step_metadata` plans every layer kind (or
 takes a `planner.StepPlan`) and packs each kind's plan into one int32 table `(NUM_FIELDS, L)`,
-copied to the device in one transfer per kind, plus a few static ints (`KindShape`, the jit key
-of `dsv4_jax.prefill.prefill_attention`). How the static sizes are chosen (token buckets, the
+copied to the device in one transfer for the step, plus a few static ints (`KindShape`, the jit key
+of `dsv4_jax.prefill.prefill_attention`). Host work and memory are O(requests + tokens): the
+table holds per-token, per-segment and per-chunk arrays; gathers and index rows are formed on
+the device from them, in the layer call. How the static sizes are chosen (token buckets, the
 workspace rows and HCA width padded to powers of two, `sizes="fine" | "server"`) is described in
 `dsv4_jax.prefill`'s docstring and `planner.sizes`.
 """
@@ -176,7 +178,7 @@ def build_step_metadata(
     min_workspace_rows: int = MIN_WORKSPACE_ROWS,
     device=None,
 ) -> StepMetadata:
-    """Per-step metadata for every layer kind, built once on the host, one transfer per kind.
+    """Per-step metadata for every layer kind, built once on the host, one transfer for the step.
 
     Args:
       plan_or_batch: a `planner.StepPlan`, or a `PrefillBatch` to plan here with `config`.
@@ -218,12 +220,16 @@ def build_step_metadata(
         padded_tokens = bucket(T, min_tokens)
     elif isinstance(padded_tokens, bool) or not isinstance(padded_tokens, int) or padded_tokens < T:
         raise ValueError(f"padded_tokens: expected an int >= the batch's {T} tokens, got {padded_tokens!r}")
-    kinds = {}
+    built = {}
     for kind, kp in step.kinds.items():
         if kind is LayerKind.CSA and index_topk is None:
             raise ValueError("index_topk: required when CSA layers are planned")
-        shape, table = _kind_table(kp, padded_tokens, index_topk, sizes, token_tile, gather_tile, min_workspace_rows)
-        kinds[kind] = KindMetadata(jax.device_put(table, device), shape, kp, step.batch.num_tokens, step.batch.num_requests)
+        built[kind] = _kind_table(kp, padded_tokens, index_topk, sizes, token_tile, gather_tile, min_workspace_rows)
+    tables = jax.device_put([table for _, table in built.values()], device)  # one transfer for the step
+    kinds = {
+        kind: KindMetadata(table, shape, step.kinds[kind], step.batch.num_tokens, step.batch.num_requests)
+        for (kind, (shape, _)), table in zip(built.items(), tables)
+    }
     return StepMetadata(kinds, padded_tokens, step)
 
 

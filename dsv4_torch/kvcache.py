@@ -337,7 +337,8 @@ _NAN_CODE = 0x7F
 _BF16_SIGN_AND_CODE = 0x87F0 - 0x10000  # int16: the sign bit and bits 4..10
 
 
-def decode_slots(data: torch.Tensor, scales: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
+def decode_slots(data: torch.Tensor, scales: torch.Tensor, buf: torch.Tensor | None = None, *,
+                 branch_free: bool = False) -> torch.Tensor:  # fmt: skip
     """Slot bytes (uint8 [N, 576] data, [N, 8] scales) -> bf16 [N, 512] (into `buf` when given).
 
     An e4m3 byte b is sign | code (7 bits); the bf16 with bits sign << 15 | code << 4 is exactly
@@ -346,6 +347,10 @@ def decode_slots(data: torch.Tensor, scales: torch.Tensor, buf: torch.Tensor | N
     writer produces). Scale bytes above 134 (2^(byte - 7) past bf16's range) take two
     multiplies; NaN codes (0x7F, 0xFF) are patched in. Integer and bf16 passes only: torch's own
     float8 conversion is several times slower on CPU.
+
+    branch_free: always take the two multiplies and the NaN patches (the same bits: the second
+    multiply is by 1.0 for bytes <= 134, and no NaN arises there), so that nothing reads device
+    values on the host (what a layer call on a GPU needs; the default looks first, faster on CPU).
     """
     N = data.shape[0]
     y = torch.empty((N, HEAD_DIM), dtype=torch.bfloat16, device=data.device) if buf is None else buf
@@ -353,7 +358,7 @@ def decode_slots(data: torch.Tensor, scales: torch.Tensor, buf: torch.Tensor | N
     v <<= 4
     v &= _BF16_SIGN_AND_CODE
     sb = scales[:, :N_GROUPS].to(torch.int16)
-    hi = bool((sb > 134).any())
+    hi = True if branch_free else bool((sb > 134).any())
     s1 = ((sb.clamp(max=134) + 120) << 7).view(torch.bfloat16)  # 2^(min(byte, 134) - 7)
     nope = y[:, :NOPE_DIM].view(N, N_GROUPS, -1)
     torch.mul(v.view(torch.bfloat16).view(N, N_GROUPS, -1), s1[..., None], out=nope)
@@ -362,7 +367,7 @@ def decode_slots(data: torch.Tensor, scales: torch.Tensor, buf: torch.Tensor | N
         s2 = torch.where(sb == 255, torch.full_like(sb, 0x7F80), s2).view(torch.bfloat16)
         nope.mul_(s2[..., None])
         nope.masked_fill_(torch.isnan(nope), float("nan"))  # 0 * inf: the canonical NaN, as JAX's
-    if _has_nan_code(data):
+    if branch_free or _has_nan_code(data):
         y[:, :NOPE_DIM].masked_fill_((data[:, :NOPE_DIM] & _NAN_CODE) == _NAN_CODE, float("nan"))
     y[:, NOPE_DIM:] = _bf16_from_le_bytes(data[:, NOPE_DIM:])
     return y
@@ -418,8 +423,17 @@ def _scale_index(page, slot, stride, S):
     return page * (stride // SLOT_SCALE_BYTES) + S * (SLOT_DATA_BYTES // SLOT_SCALE_BYTES) + slot
 
 
-def _check_pages(k_cache, S: int) -> int:
-    """num_blocks of a valid page tensor (module doc)."""
+def _check_pages(k_cache, S: int, name: str = "k_cache") -> int:
+    """num_blocks of a valid page tensor (module doc); errors name the argument `name`."""
+    try:
+        return _check_pages_named(k_cache, S)
+    except (TypeError, ValueError) as e:
+        if name == "k_cache":
+            raise
+        raise type(e)(f"{name}" + str(e)[len("k_cache"):]) from None
+
+
+def _check_pages_named(k_cache, S: int) -> int:
     _need_tensor(k_cache, "k_cache")
     if k_cache.dtype != torch.uint8:
         raise TypeError(f"k_cache: expected uint8 pages (fp8_ds_mla bytes), got {k_cache.dtype}")

@@ -10,13 +10,13 @@ device memory on the host, so nothing syncs.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Sequence, Union
 
 import numpy as np
 import torch
 
+from dsv4_torch import kvcache
 from dsv4_torch.attention import resolve_backend, sparse_attention
 from dsv4_torch.prefill_metadata import (  # noqa: F401  (the metadata is part of this module's API)
     ChunkIndices,
@@ -24,12 +24,14 @@ from dsv4_torch.prefill_metadata import (  # noqa: F401  (the metadata is part o
     GatherMap,
     KindMetadata,
     StepMetadata,
-    _chunk_indices,
+    _index_rows,
     _shape,
     build_step_metadata,
+    gather_map,
 )
 from planner import LayerKind
 from planner.contract import value_dim
+from planner.kvcache import KV_CACHE_DTYPES
 from planner.layout import check_topk_rows
 
 
@@ -37,24 +39,72 @@ from planner.layout import check_topk_rows
 class PagedKV:
     """A paged cache as serving engines keep it.
 
-    pages: (num_pages, page_size, D): raw tokens (page_size = block_size) or compressed entries
-      (page_size = block_size // compress_ratio).
-    block_table: (B, max_pages_per_request) int32: row i lists request i's pages, so entry e of
-      request i lives at pages[block_table[i, e // page_size], e % page_size].
+    pages: the pages, in one of two formats (`kv_cache_dtype`):
+      "auto" (default): rows in q's dtype, (num_pages, page_size, D): raw tokens (page_size =
+        block_size) or compressed entries (page_size = block_size // compress_ratio).
+      "fp8_ds_mla": vLLM's DeepSeek-V4 cache bytes (`planner.kvcache`: 448 e4m3 dims with UE8M0
+        scales per 64, 64 bf16 RoPE dims; D = 512), uint8 (num_pages, page_bytes(S)) with
+        `block_size=S` slots per page, or vLLM's view (num_pages, S, 584) with page stride
+        page_bytes(S) (S from the shape). A layer call dequantizes the rows it gathers into the
+        bf16 (or float32) workspace, on the device: exactly `dequantize_and_gather_k_cache`'s values.
+    block_table: (B, max_pages_per_request) int32/int64: row i lists request i's pages, so entry e
+      of request i lives on page block_table[i, e // page_size], slot e % page_size.
+    block_size: slots per page; required for 2-D fp8_ds_mla pages, else taken from the shape (a
+      given value must agree).
     """
 
     pages: torch.Tensor
     block_table: torch.Tensor
+    kv_cache_dtype: str = "auto"
+    block_size: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.pages, torch.Tensor) or self.pages.dim() != 3:
-            raise ValueError(f"pages: expected a (num_pages, page_size, D) tensor, got {_shape(self.pages)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
+                                            or self.block_size < 1):  # fmt: skip
+            raise ValueError(f"block_size: expected a positive int or None, got {self.block_size!r}")
+        if not isinstance(self.pages, torch.Tensor):
+            raise TypeError(f"pages: expected a torch.Tensor, got {type(self.pages).__name__}")
+        if self.kv_cache_dtype == "fp8_ds_mla":
+            if self.pages.dtype != torch.uint8:
+                raise TypeError(f"pages: fp8_ds_mla pages are uint8 bytes, got {self.pages.dtype}")
+            if self.pages.dim() == 3:
+                if self.block_size is not None and self.block_size != self.pages.shape[1]:
+                    raise ValueError(f"block_size: {self.block_size} differs from the pages' {self.pages.shape[1]} slots")
+                S = self.pages.shape[1]
+            elif self.pages.dim() == 2:
+                if self.block_size is None:
+                    raise ValueError("block_size: required for 2-D fp8_ds_mla pages (num_pages, page_bytes(S))")
+                S = self.block_size
+            else:
+                raise ValueError(f"pages: expected fp8_ds_mla pages (num_pages, page_bytes(S)) or (num_pages, S, 584), "
+                                 f"got {_shape(self.pages)}")  # fmt: skip
+            kvcache._check_pages(self.pages, S, "pages")  # the page stride: round_up(S * 584, 576)
+        else:
+            if self.pages.dim() != 3:
+                raise ValueError(f"pages: expected a (num_pages, page_size, D) tensor, got {_shape(self.pages)}")
+            if self.pages.dtype == torch.uint8:
+                raise TypeError("pages: uint8 pages hold fp8_ds_mla bytes: pass kv_cache_dtype='fp8_ds_mla'")
+            if self.block_size is not None and self.block_size != self.pages.shape[1]:
+                raise ValueError(f"block_size: {self.block_size} differs from the pages' {self.pages.shape[1]} rows")
         if not isinstance(self.block_table, torch.Tensor) or self.block_table.dim() != 2:
             raise ValueError(f"block_table: expected a (B, max_pages) tensor, got {_shape(self.block_table)}")
         if self.block_table.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"block_table: expected int32 or int64, got {self.block_table.dtype}")
         if self.block_table.device != self.pages.device:
             raise ValueError(f"block_table: on {self.block_table.device}, pages on {self.pages.device}")
+
+    @property
+    def page_size(self) -> int:
+        """Entries (slots) per page."""
+        if self.kv_cache_dtype == "fp8_ds_mla" and self.pages.dim() == 2:
+            return int(self.block_size)
+        return int(self.pages.shape[1])
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.pages.shape[0])
 
 
 @dataclass(frozen=True)
@@ -95,7 +145,7 @@ KVSource = Union[PagedKV, LogicalKV, Sequence[torch.Tensor]]
 
 
 class _Rows:
-    """A KV source flattened to (rows, D) with a (request, entry) -> row map.
+    """A KV source ready to gather: flat rows (or fp8 pages) and how (request, entry) finds them.
 
     Checks on the host, from shapes and the metadata's host numbers only (no device read), that the
     source holds every entry the plan reads; values (page ids, offsets) are checked only on CPU.
@@ -106,10 +156,25 @@ class _Rows:
         first = meta.raw_first if region == "raw" else np.zeros_like(needed)
         B, D = meta.num_requests, q.shape[-1]
         self.region = region
+        self.fp8 = isinstance(src, PagedKV) and src.kv_cache_dtype == "fp8_ds_mla"
         if isinstance(src, PagedKV):
-            self.rows = src.pages.reshape(-1, src.pages.shape[-1])
-            self.page_size = src.pages.shape[1]
-            self.index = src.block_table  # what the row map depends on
+            self.page_size = src.page_size
+            self.index = src.block_table
+            self.num_pages = src.num_pages
+            if self.fp8:
+                self.pages = src.pages
+                self.rows = None
+                if D != kvcache.HEAD_DIM:
+                    raise ValueError(f"{name}: fp8_ds_mla pages hold {kvcache.HEAD_DIM}-dim rows, but q's D is {D}")
+                if q.dtype not in (torch.bfloat16, torch.float32):
+                    raise TypeError(f"{name}: fp8_ds_mla pages dequantize to bf16 values: q must be bfloat16 or "
+                                    f"float32, got {q.dtype}")  # fmt: skip
+                if src.pages.device != q.device:
+                    raise ValueError(f"{name}: on {src.pages.device}, q on {q.device}")
+                self.pb = kvcache.page_bytes(self.page_size)
+                self.data_rows, self.scale_words = kvcache._row_views(src.pages, self.pb)
+            else:
+                self.rows = src.pages.reshape(-1, src.pages.shape[-1])
         else:
             if not isinstance(src, LogicalKV):
                 if not isinstance(src, (list, tuple)) or not src or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in src):
@@ -123,12 +188,16 @@ class _Rows:
                         raise ValueError(f"{name}[{i}]: last dim {t.shape[1]}, q's D is {D}")
                 src = LogicalKV.from_list(src)
             self.rows, self.page_size, self.index = src.rows, None, src.offsets
-        if self.rows.dtype != q.dtype:
-            raise TypeError(f"{name}: dtype {self.rows.dtype} differs from q's {q.dtype}")
-        if self.rows.device != q.device:
-            raise ValueError(f"{name}: on {self.rows.device}, q on {q.device}")
-        if self.rows.shape[-1] != D:
-            raise ValueError(f"{name}: last dim {self.rows.shape[-1]}, q's D is {D}")
+        if self.rows is not None:
+            if self.rows.dtype != q.dtype:
+                hint = " (fp8_ds_mla bytes come as PagedKV(..., kv_cache_dtype='fp8_ds_mla'))" if self.rows.dtype == torch.uint8 else ""
+                raise TypeError(f"{name}: dtype {self.rows.dtype} differs from q's {q.dtype}{hint}")
+            if self.rows.device != q.device:
+                raise ValueError(f"{name}: on {self.rows.device}, q on {q.device}")
+            if self.rows.shape[-1] != D:
+                raise ValueError(f"{name}: last dim {self.rows.shape[-1]}, q's D is {D}")
+            if self.page_size is not None:
+                self.num_pages = self.rows.shape[0] // self.page_size
         field_name = "block_table" if self.page_size is not None else "offsets"
         if self.index.shape[0] < B:
             raise ValueError(f"{name}.{field_name}: {self.index.shape[0]} rows, but the step's batch has {B} requests")
@@ -142,29 +211,8 @@ class _Rows:
                 )
         if self.index.device.type == "cpu":  # values are free to check on the host
             _check_source_values(self, name, needed, first)
-
-    def row_map(self, meta: KindMetadata) -> torch.Tensor:
-        """Source row of every gathered entry of the kind (all chunks): memoized per step on the
-        block table / offsets tensor, so layers sharing it compute it once."""
-        key = (self.page_size, _version(self.index))
-        hit = meta._row_maps.get(self.region)
-        if hit is not None and hit[0]() is self.index and hit[1] == key:
-            return hit[2]
-        g = meta.raw_gather if self.region == "raw" else meta.compressed_gather
-        if self.page_size is None:
-            rows = self.index.long()[g.request] + g.entry
-        else:
-            page = self.index[g.request, torch.div(g.entry, self.page_size, rounding_mode="floor")].long()
-            rows = page * self.page_size + g.entry % self.page_size
-        meta._row_maps[self.region] = (weakref.ref(self.index), key, rows)
-        return rows
-
-
-def _version(t: torch.Tensor):
-    try:
-        return t._version  # bumped by in-place writes
-    except RuntimeError:  # inference tensors keep no version counter
-        return None
+        # fp8 pages on CUDA/ROCm: one Triton kernel per region walks the block table (no row maps)
+        self.kernel = self.fp8 and kvcache.resolve_backend("auto", src.pages) == "triton"
 
 
 def _check_source_values(src: _Rows, name: str, needed: np.ndarray, first: np.ndarray) -> None:
@@ -183,7 +231,7 @@ def _check_source_values(src: _Rows, name: str, needed: np.ndarray, first: np.nd
                 f"{int(lo[k])} .. {int(hi[k]) - 1}, outside 0 .. {src.rows.shape[0] - 1}"
             )
         return
-    num_pages = src.rows.shape[0] // src.page_size
+    num_pages = src.num_pages
     col = np.arange(index.shape[1])[None, :]
     read = (col >= (first[planned] // src.page_size)[:, None]) & (col < -(-needed[planned] // src.page_size)[:, None])
     bad = read & ((index < 0) | (index >= num_pages))
@@ -195,11 +243,52 @@ def _check_source_values(src: _Rows, name: str, needed: np.ndarray, first: np.nd
         )
 
 
-def _gather(ws: torch.Tensor, src: _Rows, g: GatherMap, row_map: torch.Tensor, at: int, count: int) -> None:
-    """ws[dst[k]] = src row row_map[k] for the chunk's k in at .. at + count - 1."""
-    if count == 0:
+GATHER_ROWS = 1 << 16  # rows per gather step (bf16/float rows): bounds the transient copies
+DEQUANT_ROWS = 1 << 13  # rows per dequantize step (fp8_ds_mla pages, device ops)
+
+
+def _gather(ws: torch.Tensor, src: _Rows, meta: KindMetadata, chunk: ChunkMeta) -> None:
+    """One chunk's region of `src` into the workspace `ws` (chunk rows x D), from the per-request
+    arrays on the device: vLLM's walk, `(seq_lens, gather_lens, block_table)` per request.
+
+    fp8 pages on a GPU: one Triton kernel (`dsv4_torch.kernels.triton_kvcache`) reads the block
+    table and writes dequantized rows; elsewhere the row maps of a block of rows are formed on
+    the device (`gather_map`) and the rows copied (or dequantized) with index ops. Nothing reads
+    device values on the host; every step's size is a host number from the plan.
+    """
+    compressed = src.region == "compressed"
+    n = chunk.compressed_rows if compressed else chunk.raw_rows
+    if n == 0:
         return
-    ws.index_copy_(0, g.dst[at : at + count], src.rows.index_select(0, row_map[at : at + count]))
+    if src.kernel:
+        from dsv4_torch.kernels import triton_kvcache
+
+        s0, s1 = chunk.s0, chunk.s1
+        R = s1 - s0
+        out = ws[: R * chunk.M].view(R, chunk.M, ws.shape[1])
+        bt = src.index.index_select(0, meta.seg_request[s0:s1])
+        if compressed:
+            triton_kvcache.gather_dequant(out, src.pages, meta.seg_compressed_len[s0:s1], None, bt, src.page_size, 0)
+        else:
+            triton_kvcache.gather_dequant(out, src.pages, meta.seg_seq_len[s0:s1], meta.seg_gather_len[s0:s1], bt,
+                                          src.page_size, chunk.N)  # fmt: skip
+        return
+    step = DEQUANT_ROWS if src.fp8 else GATHER_ROWS
+    for a in range(0, n, step):
+        g = gather_map(meta, chunk, src.region, a, min(step, n - a))
+        if src.page_size is None:
+            ws.index_copy_(0, g.dst, src.rows.index_select(0, src.index.long()[g.request] + g.entry))
+            continue
+        page = src.index[g.request, torch.div(g.entry, src.page_size, rounding_mode="floor")].long()
+        slot = g.entry % src.page_size
+        if not src.fp8:
+            ws.index_copy_(0, g.dst, src.rows.index_select(0, page * src.page_size + slot))
+            continue
+        data = src.data_rows.index_select(0, page * (src.pb // kvcache.SLOT_DATA_BYTES) + slot)
+        sc = src.scale_words.index_select(0, kvcache._scale_index(page, slot, src.pb, src.page_size))
+        rows = kvcache.decode_slots(data.view(torch.uint8).view(data.shape[0], -1),
+                                    sc.view(torch.uint8).view(sc.shape[0], -1), branch_free=True)  # fmt: skip
+        ws.index_copy_(0, g.dst, rows if rows.dtype == ws.dtype else rows.to(ws.dtype))
 
 
 def build_indices(meta: KindMetadata, chunk: ChunkMeta, topk_indices: torch.Tensor | None = None):
@@ -276,13 +365,11 @@ def prefill_attention(
     name = resolve_backend(backend, q)
     meta.last_backend = name
     ws_all = meta.step.workspace(D, q.dtype)
-    raw_map = raw.row_map(meta)
-    comp_map = comp.row_map(meta) if comp is not None else None
     for chunk in meta.chunks:
         ws = ws_all[: chunk.rows]
         if comp is not None:
-            _gather(ws, comp, meta.compressed_gather, comp_map, chunk.compressed_at, chunk.compressed_rows)
-        _gather(ws, raw, meta.raw_gather, raw_map, chunk.raw_at, chunk.raw_rows)
+            _gather(ws, comp, meta, chunk)
+        _gather(ws, raw, meta, chunk)
         idx, length = build_indices(meta, chunk, topk_indices)
         if meta.tokens_in_batch_order:
             q_c = q[chunk.t0 : chunk.t1]

@@ -1,21 +1,25 @@
 """Per-step prefill metadata for PyTorch, built once on the host from the planner's step plan.
 
 The twin of `dsv4_jax.prefill_metadata`. `build_step_metadata` plans every layer kind (or takes
-a `planner.StepPlan`), copies the plan's arrays and the flat gather row maps to the device in one
-transfer per kind, builds the index rows that do not depend on a layer's top-k (all of SWA's and
-HCA's, CSA's window part) with device ops, and keeps the host integers the chunk loop needs.
-`dsv4_torch.prefill.prefill_attention` consumes it, once per layer of each kind.
+a `planner.StepPlan`), copies the plan's per-token, per-segment and per-chunk arrays to the
+device in one transfer per kind, and keeps the host integers the chunk loop needs. Its host work
+is O(requests + tokens): nothing is sized by the context lengths (no per-row gather maps on the
+host). On the device, `dsv4_torch.prefill.prefill_attention` forms each chunk's gathers from the
+per-request arrays (vLLM's `(seq_lens, gather_lens, block_table)` walk) and, at the first layer
+call of a kind, the index rows that do not depend on a layer's top-k (all of SWA's and HCA's,
+CSA's window part), kept for every later layer of that kind.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch, StepPlan
-from planner.layout import chunk_gather_rows, index_width
+from planner.layout import index_width
 from planner.plan import KindPlan, as_step_plan
 
 
@@ -23,9 +27,8 @@ def _shape(x):
     return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-@dataclass(frozen=True)
-class ChunkMeta:
-    """Host integers of one chunk: where its tokens, segments and gathered rows sit in the kind's arrays."""
+class ChunkMeta(NamedTuple):
+    """Host integers of one chunk: where its tokens and segments sit in the kind's arrays."""
 
     t0: int  # planned tokens t0 .. t1 - 1
     t1: int
@@ -35,8 +38,6 @@ class ChunkMeta:
     M: int
     compressed_rows: int  # rows the compressed gather writes
     raw_rows: int  # rows the window gather writes
-    compressed_at: int = 0  # first of them in KindMetadata.compressed_gather
-    raw_at: int = 0  # first of them in KindMetadata.raw_gather
     number: int = 0  # c: this chunk is KindMetadata.chunks[c]
 
     @property
@@ -46,10 +47,9 @@ class ChunkMeta:
 
 @dataclass(frozen=True)
 class GatherMap:
-    """One region's gathers of every chunk of a kind, flat and chunk-major (device, int64).
+    """Gathers of one region of one chunk, row by row (device, int64; `gather_map` forms it).
 
-    Workspace row dst[k] (chunk-local) receives entry entry[k] of batch request request[k]; chunk
-    c owns k in ChunkMeta.compressed_at/raw_at .. + compressed_rows/raw_rows.
+    Workspace row dst[k] (chunk-local) receives entry entry[k] of batch request request[k].
     """
 
     dst: torch.Tensor
@@ -79,10 +79,11 @@ class ChunkIndices:
 class KindMetadata:
     """Device-side plan of one layer kind for one step; reuse it for every layer of that kind.
 
-    Everything here that only depends on the batch and the plan (gather row maps, the SWA/HCA
-    index rows, the window part of CSA's) is built once by `build_step_metadata`; a layer call only
-    gathers, adds CSA's top-k part and runs `sparse_attention`. Reuse is valid while the batch, the
-    caches' block tables / offsets and the plan are those of this step.
+    The per-token, per-segment and per-chunk arrays of the plan are on the device (one copy by
+    `build_step_metadata`); a layer call gathers each chunk's rows from them (device ops or one
+    kernel per region), adds CSA's top-k part to the index rows and runs `sparse_attention`. The
+    top-k-independent index rows are formed on the device at the first layer call and kept
+    (`index_rows`). Reuse is valid while the batch and the plan are those of this step.
     """
 
     plan: KindPlan
@@ -94,25 +95,32 @@ class KindMetadata:
     token_position: torch.Tensor  # (T,) int64, absolute position p
     seg_request: torch.Tensor  # (n_seg,) int64, batch request index
     seg_row_base: torch.Tensor  # (n_seg,) int64, b * M
-    seg_compressed_len: torch.Tensor
-    seg_gather_len: torch.Tensor
-    seg_gather_start: torch.Tensor
-    compressed_gather: GatherMap
-    raw_gather: GatherMap
+    seg_compressed_len: torch.Tensor  # (n_seg,) int64: compressed entries 0 .. len - 1 are gathered
+    seg_gather_len: torch.Tensor  # (n_seg,) int64: raw positions seq_len - len .. seq_len - 1
+    seg_gather_start: torch.Tensor  # (n_seg,) int64, seq_len - gather_len
+    seg_seq_len: torch.Tensor  # (n_seg,) int64, the segment's seq_len
+    chunk_seg_start: torch.Tensor  # (num_chunks,) int64, first segment of each chunk
+    chunk_tokens: torch.Tensor  # (num_chunks,) int64, planned tokens of each chunk
+    chunk_N: torch.Tensor  # (num_chunks,) int64
     num_requests: int  # requests in the step's batch (rows a block table / offsets need)
     raw_needed: np.ndarray  # (B,) int64, host: entries 0 .. raw_needed[i] - 1 of request i may be read
     raw_first: np.ndarray  # (B,) int64, host: the first raw entry read (seq_len for unplanned requests)
     compressed_needed: np.ndarray  # (B,) int64, host: compressed entries read per request
     index_topk: int | None  # CSA: columns of topk_indices
     step: "StepMetadata" = field(repr=False)
-    chunk_indices: list[ChunkIndices] = field(default_factory=list, repr=False)
     last_backend: str | None = None  # the concrete backend the last call ran
-    # source row maps, memoized per region on the identity of the block table / offsets tensor
-    _row_maps: dict = field(default_factory=dict, repr=False)
+    _index_rows: list | None = field(default=None, repr=False)
 
     @property
     def kind(self) -> LayerKind:
         return self.plan.kind
+
+    @property
+    def chunk_indices(self) -> list["ChunkIndices"]:
+        """Per chunk, the top-k-independent index rows (device), formed on first use, then kept."""
+        if self._index_rows is None:
+            self._index_rows = _index_rows(self)
+        return self._index_rows
 
 
 @dataclass(eq=False)
@@ -151,8 +159,9 @@ def build_step_metadata(
 ) -> StepMetadata:
     """Per-step metadata for every layer kind, built once on the host and copied in one go.
 
-    Per kind: one host -> device transfer of the plan's arrays and the flat gather row maps, then
-    (device ops, no sync) the index rows that do not depend on the layer's top-k.
+    Per kind: one host -> device transfer of the plan's per-token, per-segment and per-chunk
+    arrays, and the chunks' host integers: O(requests + tokens) host work and memory, whatever
+    the context lengths. Gathers and index rows are formed from these on the device.
 
     Args:
       plan_or_batch: a `planner.StepPlan`, or a `PrefillBatch` to plan here with `config`.
@@ -173,32 +182,32 @@ def build_step_metadata(
 
 
 def _kind_metadata(kp: KindPlan, step: StepMetadata, device: torch.device, index_topk) -> KindMetadata:
-    gathers = [chunk_gather_rows(kp, c) for c in range(kp.num_chunks)]
-    flat = lambda region, k: np.concatenate([g[region][k] for g in gathers]) if gathers else np.zeros(0, np.int32)  # noqa: E731
-    # One host buffer -> one transfer; the per-array tensors are views of it.
+    # One host buffer -> one transfer; the per-array tensors are views of it. Every array is per
+    # token, per segment or per chunk: nothing here grows with the context lengths.
+    cs, cts = kp.chunk_starts, kp.chunk_token_starts
     parts = [kp.token_index, kp.token_request, kp.token_position, kp.seg_request, kp.seg_row_base,
-             kp.seg_compressed_len, kp.seg_gather_len, kp.seg_gather_start,
-             *(flat(region, k) for region in (0, 1) for k in (0, 1, 2))]  # fmt: skip
+             kp.seg_compressed_len, kp.seg_gather_len, kp.seg_gather_start, kp.seg_seq_len,
+             cs[:-1], np.diff(cts), kp.chunk_N]  # fmt: skip
     host = torch.from_numpy(np.concatenate(parts).astype(np.int64))
     if device.type == "cuda":
         host = host.pin_memory()
     views = torch.split(host.to(device, non_blocking=True), [p.shape[0] for p in parts])
-    comp_cum = np.concatenate([[0], np.cumsum(kp.seg_compressed_len, dtype=np.int64)])
-    gath_cum = np.concatenate([[0], np.cumsum(kp.seg_gather_len, dtype=np.int64)])
-    chunks = []
-    for c in range(kp.num_chunks):
-        s0, s1 = int(kp.chunk_starts[c]), int(kp.chunk_starts[c + 1])
-        chunks.append(ChunkMeta(
-            t0=int(kp.chunk_token_starts[c]), t1=int(kp.chunk_token_starts[c + 1]), s0=s0, s1=s1,
-            N=int(kp.chunk_N[c]), M=int(kp.chunk_M[c]),
-            compressed_rows=int(comp_cum[s1] - comp_cum[s0]), raw_rows=int(gath_cum[s1] - gath_cum[s0]),
-            compressed_at=int(comp_cum[s0]), raw_at=int(gath_cum[s0]), number=c,
-        ))  # fmt: skip
+    comp_cum = np.zeros(kp.seg_request.shape[0] + 1, np.int64)
+    gath_cum = np.zeros_like(comp_cum)
+    np.cumsum(kp.seg_compressed_len, out=comp_cum[1:])
+    np.cumsum(kp.seg_gather_len, out=gath_cum[1:])
+    chunks = [
+        ChunkMeta(*v, c)
+        for c, v in enumerate(zip(cts[:-1].tolist(), cts[1:].tolist(), cs[:-1].tolist(), cs[1:].tolist(),
+                                  kp.chunk_N.tolist(), kp.chunk_M.tolist(),
+                                  (comp_cum[cs[1:]] - comp_cum[cs[:-1]]).tolist(),
+                                  (gath_cum[cs[1:]] - gath_cum[cs[:-1]]).tolist()))
+    ]  # fmt: skip
     # What each request's caches must hold (host numbers, for the per-call shape checks).
     B = step.step_plan.batch.num_requests
-    req = kp.seg_request.astype(np.int64)
+    req = kp.seg_request
     raw_needed = np.zeros(B, np.int64)
-    np.maximum.at(raw_needed, req, kp.seg_gather_start.astype(np.int64) + kp.seg_gather_len)
+    np.maximum.at(raw_needed, req, kp.seg_seq_len.astype(np.int64))
     raw_first = np.asarray(step.step_plan.batch.seq_lens, np.int64).copy()
     np.minimum.at(raw_first, req, kp.seg_gather_start.astype(np.int64))
     compressed_needed = np.zeros(B, np.int64)
@@ -206,39 +215,73 @@ def _kind_metadata(kp: KindPlan, step: StepMetadata, device: torch.device, index
 
     in_order = kp.config.order == "batch" and not kp.split_requests.size
     topk = index_topk if kp.kind is LayerKind.CSA else None
-    km = KindMetadata(
-        kp, index_width(kp, topk), chunks, in_order, *views[:8],
-        compressed_gather=GatherMap(*views[8:11]), raw_gather=GatherMap(*views[11:14]),
+    return KindMetadata(
+        kp, index_width(kp, topk), chunks, in_order, *views,
         num_requests=B, raw_needed=raw_needed, raw_first=raw_first, compressed_needed=compressed_needed,
         index_topk=topk, step=step,
     )  # fmt: skip
-    km.chunk_indices = [_chunk_indices(km, c) for c in chunks]
-    return km
 
 
-def _chunk_indices(meta: KindMetadata, chunk: ChunkMeta) -> ChunkIndices:
-    """The top-k-independent index rows of one chunk (device ops, once per step).
+def _index_rows(meta: KindMetadata) -> list[ChunkIndices]:
+    """The top-k-independent index rows of every chunk (device ops, once per step and kind).
 
-    Per token (int64, then int32 for the (T_chunk, width) work): compressed part in columns
-    0 .. ncomp-1, window position q = p - nwin + 1 + (col - ncomp) at row N + q - gather_start.
+    For all planned tokens at once (int64, then int32 for the (T, width) work): compressed part
+    in columns 0 .. ncomp-1, window position q = p - nwin + 1 + (col - ncomp) at row
+    N + q - gather_start of the token's request; the chunks' rows are slices of the result.
     """
     kind, W, width = meta.kind, meta.plan.window_size, meta.index_width
-    b = meta.token_request[chunk.t0 : chunk.t1]
-    p = meta.token_position[chunk.t0 : chunk.t1]
-    base = meta.seg_row_base[chunk.s0 : chunk.s1][b]
-    gstart = meta.seg_gather_start[chunk.s0 : chunk.s1][b]
+    T, nc = meta.token_position.shape[0], len(meta.chunks)
+    if nc == 0:
+        return []
+    dev = meta.token_position.device
+    tc = torch.repeat_interleave(torch.arange(nc, device=dev), meta.chunk_tokens, output_size=T)  # token -> chunk
+    seg = meta.chunk_seg_start[tc] + meta.token_request
+    p = meta.token_position
+    base = meta.seg_row_base[seg]
+    gstart = meta.seg_gather_start[seg]
     visible = torch.zeros_like(p) if kind is LayerKind.SWA else torch.div(p + 1, meta.plan.compress_ratio, rounding_mode="floor")
     ncomp = torch.clamp(visible, max=meta.index_topk) if kind is LayerKind.CSA else visible
     nwin = torch.clamp(p + 1, max=W)
     length = (ncomp + nwin).to(torch.int32)
-    window_row0 = (base + chunk.N + p - nwin + 1 - gstart - ncomp).to(torch.int32)[:, None]  # row at col 0
+    window_row0 = (base + meta.chunk_N[tc] + p - nwin + 1 - gstart - ncomp).to(torch.int32)[:, None]  # row at col 0
     base32, ncomp32 = base.to(torch.int32)[:, None], ncomp.to(torch.int32)[:, None]
-    col = torch.arange(width, dtype=torch.int32, device=p.device)[None, :]
+    col = torch.arange(width, dtype=torch.int32, device=dev)[None, :]
     window = torch.where(col < length[:, None], window_row0 + col, -1)
     # HCA reads compressed entries 0 .. ncomp-1 in order; CSA's come from the layer's top-k rows.
     comp = base32 + col if kind is LayerKind.HCA else -1
     idx = torch.where(col < ncomp32, comp, window) if kind is not LayerKind.SWA else window
+    bounds = [(c.t0, c.t1) for c in meta.chunks]
     if kind is not LayerKind.CSA:
-        return ChunkIndices(idx, length)
+        return [ChunkIndices(idx[a:b], length[a:b]) for a, b in bounds]
     limit = torch.where(col[:, : meta.index_topk] < ncomp32, visible.to(torch.int32)[:, None], 0)
-    return ChunkIndices(idx, length, limit, base32)
+    return [ChunkIndices(idx[a:b], length[a:b], limit[a:b], base32[a:b]) for a, b in bounds]
+
+
+def gather_map(meta: KindMetadata, chunk: ChunkMeta, region: str, start: int = 0, count: int | None = None) -> GatherMap:
+    """Rows start .. start + count - 1 of one region ("compressed" or "raw") of a chunk, formed
+    on the device from the per-segment arrays (no host sync; the sizes are host numbers).
+
+    Segment b of the chunk owns the region's rows cum[b] .. cum[b+1] - 1 (cum: the running sum
+    of its compressed_len / gather_len); its row j goes to workspace row b*M + j (compressed) or
+    b*M + N + j (raw) and comes from entry j / raw position gather_start + j of its request.
+    Equal to `planner.layout.chunk_gather_rows` (chunk-local dst, batch request, entry).
+    """
+    if region not in ("compressed", "raw"):
+        raise ValueError(f"region: expected 'compressed' or 'raw', got {region!r}")
+    compressed = region == "compressed"
+    total = chunk.compressed_rows if compressed else chunk.raw_rows
+    count = total - start if count is None else count
+    s0, s1 = chunk.s0, chunk.s1
+    lens = (meta.seg_compressed_len if compressed else meta.seg_gather_len)[s0:s1]
+    dev = lens.device
+    incl = torch.cumsum(lens, 0)
+    k = torch.arange(start, start + count, device=dev)
+    owner = torch.searchsorted(incl, k, right=True)
+    j = k - (incl - lens)[owner]
+    dst = meta.seg_row_base[s0:s1][owner] + j
+    if compressed:
+        entry = j
+    else:
+        dst = dst + chunk.N
+        entry = meta.seg_gather_start[s0:s1][owner] + j
+    return GatherMap(dst, meta.seg_request[s0:s1][owner], entry)

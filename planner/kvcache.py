@@ -43,7 +43,12 @@ SLOT_BYTES = SLOT_DATA_BYTES + SLOT_SCALE_BYTES  # 584
 FP8_MAX = 448.0
 AMAX_FLOOR = np.float32(1e-4)
 
+# How a cache's pages hold their rows: "auto" = in the model's dtype (q's), "fp8_ds_mla" = vLLM's
+# DeepSeek-V4 bytes (this module). vLLM's name for the choice is kv_cache_dtype.
+KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
+
 __all__ = [
+    "KV_CACHE_DTYPES",
     "page_bytes",
     "quantize_and_insert_k_cache",
     "dequantize_and_gather_k_cache",

@@ -327,25 +327,46 @@ def test_forbid_host_sync_catches_old_style_gather():
         torch.repeat_interleave(torch.arange(3), lengths)
 
 
-def test_index_rows_and_row_maps_built_once_per_step(monkeypatch):
+def test_index_rows_built_once_per_step_gathers_follow_the_block_table(monkeypatch):
+    from dsv4_torch import prefill_metadata as TPM
+
     call, case, meta = _layer(4)
+    assert meta._index_rows is None  # build_step_metadata forms nothing on the device ...
     want = call()
-    monkeypatch.setattr(TP, "_chunk_indices", lambda *a: pytest.fail("index rows rebuilt in a layer call"))
+    rows = meta.chunk_indices  # ... the first layer call does, once for the kind
+    monkeypatch.setattr(TPM, "_index_rows", lambda *a: pytest.fail("index rows rebuilt in a layer call"))
     raw, comp = _paged(case, "raw"), _paged(case, "comp")
     assert torch.equal(call(raw_kv=raw, compressed_kv=comp), want)
-    maps = {k: v[2] for k, v in meta._row_maps.items()}
-    # another layer: its own pages, the same block tables -> the same row maps, not recomputed
-    pages2 = TP.PagedKV(raw.pages * 2, raw.block_table)
-    call(raw_kv=pages2, compressed_kv=TP.PagedKV(comp.pages * 2, comp.block_table))
-    assert all(meta._row_maps[k][2] is maps[k] for k in maps)
-    # a different block table (pages moved) or one edited in place is mapped afresh
+    assert meta.chunk_indices is rows
+    # gathers read the block table of each call: pages moved, or a table edited in place
     perm = torch.randperm(raw.pages.shape[0], generator=torch.Generator().manual_seed(0))
     moved = TP.PagedKV(raw.pages[perm], torch.argsort(perm).to(torch.int32)[raw.block_table.long()])
     assert torch.equal(call(raw_kv=moved, compressed_kv=comp), want)
-    assert meta._row_maps["raw"][2] is not maps["raw"]
     table = raw.block_table.clone()
     pages = raw.pages.clone()
     assert torch.equal(call(raw_kv=TP.PagedKV(pages, table), compressed_kv=comp), want)
     table.copy_(moved.block_table)  # in place: same tensor, new contents
     pages.copy_(moved.pages)
     assert torch.equal(call(raw_kv=TP.PagedKV(pages, table), compressed_kv=comp), want)
+
+
+def test_device_gather_maps_equal_numpy_rows():
+    """`gather_map` (device, from per-segment arrays) == planner.layout.chunk_gather_rows, any block."""
+    from planner.layout import chunk_gather_rows
+
+    for ratio in (0, 4, 128):
+        case = boundary_cases(ratio)[3]
+        for kw in (dict(), dict(order="length"), dict(budget_rows=200 // max(ratio, 1) + case.window_size + 4)):
+            step = P.plan_step(case.batch, case.plan_config(**kw), [case.layer])
+            meta = TP.build_step_metadata(step, index_topk=case.topk)[case.kind]
+            kp = step[case.kind]
+            for c, cm in enumerate(meta.chunks):
+                for region, want in zip(("compressed", "raw"), chunk_gather_rows(kp, c)):
+                    n = cm.compressed_rows if region == "compressed" else cm.raw_rows
+                    assert n == want[0].shape[0]
+                    g = TP.gather_map(meta, cm, region)
+                    for got, w in zip((g.dst, g.request, g.entry), want):
+                        np.testing.assert_array_equal(got.numpy(), w)
+                    if n > 2:  # a block of rows in the middle
+                        g = TP.gather_map(meta, cm, region, 1, n - 2)
+                        np.testing.assert_array_equal(g.dst.numpy(), want[0][1:-1])
