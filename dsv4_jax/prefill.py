@@ -60,6 +60,7 @@ import numpy as np
 from jax import lax
 from jax.tree_util import register_pytree_node_class
 
+from dsv4_jax import kvcache as jax_kvcache
 from dsv4_jax.attention import resolve_backend, sparse_attention
 from dsv4_jax.prefill_metadata import (  # noqa: F401  (the metadata is part of this module's API)
     CHUNK_N,
@@ -84,7 +85,9 @@ from dsv4_jax.prefill_metadata import (  # noqa: F401  (the metadata is part of 
     build_step_metadata,
 )
 from planner import LayerKind
+from planner import kvcache as kvcache_ref
 from planner.contract import value_dim
+from planner.kvcache import KV_CACHE_DTYPES, page_bytes
 from planner.layout import check_topk_rows
 from planner.plan import KindPlan
 from planner.sizes import bucket
@@ -107,31 +110,91 @@ def _shape(x):
 class PagedKV:
     """A paged cache as serving engines keep it.
 
-    pages: (num_pages, page_size, D): raw tokens (page_size = block_size) or compressed entries
-      (page_size = block_size // compress_ratio), q's dtype.
+    pages: the pages, in one of two formats (`kv_cache_dtype`, static under jit):
+      "auto" (default): rows in q's dtype, (num_pages, page_size, D): raw tokens (page_size =
+        block_size) or compressed entries (page_size = block_size // compress_ratio).
+      "fp8_ds_mla": vLLM's DeepSeek-V4 cache bytes (`planner.kvcache`: 448 e4m3 dims with UE8M0
+        scales per 64, 64 bf16 RoPE dims; D = 512), uint8 (num_pages, page_bytes(S)) with
+        `block_size=S` slots per page. (vLLM's (num_pages, S, 584) torch view has a page stride of
+        page_bytes(S) > S * 584; JAX arrays carry no strides, so a 3-D array is taken only when
+        S * 584 == page_bytes(S).) A layer call dequantizes the rows it gathers into the bf16 (or
+        float32) workspace: exactly `dsv4_jax.kvcache.dequantize_and_gather_k_cache`'s values.
     block_table: (B, max_pages_per_request) int32: row i lists request i's pages, so entry e of
-      request i lives at pages[block_table[i, e // page_size], e % page_size].
+      request i lives on page block_table[i, e // page_size], slot e % page_size.
+    block_size: slots per page (static); required for fp8_ds_mla pages, else taken from the
+      shape (a given value must agree).
     """
 
     pages: jax.Array
     block_table: jax.Array
+    kv_cache_dtype: str = "auto"
+    block_size: int | None = None
 
     def __post_init__(self):
-        if not _is_array(self.pages) or self.pages.ndim != 3:
-            raise ValueError(f"pages: expected a (num_pages, page_size, D) array, got {_shape(self.pages)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        bs = self.block_size
+        if bs is not None and (isinstance(bs, bool) or not isinstance(bs, (int, np.integer)) or bs < 1):
+            raise ValueError(f"block_size: expected a positive int or None, got {bs!r}")
+        if not _is_array(self.pages):
+            raise TypeError(f"pages: expected an array, got {type(self.pages).__name__}")
+        if self.kv_cache_dtype == "fp8_ds_mla":
+            if jnp.dtype(self.pages.dtype) != jnp.dtype(jnp.uint8):
+                raise TypeError(f"pages: fp8_ds_mla pages are uint8 bytes, got {jnp.dtype(self.pages.dtype)}")
+            if self.pages.ndim == 3:
+                S = self.pages.shape[1]
+                if bs is not None and int(bs) != S:
+                    raise ValueError(f"block_size: {bs} differs from the pages' {S} slots")
+                if self.pages.shape[2] != kvcache_ref.SLOT_BYTES or S * kvcache_ref.SLOT_BYTES != page_bytes(S):
+                    raise ValueError(
+                        f"pages: a {_shape(self.pages)} array has a page stride of {S * self.pages.shape[2]} bytes, "
+                        f"not page_bytes({S}) = {page_bytes(S)} (vLLM's (num_pages, S, 584) view is strided; JAX "
+                        "arrays are not): pass the pages as (num_pages, page_bytes(S)) uint8 with block_size=S"
+                    )
+                object.__setattr__(self, "pages", self.pages.reshape(self.pages.shape[0], -1))
+                object.__setattr__(self, "block_size", S)
+            elif self.pages.ndim == 2:
+                if bs is None:
+                    raise ValueError("block_size: required for fp8_ds_mla pages (num_pages, page_bytes(S))")
+                object.__setattr__(self, "block_size", int(bs))
+                want = page_bytes(int(bs))
+                if self.pages.shape[1] != want:
+                    raise ValueError(f"pages: page stride {self.pages.shape[1]} bytes is not round_up({bs} * 584, 576) "
+                                     f"= {want} for block_size {bs}")  # fmt: skip
+            else:
+                raise ValueError(f"pages: expected fp8_ds_mla pages (num_pages, page_bytes(S)), got {_shape(self.pages)}")
+        else:
+            if self.pages.ndim != 3:
+                raise ValueError(f"pages: expected a (num_pages, page_size, D) array, got {_shape(self.pages)}")
+            if jnp.dtype(self.pages.dtype) == jnp.dtype(jnp.uint8):
+                raise TypeError("pages: uint8 pages hold fp8_ds_mla bytes: pass kv_cache_dtype='fp8_ds_mla'")
+            if bs is not None and int(bs) != self.pages.shape[1]:
+                raise ValueError(f"block_size: {bs} differs from the pages' {self.pages.shape[1]} rows")
+            object.__setattr__(self, "block_size", None)
         if not _is_array(self.block_table) or self.block_table.ndim != 2:
             raise ValueError(f"block_table: expected a (B, max_pages) array, got {_shape(self.block_table)}")
         if jnp.dtype(self.block_table.dtype) != jnp.int32:
             raise TypeError(f"block_table: expected int32, got {jnp.dtype(self.block_table.dtype)}")
 
+    @property
+    def fp8(self) -> bool:
+        return self.kv_cache_dtype == "fp8_ds_mla"
+
+    @property
+    def page_size(self) -> int:
+        """Entries (slots) per page."""
+        return int(self.block_size) if self.fp8 else int(self.pages.shape[1])
+
     def tree_flatten(self):
-        return (self.pages, self.block_table), None
+        return (self.pages, self.block_table), (self.kv_cache_dtype, self.block_size)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         obj = object.__new__(cls)  # no checks: JAX unflattens with tracers and placeholders
         object.__setattr__(obj, "pages", children[0])
         object.__setattr__(obj, "block_table", children[1])
+        object.__setattr__(obj, "kv_cache_dtype", aux[0])
+        object.__setattr__(obj, "block_size", aux[1])
         return obj
 
 
@@ -200,8 +263,26 @@ class LogicalKV:
 KVSource = Union[PagedKV, LogicalKV, Sequence[jax.Array]]
 
 
+def _fetch(src, request, entry, dtype):
+    """Rows (n, D) in `dtype` of entries `entry` of requests `request` (n,) of a PagedKV or
+    LogicalKV; fp8_ds_mla pages are dequantized (`dsv4_jax.kvcache`'s exact decode)."""
+    if isinstance(src, PagedKV) and src.fp8:
+        S, pages = src.page_size, src.pages
+        pb = pages.shape[1]
+        page = src.block_table[request, entry // S]
+        slot = entry % S
+        data_row = page * (pb // kvcache_ref.SLOT_DATA_BYTES) + slot  # page_bytes is a multiple of 576
+        scale_row = page * (pb // kvcache_ref.SLOT_SCALE_BYTES) + S * (kvcache_ref.SLOT_DATA_BYTES // kvcache_ref.SLOT_SCALE_BYTES) + slot
+        data = jnp.take(pages.reshape(-1, kvcache_ref.SLOT_DATA_BYTES), data_row, axis=0, mode="clip")
+        sc = jnp.take(pages.reshape(-1, kvcache_ref.SLOT_SCALE_BYTES), scale_row, axis=0, mode="clip")
+        bits = jax_kvcache._decode_rows(data, sc)
+        return lax.bitcast_convert_type(bits, jnp.bfloat16).astype(dtype)
+    rows, lookup = _flat_rows(src)
+    return rows[lookup(request, entry)].astype(dtype)
+
+
 def _flat_rows(src):
-    """(rows (S, D), lookup(request, entry) -> row) of a PagedKV or LogicalKV."""
+    """(rows (S, D), lookup(request, entry) -> row) of a PagedKV (rows in q's dtype) or LogicalKV."""
     if isinstance(src, PagedKV):
         page_size = src.pages.shape[1]
         rows = src.pages.reshape(-1, src.pages.shape[2])
@@ -260,7 +341,6 @@ def _gather_region(ws, src, f: _Fields, region_start, s0, s1, dst_offset, src_st
     """
     first = region_start[s0]
     count = region_start[s1] - first
-    rows, lookup = _flat_rows(src)
 
     def tile(ws, off, size):
         j = off + jnp.arange(size, dtype=jnp.int32)
@@ -269,9 +349,9 @@ def _gather_region(ws, src, f: _Fields, region_start, s0, s1, dst_offset, src_st
         owner = jnp.clip(jnp.searchsorted(region_start, flat, side="right").astype(jnp.int32) - 1, 0, f.L - 1)
         e = flat - region_start[owner]
         entry = e if src_start is None else src_start[owner] + e
-        src_row = lookup(jnp.where(valid, f.seg_request[owner], 0), jnp.where(valid, entry, 0))
+        rows = _fetch(src, jnp.where(valid, f.seg_request[owner], 0), jnp.where(valid, entry, 0), ws.dtype)
         dst = jnp.where(valid, f.seg_row_base[owner] + dst_offset + e, DROP)
-        return ws.at[dst].set(rows[jnp.where(valid, src_row, 0)], mode="drop")
+        return ws.at[dst].set(rows, mode="drop")
 
     return _run_ladder(count, ladder, tile, ws)
 
@@ -445,10 +525,12 @@ def _indices_jit(table, topk_rows, c, t0, t1, *, size, shape):
     return _tile_indices(f, shape, c, jnp.minimum(k, f.L - 1), k < t1, topk_rows)
 
 
-def gather_workspace(meta: KindMetadata, chunk: int, raw_kv: KVSource, compressed_kv: KVSource | None = None):
+def gather_workspace(meta: KindMetadata, chunk: int, raw_kv: KVSource, compressed_kv: KVSource | None = None,
+                     *, dtype=None):  # fmt: skip
     """The workspace `(workspace_rows, D)` after one chunk's gathers, by the layer call's code.
 
-    Rows the chunk does not write stay 0. Needs the host plan (call it outside `jax.jit`).
+    Rows the chunk does not write stay 0. dtype: the workspace's (q's in a layer call); default
+    the rows' dtype, bfloat16 for fp8_ds_mla pages. Needs the host plan (call it outside `jax.jit`).
     """
     kp = _host_plan(meta, "gather_workspace")
     c = _check_chunk(kp, chunk)
@@ -458,13 +540,18 @@ def gather_workspace(meta: KindMetadata, chunk: int, raw_kv: KVSource, compresse
         if compressed_kv is None:
             raise ValueError(f"compressed_kv: required for {meta.kind.name} layers")
         comp = _as_source(compressed_kv, "compressed_kv")
-    return _gather_jit(meta.table, raw, comp, jnp.int32(c), shape=meta.shape)
+    if isinstance(raw, PagedKV) and raw.fp8:
+        D, default = kvcache_ref.HEAD_DIM, jnp.bfloat16
+    else:
+        rows, _ = _flat_rows(raw)
+        D, default = rows.shape[1], rows.dtype
+    dtype = jnp.dtype(default if dtype is None else dtype)
+    return _gather_jit(meta.table, raw, comp, jnp.int32(c), shape=meta.shape, D=D, dtype=dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("shape",))
-def _gather_jit(table, raw, comp, c, *, shape):
-    rows, _ = _flat_rows(raw)
-    ws = jnp.zeros((shape.workspace_rows, rows.shape[1]), rows.dtype)
+@functools.partial(jax.jit, static_argnames=("shape", "D", "dtype"))
+def _gather_jit(table, raw, comp, c, *, shape, D, dtype):
+    ws = jnp.zeros((shape.workspace_rows, D), dtype)
     return _gather_chunk(ws, _Fields.of(table), c, raw, comp, shape)
 
 
@@ -515,12 +602,21 @@ def _check_kv(src, name: str, q, meta: KindMetadata):
             if need is not None and a.shape[0] < need[i]:
                 raise ValueError(f"{name}[{i}]: {a.shape[0]} rows, but request {i} needs {need[i]}")
     src = _as_source(src, name)
-    rows, _ = _flat_rows(src)
-    if jnp.dtype(rows.dtype) != jnp.dtype(q.dtype):
-        raise TypeError(f"{name}: dtype {jnp.dtype(rows.dtype)} differs from q's {jnp.dtype(q.dtype)}")
-    if rows.shape[1] != D:
-        raise ValueError(f"{name}: last dim {rows.shape[1]} differs from q's head dim {D}")
     paged = isinstance(src, PagedKV)
+    if paged and src.fp8:
+        if D != kvcache_ref.HEAD_DIM:
+            raise ValueError(f"{name}: fp8_ds_mla pages hold {kvcache_ref.HEAD_DIM}-dim rows, but q's head dim is {D}")
+        if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+            raise TypeError(f"{name}: fp8_ds_mla pages dequantize to bf16 values: q must be bfloat16 or float32, "
+                            f"got {jnp.dtype(q.dtype)}")  # fmt: skip
+    else:
+        rows, _ = _flat_rows(src)
+        if jnp.dtype(rows.dtype) != jnp.dtype(q.dtype):
+            hint = (" (fp8_ds_mla bytes come as PagedKV(..., kv_cache_dtype='fp8_ds_mla'))"
+                    if jnp.dtype(rows.dtype) == jnp.dtype(jnp.uint8) else "")  # fmt: skip
+            raise TypeError(f"{name}: dtype {jnp.dtype(rows.dtype)} differs from q's {jnp.dtype(q.dtype)}{hint}")
+        if rows.shape[1] != D:
+            raise ValueError(f"{name}: last dim {rows.shape[1]} differs from q's head dim {D}")
     requests = src.block_table.shape[0] if paged else src.offsets.shape[0]
     if meta.num_requests is not None and requests < meta.num_requests:
         what = "block_table rows" if paged else "offsets"
@@ -528,7 +624,7 @@ def _check_kv(src, name: str, q, meta: KindMetadata):
     if need is None:
         return src
     if paged:
-        page_size, num_pages = src.pages.shape[1], src.pages.shape[0]
+        page_size, num_pages = src.page_size, src.pages.shape[0]
         have = src.block_table.shape[1] * page_size
         i = int(np.argmax(need)) if need.size else 0
         if need.size and have < need[i]:

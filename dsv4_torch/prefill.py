@@ -1,11 +1,13 @@
 """Prefill attention of one DeepSeek-V4 layer, driven by the planner's step plan.
 
 Once per step, `build_step_metadata` (`dsv4_torch.prefill_metadata`, re-exported here) turns the
-step plan into device metadata. Every layer then calls `prefill_attention` with the metadata of
-its kind: per chunk it gathers compressed and window rows into one reused workspace (one
-index_select + index_copy_ per region), adds CSA's top-k part to the index rows, and calls
-`sparse_attention`. The caches' shapes are checked on the host; nothing in the layer loop reads
-device memory on the host, so nothing syncs.
+step plan into device metadata (O(requests + tokens) host work). Every layer then calls
+`prefill_attention` with the metadata of its kind: per chunk it gathers compressed and window
+rows into one reused workspace, walking each request's block table or offsets from the
+per-request arrays on the device (fp8_ds_mla pages are dequantized on the way: one Triton kernel
+per region on GPUs), adds CSA's top-k part to the index rows, and calls `sparse_attention`. The
+caches' shapes are checked on the host; nothing in the layer loop reads device memory on the
+host, so nothing syncs.
 """
 
 from __future__ import annotations
@@ -291,6 +293,34 @@ def _gather(ws: torch.Tensor, src: _Rows, meta: KindMetadata, chunk: ChunkMeta) 
         ws.index_copy_(0, g.dst, rows if rows.dtype == ws.dtype else rows.to(ws.dtype))
 
 
+def gather_workspace(meta: KindMetadata, chunk, raw_kv: KVSource, compressed_kv: KVSource | None = None, *,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """One chunk's workspace `(num_requests * M, D)` after its gathers, by the layer call's code.
+
+    chunk: a `ChunkMeta` of `meta` or its number. Rows the chunk does not write are 0. dtype: the
+    workspace's (q's in a layer call); default the rows' dtype, bfloat16 for fp8_ds_mla pages.
+    """
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer, ChunkMeta)):
+        raise TypeError(f"chunk: expected a ChunkMeta or a chunk number, got {type(chunk).__name__}")
+    if not isinstance(chunk, ChunkMeta):
+        if not 0 <= int(chunk) < len(meta.chunks):
+            raise ValueError(f"chunk: expected 0..{len(meta.chunks) - 1}, got {chunk}")
+        chunk = meta.chunks[int(chunk)]
+    if isinstance(raw_kv, PagedKV) and raw_kv.kv_cache_dtype == "fp8_ds_mla":
+        D, device, default = kvcache.HEAD_DIM, raw_kv.pages.device, torch.bfloat16
+    else:
+        first = raw_kv.pages if isinstance(raw_kv, PagedKV) else raw_kv.rows if isinstance(raw_kv, LogicalKV) else raw_kv[0]
+        D, device, default = first.shape[-1], first.device, first.dtype
+    like = torch.empty((0, 1, D), dtype=dtype or default, device=device)  # what _Rows checks against
+    ws = torch.zeros((chunk.rows, D), dtype=like.dtype, device=device)
+    if meta.kind is not LayerKind.SWA:
+        if compressed_kv is None:
+            raise ValueError(f"compressed_kv: required for {meta.kind.name} layers")
+        _gather(ws, _Rows(compressed_kv, "compressed_kv", like, meta, "compressed"), meta, chunk)
+    _gather(ws, _Rows(raw_kv, "raw_kv", like, meta, "raw"), meta, chunk)
+    return ws
+
+
 def build_indices(meta: KindMetadata, chunk: ChunkMeta, topk_indices: torch.Tensor | None = None):
     """Combined indices of one chunk on the device; equal to `planner.build_chunk_indices`.
 
@@ -329,11 +359,12 @@ def prefill_attention(
       q: (T, H, D): the step's prefill query tokens, request-major (batch order), after all
         query-side processing. D = 512 in DeepSeek-V4.
       meta: `build_step_metadata(...)[kind]` for this layer's kind.
-      raw_kv: the raw-token latents: a `PagedKV` (page_size tokens per page), a `LogicalKV` or
-        per-request (seq_len_i, D) tensors. Must hold positions gather_start .. seq_len - 1 of each
-        request with queries.
+      raw_kv: the raw-token latents: a `PagedKV` (page_size tokens per page; rows in q's dtype,
+        or vLLM's fp8_ds_mla bytes, dequantized while gathered), a `LogicalKV` or per-request
+        (seq_len_i, D) tensors. Must hold positions gather_start .. seq_len - 1 of each request
+        with queries.
       compressed_kv: CSA/HCA only: compressed entries, `PagedKV` (block_size // r entries per
-        page), `LogicalKV` or per-request (seq_len_i // r, D) tensors.
+        page; either format), `LogicalKV` or per-request (seq_len_i // r, D) tensors.
         Both caches are checked on the host from shapes alone (last dim == D, a block table /
         offsets row per request, block_table width * page_size and per-request lengths covering
         the entries read); page ids and offsets only when on CPU, as reading them would sync.
