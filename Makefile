@@ -28,7 +28,8 @@ JAX_NEW_PYTHON ?= $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/
 	$$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $$p && break; done)
 JAX_NEW_VENV := .venv-jax-new
 JAX_TESTS := tests/test_planner.py tests/test_layout_oracle.py tests/test_jax_sparse_attention.py \
-	tests/test_jax_sharding.py tests/test_jax_prefill.py tests/test_jax_kvcache.py
+	tests/test_jax_sharding.py tests/test_jax_prefill.py tests/test_jax_kvcache.py \
+	tests/test_jax_prefill_fp8.py
 
 .PHONY: test-jax-new
 test-jax-new:

@@ -459,9 +459,10 @@ def prefill_attention(
         T_q >= T; rows past T are padding. Pad to `padded_tokens` (`StepMetadata.pad_tokens`)
         so that varied batches share compiled programs.
       meta: `build_step_metadata(...)[kind]` for this layer's kind.
-      raw_kv: the raw-token latents, q's dtype: a `PagedKV` (page_size tokens per page), a
-        `LogicalKV`, or per-request (seq_len_i, D) arrays (packed on every call: for tests).
-        Must hold positions gather_start .. seq_len - 1 of each request.
+      raw_kv: the raw-token latents: a `PagedKV` (page_size tokens per page; rows in q's dtype,
+        or vLLM's fp8_ds_mla bytes, dequantized while gathered), a `LogicalKV` (q's dtype), or
+        per-request (seq_len_i, D) arrays (packed on every call: for tests). Must hold positions
+        gather_start .. seq_len - 1 of each request.
       compressed_kv: CSA/HCA only: compressed entries in the same forms (block_size // r entries
         per page; seq_len_i // r rows per request).
       sm_scale: softmax scale, a Python float. attn_sink: optional (H,) float32.
