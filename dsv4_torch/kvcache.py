@@ -47,7 +47,9 @@ CHUNK_ROWS = 2048  # reference gather: rows decoded per step (the intermediates 
 
 __all__ = [
     "BACKENDS",
+    "copy_slots",
     "dequantize_and_gather_k_cache",
+    "gather_slots",
     "page_bytes",
     "quantize_and_insert_k_cache",
     "resolve_backend",
@@ -396,6 +398,54 @@ def _bf16_from_le_bytes(b: torch.Tensor) -> torch.Tensor:
         return b.contiguous().view(torch.bfloat16) if b.stride(1) != 1 else b.view(torch.bfloat16)
     lo, hi = b[:, 0::2].to(torch.int16), b[:, 1::2].to(torch.int16)
     return (lo | (hi << 8)).view(torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# moving whole slots (bytes, no requantization)
+
+
+def copy_slots(src_cache: torch.Tensor, src_slots: torch.Tensor, dst_cache: torch.Tensor,
+               dst_slots: torch.Tensor, block_size: int) -> None:  # fmt: skip
+    """dst slot dst_slots[i] = src slot src_slots[i] (its 576 data and 8 scale bytes), in place.
+
+    Both caches hold pages of `block_size` slots (module doc), on one device; the slot tensors are
+    1-D integer tensors of equal length there (slot s = page s // S, position s % S), each
+    destination at most once. Device ops only: callers keep the slots in range.
+    """
+    S = _block_size(block_size)
+    _check_pages(src_cache, S, "src_cache")
+    _check_pages(dst_cache, S, "dst_cache")
+    for name, x in (("src_slots", src_slots), ("dst_slots", dst_slots)):
+        _need_tensor(x, name)
+        if x.dtype not in _INT_DTYPES or x.ndim != 1:
+            raise TypeError(f"{name}: expected a 1-D int64 (or int32) tensor, got {x.dtype} {tuple(x.shape)}")
+    if src_slots.shape != dst_slots.shape:
+        raise ValueError(f"dst_slots: {dst_slots.shape[0]} slots for {src_slots.shape[0]} source slots")
+    _same_device(src_cache, src_slots=src_slots, dst_cache=dst_cache, dst_slots=dst_slots)
+    if src_slots.numel() == 0:
+        return
+    pb = page_bytes(S)
+    (src_rows, src_words), (dst_rows, dst_words) = _row_views(src_cache, pb), _row_views(dst_cache, pb)
+    if src_rows.dtype != dst_rows.dtype:  # one of them not 8-byte aligned: move bytes
+        src_rows, src_words = (t.view(torch.uint8).view(t.shape[0], -1) for t in (src_rows, src_words))
+        dst_rows, dst_words = (t.view(torch.uint8).view(t.shape[0], -1) for t in (dst_rows, dst_words))
+    sp, ss = torch.div(src_slots.long(), S, rounding_mode="floor"), src_slots.long() % S
+    dp, ds = torch.div(dst_slots.long(), S, rounding_mode="floor"), dst_slots.long() % S
+    per_page = pb // SLOT_DATA_BYTES
+    dst_rows.index_copy_(0, dp * per_page + ds, src_rows.index_select(0, sp * per_page + ss))
+    dst_words.index_copy_(0, _scale_index(dp, ds, pb, S), src_words.index_select(0, _scale_index(sp, ss, pb, S)))
+
+
+def gather_slots(k_cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """New pages (uint8 [cdiv(n, S), page_bytes(S)]) whose slot i is slot slots[i] of k_cache.
+
+    Slots past n and the page padding are zero. Device ops only (see `copy_slots`).
+    """
+    S = _block_size(block_size)
+    n = slots.shape[0]
+    out = torch.zeros((max(1, -(-n // S)), page_bytes(S)), dtype=torch.uint8, device=k_cache.device)
+    copy_slots(k_cache, slots, out, torch.arange(n, device=k_cache.device), S)
+    return out
 
 
 # --------------------------------------------------------------------------------------------

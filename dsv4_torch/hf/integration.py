@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from dsv4_torch.attention import BACKENDS, resolve_backend
-from dsv4_torch.hf import ragged
+from dsv4_torch.hf import fp8_cache, ragged
 from dsv4_torch.hf.versions import require_supported_transformers
 from dsv4_torch.prefill import (
     PagedKV,
@@ -78,6 +78,7 @@ from planner import (
     StepPlan,
     layer_specs,
 )
+from planner.kvcache import KV_CACHE_DTYPES
 
 ATTN_IMPLEMENTATION = "dsv4_sparse_prefill"
 INDEXER_CHUNK_ELEMS = 1 << 24  # indexer scores (query x head x entry) computed at once per request
@@ -108,6 +109,7 @@ def enable_sparse_prefill(
     prefill_chunk_size: int = 4,
     budget_rows: int | None = None,
     indexer_chunk_elems: int = INDEXER_CHUNK_ELEMS,
+    kv_cache_dtype: str = "auto",
 ):
     """Route every attention layer of a transformers DeepSeek-V4 model through our sparse prefill.
 
@@ -120,6 +122,10 @@ def enable_sparse_prefill(
         each step's own (its longest request, its token count). Given values are enforced.
       prefill_chunk_size, budget_rows: `planner.PlanConfig` fields.
       indexer_chunk_elems: bound on the indexer's float32 score block (queries x heads x entries).
+      kv_cache_dtype: "auto" (default: the window and compressed caches in the model's dtype) or
+        "fp8_ds_mla" (vLLM's DeepSeek-V4 pages: written by the fp8 quantizer, read through the
+        prefill's dequantizing gather; `dsv4_torch.hf.fp8_cache`). The indexer's keys stay in
+        the model's dtype.
 
     Returns the model. Calling it again replaces the settings; `disable_sparse_prefill` undoes it.
     """
@@ -139,6 +145,10 @@ def enable_sparse_prefill(
     if budget_rows is not None and policy == "fixed":
         raise ValueError("budget_rows: the fixed plan has its own workspace size; use policy='adaptive'")
     layers = _check_config(base.config)
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "fp8_ds_mla" and base.config.head_dim != 512:
+        raise ValueError(f"kv_cache_dtype: fp8_ds_mla pages hold 512-dim latents, config.head_dim is {base.config.head_dim}")
     if getattr(base, _MODEL_ATTR, None) is not None:
         disable_sparse_prefill(model)
     p = next(base.parameters())
@@ -149,7 +159,7 @@ def enable_sparse_prefill(
         base=base, backend=backend, policy=policy, layers=layers, max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens, prefill_chunk_size=prefill_chunk_size,
         budget_rows=budget_rows, indexer_chunk_elems=indexer_chunk_elems,
-        previous_attn_implementation=cfg._attn_implementation,
+        previous_attn_implementation=cfg._attn_implementation, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     _register_attention_function()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -290,6 +300,7 @@ class _Integration:
     handles: list = field(default_factory=list)
     current: _Context | None = None
     last: ForwardRecord | None = None
+    kv_cache_dtype: str = "auto"  # "fp8_ds_mla": window and compressed caches as vLLM's pages
 
     # -- hooks on DeepseekV4Model
 
@@ -500,9 +511,13 @@ def _sparse_layer(integ: _Integration, ctx: _Context, module, hidden_states, pos
     q = rope(module.q_b_norm(module.q_b_proj(q_residual).view(Tr, H, D)), cos, sin)  # (Tr, H, D)
     kv = rope(module.kv_norm(module.kv_proj(x))[:, None], cos, sin)[:, 0]  # (Tr, D)
 
-    stream = kv if lstate.window is None else torch.cat([lstate.window, kv])  # old windows, then new tokens
-    raw = PagedKV(stream[ctx.dev["raw_src"]].view(-1, ragged.RAW_PAGE, D), ctx.dev["raw_table"])
-    lstate.window = stream[ctx.dev["raw_keep"]]
+    fp8 = integ.kv_cache_dtype == "fp8_ds_mla"
+    if fp8:
+        raw = fp8_cache.raw_kv(lstate, kv, ctx.dev, int(np.minimum(ctx.state.seen, cfg.sliding_window - 1).sum()))
+    else:
+        stream = kv if lstate.window is None else torch.cat([lstate.window, kv])  # old windows, then new tokens
+        raw = PagedKV(stream[ctx.dev["raw_src"]].view(-1, ragged.RAW_PAGE, D), ctx.dev["raw_table"])
+        lstate.window = stream[ctx.dev["raw_keep"]]
 
     compressed = topk = None
     comp = module.compressor
@@ -512,8 +527,11 @@ def _sparse_layer(integ: _Integration, ctx: _Context, module, hidden_states, pos
         if comp is None or int(comp.compress_rate) != ratio:
             raise RuntimeError(f"layer {module.layer_idx}: a {spec.kind.name} layer of ratio {ratio} without that compressor")
         csa = spec.kind is LayerKind.CSA
-        entries = _compress(comp, x, lstate, "compressor", ctx, ratio, overlapped=csa)
-        compressed = PagedKV(entries.view(-1, ragged.ENTRY_PAGE, entries.shape[1]), ctx.dev[f"{ratio}.table"])
+        entries = _compress(comp, x, lstate, "compressor", ctx, ratio, overlapped=csa, fp8=fp8)
+        if fp8:
+            compressed = fp8_cache.entries_kv(entries, ctx.dev[f"{ratio}.table"])
+        else:
+            compressed = PagedKV(entries.view(-1, ragged.ENTRY_PAGE, entries.shape[1]), ctx.dev[f"{ratio}.table"])
         if csa:
             index_entries = _compress(comp.indexer, x, lstate, "indexer", ctx, ratio, overlapped=True)
             topk = _indexer_topk(comp.indexer, x, q_residual, index_entries, ctx, integ.indexer_chunk_elems)
@@ -527,7 +545,7 @@ def _sparse_layer(integ: _Integration, ctx: _Context, module, hidden_states, pos
     return ctx.unpack(y)
 
 
-def _compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: _Context, r: int, overlapped: bool):
+def _compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: _Context, r: int, overlapped: bool, fp8=False):
     """Pool every request's newly completed blocks (transformers' compressor math, ragged) and
     append the entries to the request's region; returns the layer's entry rows."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
@@ -563,6 +581,8 @@ def _compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: _Context, r: i
         pooled = cmod.kv_norm((chunk_kv * weights).sum(dim=1))  # (n, head_dim)
         cos, sin = cmod.rotary_emb(pooled, position_ids=dev["positions"][None], layer_type=cmod.rope_layer_type)
         new_entries = rope(pooled[None, None], cos, sin)[0, 0]
+    if fp8:  # the entries as fp8_ds_mla pages
+        return fp8_cache.store_entries(cs, plan, dev, new_entries, x.device)
     if plan.relayout or cs.entries is None:
         grown = x.new_zeros((plan.layout.total_rows, cmod.head_dim))
         if cs.entries is not None and plan.move_src.size:

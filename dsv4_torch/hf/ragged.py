@@ -261,7 +261,13 @@ class RaggedCacheState:
         for idx, ls in self.layers.items():
             new = out.layer(idx)
             if ls.window is not None:
-                new.window = ls.window[torch.from_numpy(win_idx).to(ls.window.device)]
+                idx = torch.from_numpy(win_idx).to(ls.window.device)
+                if ls.window.dtype == torch.uint8:  # fp8_ds_mla pages (dsv4_torch.hf.fp8_cache)
+                    from dsv4_torch.hf import fp8_cache
+
+                    new.window = fp8_cache.select_window(ls.window, idx)
+                else:
+                    new.window = ls.window[idx]
             for name, cs in ls.compressors.items():
                 r = cs.ratio
                 nbuf = self.seen % r
@@ -272,7 +278,13 @@ class RaggedCacheState:
                     ns.buf_kv, ns.buf_gate = (t[buf_idx.to(t.device)] for t in (cs.buf_kv, cs.buf_gate))
                 if cs.overlap_kv is not None:
                     ns.overlap_kv, ns.overlap_gate = (t[sel.to(t.device)] for t in (cs.overlap_kv, cs.overlap_gate))
-                if cs.entries is not None:
+                if cs.entries is not None and cs.entries.dtype == torch.uint8:  # fp8_ds_mla pages
+                    from dsv4_torch.hf import fp8_cache
+
+                    src, dst, total = (torch.from_numpy(a).to(cs.entries.device) if isinstance(a, np.ndarray) else a
+                                       for a in entry_idx[r])  # fmt: skip
+                    ns.entries = fp8_cache.select_entries(cs.entries, src, dst, total)
+                elif cs.entries is not None:
                     src, dst, total = entry_idx[r]
                     ns.entries = cs.entries.new_zeros((total, cs.entries.shape[1]))
                     ns.entries[torch.from_numpy(dst).to(cs.entries.device)] = cs.entries[torch.from_numpy(src).to(cs.entries.device)]
