@@ -46,6 +46,7 @@ from planner.kvcache import (
 )
 
 __all__ = [
+    "copy_slots",
     "dequantize_and_gather_k_cache",
     "page_bytes",
     "quantize_and_insert_k_cache",
@@ -483,6 +484,36 @@ def _gather_pallas(out, k_cache, seq, glen, bt, S, offset, interpret, exact=None
         interpret=interpret,
         name="dsv4_kvcache_gather",
     )(seq, glen, bt, k_cache, out)
+
+
+# --------------------------------------------------------------------------------------------
+# moving whole slots (bytes, no requantization)
+
+
+def copy_slots(dst_cache, dst_slots, src_cache, src_slots, block_size):
+    """dst_cache with slot dst_slots[i] = slot src_slots[i] of src_cache (576 data + 8 scale
+    bytes); returns the new dst pages. Jit-compatible (block_size static).
+
+    Both caches are uint8 [num_blocks, page_bytes(block_size)]; the slot arrays are 1-D integers
+    of one length (slot s = page s // S, position s % S). A destination outside dst_cache (e.g. -1)
+    is dropped; each destination at most once.
+    """
+    S = ref._check_block_size(block_size, "block_size")
+    _check_pages(src_cache, S)
+    _check_pages(dst_cache, S)
+    pb = page_bytes(S)
+    per_page, per_scale = pb // SLOT_DATA_BYTES, pb // SLOT_SCALE_BYTES
+    sp, ss = src_slots // S, src_slots % S
+    n_dst = dst_cache.shape[0] * S
+    live = (dst_slots >= 0) & (dst_slots < n_dst)
+    dp, ds = jnp.where(live, dst_slots // S, dst_cache.shape[0]), dst_slots % S  # out of range: dropped
+    data = jnp.take(src_cache.reshape(-1, SLOT_DATA_BYTES), sp * per_page + ss, axis=0, mode="clip")
+    sc_off = S * (SLOT_DATA_BYTES // SLOT_SCALE_BYTES)
+    scales = jnp.take(src_cache.reshape(-1, SLOT_SCALE_BYTES), sp * per_scale + sc_off + ss, axis=0, mode="clip")
+    rows = dst_cache.reshape(-1, SLOT_DATA_BYTES).at[dp * per_page + ds].set(data, mode="drop")
+    dst = rows.reshape(dst_cache.shape)
+    words = dst.reshape(-1, SLOT_SCALE_BYTES).at[dp * per_scale + sc_off + ds].set(scales, mode="drop")
+    return words.reshape(dst_cache.shape)
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import register_pytree_node_class
 
+from dsv4_jax.model import fp8_cache
 from dsv4_jax.model.config import ModelConfig
 from dsv4_jax.model.layers import (
     apply_rope,
@@ -63,18 +64,23 @@ class StepInputs:
 # ----------------------------------------------------------------------------- caches
 
 
-def init_cache(cfg: ModelConfig, num_slots: int, max_model_len: int, dtype) -> list[dict]:
-    """Zeroed per-layer caches for `num_slots` requests of up to `max_model_len` tokens."""
+def init_cache(cfg: ModelConfig, num_slots: int, max_model_len: int, dtype, kv_cache_dtype: str = "auto") -> list[dict]:
+    """Zeroed per-layer caches for `num_slots` requests of up to `max_model_len` tokens.
+
+    kv_cache_dtype "fp8_ds_mla": the window and the compressed entries as vLLM's pages
+    (`dsv4_jax.model.fp8_cache`); the compressor rings and indexer keys stay in `dtype`."""
     D, W = cfg.head_dim, cfg.sliding_window
+    fp8 = kv_cache_dtype == "fp8_ds_mla"
     caches = []
     for spec in cfg.layers:
         kind, r = spec.kind, spec.compress_ratio
-        c = {"window": jnp.zeros((num_slots, max(W - 1, 1), D), dtype)}
+        c = {"window": fp8_cache.window_pages(num_slots, W) if fp8 else jnp.zeros((num_slots, max(W - 1, 1), D), dtype)}
         if kind is not LayerKind.SWA:
             overlap = kind is LayerKind.CSA
             width = (2 if overlap else 1) * D
             ring = (2 if overlap else 1) * r
-            c["entries"] = jnp.zeros((num_slots, -(-max_model_len // r), D), dtype)
+            c["entries"] = (fp8_cache.entry_pages(num_slots, max_model_len, r) if fp8
+                            else jnp.zeros((num_slots, -(-max_model_len // r), D), dtype))  # fmt: skip
             c["ring_kv"] = jnp.zeros((num_slots, ring, width), dtype)
             c["ring_gate"] = jnp.zeros((num_slots, ring, width), dtype)
         if kind is LayerKind.CSA:
@@ -112,7 +118,8 @@ def _window_step(window, kv, step: StepInputs):
     return raw, window
 
 
-def _compress(p, x, entries, ring_kv, ring_gate, step: StepInputs, cfg: ModelConfig, ratio: int, overlap: bool):
+def _compress(p, x, entries, ring_kv, ring_gate, step: StepInputs, cfg: ModelConfig, ratio: int, overlap: bool,
+              write=None):  # fmt: skip
     """One compressor (section 8): emit this step's completed entries, update the ring.
 
     p: wkv, wgate (C, hidden), ape (ratio, C), norm (d,), with C = 2d (overlap) or d.
@@ -120,7 +127,7 @@ def _compress(p, x, entries, ring_kv, ring_gate, step: StepInputs, cfg: ModelCon
     projected kv / gate (no position bias) of position q at row q % ring.
     """
     S, ring = ring_kv.shape[:2]
-    d = entries.shape[-1]
+    d = p["norm"].shape[-1]
     T, B = x.shape[0], step.slot.shape[0]
     kv = linear(x, p["wkv"])  # (T, C)
     gate = linear(x, p["wgate"])
@@ -162,6 +169,8 @@ def _compress(p, x, entries, ring_kv, ring_gate, step: StepInputs, cfg: ModelCon
         pooled = (slot_kv * weights).sum(axis=1)
         cos, sin = rope_cos_sin(w * ratio, cfg.rope_compress, cfg.rope_head_dim)
         entry = apply_rope(rms_norm(pooled, p["norm"], cfg.rms_norm_eps), cos, sin)
+        if write is not None:  # fp8_ds_mla pages (fp8_cache.entry_writer)
+            return write(entries, jnp.where(e < total, step.slot[owner], -1), w, entry)
         dst = jnp.where(e < total, step.slot[owner], S)
         return entries.at[dst, w].set(entry.astype(entries.dtype), mode="drop")
 
@@ -251,16 +260,26 @@ def attention(p, cache: dict, x, step: StepInputs, meta, cfg: ModelConfig, kind:
     kv = apply_rope(rms_norm(linear(x, p["wkv"]), p["kv_norm"], eps), cos, sin)  # K = V, one head
 
     cache = dict(cache)
-    raw, cache["window"] = _window_step(cache["window"], kv, step)
+    opts = dict(opts)
+    fp8 = opts.pop("kv_cache_dtype", "auto") == "fp8_ds_mla"
+    max_model_len = opts.pop("max_model_len", None)
+    if fp8:
+        raw, cache["window"] = fp8_cache.window_step(cache["window"], kv, step, cfg.sliding_window, max_model_len)
+    else:
+        raw, cache["window"] = _window_step(cache["window"], kv, step)
     comp = topk = None
     if kind is not LayerKind.SWA:
         r = cfg.compress_ratio(kind)
         overlap = kind is LayerKind.CSA
+        cap = fp8_cache.entry_capacity(max_model_len, r) if fp8 else cache["entries"].shape[1]
         cache["entries"], cache["ring_kv"], cache["ring_gate"] = _compress(
-            p["compressor"], x, cache["entries"], cache["ring_kv"], cache["ring_gate"], step, cfg, r, overlap
+            p["compressor"], x, cache["entries"], cache["ring_kv"], cache["ring_gate"], step, cfg, r, overlap,
+            write=fp8_cache.entry_writer(cap) if fp8 else None,
         )
-        cap = cache["entries"].shape[1]
-        comp = LogicalKV(cache["entries"].reshape(-1, D), (step.slot * cap).astype(jnp.int32))
+        if fp8:
+            comp = fp8_cache.entries_kv(cache["entries"], step, cap)
+        else:
+            comp = LogicalKV(cache["entries"].reshape(-1, D), (step.slot * cap).astype(jnp.int32))
     if kind is LayerKind.CSA:
         ip = p["indexer"]
         cache["index_entries"], cache["index_ring_kv"], cache["index_ring_gate"] = _compress(

@@ -8,10 +8,11 @@
 
 `JaxGenerator(checkpoint_dir, backend="auto"|"xla"|"pallas", policy="adaptive"|"fixed"|
 "per_request", dtype="float32"|"bfloat16", *, max_batch_size=8, max_model_len=4096,
-max_num_batched_tokens=512, mesh=None)`:
+max_num_batched_tokens=512, mesh=None, kv_cache_dtype="auto")`:
   loads the checkpoint (transformers' or DeepSeek's names; NumPy + safetensors, no torch) and keeps
   `max_batch_size` cache slots of `max_model_len` tokens. `mesh` (a `jax.sharding.Mesh`) splits
-  attention heads over its first axis. Other keywords go to `dsv4_jax.model.DeepseekV4` (bucket
+  attention heads over its first axis. `kv_cache_dtype="fp8_ds_mla"` keeps the window and
+  compressed caches as vLLM's fp8 pages (`dsv4_jax.model.fp8_cache`). Other keywords go to `dsv4_jax.model.DeepseekV4` (bucket
   and tile options); token_buckets defaults to "pow2" here (one padded tail step per prefill
   phase, about 4x fewer programs to compile than the 1.25x ladder).
 
@@ -60,12 +61,13 @@ class JaxGenerator:
 
     def __init__(self, checkpoint_dir, backend: str = "auto", policy: str = "adaptive",
                  dtype: str = "float32", *, max_batch_size: int = 8, max_model_len: int = 4096,
-                 max_num_batched_tokens: int = 512, mesh=None, **model_kwargs):  # fmt: skip
+                 max_num_batched_tokens: int = 512, mesh=None, kv_cache_dtype: str = "auto",
+                 **model_kwargs):  # fmt: skip
         model_kwargs.setdefault("token_buckets", "pow2")  # prefill tails vary; few shapes beat tight padding
         self.model = DeepseekV4.from_checkpoint(
             checkpoint_dir, dtype=dtype, max_batch_size=max_batch_size, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, backend=backend,
-            policy=policy, mesh=mesh, **model_kwargs,
+            policy=policy, mesh=mesh, kv_cache_dtype=kv_cache_dtype, **model_kwargs,
         )  # fmt: skip
         self.config = self.model.config
         self.max_num_batched_tokens = max_num_batched_tokens

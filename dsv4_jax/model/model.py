@@ -66,6 +66,7 @@ from planner import (
     StepPlan,
     plan_step,
 )
+from planner.kvcache import KV_CACHE_DTYPES
 from planner.sizes import pow2_bucket
 
 F32 = jnp.float32
@@ -152,13 +153,15 @@ class DeepseekV4:
         most 2x, but about 4x fewer token shapes, so fewer compilations for varied batches).
       token_tile, gather_tile: the largest attention / gather tiles of `build_step_metadata`
         (smaller ladders compile faster; the defaults suit long prefills).
+      kv_cache_dtype: "auto" (the caches in the model's dtype) or "fp8_ds_mla" (the window and
+        compressed caches as vLLM's DeepSeek-V4 pages, `dsv4_jax.model.fp8_cache`).
     """
 
     def __init__(self, config: ModelConfig, params: dict, *, max_batch_size: int = 8, max_model_len: int = 4096,
                  max_num_batched_tokens: int = 512, backend: str = "auto", policy: str = "adaptive",
                  mesh: Mesh | None = None, axis: str | None = None, min_tokens: int = 16,
                  min_workspace_rows: int = 128, token_tile: int = 256, gather_tile: int = 4096,
-                 min_requests: int = 8, token_buckets: str = "fine"):  # fmt: skip
+                 min_requests: int = 8, token_buckets: str = "fine", kv_cache_dtype: str = "auto"):  # fmt: skip
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
         for name, v in (("max_batch_size", max_batch_size), ("max_model_len", max_model_len),
@@ -167,6 +170,10 @@ class DeepseekV4:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
         if policy not in POLICIES:
             raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        if kv_cache_dtype == "fp8_ds_mla" and config.head_dim != 512:
+            raise ValueError(f"kv_cache_dtype: fp8_ds_mla pages hold 512-dim latents, config.head_dim is {config.head_dim}")
         if not isinstance(params, dict) or len(params.get("layers", ())) != config.num_hidden_layers:
             raise ValueError(f"params: expected the tree of dsv4_jax.model.checkpoint.load_params for {config.num_hidden_layers} layers")
         if backend != "auto" and backend not in BACKENDS["jax"]:
@@ -200,7 +207,10 @@ class DeepseekV4:
         self._min_tokens = min_tokens
         self._min_workspace_rows = min_workspace_rows
         self._bucket_options = dict(token_tile=token_tile, gather_tile=gather_tile)
+        self.kv_cache_dtype = kv_cache_dtype
         self._opts = (("backend", backend), ("mesh", mesh), ("axis", axis))
+        if kv_cache_dtype != "auto":  # static: the fp8 raw pages' block tables span max_model_len
+            self._opts += (("kv_cache_dtype", kv_cache_dtype), ("max_model_len", max_model_len))
         # Hash layers keep their tid2eid table out of the layer parameters (a zero bias stands
         # in), so hash and top-k layers of a kind have one parameter structure and one program.
         self._layer_params, self._hash_tables = [], []
@@ -217,7 +227,7 @@ class DeepseekV4:
         return cls(config, params, **kwargs)
 
     def init_cache(self) -> list[dict]:
-        cache = init_cache(self.config, self.max_batch_size, self.max_model_len, self.dtype)
+        cache = init_cache(self.config, self.max_batch_size, self.max_model_len, self.dtype, self.kv_cache_dtype)
         return cache if self._placement is None else jax.device_put(cache, self._placement)
 
     def prepare_step(self, slots: Sequence[int], prefix_lens: Sequence[int], tokens: Sequence[Sequence[int]],
