@@ -11,7 +11,8 @@ Runs, each in its own process with its own time cap, and prints their tables:
   2. bench/gpu_check_jax.py      Pallas-Triton vs xla; TFLOPS
   3. bench/gpu_check_prefill.py  whole prefill layers, adaptive vs fixed vs per-request, both frameworks
   4. bench/gpu_check_kvcache.py  fp8_ds_mla pages: writer/gather bytes vs the NumPy reference, gather
-                                 GB/s vs HBM peak and a device copy (torch Triton, JAX Pallas-Triton)
+                                 GB/s vs HBM peak and a device copy (torch Triton, JAX Pallas-Triton),
+                                 prefill layers on fp8 vs bf16 pages (ms, bitwise equal outputs)
 Logs go to $OUT (when set, as on the device tool) or ./out/gpu-check/.
 """
 

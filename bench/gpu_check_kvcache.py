@@ -11,7 +11,11 @@ For an H100 / H200 / B200 machine; installs nothing. Sections (each catches its 
      gather was measured at ~60 GB/s on one request; 64 requests x 2K rows; the HCA cache with
      S = 2): GB/s of cache bytes read (584 per row), total traffic (+1024 written per row) as a
      share of HBM peak (target >= 70%), and a device copy of the same bytes in the same run
-  4. writer speed (8192 tokens) and a short launch sweep of the torch gather (block_r, warps)
+  4. prefill layers (SWA, CSA, HCA; V4-Flash shapes, 4 requests of 4K..32K context, 512 new
+     tokens each) on fp8_ds_mla pages vs bf16 pages holding the same values, torch ("auto":
+     FlashMLA or Triton, the fp8 gather a Triton kernel) and JAX ("auto": Pallas-Triton): ms per
+     layer call each and the ratio; the outputs must be bitwise equal
+  5. writer speed (8192 tokens) and a short launch sweep of the torch gather (block_r, warps)
 
 Run: python bench/gpu_check_kvcache.py [--budget 60] [--iters 20] [--dry-run]
 Without a GPU it exits 0 with a message; --dry-run runs tiny shapes on CPU (Triton interpreter,
@@ -282,6 +286,135 @@ def speed(args, ctx):
             print(f"[jax speed {name}] {type(e).__name__}: {e}")
 
 
+def prefill_case(dry):
+    """(seq_lens, query_lens, W, topk, H): a V4-Flash-like step, or a tiny one for the dry run."""
+    if dry:
+        return [40, 300, 9], [8, 5, 9], 8, 8, 2
+    return [8192, 16384, 32768, 4096], [512, 512, 512, 512], 128, 512, 64
+
+
+def paged_pair(rng_t, lens, S, dev):
+    """The same latents as fp8_ds_mla pages and as bf16 pages (the dequantized values), pages in
+    random order: (fp8 pages, bf16 pages (num_pages, S, 512), block table int32)."""
+    import torch
+
+    from dsv4_torch import kvcache as TK
+    from planner import kvcache as P
+
+    counts = [-(-n // S) for n in lens]
+    nb = sum(counts) + 1
+    perm = torch.randperm(nb, generator=rng_t).to(dev)
+    table = torch.zeros((len(lens), max(max(counts), 1)), dtype=torch.int32, device=dev)
+    k, slots = [], []
+    at = 0
+    for i, n in enumerate(lens):
+        table[i, : counts[i]] = perm[at : at + counts[i]].to(torch.int32)
+        at += counts[i]
+        e = torch.arange(n, device=dev)
+        slots.append(table[i, e // S].long() * S + e % S)
+        k.append((torch.randn((n, 512), generator=rng_t) * 0.5).to(dev, torch.bfloat16))
+    fp8 = torch.zeros((nb, P.page_bytes(S)), dtype=torch.uint8, device=dev)
+    if sum(lens):
+        TK.quantize_and_insert_k_cache(torch.cat(k), fp8, torch.cat(slots), S, validate=False)
+    flat = torch.zeros((1, nb * S, 512), dtype=torch.bfloat16, device=dev)
+    TK.dequantize_and_gather_k_cache(flat, fp8, torch.tensor([nb * S], dtype=torch.int32, device=dev), None,
+                                     torch.arange(nb, dtype=torch.int32, device=dev)[None], S, 0, validate=False)  # fmt: skip
+    return fp8, flat.view(nb, S, 512), table
+
+
+@guarded
+def prefill_fp8_vs_bf16(args, ctx):
+    section("prefill layers: fp8_ds_mla pages vs bf16 pages of the same values (bf16 q)")
+    import torch
+
+    import planner as PL
+    from dsv4_torch import prefill as TP
+
+    dev = "cuda" if ctx["cuda"] else "cpu"
+    seq, qry, W, topk, H = prefill_case(args.dry_run)
+    batch = PL.PrefillBatch(seq, qry)
+    cfg = PL.PlanConfig(window_size=W, max_model_len=max(seq), max_num_batched_tokens=sum(qry))
+    step = PL.plan_step(batch, cfg, PL.V4_LAYERS)
+    meta = TP.build_step_metadata(step, device=dev, index_topk=topk)
+    g = torch.Generator().manual_seed(4)
+    T = batch.num_tokens
+    q = (torch.randn((T, H, 512), generator=g) * 0.5).to(dev, torch.bfloat16)
+    sink = torch.randn(H, generator=g).to(dev)
+    pos = torch.from_numpy(batch.token_position.astype(np.int64)).to(dev)
+    vis = (pos + 1) // 4
+    topk_rows = (torch.rand((T, topk), generator=g).to(dev) * vis[:, None]).long().to(torch.int32)
+    raw_fp8, raw_bf16, raw_table = paged_pair(g, seq, 64, dev)
+    jax_inputs = {}
+    print(f"step: {len(seq)} requests, contexts {seq}, {T} new tokens, H {H}, W {W}, top-k {topk}")
+    for kind, r in ((PL.LayerKind.SWA, 0), (PL.LayerKind.CSA, 4), (PL.LayerKind.HCA, 128)):
+        if time.time() > ctx["deadline"]:
+            print("budget spent: later kinds skipped")
+            return
+        S = max(2, 256 // max(r, 1))
+        comp = paged_pair(g, [n // r for n in seq], S, dev) if r else None
+        km = meta[kind]
+        tk = topk_rows if kind is PL.LayerKind.CSA else None
+        outs, times = {}, {}
+        for fmt in ("fp8_ds_mla", "bf16"):
+            if fmt == "fp8_ds_mla":
+                rk = TP.PagedKV(raw_fp8, raw_table, kv_cache_dtype=fmt, block_size=64)
+                ck = TP.PagedKV(comp[0], comp[2], kv_cache_dtype=fmt, block_size=S) if comp else None
+            else:
+                rk = TP.PagedKV(raw_bf16, raw_table)
+                ck = TP.PagedKV(comp[1], comp[2]) if comp else None
+            fn = lambda rk=rk, ck=ck: TP.prefill_attention(q, km, rk, ck, sm_scale=512**-0.5, attn_sink=sink,  # noqa: E731
+                                                           topk_indices=tk, backend="auto")
+            outs[fmt] = fn()
+            times[fmt] = torch_time(fn, ctx["cuda"], args.iters)
+        same = torch.equal(outs["fp8_ds_mla"], outs["bf16"])
+        print(f"torch {kind.name:3s} ({km.last_backend}): fp8 pages {times['fp8_ds_mla']:8.3f} ms, bf16 pages "
+              f"{times['bf16']:8.3f} ms, fp8/bf16 {times['fp8_ds_mla'] / times['bf16']:5.2f}x, "
+              f"outputs {'PASS bitwise equal' if same else 'FAIL differ'}", flush=True)  # fmt: skip
+        jax_inputs[kind] = (comp, S)
+    if time.time() > ctx["deadline"] - (0 if args.dry_run else 20):
+        print("budget spent: the JAX layers skipped")
+        return
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        from dsv4_jax import prefill as JP
+    except Exception as e:  # noqa: BLE001
+        print(f"jax: {e}")
+        return
+    jm = JP.build_step_metadata(step, index_topk=topk)
+    to_j = lambda t: jnp.asarray(t.cpu().numpy()) if t.dtype != torch.bfloat16 else jnp.asarray(t.view(torch.int16).cpu().numpy()).view(jnp.bfloat16)  # noqa: E731
+    jq, jsink, jtopk = jm.pad_tokens(to_j(q)), to_j(sink), jm.pad_tokens(to_j(topk_rows))
+    j_raw = (to_j(raw_fp8), to_j(raw_bf16), to_j(raw_table))
+    for kind, (comp, S) in jax_inputs.items():
+        if time.time() > ctx["deadline"]:
+            print("budget spent: later JAX kinds skipped")
+            return
+        jc = tuple(to_j(t) for t in comp) if comp else None
+        outs, times = {}, {}
+        for fmt in ("fp8_ds_mla", "bf16"):
+            if fmt == "fp8_ds_mla":
+                rk = JP.PagedKV(j_raw[0], j_raw[2], kv_cache_dtype=fmt, block_size=64)
+                ck = JP.PagedKV(jc[0], jc[2], kv_cache_dtype=fmt, block_size=S) if jc else None
+            else:
+                rk = JP.PagedKV(j_raw[1], j_raw[2])
+                ck = JP.PagedKV(jc[1], jc[2]) if jc else None
+            run = lambda rk=rk, ck=ck: JP.prefill_attention(jq, jm[kind], rk, ck, sm_scale=512**-0.5, attn_sink=jsink,  # noqa: E731
+                                                            topk_indices=jtopk if kind is PL.LayerKind.CSA else None,
+                                                            backend="auto").block_until_ready()
+            outs[fmt] = run()
+            ts_ = []
+            for _ in range(args.iters if not args.dry_run else 1):
+                t0 = time.perf_counter()
+                run()
+                ts_.append((time.perf_counter() - t0) * 1e3)
+            times[fmt] = statistics.median(ts_)
+        same = bool(jnp.array_equal(outs["fp8_ds_mla"], outs["bf16"]))
+        print(f"jax   {kind.name:3s} ({jm[kind].last_backend}): fp8 pages {times['fp8_ds_mla']:8.3f} ms, bf16 pages "
+              f"{times['bf16']:8.3f} ms, fp8/bf16 {times['fp8_ds_mla'] / times['bf16']:5.2f}x, "
+              f"outputs {'PASS bitwise equal' if same else 'FAIL differ'}", flush=True)  # fmt: skip
+
+
 @guarded
 def writer_and_sweep(args, ctx):
     section("writer speed and torch gather launch sweep")
@@ -339,7 +472,7 @@ def main(argv=None):
     if args.dry_run:
         print("DRY RUN on CPU: Triton interpreter, Pallas interpret mode, tiny shapes; timings mean nothing")
     ctx = {"cuda": cuda, "deadline": time.time() + args.budget, "peak": None}
-    for step in (environment, torch_correctness, jax_correctness, speed, writer_and_sweep):
+    for step in (environment, torch_correctness, jax_correctness, speed, prefill_fp8_vs_bf16, writer_and_sweep):
         if time.time() > ctx["deadline"]:
             print(f"budget spent: {step.__name__} skipped")
             continue

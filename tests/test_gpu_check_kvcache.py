@@ -26,3 +26,5 @@ def test_kvcache_check_dry_run():
     # 3 torch + 12 jax correctness rows (writer, written pages, random bytes; S = 64 and 2)
     assert text.count(": PASS") == 18, text[-4000:]
     assert "GB/s read" in text and "vs copy" in text
+    # prefill layers on fp8 vs bf16 pages, three kinds in each framework, bitwise equal outputs
+    assert text.count("PASS bitwise equal") == 6, text[-4000:]
