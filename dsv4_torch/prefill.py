@@ -4,8 +4,8 @@ Once per step, `build_step_metadata` (`dsv4_torch.prefill_metadata`, re-exported
 step plan into device metadata (O(requests + tokens) host work). Every layer then calls
 `prefill_attention` with the metadata of its kind: per chunk it gathers compressed and window
 rows into one reused workspace, walking each request's block table or offsets from the
-per-request arrays on the device (fp8_ds_mla pages are dequantized on the way: one Triton kernel
-per region on GPUs), adds CSA's top-k part to the index rows, and calls `sparse_attention`. The
+per-request arrays on the device (one Triton kernel per region on GPUs; fp8_ds_mla pages are
+dequantized on the way), adds CSA's top-k part to the index rows, and calls `sparse_attention`. The
 caches' shapes are checked on the host; nothing in the layer loop reads device memory on the
 host, so nothing syncs.
 """
@@ -176,6 +176,7 @@ class _Rows:
                 self.pb = kvcache.page_bytes(self.page_size)
                 self.data_rows, self.scale_words = kvcache._row_views(src.pages, self.pb)
             else:
+                self.pages = src.pages
                 self.rows = src.pages.reshape(-1, src.pages.shape[-1])
         else:
             if not isinstance(src, LogicalKV):
@@ -190,6 +191,7 @@ class _Rows:
                         raise ValueError(f"{name}[{i}]: last dim {t.shape[1]}, q's D is {D}")
                 src = LogicalKV.from_list(src)
             self.rows, self.page_size, self.index = src.rows, None, src.offsets
+            self.pages = None
         if self.rows is not None:
             if self.rows.dtype != q.dtype:
                 hint = " (fp8_ds_mla bytes come as PagedKV(..., kv_cache_dtype='fp8_ds_mla'))" if self.rows.dtype == torch.uint8 else ""
@@ -213,8 +215,11 @@ class _Rows:
                 )
         if self.index.device.type == "cpu":  # values are free to check on the host
             _check_source_values(self, name, needed, first)
-        # fp8 pages on CUDA/ROCm: one Triton kernel per region walks the block table (no row maps)
-        self.kernel = self.fp8 and kvcache.resolve_backend("auto", src.pages) == "triton"
+        # CUDA/ROCm: one Triton kernel per region walks the block table / offsets (no row maps)
+        if self.fp8:
+            self.kernel = kvcache.resolve_backend("auto", src.pages) == "triton"
+        else:
+            self.kernel = _use_gather_kernel(self.pages if self.pages is not None else self.rows)
 
 
 def _check_source_values(src: _Rows, name: str, needed: np.ndarray, first: np.ndarray) -> None:
@@ -245,6 +250,21 @@ def _check_source_values(src: _Rows, name: str, needed: np.ndarray, first: np.nd
         )
 
 
+def _use_gather_kernel(t: torch.Tensor) -> bool:
+    """Whether rows in q's dtype are gathered by the Triton kernel: CUDA/ROCm tensors with a
+    contiguous last dim, where Triton imports."""
+    return t.device.type == "cuda" and t.stride(-1) == 1 and _triton_gather() is not None
+
+
+def _triton_gather():
+    """The Triton gather module, or None where Triton does not import (then: device index ops)."""
+    try:
+        from dsv4_torch.kernels import triton_gather
+    except Exception:  # noqa: BLE001 - any import failure: the index-op path runs
+        return None
+    return triton_gather
+
+
 GATHER_ROWS = 1 << 16  # rows per gather step (bf16/float rows): bounds the transient copies
 DEQUANT_ROWS = 1 << 13  # rows per dequantize step (fp8_ds_mla pages, device ops)
 
@@ -253,9 +273,10 @@ def _gather(ws: torch.Tensor, src: _Rows, meta: KindMetadata, chunk: ChunkMeta) 
     """One chunk's region of `src` into the workspace `ws` (chunk rows x D), from the per-request
     arrays on the device: vLLM's walk, `(seq_lens, gather_lens, block_table)` per request.
 
-    fp8 pages on a GPU: one Triton kernel (`dsv4_torch.kernels.triton_kvcache`) reads the block
-    table and writes dequantized rows; elsewhere the row maps of a block of rows are formed on
-    the device (`gather_map`) and the rows copied (or dequantized) with index ops. Nothing reads
+    On a GPU: one Triton kernel per region reads the block table (or offsets) and writes the
+    rows (`dsv4_torch.kernels.triton_gather`; fp8 pages: `triton_kvcache.gather_dequant`, which
+    dequantizes); elsewhere the row maps of a block of rows are formed on the device
+    (`gather_map`) and the rows copied (or dequantized) with index ops. Nothing reads
     device values on the host; every step's size is a host number from the plan.
     """
     compressed = src.region == "compressed"
@@ -263,17 +284,21 @@ def _gather(ws: torch.Tensor, src: _Rows, meta: KindMetadata, chunk: ChunkMeta) 
     if n == 0:
         return
     if src.kernel:
-        from dsv4_torch.kernels import triton_kvcache
-
         s0, s1 = chunk.s0, chunk.s1
         R = s1 - s0
         out = ws[: R * chunk.M].view(R, chunk.M, ws.shape[1])
-        bt = src.index.index_select(0, meta.seg_request[s0:s1])
+        idx = src.index.index_select(0, meta.seg_request[s0:s1])  # block-table rows / offsets of the segments
         if compressed:
-            triton_kvcache.gather_dequant(out, src.pages, meta.seg_compressed_len[s0:s1], None, bt, src.page_size, 0)
+            seq, glen, offset = meta.seg_compressed_len[s0:s1], None, 0
         else:
-            triton_kvcache.gather_dequant(out, src.pages, meta.seg_seq_len[s0:s1], meta.seg_gather_len[s0:s1], bt,
-                                          src.page_size, chunk.N)  # fmt: skip
+            seq, glen, offset = meta.seg_seq_len[s0:s1], meta.seg_gather_len[s0:s1], chunk.N
+        if src.fp8:
+            from dsv4_torch.kernels import triton_kvcache
+
+            triton_kvcache.gather_dequant(out, src.pages, seq, glen, idx, src.page_size, offset)
+        else:
+            _triton_gather().gather_rows(out, src.pages if src.pages is not None else src.rows, seq, glen, idx,
+                                         src.page_size, offset)  # fmt: skip
         return
     step = DEQUANT_ROWS if src.fp8 else GATHER_ROWS
     for a in range(0, n, step):

@@ -473,3 +473,32 @@ def test_triton_kernels_compile_for_gpus():
     assert c["90-gather"][0] > 0 and c["90-gather"][1] > 0 and c["90-gather"][2] > 0
     assert c["90-insert"][2] > 0  # cvt ... e4m3x2
     assert c["80-gather"][2] == 0 and c["80-insert"][2] == 0 and c["80-gather"][1] > 0
+
+
+def test_torch_copy_and_gather_slots_move_bytes():
+    """copy_slots / gather_slots move a slot's 576 data and 8 scale bytes, aligned or not."""
+    rng = np.random.default_rng(5)
+    S, nb = 4, 5
+    src = torch.from_numpy(rng.integers(0, 256, (nb, P.page_bytes(S)), dtype=np.uint8))
+    slots = torch.tensor([3, 0, 19, 7, 7, 12])
+
+    def slot_bytes(pages, s):
+        p, q = divmod(int(s), S)
+        pg = pages[p]
+        return torch.cat([pg[q * 576 : (q + 1) * 576], pg[S * 576 + q * 8 : S * 576 + q * 8 + 8]])
+
+    out = TK.gather_slots(src, slots, S)
+    assert out.shape == (2, P.page_bytes(S))
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(slot_bytes(out, i), slot_bytes(src, s))
+    assert not out[1, 2 * 576 : S * 576].any()  # slots past n stay zero
+    odd = torch.zeros(nb * P.page_bytes(S) + 1, dtype=torch.uint8)
+    odd[1:] = src.reshape(-1)
+    assert torch.equal(TK.gather_slots(odd[1:].view(nb, -1), slots, S), out)  # not 8-byte aligned: bytes
+    dst = torch.zeros_like(src)
+    TK.copy_slots(src, torch.tensor([1, 2]), dst, torch.tensor([9, 0]), S)
+    assert torch.equal(slot_bytes(dst, 9), slot_bytes(src, 1)) and torch.equal(slot_bytes(dst, 0), slot_bytes(src, 2))
+    with pytest.raises(ValueError, match=r"dst_slots: 1 slots for 2 source slots"):
+        TK.copy_slots(src, torch.tensor([1, 2]), dst, torch.tensor([9]), S)
+    with pytest.raises(TypeError, match=r"dst_cache: expected uint8 pages"):
+        TK.copy_slots(src, torch.tensor([1]), dst.float(), torch.tensor([9]), S)

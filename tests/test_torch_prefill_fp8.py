@@ -103,6 +103,61 @@ def test_triton_gather_path_equals_reference(monkeypatch):
         assert torch.equal(out, w), dt
 
 
+@pytest.mark.parametrize("layout", ["paged", "packed"])
+def test_triton_gather_path_for_float_caches(layout, monkeypatch):
+    """The GPU gather of caches in q's dtype (`triton_gather`, here under the interpreter) == the
+    device-op path, bit for bit, for paged and packed caches (a window-only packed cache too)."""
+    from dsv4_torch.kernels import triton_kvcache
+    from tests.cases import boundary_cases
+
+    if not triton_kvcache.INTERPRETED and not torch.cuda.is_available():
+        pytest.skip("the triton backend needs a CUDA GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it on CPU)")
+    case = boundary_cases(4)[2]
+    if layout == "paged":
+        raw = TP.PagedKV(*(torch.from_numpy(x) for x in case.paged("raw", seed=1)))
+        comp = TP.PagedKV(*(torch.from_numpy(x) for x in case.paged("comp", seed=2)))
+    else:
+        raw = TP.LogicalKV.from_list([torch.from_numpy(x) for x in case.raw])
+        comp = TP.LogicalKV.from_list([torch.from_numpy(x) for x in case.comp])
+    want = run(case, raw, comp, budget_rows=300)[0]
+    monkeypatch.setattr(TP, "_use_gather_kernel", lambda t: True)
+    assert torch.equal(run(case, raw, comp, budget_rows=300)[0], want)
+
+
+def _ptxas_available() -> bool:
+    import os
+
+    triton = pytest.importorskip("triton")
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="needs Triton's bundled ptxas (NVIDIA build of triton)")
+def test_triton_gather_compiles_for_gpus():
+    """Ahead-of-time compile of the float-cache gather for sm_90 and sm_80 (no GPU needed): what
+    the interpreter cannot see. Rows move with 16-byte vector loads and stores."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    code = (
+        "import re, json\n"
+        "from dsv4_torch.kernels import triton_gather as K\n"
+        "print('COUNTS', json.dumps({f'{a}-{n}': [len(re.findall(p, ptx)) for p in (r'ld\\.global(?:\\.\\w+)*\\.v4', r'st\\.global(?:\\.\\w+)*\\.v4')]\n"
+        "                            for a in (90, 80) for n, ptx in K.compile_for(a).items()}))\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    m = re.search(r"COUNTS (.*)", res.stdout)
+    assert m, res.stdout + res.stderr[-3000:]
+    counts = json.loads(m.group(1))
+    assert set(counts) == {"90-paged", "90-packed", "80-paged", "80-packed"}
+    assert all(ld > 0 and st > 0 for ld, st in counts.values()), counts
+
+
 def test_fp8_layer_call_makes_no_host_sync(monkeypatch):
     from dsv4_torch.kernels import reference as ref_kernel
     from tests.no_host_sync import forbid_host_sync
