@@ -129,6 +129,7 @@ def main(argv=None):
     ap.add_argument("--max-model-len", type=int, default=1 << 20)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=20, help="rounds")
+    ap.add_argument("--block", type=int, default=BLOCK, help="calls per framework per round")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -146,7 +147,7 @@ def main(argv=None):
     for _ in range(args.repeats):  # alternating blocks of BLOCK calls; one figure per call
         for name, f in calls.items():
             keep = []  # results live to the block's end: their frees are not timed
-            for _ in range(BLOCK):
+            for _ in range(args.block):
                 out, dt = _timed(f)
                 keep.append(out)
                 times[name].append(dt)
