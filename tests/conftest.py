@@ -6,9 +6,21 @@ tensors; no up-front JAX preallocation, so torch and JAX can share a GPU); the p
 which runs outside pytest, imports the same.
 """
 
+from pathlib import Path
+
 import pytest
 
 import tests.parity  # noqa: F401  (environment set-up, see above)
+
+_VLLM_TESTS = Path(__file__).parent / "vllm"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/vllm/ runs only when named (`make test-vllm`, its own venv with vLLM): never in `make test`."""
+    if Path(collection_path) == _VLLM_TESTS:
+        named = any(Path(str(a).split("::")[0]).resolve().is_relative_to(_VLLM_TESTS) for a in config.args)
+        return None if named else True
+    return None
 
 
 @pytest.fixture(scope="session")
