@@ -39,3 +39,20 @@ test-jax-new:
 	    $(JAX_NEW_VENV)/bin/python -m pip install -q "jax>=0.11" numpy safetensors pytest hypothesis pytest-xdist; \
 	then $(JAX_NEW_VENV)/bin/python -m pytest -q -n 2 -p no:cacheprovider $(JAX_TESTS); \
 	else echo "test-jax-new: could not install jax >= 0.11 with $(JAX_NEW_PYTHON): skipped"; fi
+
+# The vLLM plugin's tests (tests/vllm/): their own venv with vLLM 0.33.0 (about 9.4 GB, a CUDA build
+# of torch), so never part of `make test` / CI. They run on the CPU: no GPU visible, Triton
+# kernels in Triton's interpreter. `make test-vllm`; the planning benchmark:
+# `.venv-vllm/bin/python -m bench.bench_vllm_planning`.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -e ".[vllm]" "pytest>=8"
+	touch $(VLLM_STAMP)
+
+.PHONY: test-vllm
+test-vllm: $(VLLM_STAMP)
+	CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm

@@ -34,7 +34,7 @@ HCA_WIDTH = 8  # width of the HCA layers' precomputed index rows
 SWA_BLOCK = 64  # tokens per SWA cache page
 BLOCK = 256  # tokens per compressed-cache block (slots per page = BLOCK // ratio)
 CHUNK_SIZE = 4  # DeepseekV4Attention.PREFILL_CHUNK_SIZE
-MAX_MODEL_LEN, MAX_BATCHED = 512, 16
+MAX_MODEL_LEN, MAX_BATCHED = 512, 32  # the step has 25 tokens (vLLM: <= max_num_batched_tokens)
 
 # One decode request, then the prefills; requests 2 and 4 are KV-transfer loads (no queries).
 DECODE_SEQ = [50]
