@@ -91,27 +91,43 @@ def step_plans(md) -> StepPlans | None:
 def get_prefill_chunk_plan(self, compress_ratio: int, prefill_chunk_size: int, has_compressed: bool | None = None):
     """vLLM's `(start, end, N, M)` chunk plan of this step's prefill requests, planned once.
 
-    Same arguments and result type as vLLM 0.33.0's method: `has_compressed=None` means
+    Installed as `DeepseekSparseSWAMetadata.get_prefill_chunk_plan` by the plugin. Same
+    arguments and result type as vLLM 0.33.0's method: `has_compressed=None` means
     `compress_ratio > 1` (V4.0's layers); V4.1 passes it explicitly (its ratio-1 layers gather a
     full-length compressed cache). The returned list is shared by every layer of the step that
     asks with the same arguments; callers only iterate it.
     """
-    if self.num_prefills == 0:
+    # Every layer after the first of its kind lands here: a dict lookup, nothing more.
+    step = self.__dict__.get(_CACHE_ATTR)
+    if (
+        step is not None
+        and step.seq_lens_cpu is self.prefill_seq_lens_cpu
+        and step.query_lens_cpu is self.prefill_query_lens_cpu
+    ):
+        plan = step.plans.get((compress_ratio, prefill_chunk_size, has_compressed))
+        if plan is not None:
+            return plan
+    return _plan_first(self, compress_ratio, prefill_chunk_size, has_compressed)
+
+
+def _plan_first(md, compress_ratio, prefill_chunk_size, has_compressed):
+    """The first call of a step with these arguments: check them, plan (or reuse an equal key)."""
+    if md.num_prefills == 0:
         return []
     if isinstance(compress_ratio, bool) or not isinstance(compress_ratio, (int, np.integer)):
         raise ValueError(f"compress_ratio: expected an integer, got {compress_ratio!r}")
     if isinstance(prefill_chunk_size, bool) or not isinstance(prefill_chunk_size, (int, np.integer)):
         raise ValueError(f"prefill_chunk_size: expected an integer, got {prefill_chunk_size!r}")
-    if has_compressed is None:
-        has_compressed = compress_ratio > 1
-    elif not isinstance(has_compressed, (bool, np.bool_)):
+    if has_compressed is not None and not isinstance(has_compressed, (bool, np.bool_)):
         raise ValueError(f"has_compressed: expected None, True or False, got {has_compressed!r}")
-    key = (int(compress_ratio), int(prefill_chunk_size), bool(has_compressed))
-    step = self.__dict__.get(_CACHE_ATTR)
-    if step is None or not step.describes(self):
-        step = StepPlans(self)
-        self.__dict__[_CACHE_ATTR] = step
+    hc = compress_ratio > 1 if has_compressed is None else bool(has_compressed)
+    key = (int(compress_ratio), int(prefill_chunk_size), hc)
+    step = md.__dict__.get(_CACHE_ATTR)
+    if step is None or not step.describes(md):
+        step = StepPlans(md)
+        md.__dict__[_CACHE_ATTR] = step
     plan = step.plans.get(key)
-    if plan is None:
+    if plan is None:  # (4, 4, None) and (4, 4, True) are one plan
         plan = step.plans[key] = step.plan(*key)
+    step.plans[(compress_ratio, prefill_chunk_size, has_compressed)] = plan
     return plan

@@ -35,7 +35,7 @@ def test_vllm_loader_patches_plan_method(sparse_swa, vllm_plan):
     from dsv4_torch.vllm import chunk_plan
 
     method = sparse_swa.DeepseekSparseSWAMetadata.get_prefill_chunk_plan
-    assert method.__wrapped__ is chunk_plan.get_prefill_chunk_plan
+    assert method is chunk_plan.get_prefill_chunk_plan
     assert vllm_plan.__module__ == sparse_swa.__name__ and vllm_plan.__qualname__.endswith("get_prefill_chunk_plan")
 
 
