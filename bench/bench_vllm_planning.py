@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from bench.workloads import scaling_batch
-from planner.models import PRESETS
+from planner import ModelShape
 from planner.report import table
 
 WINDOW, MAX_MODEL_LEN, MAX_BATCHED, CHUNK = 128, 1 << 20, 8192, 4
@@ -75,8 +75,9 @@ def time_steps(method, make, ratios, steps: int) -> float:
 def measure(seconds: float) -> list[dict]:
     theirs, ours, cls = vllm_methods()
     rows = []
-    for model in ("v4-flash", "v4-pro"):
-        ratios = [max(1, r) for r in PRESETS[model].compress_ratios]  # vLLM: compress_ratio = max(1, r)
+    for model in ("V4-Flash", "V4-Pro"):
+        # vLLM's DeepseekV4Attention: compress_ratio = max(1, ratio); SWA layers ask with 1
+        ratios = [max(1, spec.compress_ratio) for spec in ModelShape.from_name(model).layers]
         for n in SIZES:
             seq, qry = scaling_batch(n, seed=n, max_model_len=MAX_MODEL_LEN, tokens=MAX_BATCHED)
             make = metadata_factory(cls, seq, qry)
@@ -91,7 +92,7 @@ def measure(seconds: float) -> list[dict]:
                 tv.append(time_steps(theirs, make, ratios, steps_v))
                 tp.append(time_steps(ours, make, ratios, steps_p))
             v, p = float(np.median(tv)) * 1e3, float(np.median(tp)) * 1e3
-            rows.append(dict(model=PRESETS[model].name, layers=len(ratios), requests=n, tokens=int(sum(qry)),
+            rows.append(dict(model=model, layers=len(ratios), requests=n, tokens=int(sum(qry)),
                              max_context=int(max(seq)), vllm_ms=round(v, 3), plugin_ms=round(p, 4),
                              ratio=round(v / p, 1), blocks=len(tv)))  # fmt: skip
     return rows

@@ -38,6 +38,16 @@ def _config(window_size: int, max_model_len: int, max_num_batched_tokens: int, p
     )
 
 
+@lru_cache(maxsize=64)
+def _layer(compress_ratio: int, has_compressed: bool):
+    """The layer spec to plan: vLLM's rows depend on the ratio and on whether a compressed cache is
+    gathered, not on which compressed kind (CSA and HCA layers of one ratio plan the same chunks),
+    so a compressed layer is planned as HCA at its ratio, a window-only one as SWA."""
+    if has_compressed:
+        return planner.LayerSpec(planner.LayerKind.HCA, compress_ratio)
+    return planner.LayerSpec(planner.LayerKind.SWA, 0)
+
+
 def _host_ints(t, name: str, n: int) -> np.ndarray:
     """The first n entries of a CPU integer tensor (or array) as NumPy, without a copy if possible."""
     if t is None:
@@ -78,7 +88,7 @@ class StepPlans:
     def plan(self, compress_ratio: int, prefill_chunk_size: int, has_compressed: bool):
         _, W, mml, mnbt = self.limits
         config = _config(W, mml, mnbt, prefill_chunk_size)
-        kind_plan = planner.plan_kind(self.batch, config, compress_ratio, has_compressed=has_compressed)
+        kind_plan = planner.plan_kind(self.batch, config, _layer(compress_ratio, has_compressed))
         self.planned += 1
         return kind_plan.as_tuples()
 
@@ -114,13 +124,9 @@ def _plan_first(md, compress_ratio, prefill_chunk_size, has_compressed):
     """The first call of a step with these arguments: check them, plan (or reuse an equal key)."""
     if md.num_prefills == 0:
         return []
-    if isinstance(compress_ratio, bool) or not isinstance(compress_ratio, (int, np.integer)):
-        raise ValueError(f"compress_ratio: expected an integer, got {compress_ratio!r}")
+    hc = planner.contract.has_compressed(compress_ratio, has_compressed)  # vLLM 0.33's rule, checked
     if isinstance(prefill_chunk_size, bool) or not isinstance(prefill_chunk_size, (int, np.integer)):
         raise ValueError(f"prefill_chunk_size: expected an integer, got {prefill_chunk_size!r}")
-    if has_compressed is not None and not isinstance(has_compressed, (bool, np.bool_)):
-        raise ValueError(f"has_compressed: expected None, True or False, got {has_compressed!r}")
-    hc = compress_ratio > 1 if has_compressed is None else bool(has_compressed)
     key = (int(compress_ratio), int(prefill_chunk_size), hc)
     step = md.__dict__.get(_CACHE_ATTR)
     if step is None or not step.describes(md):

@@ -36,6 +36,8 @@ BLOCK = 256  # tokens per compressed-cache block (slots per page = BLOCK // rati
 CHUNK_SIZE = 4  # DeepseekV4Attention.PREFILL_CHUNK_SIZE
 MAX_MODEL_LEN, MAX_BATCHED = 512, 32  # the step has 25 tokens (vLLM: <= max_num_batched_tokens)
 
+KINDS = {1: "SWA", 4: "CSA", 128: "HCA"}  # vLLM's V4.0 layers: SWA asks with ratio 1
+
 # One decode request, then the prefills; requests 2 and 4 are KV-transfer loads (no queries).
 DECODE_SEQ = [50]
 SEQ = [140, 9, 300, 30, 70, 260]
@@ -179,7 +181,7 @@ def test_vllm_chunk_loop_with_plugin_plans_matches_oracle(vllm_loop, vllm_plan, 
     assert kernel_rows == [15, 5, 4]  # one kernel call per chunk, never an empty one
     ref, _, _ = oracle.prefill_attention(
         inputs["q"].double().numpy(), logical["raw"], logical["comp"], SEQ, QRY,
-        compress_ratio=ratio if ratio > 1 else 0, window_size=W, sm_scale=layer.scale,
+        kind=KINDS[ratio], compress_ratio=ratio if ratio > 1 else 0, window_size=W, sm_scale=layer.scale,
         attn_sink=layer.attn_sink.double().numpy(), topk_rows=logical["topk_rows"],
     )  # fmt: skip
     agreement = compare_out(out.double().numpy(), ref, ref, "bfloat16")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dsv4_torch.vllm import chunk_plan
-from planner.models import PRESETS
+from planner import ModelShape
 
 # (compress_ratio, has_compressed) as vLLM's callers pass them: V4.0 layers (SWA is ratio 1 in
 # vLLM, has_compressed left to the default), V4.1's explicit has_compressed (ratio-1 layers that
@@ -85,9 +85,9 @@ def test_one_plan_per_kind_per_step(make_metadata, vllm_plan, model, monkeypatch
 
     calls = []
     real = planner.plan_kind
-    monkeypatch.setattr(planner, "plan_kind", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    monkeypatch.setattr(planner, "plan_kind", lambda *a, **k: calls.append(max(1, a[2].compress_ratio)) or real(*a, **k))
     # vLLM's DeepseekV4Attention: compress_ratio = max(1, ratio) (SWA layers ask with 1)
-    ratios = [max(1, r) for r in PRESETS[model].compress_ratios]
+    ratios = [max(1, spec.compress_ratio) for spec in ModelShape.from_name(model).layers]
     assert len(ratios) == {"v4-flash": 44, "v4-pro": 62}[model]
     rng = np.random.default_rng(7)
     limits = dict(window_size=128, max_model_len=1 << 20, max_num_batched_tokens=8192)
