@@ -48,7 +48,8 @@ class PrefillBatch:
         if seq.shape != qry.shape:
             raise ValueError(f"seq_lens and query_lens: lengths differ ({seq.shape[0]} vs {qry.shape[0]})")
         # One cheap pass for valid batches; the culprit is looked for only when a check fails.
-        if seq.size and (qry.min() < 0 or (qry > seq).any()):
+        qmin = int(qry.min()) if qry.size else 0
+        if seq.size and (qmin < 0 or (qry > seq).any()):
             for name, a in (("seq_lens", seq), ("query_lens", qry)):
                 if a.min() < 0:
                     i = int(np.argmin(a))
@@ -69,6 +70,7 @@ class PrefillBatch:
                 )
         seq.setflags(write=False)
         qry.setflags(write=False)
+        self.__dict__["_min_query_len"] = qmin  # planners ask whether any request has no queries
         object.__setattr__(self, "seq_lens", seq)
         object.__setattr__(self, "query_lens", qry)
 

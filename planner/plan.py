@@ -95,7 +95,12 @@ class PlanConfig:
         return self.max_compressed_len(layer) + self.window_size + self.max_num_batched_tokens
 
     def budget(self, layer: LayerSpec) -> int:
-        return self.vllm_budget_rows(layer) if self.budget_rows is None else int(self.budget_rows)
+        """Rows one chunk may use: `budget_rows`, else vLLM's bound (`vllm_budget_rows`, inlined:
+        this runs once per kind per step)."""
+        if self.budget_rows is not None:
+            return int(self.budget_rows)
+        comp = -(-self.max_model_len // layer.compress_ratio) if layer.has_compressed else 0
+        return self.prefill_chunk_size * (comp + self.window_size + self.max_num_batched_tokens)
 
 
 class ChunkLayout:
@@ -349,7 +354,9 @@ class KindPlan:
         """
         if self.config.order != "batch" or self.split_requests.size:
             raise ValueError("as_tuples: only defined for order='batch' plans without split requests")
-        req, cs, Ns, Ms = (x.tolist() if isinstance(x, np.ndarray) else x for x in (self.seg_source[0],) + self.chunk_source)
+        req, (cs, Ns, Ms) = self.seg_source[0].tolist(), self.chunk_source
+        if isinstance(cs, np.ndarray):  # fixed / per_request plans keep arrays
+            cs, Ns, Ms = cs.tolist(), Ns.tolist(), Ms.tolist()
         return [(req[a], req[b - 1] + 1, n, m) for a, b, n, m in zip(cs, cs[1:], Ns, Ms)]
 
 
@@ -443,15 +450,17 @@ def _active_requests(batch: PrefillBatch, config: PlanConfig):
     if hit is not None:
         return hit
     seq, qry = batch.seq_lens, batch.query_lens
-    if batch.max_model_len is None and seq.size and int(seq.max()) > config.max_model_len:
+    # (a batch built with these limits has checked them already)
+    if (batch.max_model_len is None or batch.max_model_len > config.max_model_len) and seq.size and int(seq.max()) > config.max_model_len:
         i = int(np.argmax(seq))
         raise ValueError(f"seq_lens: seq_lens[{i}] = {int(seq[i])} exceeds max_model_len = {config.max_model_len}")
-    if qry.size and int(qry.max()) > config.max_num_batched_tokens:
+    checked = batch.max_num_batched_tokens is not None and batch.max_num_batched_tokens <= config.max_num_batched_tokens
+    if not checked and qry.size and int(qry.max()) > config.max_num_batched_tokens:
         i = int(np.argmax(qry))
         raise ValueError(
             f"query_lens: query_lens[{i}] = {int(qry[i])} exceeds max_num_batched_tokens = {config.max_num_batched_tokens}"
         )
-    if not qry.size or qry.min() > 0:  # the common case: every request has queries
+    if batch.__dict__.get("_min_query_len", 0) > 0 or not qry.size:  # the common case: all have queries
         active, skipped, seq_a, qry_a = np.arange(qry.shape[0], dtype=np.int32), _EMPTY32, seq, qry
     else:
         has_queries = qry > 0

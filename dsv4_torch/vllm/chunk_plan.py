@@ -49,12 +49,13 @@ def _layer(compress_ratio: int, has_compressed: bool):
 
 
 def _host_ints(t, name: str, n: int) -> np.ndarray:
-    """The first n entries of a CPU integer tensor (or array) as NumPy, without a copy if possible."""
+    """The first n entries of a CPU integer tensor (or array) as NumPy, without a copy."""
     if t is None:
         raise ValueError(f"{name}: None on a step with {n} prefill requests")
-    if hasattr(t, "device") and getattr(t.device, "type", "cpu") != "cpu":
-        raise ValueError(f"{name}: expected a CPU tensor (reading it would wait for the device), got {t.device}")
-    a = t.numpy() if hasattr(t, "numpy") else np.asarray(t)
+    try:
+        a = t.numpy() if hasattr(t, "numpy") else np.asarray(t)
+    except TypeError as e:  # a tensor on a device: reading it would wait for the device
+        raise ValueError(f"{name}: expected a CPU tensor ({e})") from None
     if a.ndim != 1 or a.shape[0] < n:
         raise ValueError(f"{name}: expected at least {n} entries (num_prefills), got shape {tuple(a.shape)}")
     return a[:n]
@@ -72,7 +73,7 @@ class StepPlans:
         self.limits = (n, md.prefill_window_size, md.prefill_max_model_len, md.prefill_max_num_batched_tokens)
         seq = _host_ints(md.prefill_seq_lens_cpu, "prefill_seq_lens_cpu", n)
         qry = _host_ints(md.prefill_query_lens_cpu, "prefill_query_lens_cpu", n)
-        self.batch = planner.PrefillBatch(seq, qry)
+        self.batch = planner.PrefillBatch(seq, qry, md.prefill_max_model_len, md.prefill_max_num_batched_tokens)
         self.plans: dict[tuple, list[tuple[int, int, int, int]]] = {}
         self.planned = 0  # how many plans this step made (one per key)
 

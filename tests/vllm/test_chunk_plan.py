@@ -76,6 +76,12 @@ def test_no_prefills_and_bad_arguments(make_metadata):
     md = make_metadata([10], [11], window_size=128, max_model_len=1024, max_num_batched_tokens=64)
     with pytest.raises(ValueError, match="query_lens"):
         md.get_prefill_chunk_plan(4, 4)
+    import torch
+
+    md = make_metadata([10], [5], window_size=128, max_model_len=1024, max_num_batched_tokens=64)
+    md.prefill_seq_lens_cpu = md.prefill_seq_lens_cpu.to("meta")  # not on the host
+    with pytest.raises(ValueError, match="prefill_seq_lens_cpu: expected a CPU tensor"):
+        md.get_prefill_chunk_plan(4, 4)
 
 
 @pytest.mark.parametrize("model", ["v4-flash", "v4-pro"])
