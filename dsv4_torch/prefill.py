@@ -310,7 +310,7 @@ def _check_topk(topk_indices, meta: KindMetadata, q: torch.Tensor) -> None:
 
 def _check_topk_values(topk_indices: torch.Tensor, meta: KindMetadata) -> None:
     """CPU only (a host read): every used top-k entry is visible to its token."""
-    check_topk_rows(topk_indices.numpy(), meta.plan.token_index, meta.plan.token_position, 4, "topk_indices")
+    check_topk_rows(topk_indices.numpy(), meta.plan.token_index, meta.plan.token_position, meta.plan.compress_ratio, "topk_indices")
 
 
 def _check_q(q, meta: KindMetadata):

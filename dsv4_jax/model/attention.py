@@ -178,7 +178,7 @@ def _index_topk(p, x, q_residual, entries, step: StepInputs, cfg: ModelConfig):
     """Lightning Indexer scores and top-k (section 9): (T, index_topk) int32 entry ids, -1 = none.
 
     Scores each token against the first `step.index_entries` entries of its request; row t holds
-    its top min(visible, topk) visible entries first (visible = (p+1)//4).
+    its top min(visible, topk) visible entries first (visible = (p+1)//r, r = the CSA ratio).
     """
     T = x.shape[0]
     S = entries.shape[0]
@@ -188,7 +188,7 @@ def _index_topk(p, x, q_residual, entries, step: StepInputs, cfg: ModelConfig):
     q = apply_rope(linear(q_residual, p["wq_b"]).reshape(T, nh, dh), cos[:, None], sin[:, None]).astype(F32)
     head_w = linear(x, p["weights_proj"]).astype(F32) * nh**-0.5  # (T, nh)
     slot = jnp.minimum(step.slot[step.token_request], S - 1)
-    visible = (step.positions + 1) // 4
+    visible = (step.positions + 1) // cfg.compress_rate_csa
     k = min(cfg.index_topk, N)
     # Token tiles bound the gathered keys to tile * N * dh elements.
     tile = T
@@ -264,7 +264,7 @@ def attention(p, cache: dict, x, step: StepInputs, meta, cfg: ModelConfig, kind:
     if kind is LayerKind.CSA:
         ip = p["indexer"]
         cache["index_entries"], cache["index_ring_kv"], cache["index_ring_gate"] = _compress(
-            ip, x, cache["index_entries"], cache["index_ring_kv"], cache["index_ring_gate"], step, cfg, 4, True
+            ip, x, cache["index_entries"], cache["index_ring_kv"], cache["index_ring_gate"], step, cfg, r, True
         )
         topk = _index_topk(ip, x, q_residual, cache["index_entries"], step, cfg)
 

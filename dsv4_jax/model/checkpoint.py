@@ -18,7 +18,7 @@ biases in float32 (transformers' `_keep_in_fp32_modules_strict`):
       attn: wq_a (q_lora, hidden), q_norm (q_lora,), wq_b (H*D, q_lora), wkv (D, hidden), kv_norm (D,),
             wo_a (G, o_lora, H*D/G), wo_b (hidden, G*o_lora), sink (H,)
             compressor (CSA/HCA): wkv, wgate (C, hidden), ape (r, C), norm (D,)   C = 2D (CSA) or D
-            indexer (CSA): wkv, wgate (2*dh, hidden), ape (4, 2*dh), norm (dh,), wq_b (nh*dh, q_lora),
+            indexer (CSA): wkv, wgate (2*dh, hidden), ape (r, 2*dh), norm (dh,), wq_b (nh*dh, q_lora),
                            weights_proj (nh, hidden)
       ffn: gate (E, hidden), bias (E,) f32 (top-k layers) or tid2eid (V, k) int32 (hash layers),
            w13 (E, hidden, 2I) [gate | up], w2 (E, I, hidden), shared_w1, shared_w3 (I, hidden), shared_w2 (hidden, I)
@@ -257,7 +257,7 @@ def load_params(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype="float32
             attn["indexer"] = {
                 "wkv": get(x + "kv_proj.weight", (2 * dh, hid)),
                 "wgate": get(x + "gate_proj.weight", (2 * dh, hid)),
-                "ape": get(x + "position_bias", (4, 2 * dh), "f32"),
+                "ape": get(x + "position_bias", (cfg.compress_rate_csa, 2 * dh), "f32"),
                 "norm": get(x + "kv_norm.weight", (dh,), "f32"),
                 "wq_b": get(x + "q_b_proj.weight", (nh * dh, qr)),
                 "weights_proj": get(x + "scorer.weights_proj.weight", (nh, hid)),
