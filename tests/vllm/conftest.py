@@ -15,7 +15,16 @@ import pytest
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+def _have_vllm() -> bool:
+    """vLLM installed (this directory itself can look like a namespace package named vllm)."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.origin is not None
+
+
+HAVE_VLLM = _have_vllm()
 NO_VLLM = "needs vLLM 0.33.0 installed (`make test-vllm` creates .venv-vllm with it)"
 
 
