@@ -192,7 +192,7 @@ def main():
         return
     if args.checkpoint is None:
         sys.path.insert(0, ROOT)
-        from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint
+        from tools.tiny_checkpoint import write_tiny_checkpoint
 
         args.checkpoint = os.path.join(ROOT, "out", "tiny-ckpt")
         if not os.path.exists(os.path.join(args.checkpoint, "model.safetensors")):

@@ -38,7 +38,7 @@ def main(argv=None):
     tmp = None
     ckpt = args.checkpoint
     if ckpt is None:
-        from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint
+        from tools.tiny_checkpoint import write_tiny_checkpoint
 
         tmp = tempfile.TemporaryDirectory()
         ckpt = str(write_tiny_checkpoint(os.path.join(tmp.name, "tiny"), seed=0))

@@ -14,7 +14,7 @@ import tests.parity  # noqa: F401  (environment set-up, see above)
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """The tiny random DeepSeek-V4 checkpoint (seed 0) in both name styles, written once per session."""
-    from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint
+    from tools.tiny_checkpoint import write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny-ckpt")
     return {names: write_tiny_checkpoint(root / names, seed=0, names=names) for names in ("hf", "deepseek")}

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from dsv4_torch.hf.capture import capture_attention, capture_attention_layers  # noqa: E402
-from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
+from tools.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 from planner.batch import LayerKind  # noqa: E402
 from planner.oracle import prefill_attention  # noqa: E402
 

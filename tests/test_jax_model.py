@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 from dsv4_jax.checkpoint import load_checkpoint, read_safetensors, to_transformers_names  # noqa: E402
 from dsv4_jax.generate import JaxGenerator  # noqa: E402
 from dsv4_jax.model import DeepseekV4, ModelConfig, rope_inv_freq  # noqa: E402
-from dsv4_torch.hf.tiny_checkpoint import tiny_config  # noqa: E402
+from tools.tiny_checkpoint import tiny_config  # noqa: E402
 from tests.jax_model_cases import (  # noqa: E402
     DECODE_A, MODEL_OPTIONS, PROMPT_A, PROMPT_B, PROMPT_C, chunked_then_decode,
 )

@@ -1,6 +1,6 @@
 """Tiny random DeepSeek-V4 checkpoints, written deterministically from a seed.
 
-    python -m dsv4_torch.hf.tiny_checkpoint --out DIR [--seed 0] [--names hf|deepseek] [--dtype float32|bfloat16]
+    python -m tools.tiny_checkpoint --out DIR [--seed 0] [--names hf|deepseek] [--dtype float32|bfloat16]
 
 writes `config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` and
 `generation_config.json` into DIR, loadable with `DeepseekV4ForCausalLM.from_pretrained(DIR)` and
@@ -19,7 +19,8 @@ keep activations O(1) through the layers (linear weights ~ N(0, 1/fan_in)); sink
 biases (`ape`), norm weights, mHC biases/scales, router correction biases and the hash-routing
 table `tid2eid` get non-trivial random values.
 
-Writing needs numpy, torch (only to store bfloat16), safetensors and tokenizers; not transformers.
+Writing needs numpy, safetensors and tokenizers (and ml_dtypes for bfloat16); not torch, not
+transformers. The files are byte-identical to what the earlier torch-based writer produced.
 """
 
 from __future__ import annotations
@@ -408,6 +409,15 @@ def build_tokenizer(vocab_size: int = 512):
 # ----------------------------------------------------------------------------- writer
 
 
+def _bfloat16():
+    try:
+        import ml_dtypes
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("dtype='bfloat16': writing bfloat16 tensors needs ml_dtypes "
+                                  "(pip install ml_dtypes; jax installs it)") from None
+    return ml_dtypes.bfloat16
+
+
 def _dump_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
@@ -422,8 +432,7 @@ def write_tiny_checkpoint(out_dir, seed: int = 0, names: str = "hf", dtype: str 
       dtype: "float32" or "bfloat16" for floating tensors (tid2eid stays int64).
       config: optional dict from `tiny_config(...)`; default `tiny_config()`.
     """
-    import torch
-    from safetensors.torch import save_file
+    from safetensors.numpy import save_file
 
     if names not in NAME_STYLES:
         raise ValueError(f"names: expected one of {NAME_STYLES}, got {names!r}")
@@ -439,12 +448,12 @@ def write_tiny_checkpoint(out_dir, seed: int = 0, names: str = "hf", dtype: str 
     tensors = init_tensors(cfg, seed)
     if names == "deepseek":
         tensors = to_deepseek_names(tensors)
-    torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
-    state = {
-        k: (torch.from_numpy(v) if v.dtype.kind in "iu" else torch.from_numpy(v).to(torch_dtype))
-        for k, v in sorted(tensors.items())
-    }
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if dtype == "bfloat16":  # round to nearest even, as torch's .to(torch.bfloat16) does
+        bf16 = _bfloat16()
+        tensors = {k: v if v.dtype.kind in "iu" else v.astype(bf16) for k, v in tensors.items()}
+    # safetensors lays the data out by dtype alignment, then name; "format": "pt" is what
+    # transformers' loader expects of a checkpoint's metadata.
+    save_file(dict(sorted(tensors.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
 
     _dump_json(out / "config.json", cfg if names == "hf" else deepseek_config(cfg))
     tok = build_tokenizer(cfg["vocab_size"])
