@@ -36,7 +36,7 @@ def main(argv=None):
 
 
 def run(ckpt: str, args) -> None:
-    from dsv4_jax.generate import JaxGenerator
+    from dsv4_jax.model.generate import JaxGenerator
 
     gen = JaxGenerator(
         ckpt, attention_backend=args.backend, max_batch_size=args.max_batch_size,

@@ -33,9 +33,9 @@ import numpy as np
 
 from bench.common import time_interleaved, workloads
 from dsv4_jax import prefill as JP
-from dsv4_jax.buckets import pow2_bucket
 from planner import LayerKind, PlanConfig, PrefillBatch
 from planner.report import table as _table
+from planner.sizes import pow2_bucket
 
 POLICIES = ("adaptive", "fixed", "per_request")
 TOPK = 512  # V4-Flash

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import dsv4_jax
-from dsv4_jax.pallas_kernel import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas
-from dsv4_jax.xla_reference import sparse_attention_xla
+from dsv4_jax.kernels.pallas_triton import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas
+from dsv4_jax.kernels.xla import sparse_attention_xla
 from planner import oracle
 from tools.aot import kernel_arg_specs, lower_for_cuda, triton_ir
 

@@ -55,7 +55,7 @@ def triton_ir(T: int, H: int, D: int, S: int, K: int, tiling: dict) -> str:
     """
     from jax._src.pallas.triton import pallas_call_registration as registration
 
-    from dsv4_jax.pallas_kernel import sparse_attention_pallas
+    from dsv4_jax.kernels.pallas_triton import sparse_attention_pallas
 
     captured = []
     original = registration.lowering.lower_jaxpr_to_triton_module
