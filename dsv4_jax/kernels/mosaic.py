@@ -1,0 +1,481 @@
+"""Mosaic GPU sparse-attention kernel for Hopper (sm_90a), backend "mosaic".
+
+The FlashMLA `flash_mla_sparse_fwd` contract (spec section 2) as a Pallas Mosaic GPU kernel
+(`plgpu.kernel`, warpgroup-level code, `wgmma`), with no Triton in the way. Needs jax >= 0.12;
+on a machine without an NVIDIA GPU the same kernel runs in Mosaic GPU's interpret mode.
+
+Design (after FlashMLA's SM90 sparse prefill kernel)
+----------------------------------------------------
+One CTA per (query token, block of 64 heads): all heads of a token share its index row, so each
+gathered KV row serves 64 heads (H = 128 runs two CTAs per token, next to each other in the 1-D
+grid so the second finds the rows in L2). Three warpgroups (384 threads):
+
+* producer (warpgroup 2, 40 registers): TMA-loads the token's q block once, then walks the index
+  row in blocks of `block_k` (32) columns, only as far as `topk_length[t]`. Per block it
+  1. TMA-loads the block's indices into shared memory (one 128-byte copy),
+  2. gathers each row with its own TMA copy, `kv[row] -> staging[i]` (Hopper has no TMA row
+     gather; gather4 is Blackwell-only). An invalid entry (-1, < 0, >= S, or a column past
+     `topk_length`) is redirected to row S, one past the end, which TMA's out-of-bounds fill
+     delivers as zeros without touching memory: garbage or NaN in unreferenced rows never leaks
+     in, and invalid columns cost no HBM traffic,
+  3. re-lays the staged rows out into the 128-byte-swizzled, (8, 64)-tiled buffer `wgmma` reads
+     (shared -> registers -> shared, 16-byte vectors, bank-conflict free). Pallas can only write
+     a tiled buffer in whole 8-row tiles, and a swizzled `wgmma` operand interleaves 8 rows per
+     1 KB atom, so a gathered row cannot land there directly (it could with cp.async, which
+     FlashMLA uses and Pallas does not expose on Hopper),
+  and counts the valid entries (the "no valid key" test, so NaN propagates as in the oracle).
+  Gathers run one block ahead of the re-layout, which runs one block ahead of the consumers.
+* consumers (warpgroups 0 and 1, 232 registers): each owns half of d_v = 512 (a 64 x 256 fp32
+  accumulator, 128 registers per thread). Per block each computes S = Q K^T (64 x 32, `wgmma`,
+  both operands in shared memory; both warpgroups compute the same S rather than exchange it
+  through shared memory), masks invalid columns to -inf, runs the online softmax in registers in
+  log2 units (sm_scale * log2(e) folded into one multiply, exp2), and accumulates
+  P (bf16, registers) @ V (its 256 columns of the same tiled buffer: V is the row's first 512
+  dims) with `wgmma`. The sink joins the denominator at the end: out *= 1 / (l (1 + exp(sink -
+  lse))), so lse stays sink-free; tokens without a valid key get out = 0, lse = +inf,
+  max_logits = -inf; NaN in q or a gathered row gives NaN in exactly the oracle's rows (the
+  same rules as the xla and Pallas-Triton backends).
+
+Shared memory per CTA (bytes; block_k = 32, 2 stages; sm_90a allows 232,448 = 227 KB per block):
+
+  buffer                          D = 512            D = 576
+  q block, 64 x D bf16             65,536             73,728
+  tiled K/V ring, 2 x 32 x D       65,536             73,728
+  staging ring, 2 x 32 x D         65,536             73,728
+  index ring, 2 x 32 int32            256                256
+  barriers (10 x 8) + count            96                 96
+  total                           196,960            221,536   (<= 232,448: fits)
+
+Per stage that is 2 x 32 x D x 2 = 65,536 / 73,728 bytes (staged + tiled copy of 32 rows).
+64-column blocks (FlashMLA's) would need 2 x 147,456 bytes of rings at D = 576: no second
+stage fits, and the re-layout could not overlap the MMAs, hence 32-row blocks, double-buffered.
+
+Expected cost (unmeasured: no GPU was available while writing this): per 32-key block the two
+consumers issue 2 x (64x32x576) + 2 x (64x256x32) MMA work (1.6x FlashMLA's useful FLOPs, the
+price of the duplicated QK^T), and the SM moves about 0.36 MB through shared memory (wgmma
+operand reads, staging, re-layout). The duplicated QK^T and the extra re-layout pass are the
+first things to remove once the kernel can be timed (`bench/gpu_check_jax.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dsv4_jax.kernels.xla import no_key_result
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+BLOCK_H = 64  # heads per CTA (wgmma M)
+SWIZZLE = 64  # bytes: the swizzle of every wgmma operand (P's 32 bf16 columns are 64 bytes)
+TILE_COLS = SWIZZLE // 2  # bf16 columns per (8, TILE_COLS) tile
+D_V = 512  # FlashMLA's value dim
+HEADS = (16, 32, 64, 128)
+HEAD_DIMS = (512, 576)
+SMEM_LIMIT = 232_448  # bytes of shared memory one sm_90a block may use (227 KB)
+TARGET_DEVICE_KIND = "NVIDIA H100 80GB HBM3"  # abstract device used for interpret mode and AOT
+
+_MIN_JAX = (0, 12)
+
+
+def jax_version() -> tuple[int, ...]:
+    parts = []
+    for piece in jax.__version__.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def unavailable_reason() -> str | None:
+    """None if this jax can build the kernel (jax >= 0.12 with Pallas Mosaic GPU), else why not."""
+    if jax_version()[:2] < _MIN_JAX:
+        return f"needs jax >= 0.12 (Pallas Mosaic GPU with GPU interpret mode), found jax {jax.__version__}"
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: F401
+
+        plgpu.InterpretGPUParams  # noqa: B018
+    except Exception as e:  # noqa: BLE001 - a broken or partial install
+        return f"cannot import jax.experimental.pallas.mosaic_gpu ({type(e).__name__}: {e})"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    block_k: int = 32  # index columns gathered and scored per step (wgmma N of QK^T)
+    num_stages: int = 2  # depth of the staging and tiled rings
+
+
+def smem_bytes(d_qk: int, cfg: TuningConfig = TuningConfig()) -> int:
+    """Shared memory one CTA allocates (the docstring's table)."""
+    q = BLOCK_H * d_qk * 2
+    rings = 2 * cfg.num_stages * cfg.block_k * d_qk * 2
+    indices = cfg.num_stages * cfg.block_k * 4
+    p = 2 * BLOCK_H * cfg.block_k * 2
+    barriers = (1 + 4 * cfg.num_stages + 1) * 8
+    return q + rings + p + indices + barriers + 16
+
+
+def check_shapes(q, kv, indices) -> None:
+    """ValueError naming the argument for anything outside what this kernel serves."""
+    T, H, D = q.shape
+    if jnp.dtype(q.dtype) != jnp.bfloat16:
+        raise ValueError(f"q: backend 'mosaic' takes bfloat16 only, got {jnp.dtype(q.dtype)}")
+    if jnp.dtype(kv.dtype) != jnp.bfloat16:
+        raise ValueError(f"kv: backend 'mosaic' takes bfloat16 only, got {jnp.dtype(kv.dtype)}")
+    if H not in HEADS:
+        raise ValueError(f"q: backend 'mosaic' serves {HEADS} heads, got H={H} (shape {tuple(q.shape)})")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q: backend 'mosaic' serves head dims {HEAD_DIMS}, got D={D} (shape {tuple(q.shape)})")
+    if kv.shape[0] >= 2**31 - 1:
+        raise ValueError(f"kv: at most 2**31 - 2 rows, got {kv.shape[0]}")
+
+
+def _kernel_body(
+    nv_ref,  # [T] int32: valid columns per token, already clipped to [0, K]
+    sink_ref,  # [H_pad] float32
+    q_ref,  # [T, H_pad, D] bf16
+    kv_ref,  # [S, D] bf16
+    idx_ref,  # [T, K_pad] int32
+    out_ref,  # [T, H_pad, 512] bf16
+    max_ref,  # [T, H_pad] float32
+    lse_ref,  # [T, H_pad] float32
+    q_smem,
+    k_smem,
+    st_smem,
+    p_smem,
+    idx_smem,
+    cnt_smem,
+    barriers,
+    *,
+    interpret: bool,
+    sm_scale: float,
+    num_rows: int,
+    num_head_blocks: int,
+    block_k: int,
+    num_stages: int,
+    d_qk: int,
+):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    q_bar, idx_bar, st_bar, kfull_bar, kfree_bar, done_bar = barriers
+    cta = lax.axis_index("cta")
+    t = cta // num_head_blocks
+    hb = cta % num_head_blocks
+    h0 = hb * BLOCK_H
+    wg = lax.axis_index("wg")
+    n_valid = nv_ref[t]
+    num_blocks = (n_valid + block_k - 1) // block_k
+    score_scale = sm_scale * LOG2_E
+    n_chunks = d_qk // TILE_COLS
+    copy_layout = plgpu.Layout.SMEM_GMEM_COPY((block_k, TILE_COLS), jnp.bfloat16, SWIZZLE)
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(h0, BLOCK_H)], q_smem, q_bar.at[0])
+
+        def load_indices(j):
+            slot = lax.rem(j, num_stages)
+            plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds(j * block_k, block_k)], idx_smem.at[slot], idx_bar.at[slot])
+
+        def gather(j, count):
+            slot = lax.rem(j, num_stages)
+
+            @pl.when(j + 1 < num_blocks)
+            def _():
+                load_indices(j + 1)
+
+            plgpu.barrier_wait(idx_bar.at[slot])
+
+            def one_row(i, count):
+                row = idx_smem[slot, i]
+                ok = (row >= 0) & (row < num_rows) & (j * block_k + i < n_valid)
+                # Invalid entries read row S: out of bounds, so TMA fills zeros.
+                src = jnp.where(ok, row, num_rows)
+                plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(src, 1)], st_smem.at[slot, pl.ds(i, 1)], st_bar.at[slot])
+                return count + ok.astype(jnp.int32)
+
+            return lax.fori_loop(0, block_k, one_row, count)
+
+        def relayout(j):
+            slot = lax.rem(j, num_stages)
+            plgpu.barrier_wait(st_bar.at[slot])
+
+            @pl.when(j >= num_stages)
+            def _():
+                plgpu.barrier_wait(kfree_bar.at[slot])  # consumers are done with block j - stages
+
+            for c in range(n_chunks):
+                cols = pl.ds(TILE_COLS * c, TILE_COLS)
+                k_smem[slot, :, cols] = plgpu.load(st_smem.at[slot, :, cols], layout=copy_layout)
+            plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma
+            plgpu.barrier_arrive(kfull_bar.at[slot])
+
+        @pl.when(num_blocks > 0)
+        def _():
+            load_indices(0)
+
+        def step(j, count):
+            count = gather(j, count)
+
+            @pl.when(j >= 1)
+            def _():
+                relayout(j - 1)
+
+            return count
+
+        count = lax.fori_loop(0, num_blocks, step, jnp.int32(0))
+
+        @pl.when(num_blocks > 0)
+        def _():
+            relayout(num_blocks - 1)
+
+        cnt_smem[0] = count
+        plgpu.barrier_arrive(done_bar.at[0])
+
+    def store_accumulator(acc_ref, value):
+        if interpret:
+            # Mosaic GPU's interpreter has no rule for stores into a wgmma accumulator (jax
+            # 0.12); a plain ref swap is the same operation on its register-file model.
+            from jax._src.state import primitives as state_primitives
+
+            state_primitives.ref_swap(acc_ref, (), value)
+        else:
+            acc_ref[...] = value
+
+    def consumer(w: int):
+        plgpu.set_max_registers(232, action="increase")
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        col_layout = plgpu.Layout.WGMMA.reduce(0)
+        v_cols = pl.ds(256 * w, 256)
+        my_p = p_smem.at[w]
+        plgpu.barrier_wait(q_bar.at[0])
+
+        def load_block_indices(j):
+            j = jnp.minimum(j, jnp.maximum(num_blocks - 1, 0))
+            return plgpu.load(idx_ref.at[t, pl.ds(j * block_k, block_k)], layout=col_layout, optimized=False)
+
+        def run_blocks(acc_ref):
+            def block(j, carry):
+                m, l, idx = carry
+                slot = lax.rem(j, num_stages)
+                idx_next = load_block_indices(j + 1)  # prefetch: used one iteration later
+                plgpu.barrier_wait(kfull_bar.at[slot])
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, block_k), jnp.float32))
+                col = j * block_k + plgpu.broadcasted_iota(jnp.int32, (block_k,), 0, layout=col_layout)
+                valid = (idx >= 0) & (idx < num_rows) & (col < n_valid)
+                valid = lax.broadcast_in_dim(valid, s.shape, [1])
+                s = jnp.where(valid, s * score_scale, -jnp.inf)  # log2 units
+                m_new = jnp.maximum(m, s.max(axis=1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key yet: avoid inf - inf
+                alpha = jnp.exp2(m - m_safe)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                my_p[...] = p.astype(jnp.bfloat16)
+                plgpu.commit_smem()  # P stores -> visible to wgmma
+                acc = acc_ref[...]  # waits for the previous block's P @ V
+                store_accumulator(acc_ref, acc * lax.broadcast_in_dim(alpha, acc.shape, [0]))
+                plgpu.wgmma(acc_ref, my_p, k_smem.at[slot, :, v_cols])
+                plgpu.wgmma_wait(0)  # this block's K/V slot and P are read: release them
+                plgpu.barrier_arrive(kfree_bar.at[slot])
+                return m_new, l, idx_next
+
+            init = (
+                plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_layout),
+                plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout),
+                load_block_indices(0),
+            )
+            m, l, _ = lax.fori_loop(0, num_blocks, block, init)
+            return acc_ref[...], m, l
+
+        acc, m, l = pl.run_scoped(run_blocks, plgpu.ACC((BLOCK_H, 256), jnp.float32))
+
+        plgpu.barrier_wait(done_bar.at[0])
+        has_keys = cnt_smem[0] > 0
+        # NaN in q or in a gathered row must come out as NaN (as in the oracle): l keeps it even
+        # where the running max dropped it.
+        m = jnp.where(jnp.isnan(l), jnp.nan, m) * LN_2  # natural log from here on
+        lse = jnp.where(has_keys, m + jnp.log(l), jnp.inf)
+        max_logits = jnp.where(has_keys, m, -jnp.inf)
+        sink = plgpu.load(sink_ref.at[pl.ds(h0, BLOCK_H)], layout=row_layout, optimized=False)
+        scale = jnp.where(has_keys, 1.0 / (l * (1.0 + jnp.exp(sink - lse))), 0.0)
+        out = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
+        plgpu.store(out_ref.at[t, pl.ds(h0, BLOCK_H), v_cols], out.astype(jnp.bfloat16), optimized=False)
+        if w == 0:
+            plgpu.store(max_ref.at[t, pl.ds(h0, BLOCK_H)], max_logits, optimized=False)
+            plgpu.store(lse_ref.at[t, pl.ds(h0, BLOCK_H)], lse, optimized=False)
+
+    pl.when(wg == 0)(lambda: consumer(0))
+    pl.when(wg == 1)(lambda: consumer(1))
+
+
+def _build_call(T, H_pad, D, S, K_pad, sm_scale, cfg: TuningConfig, interpret):
+    from jax.experimental import pallas as pl  # noqa: F401
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    tiled = (plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE))
+    ns, bk = cfg.num_stages, cfg.block_k
+    num_head_blocks = H_pad // BLOCK_H
+    body = functools.partial(
+        _kernel_body,
+        interpret=interpret is not None,
+        sm_scale=sm_scale,
+        num_rows=S,
+        num_head_blocks=num_head_blocks,
+        block_k=bk,
+        num_stages=ns,
+        d_qk=D,
+    )
+    return plgpu.kernel(
+        body,
+        out_type=(
+            jax.ShapeDtypeStruct((T, H_pad, D_V), jnp.bfloat16),
+            jax.ShapeDtypeStruct((T, H_pad), jnp.float32),
+            jax.ShapeDtypeStruct((T, H_pad), jnp.float32),
+        ),
+        scratch_types=[
+            plgpu.SMEM((BLOCK_H, D), jnp.bfloat16, transforms=tiled),
+            plgpu.SMEM((ns, bk, D), jnp.bfloat16, transforms=tiled),
+            plgpu.SMEM((ns, bk, D), jnp.bfloat16),
+            plgpu.SMEM((2, BLOCK_H, bk), jnp.bfloat16, transforms=tiled),  # P, one per consumer
+            plgpu.SMEM((ns, bk), jnp.int32),
+            plgpu.SMEM((1,), jnp.int32),
+            (
+                plgpu.Barrier(num_barriers=1),  # q
+                plgpu.Barrier(num_barriers=ns),  # index block
+                plgpu.Barrier(num_arrivals=bk, num_barriers=ns),  # staged rows (one TMA each)
+                plgpu.Barrier(num_barriers=ns),  # tiled block ready (producer)
+                plgpu.Barrier(num_arrivals=2, num_barriers=ns),  # tiled block free (both consumers)
+                plgpu.Barrier(num_barriers=1),  # count of valid entries written
+            ),
+        ],
+        grid=(T * num_head_blocks,),
+        grid_names=("cta",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )
+
+
+def abstract_gpu_mesh(device_kind: str = TARGET_DEVICE_KIND):
+    """A context that makes JAX lower and interpret Mosaic GPU kernels for `device_kind`."""
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, platform="gpu", num_cores=8)
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "num_stages", "interpret", "detect_races"))
+def _sparse_attention_mosaic(
+    q, kv, indices, sm_scale, attn_sink, topk_length, *, block_k, num_stages, interpret, detect_races
+):
+    T, H, D = q.shape
+    S, K = kv.shape[0], indices.shape[1]
+    if T == 0 or S == 0 or K == 0:
+        return no_key_result(T, H, D_V, q.dtype)
+    cfg = TuningConfig(block_k=block_k, num_stages=num_stages)
+    H_pad = -(-H // BLOCK_H) * BLOCK_H
+    K_pad = -(-K // block_k) * block_k
+    if H_pad != H:
+        q = jnp.pad(q, ((0, 0), (0, H_pad - H), (0, 0)))
+    if K_pad != K:
+        indices = jnp.pad(indices, ((0, 0), (0, K_pad - K)), constant_values=-1)
+    sink = jnp.full((H,), -jnp.inf, jnp.float32) if attn_sink is None else attn_sink.astype(jnp.float32)
+    sink = jnp.pad(sink, (0, H_pad - H), constant_values=-jnp.inf)
+    n_valid = jnp.full((T,), K, jnp.int32) if topk_length is None else jnp.clip(topk_length, 0, K)
+
+    params = None
+    if interpret:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        params = plgpu.InterpretGPUParams(detect_races=detect_races)
+    call = _build_call(T, H_pad, D, S, K_pad, sm_scale, cfg, params)
+    ctx = abstract_gpu_mesh() if interpret else contextlib.nullcontext()
+    with ctx:
+        out, max_logits, lse = call(n_valid, sink, q, kv, indices)
+    return out[:, :H], max_logits[:, :H], lse[:, :H]
+
+
+def sparse_attention_mosaic(
+    q,
+    kv,
+    indices,
+    sm_scale: float,
+    attn_sink=None,
+    topk_length=None,
+    *,
+    interpret: bool = False,
+    detect_races: bool = False,
+    block_k: int = TuningConfig.block_k,
+    num_stages: int = TuningConfig.num_stages,
+):
+    """FlashMLA sparse attention as a Mosaic GPU kernel (Hopper).
+
+    Inputs as checked by `dsv4_jax.sparse_attention` (canonical form):
+      q: (T, H, D) bfloat16, H in {16, 32, 64, 128}, D in {512, 576}.
+      kv: (S, D) bfloat16.
+      indices: (T, K) int32; invalid if < 0, >= S, or column >= topk_length[t]; any K.
+      sm_scale: Python float (static).
+      attn_sink: (H,) float32 or None.
+      topk_length: (T,) int32 or None.
+      interpret: run in Mosaic GPU's interpret mode (CPU; simulated shared memory, warpgroups,
+        barriers, TMA and wgmma) instead of compiling for the GPU.
+      detect_races: with `interpret`, let the interpreter look for shared-memory races (read the
+        verdict with `races_found()`).
+      block_k, num_stages: tiling (see the module docstring); shared memory must fit sm_90a.
+
+    Returns:
+      out (T, H, 512) bfloat16, max_logits (T, H) float32, lse (T, H) float32.
+    """
+    reason = unavailable_reason()
+    if reason:
+        from dsv4_jax.attention import BackendUnavailableError
+
+        raise BackendUnavailableError(f"backend 'mosaic' cannot run here: {reason}")
+    if jnp.ndim(q) != 3 or jnp.ndim(kv) != 2 or jnp.ndim(indices) != 2:
+        raise ValueError(
+            f"q, kv, indices: expected (T, H, D), (S, D), (T, K), got shapes {tuple(q.shape)}, "
+            f"{tuple(kv.shape)}, {tuple(indices.shape)} (call dsv4_jax.sparse_attention for other layouts)"
+        )
+    check_shapes(q, kv, indices)
+    if block_k not in (32, 64):
+        raise ValueError(f"block_k: must be 32 or 64, got {block_k}")
+    if num_stages < 2:
+        raise ValueError(f"num_stages: must be >= 2, got {num_stages}")
+    need = smem_bytes(q.shape[2], TuningConfig(block_k, num_stages))
+    if need > SMEM_LIMIT:
+        raise ValueError(
+            f"block_k, num_stages: {block_k} x {num_stages} needs {need} bytes of shared memory at "
+            f"D={q.shape[2]}, over sm_90a's {SMEM_LIMIT}"
+        )
+    return _sparse_attention_mosaic(
+        q, kv, indices, float(sm_scale), attn_sink, topk_length,
+        block_k=block_k, num_stages=num_stages, interpret=bool(interpret), detect_races=bool(detect_races),
+    )  # fmt: skip
+
+
+def races_found() -> bool:
+    """Whether a kernel run in interpret mode with detect_races=True found a race (since the last
+    `reset_interpret_state`)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    return bool(interpret_pallas_call.get_races().races_found)
+
+
+def reset_interpret_state() -> None:
+    """Clear Mosaic GPU interpret mode's global state (race records, simulated memory)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    interpret_pallas_call.gpu_callbacks.reset_gpu_interpret_mode_state()
