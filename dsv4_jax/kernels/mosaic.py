@@ -76,6 +76,7 @@ LN_2 = math.log(2.0)
 BLOCK_H = 64  # heads per CTA (wgmma M)
 SWIZZLE = 64  # bytes: the swizzle of every wgmma operand (P's 32 bf16 columns are 64 bytes)
 TILE_COLS = SWIZZLE // 2  # bf16 columns per (8, TILE_COLS) tile
+ROW_PIECE = 64  # a gathered row is one (1, D // 64, 64) TMA box
 D_V = 512  # FlashMLA's value dim
 HEADS = (16, 32, 64, 128)
 HEAD_DIMS = (512, 576)
@@ -141,7 +142,7 @@ def _kernel_body(
     nv_ref,  # [T] int32: valid columns per token, already clipped to [0, K]
     sink_ref,  # [H_pad] float32
     q_ref,  # [T, H_pad, D] bf16
-    kv_ref,  # [S, D] bf16
+    kv_ref,  # [S, D // ROW_PIECE, ROW_PIECE] bf16 (a free reshape of [S, D]: TMA boxes are <= 256 wide)
     idx_ref,  # [T, K_pad] int32
     out_ref,  # [T, H_pad, 512] bf16
     max_ref,  # [T, H_pad] float32
@@ -154,7 +155,6 @@ def _kernel_body(
     cnt_smem,
     barriers,
     *,
-    interpret: bool,
     sm_scale: float,
     num_rows: int,
     num_head_blocks: int,
@@ -174,7 +174,6 @@ def _kernel_body(
     n_valid = nv_ref[t]
     num_blocks = (n_valid + block_k - 1) // block_k
     score_scale = sm_scale * LOG2_E
-    n_chunks = d_qk // TILE_COLS
     copy_layout = plgpu.Layout.SMEM_GMEM_COPY((block_k, TILE_COLS), jnp.bfloat16, SWIZZLE)
 
     @pl.when(wg == 2)
@@ -184,6 +183,7 @@ def _kernel_body(
 
         def load_indices(j):
             slot = lax.rem(j, num_stages)
+            plgpu.commit_smem()  # order the scalar reads of block j - stages before TMA overwrites them
             plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds(j * block_k, block_k)], idx_smem.at[slot], idx_bar.at[slot])
 
         def gather(j, count):
@@ -213,9 +213,12 @@ def _kernel_body(
             def _():
                 plgpu.barrier_wait(kfree_bar.at[slot])  # consumers are done with block j - stages
 
-            for c in range(n_chunks):
-                cols = pl.ds(TILE_COLS * c, TILE_COLS)
-                k_smem[slot, :, cols] = plgpu.load(st_smem.at[slot, :, cols], layout=copy_layout)
+            for c in range(d_qk // TILE_COLS):
+                piece, first = divmod(TILE_COLS * c, ROW_PIECE)
+                staged = st_smem.at[slot, :, piece, pl.ds(first, TILE_COLS)]
+                # Reading 64-byte row pieces of 1152/1024-byte staged rows: two rows per bank
+                # group, a 2-way conflict Mosaic's planner refuses unless told (optimized=False).
+                k_smem[slot, :, pl.ds(TILE_COLS * c, TILE_COLS)] = plgpu.load(staged, layout=copy_layout, optimized=False)
             plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma
             plgpu.barrier_arrive(kfull_bar.at[slot])
 
@@ -241,21 +244,10 @@ def _kernel_body(
         cnt_smem[0] = count
         plgpu.barrier_arrive(done_bar.at[0])
 
-    def store_accumulator(acc_ref, value):
-        if interpret:
-            # Mosaic GPU's interpreter has no rule for stores into a wgmma accumulator (jax
-            # 0.12); a plain ref swap is the same operation on its register-file model.
-            from jax._src.state import primitives as state_primitives
-
-            state_primitives.ref_swap(acc_ref, (), value)
-        else:
-            acc_ref[...] = value
-
     def consumer(w: int):
         plgpu.set_max_registers(232, action="increase")
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         col_layout = plgpu.Layout.WGMMA.reduce(0)
-        v_cols = pl.ds(256 * w, 256)
         my_p = p_smem.at[w]
         plgpu.barrier_wait(q_bar.at[0])
 
@@ -263,48 +255,51 @@ def _kernel_body(
             j = jnp.minimum(j, jnp.maximum(num_blocks - 1, 0))
             return plgpu.load(idx_ref.at[t, pl.ds(j * block_k, block_k)], layout=col_layout, optimized=False)
 
-        def run_blocks(acc_ref):
-            def block(j, carry):
-                m, l, idx = carry
-                slot = lax.rem(j, num_stages)
-                idx_next = load_block_indices(j + 1)  # prefetch: used one iteration later
-                plgpu.barrier_wait(kfull_bar.at[slot])
+        def matmul(a, b, shape):
+            def run(acc_ref):
+                plgpu.wgmma(acc_ref, a, b)
+                return acc_ref[...]  # waits for the wgmma
 
-                def qk(s_ref):
-                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
-                    return s_ref[...]
+            return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
-                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, block_k), jnp.float32))
-                col = j * block_k + plgpu.broadcasted_iota(jnp.int32, (block_k,), 0, layout=col_layout)
-                valid = (idx >= 0) & (idx < num_rows) & (col < n_valid)
-                valid = lax.broadcast_in_dim(valid, s.shape, [1])
-                s = jnp.where(valid, s * score_scale, -jnp.inf)  # log2 units
-                m_new = jnp.maximum(m, s.max(axis=1))
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key yet: avoid inf - inf
-                alpha = jnp.exp2(m - m_safe)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-                l = l * alpha + p.sum(axis=1)
-                my_p[...] = p.astype(jnp.bfloat16)
-                plgpu.commit_smem()  # P stores -> visible to wgmma
-                acc = acc_ref[...]  # waits for the previous block's P @ V
-                store_accumulator(acc_ref, acc * lax.broadcast_in_dim(alpha, acc.shape, [0]))
-                plgpu.wgmma(acc_ref, my_p, k_smem.at[slot, :, v_cols])
-                plgpu.wgmma_wait(0)  # this block's K/V slot and P are read: release them
-                plgpu.barrier_arrive(kfree_bar.at[slot])
-                return m_new, l, idx_next
+        def block(j, carry):
+            acc_lo, acc_hi, m, l, idx = carry
+            slot = lax.rem(j, num_stages)
+            idx_next = load_block_indices(j + 1)  # prefetch: used one iteration later
+            plgpu.barrier_wait(kfull_bar.at[slot])
+            s = matmul(q_smem, k_smem.at[slot].T, (BLOCK_H, block_k))
+            col = j * block_k + plgpu.broadcasted_iota(jnp.int32, (block_k,), 0, layout=col_layout)
+            valid = (idx >= 0) & (idx < num_rows) & (col < n_valid)
+            valid = lax.broadcast_in_dim(valid, s.shape, [1])
+            s = jnp.where(valid, s * score_scale, -jnp.inf)  # log2 units
+            m_new = jnp.maximum(m, s.max(axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key yet: avoid inf - inf
+            alpha = jnp.exp2(m - m_safe)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            my_p[...] = p.astype(jnp.bfloat16)
+            plgpu.commit_smem()  # P stores -> visible to wgmma
+            # acc = acc * alpha + P @ V in two 128-column halves, each into a fresh wgmma
+            # accumulator: 128 + 64 live accumulator registers instead of 2 x 128.
+            alpha = lax.broadcast_in_dim(alpha, acc_lo.shape, [0])
+            acc_lo = acc_lo * alpha + matmul(my_p, k_smem.at[slot, :, pl.ds(256 * w, 128)], acc_lo.shape)
+            acc_hi = acc_hi * alpha + matmul(my_p, k_smem.at[slot, :, pl.ds(256 * w + 128, 128)], acc_hi.shape)
+            plgpu.barrier_arrive(kfree_bar.at[slot])  # this block's K/V slot and P are read
+            return acc_lo, acc_hi, m_new, l, idx_next
 
-            init = (
-                plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_layout),
-                plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout),
-                load_block_indices(0),
-            )
-            m, l, _ = lax.fori_loop(0, num_blocks, block, init)
-            return acc_ref[...], m, l
-
-        acc, m, l = pl.run_scoped(run_blocks, plgpu.ACC((BLOCK_H, 256), jnp.float32))
+        zeros = plgpu.layout_cast(jnp.zeros((BLOCK_H, 128), jnp.float32), plgpu.Layout.WGMMA)
+        init = (
+            zeros,
+            zeros,
+            plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_layout),
+            plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout),
+            load_block_indices(0),
+        )
+        acc_lo, acc_hi, m, l, _ = lax.fori_loop(0, num_blocks, block, init)
 
         plgpu.barrier_wait(done_bar.at[0])
-        has_keys = cnt_smem[0] > 0
+        # (broadcast by hand: warpgroup-semantics lowering has no implicit broadcast in select)
+        has_keys = lax.broadcast_in_dim(cnt_smem[0] > 0, (BLOCK_H,), ())
         # NaN in q or in a gathered row must come out as NaN (as in the oracle): l keeps it even
         # where the running max dropped it.
         m = jnp.where(jnp.isnan(l), jnp.nan, m) * LN_2  # natural log from here on
@@ -312,8 +307,10 @@ def _kernel_body(
         max_logits = jnp.where(has_keys, m, -jnp.inf)
         sink = plgpu.load(sink_ref.at[pl.ds(h0, BLOCK_H)], layout=row_layout, optimized=False)
         scale = jnp.where(has_keys, 1.0 / (l * (1.0 + jnp.exp(sink - lse))), 0.0)
-        out = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
-        plgpu.store(out_ref.at[t, pl.ds(h0, BLOCK_H), v_cols], out.astype(jnp.bfloat16), optimized=False)
+        scale = lax.broadcast_in_dim(scale, acc_lo.shape, [0])
+        for half, acc in ((0, acc_lo), (1, acc_hi)):
+            cols = pl.ds(256 * w + 128 * half, 128)
+            plgpu.store(out_ref.at[t, pl.ds(h0, BLOCK_H), cols], (acc * scale).astype(jnp.bfloat16), optimized=False)
         if w == 0:
             plgpu.store(max_ref.at[t, pl.ds(h0, BLOCK_H)], max_logits, optimized=False)
             plgpu.store(lse_ref.at[t, pl.ds(h0, BLOCK_H)], lse, optimized=False)
@@ -331,7 +328,6 @@ def _build_call(T, H_pad, D, S, K_pad, sm_scale, cfg: TuningConfig, interpret):
     num_head_blocks = H_pad // BLOCK_H
     body = functools.partial(
         _kernel_body,
-        interpret=interpret is not None,
         sm_scale=sm_scale,
         num_rows=S,
         num_head_blocks=num_head_blocks,
@@ -349,7 +345,7 @@ def _build_call(T, H_pad, D, S, K_pad, sm_scale, cfg: TuningConfig, interpret):
         scratch_types=[
             plgpu.SMEM((BLOCK_H, D), jnp.bfloat16, transforms=tiled),
             plgpu.SMEM((ns, bk, D), jnp.bfloat16, transforms=tiled),
-            plgpu.SMEM((ns, bk, D), jnp.bfloat16),
+            plgpu.SMEM((ns, bk, D // ROW_PIECE, ROW_PIECE), jnp.bfloat16),  # staging: gathered rows
             plgpu.SMEM((2, BLOCK_H, bk), jnp.bfloat16, transforms=tiled),  # P, one per consumer
             plgpu.SMEM((ns, bk), jnp.int32),
             plgpu.SMEM((1,), jnp.int32),
@@ -366,7 +362,9 @@ def _build_call(T, H_pad, D, S, K_pad, sm_scale, cfg: TuningConfig, interpret):
         grid_names=("cta",),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # No cross-warp reductions (WGMMA rows live in one warp): no reduction scratch, which
+        # keeps D = 576 inside 227 KB.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=interpret,
     )
 
@@ -404,7 +402,7 @@ def _sparse_attention_mosaic(
     call = _build_call(T, H_pad, D, S, K_pad, sm_scale, cfg, params)
     ctx = abstract_gpu_mesh() if interpret else contextlib.nullcontext()
     with ctx:
-        out, max_logits, lse = call(n_valid, sink, q, kv, indices)
+        out, max_logits, lse = call(n_valid, sink, q, kv.reshape(S, D // ROW_PIECE, ROW_PIECE), indices)
     return out[:, :H], max_logits[:, :H], lse[:, :H]
 
 
