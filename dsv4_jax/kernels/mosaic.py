@@ -59,7 +59,6 @@ first things to remove once the kernel can be timed (`bench/gpu_check_jax.py`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -81,7 +80,6 @@ D_V = 512  # FlashMLA's value dim
 HEADS = (16, 32, 64, 128)
 HEAD_DIMS = (512, 576)
 SMEM_LIMIT = 232_448  # bytes of shared memory one sm_90a block may use (227 KB)
-TARGET_DEVICE_KIND = "NVIDIA H100 80GB HBM3"  # abstract device used for interpret mode and AOT
 
 _MIN_JAX = (0, 12)
 
@@ -369,12 +367,6 @@ def _build_call(T, H_pad, D, S, K_pad, sm_scale, cfg: TuningConfig, interpret):
     )
 
 
-def abstract_gpu_mesh(device_kind: str = TARGET_DEVICE_KIND):
-    """A context that makes JAX lower and interpret Mosaic GPU kernels for `device_kind`."""
-    device = jax.sharding.AbstractDevice(device_kind=device_kind, platform="gpu", num_cores=8)
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
-
-
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "num_stages", "interpret", "detect_races"))
 def _sparse_attention_mosaic(
     q, kv, indices, sm_scale, attn_sink, topk_length, *, block_k, num_stages, interpret, detect_races
@@ -400,9 +392,7 @@ def _sparse_attention_mosaic(
 
         params = plgpu.InterpretGPUParams(detect_races=detect_races)
     call = _build_call(T, H_pad, D, S, K_pad, sm_scale, cfg, params)
-    ctx = abstract_gpu_mesh() if interpret else contextlib.nullcontext()
-    with ctx:
-        out, max_logits, lse = call(n_valid, sink, q, kv.reshape(S, D // ROW_PIECE, ROW_PIECE), indices)
+    out, max_logits, lse = call(n_valid, sink, q, kv.reshape(S, D // ROW_PIECE, ROW_PIECE), indices)
     return out[:, :H], max_logits[:, :H], lse[:, :H]
 
 

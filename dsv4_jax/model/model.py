@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from dsv4_jax.attention import REQUESTABLE_BACKENDS
 from dsv4_jax.prefill import build_step_metadata
 from planner import LayerKind, PlanConfig, PrefillBatch, StepPlan, plan_step
 from planner.sizes import pow2_bucket
@@ -154,8 +155,8 @@ class DeepseekV4:
             raise ValueError(f"planner: expected 'adaptive', 'fixed' or 'per_request', got {planner!r}")
         if not isinstance(params, dict) or len(params.get("layers", ())) != config.num_hidden_layers:
             raise ValueError(f"params: expected the tree of dsv4_jax.model.checkpoint.load_params for {config.num_hidden_layers} layers")
-        if attention_backend not in ("auto", "xla", "pallas", "pallas_triton", "pallas_interpret"):
-            raise ValueError(f"attention_backend: expected 'auto', 'xla' or 'pallas', got {attention_backend!r}")
+        if attention_backend not in REQUESTABLE_BACKENDS:
+            raise ValueError(f"attention_backend: expected one of {REQUESTABLE_BACKENDS}, got {attention_backend!r}")
         if mesh is not None:
             if not isinstance(mesh, Mesh):
                 raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
