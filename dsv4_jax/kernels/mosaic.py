@@ -59,7 +59,6 @@ first things to remove once the kernel can be timed (`bench/gpu_check_jax.py`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -105,20 +104,18 @@ def unavailable_reason() -> str | None:
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class TuningConfig:
-    block_k: int = 32  # index columns gathered and scored per step (wgmma N of QK^T)
-    num_stages: int = 2  # depth of the staging and tiled rings
+BLOCK_K = 32  # index columns gathered and scored per step (wgmma N of QK^T)
+NUM_STAGES = 2  # depth of the staging and tiled rings
 
 
-def smem_bytes(d_qk: int, cfg: TuningConfig = TuningConfig()) -> int:
-    """Shared memory one CTA allocates (the docstring's table)."""
+def smem_bytes(d_qk: int) -> int:
+    """Shared memory one CTA allocates before Mosaic's alignment padding (the docstring's table)."""
     q = BLOCK_H * d_qk * 2
-    rings = 2 * cfg.num_stages * cfg.block_k * d_qk * 2
-    indices = cfg.num_stages * cfg.block_k * 4
-    p = 2 * BLOCK_H * cfg.block_k * 2
-    barriers = (1 + 4 * cfg.num_stages + 1) * 8
-    return q + rings + p + indices + barriers + 16
+    rings = 2 * NUM_STAGES * BLOCK_K * d_qk * 2
+    p = 2 * BLOCK_H * BLOCK_K * 2
+    indices = NUM_STAGES * BLOCK_K * 4
+    barriers = (1 + 4 * NUM_STAGES + 1) * 8
+    return q + rings + p + indices + barriers + 4
 
 
 def check_shapes(q, kv, indices) -> None:
@@ -317,12 +314,12 @@ def _kernel_body(
     pl.when(wg == 1)(lambda: consumer(1))
 
 
-def _build_call(T, H_pad, D, S, K_pad, sm_scale, cfg: TuningConfig, interpret):
+def _build_call(T, H_pad, D, S, K_pad, sm_scale, interpret):
     from jax.experimental import pallas as pl  # noqa: F401
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     tiled = (plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE))
-    ns, bk = cfg.num_stages, cfg.block_k
+    ns, bk = NUM_STAGES, BLOCK_K
     num_head_blocks = H_pad // BLOCK_H
     body = functools.partial(
         _kernel_body,
@@ -367,17 +364,14 @@ def _build_call(T, H_pad, D, S, K_pad, sm_scale, cfg: TuningConfig, interpret):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "num_stages", "interpret", "detect_races"))
-def _sparse_attention_mosaic(
-    q, kv, indices, sm_scale, attn_sink, topk_length, *, block_k, num_stages, interpret, detect_races
-):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "detect_races"))
+def _sparse_attention_mosaic(q, kv, indices, sm_scale, attn_sink, topk_length, *, interpret, detect_races):
     T, H, D = q.shape
     S, K = kv.shape[0], indices.shape[1]
     if T == 0 or S == 0 or K == 0:
         return no_key_result(T, H, D_V, q.dtype)
-    cfg = TuningConfig(block_k=block_k, num_stages=num_stages)
     H_pad = -(-H // BLOCK_H) * BLOCK_H
-    K_pad = -(-K // block_k) * block_k
+    K_pad = -(-K // BLOCK_K) * BLOCK_K
     if H_pad != H:
         q = jnp.pad(q, ((0, 0), (0, H_pad - H), (0, 0)))
     if K_pad != K:
@@ -391,7 +385,7 @@ def _sparse_attention_mosaic(
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
         params = plgpu.InterpretGPUParams(detect_races=detect_races)
-    call = _build_call(T, H_pad, D, S, K_pad, sm_scale, cfg, params)
+    call = _build_call(T, H_pad, D, S, K_pad, sm_scale, params)
     out, max_logits, lse = call(n_valid, sink, q, kv.reshape(S, D // ROW_PIECE, ROW_PIECE), indices)
     return out[:, :H], max_logits[:, :H], lse[:, :H]
 
@@ -406,8 +400,6 @@ def sparse_attention_mosaic(
     *,
     interpret: bool = False,
     detect_races: bool = False,
-    block_k: int = TuningConfig.block_k,
-    num_stages: int = TuningConfig.num_stages,
 ):
     """FlashMLA sparse attention as a Mosaic GPU kernel (Hopper).
 
@@ -422,7 +414,6 @@ def sparse_attention_mosaic(
         barriers, TMA and wgmma) instead of compiling for the GPU.
       detect_races: with `interpret`, let the interpreter look for shared-memory races (read the
         verdict with `races_found()`).
-      block_k, num_stages: tiling (see the module docstring); shared memory must fit sm_90a.
 
     Returns:
       out (T, H, 512) bfloat16, max_logits (T, H) float32, lse (T, H) float32.
@@ -438,28 +429,19 @@ def sparse_attention_mosaic(
             f"{tuple(kv.shape)}, {tuple(indices.shape)} (call dsv4_jax.sparse_attention for other layouts)"
         )
     check_shapes(q, kv, indices)
-    if block_k not in (32, 64):
-        raise ValueError(f"block_k: must be 32 or 64, got {block_k}")
-    if num_stages < 2:
-        raise ValueError(f"num_stages: must be >= 2, got {num_stages}")
-    need = smem_bytes(q.shape[2], TuningConfig(block_k, num_stages))
-    if need > SMEM_LIMIT:
-        raise ValueError(
-            f"block_k, num_stages: {block_k} x {num_stages} needs {need} bytes of shared memory at "
-            f"D={q.shape[2]}, over sm_90a's {SMEM_LIMIT}"
-        )
     return _sparse_attention_mosaic(
-        q, kv, indices, float(sm_scale), attn_sink, topk_length,
-        block_k=block_k, num_stages=num_stages, interpret=bool(interpret), detect_races=bool(detect_races),
-    )  # fmt: skip
+        q, kv, indices, float(sm_scale), attn_sink, topk_length, interpret=bool(interpret), detect_races=bool(detect_races)
+    )
 
 
 def races_found() -> bool:
     """Whether a kernel run in interpret mode with detect_races=True found a race (since the last
     `reset_interpret_state`)."""
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
-    return bool(interpret_pallas_call.get_races().races_found)
+    if getattr(gpu_callbacks, "_races", None) is None:  # no kernel ran since the last reset
+        return False
+    return bool(gpu_callbacks.get_races().races_found)
 
 
 def reset_interpret_state() -> None:
