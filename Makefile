@@ -27,7 +27,7 @@ test: $(STAMP)
 JAX_NEW_PYTHON ?= $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/3.1[23]*/bin/python; do \
 	$$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $$p && break; done)
 JAX_NEW_VENV := .venv-jax-new
-JAX_TESTS := tests/test_planner.py tests/test_layout_oracle.py tests/test_jax_sparse_attention.py \
+JAX_TESTS := tests/test_planner.py tests/test_layout_oracle.py tests/test_jax_sparse_attention.py tests/test_jax_mosaic.py \
 	tests/test_jax_sharding.py tests/test_jax_prefill.py
 
 .PHONY: test-jax-new

@@ -8,7 +8,7 @@ new measurements at its share and prints every row as it is measured, so a cap l
 Runs, each in its own process with its own time cap, and prints their tables:
   1. bench.gpu_check_torch    FlashMLA (where its wheel imports) and our Triton kernel vs the
                               reference; TFLOPS vs FlashMLA's published 640
-  2. bench.gpu_check_jax      Pallas-Triton vs xla; TFLOPS
+  2. bench.gpu_check_jax      Mosaic GPU and Pallas-Triton kernels vs xla; TFLOPS vs 640
   3. bench.gpu_check_prefill  whole prefill layers, adaptive vs fixed vs per-request, both frameworks
 Logs go to $OUT (when set, as on the device tool) or ./out/gpu-check/.
 """

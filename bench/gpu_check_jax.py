@@ -5,12 +5,16 @@ For V4-Flash (H=64, width 640) and V4-Pro (H=128, width 1152), D=512, T=4096, S=
      FlashMLA's tolerance) and against the float64 oracle on a few tokens;
   2. its run time and TFLOPS (FlashMLA's convention: 2 * valid indices * H * (512 + 512) / time)
      for the default tiling and a few alternatives (pick the fastest for default_tuning);
-  3. FlashMLA on the same data when `flash_mla` and a CUDA torch are importable.
+  3. the Mosaic GPU kernel (backend "mosaic", jax >= 0.12, SM90) against the xla reference,
+     its compile time, run time and TFLOPS, before the Pallas alternatives (so the budget never
+     skips it);
+  4. FlashMLA on the same data when `flash_mla` and a CUDA torch are importable.
 Every section is guarded: a failure prints and the script carries on. Without an NVIDIA GPU it
-says so and exits 0.
+says so and exits 0. The summary prints each kernel's TFLOPS beside FlashMLA's published 640.
 
   python -m bench.gpu_check_jax [--budget 80]
   DSV4_GPU_CHECK_DRY_RUN=1 python -m bench.gpu_check_jax   # the same steps on CPU: T=8, interpret
+                                                          # (the Mosaic kernel: 1 token, jax >= 0.12)
 """
 
 from __future__ import annotations
@@ -130,6 +134,39 @@ def main():
 
         if got is not None:
             guarded(check_against_oracle)
+
+        section(f"{name}: Mosaic GPU kernel")
+        mosaic_missing = dsv4_jax.available_backends()["mosaic_interpret" if DRY_RUN else "mosaic_gpu"]
+
+        def check_and_time_mosaic():
+            from dsv4_jax.kernels.mosaic import sparse_attention_mosaic
+
+            n = 1 if DRY_RUN else T  # interpret mode costs ~0.3 s per 32-key block per 64 heads
+            args = (q[:n], kv, idx[:n], sink, tl[:n])
+            fn = jax.jit(lambda *a: sparse_attention_mosaic(*a[:3], scale, *a[3:], interpret=DRY_RUN))
+            t0 = time.perf_counter()
+            compiled = fn.lower(*args).compile()
+            compile_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out, ml, lse = jax.block_until_ready(compiled(*args))
+            first_s = time.perf_counter() - t0
+            ref = jax.jit(lambda *a: sparse_attention_xla(*a[:3], scale, *a[3:]))(*args)
+            o, r = np.asarray(out, np.float64), np.asarray(ref[0], np.float64)
+            err = np.abs(o - r)
+            ok = (err < FLASHMLA_TOL["abs"]) | (err / (np.abs(r) + 1e-6) < FLASHMLA_TOL["rel"])
+            lse_err = np.max(np.abs(np.asarray(lse) - np.asarray(ref[2])) / np.maximum(np.abs(np.asarray(ref[2])), 1))
+            verdict = "PASS" if ok.all() and lse_err < 1e-4 else "FAIL"
+            print(f"   mosaic vs xla on {n} tokens: {verdict}; out max abs err {err.max():.2e}, {(~ok).sum()} outside "
+                  f"FlashMLA tolerance; lse max rel err {lse_err:.2e}")  # fmt: skip
+            seconds = first_s if DRY_RUN else timed(compiled, *args)  # interpret mode: run once
+            n_valid = int(np.asarray(tl[:n]).sum())
+            rows.append((name, "mosaic", compile_s, seconds * 1e3, tflops(n_valid, H, seconds)))
+            print(f"   {'mosaic':30} compile {compile_s:5.1f}s  {seconds * 1e3:8.2f} ms  {rows[-1][4]:6.1f} TFLOPS", flush=True)
+
+        if mosaic_missing:
+            print(f"   mosaic not run: {mosaic_missing}")
+        else:
+            guarded(check_and_time_mosaic)
 
         section(f"{name}: timing")
         for tiling in ALTERNATIVE_TILINGS:

@@ -293,8 +293,16 @@ def test_xla_plan_invariance():
 
 def test_backend_resolution_on_this_machine(caplog):
     available = dsv4_jax.available_backends()
-    assert set(available) == {"xla", "pallas_triton", "pallas_interpret"}
+    assert set(available) == {"xla", "pallas_triton", "pallas_interpret", "mosaic_gpu", "mosaic_interpret"}
     assert available["xla"] is None and available["pallas_interpret"] is None
+    if available["mosaic_interpret"] is not None:  # jax < 0.12: both Mosaic backends say why
+        assert "jax >= 0.12" in available["mosaic_interpret"] and "jax >= 0.12" in available["mosaic_gpu"]
+        with pytest.raises(dsv4_jax.BackendUnavailableError, match="mosaic.*jax >= 0.12"):
+            dsv4_jax.resolve_backend("mosaic")
+    elif jax.default_backend() == "cpu":
+        assert dsv4_jax.resolve_backend("mosaic") == "mosaic_interpret"
+        with pytest.raises(dsv4_jax.BackendUnavailableError, match="mosaic_gpu.*NVIDIA GPU"):
+            dsv4_jax.resolve_backend("mosaic_gpu")
     if jax.default_backend() == "cpu":
         assert "NVIDIA GPU" in available["pallas_triton"]
         assert dsv4_jax.resolve_backend("auto") == "xla"
