@@ -80,6 +80,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsv4_jax.kernels.xla import no_key_result
+from planner.contract import D_V  # FlashMLA's value dim
+from planner.contract import FLASHMLA_HEAD_DIMS as HEAD_DIMS
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -88,9 +90,7 @@ BLOCK_H = 64  # heads per CTA (wgmma M)
 SWIZZLE = 64  # bytes: the swizzle of every wgmma operand (P's 32 bf16 columns are 64 bytes)
 TILE_COLS = SWIZZLE // 2  # bf16 columns per (8, TILE_COLS) tile
 ROW_PIECE = 64  # a gathered row is one (1, D // 64, 64) TMA box
-from planner.contract import D_V  # noqa: E402  (FlashMLA's value dim)
 HEADS = (16, 32, 64, 128)
-from planner.contract import FLASHMLA_HEAD_DIMS as HEAD_DIMS  # noqa: E402
 SMEM_LIMIT = 232_448  # bytes of shared memory one sm_90a block may use (227 KB)
 
 _MIN_JAX = (0, 12)
