@@ -1,0 +1,1 @@
+"""Tools outside the library: test fixtures and harnesses (nothing here is imported by the packages)."""
