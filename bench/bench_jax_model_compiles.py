@@ -42,7 +42,7 @@ def main(argv=None):
 
         tmp = tempfile.TemporaryDirectory()
         ckpt = str(write_tiny_checkpoint(os.path.join(tmp.name, "tiny"), seed=0))
-    from dsv4_jax.generate import JaxGenerator
+    from dsv4_jax.model.generate import JaxGenerator
 
     gen = JaxGenerator(
         ckpt, attention_backend=args.backend, max_batch_size=args.max_batch_size,

@@ -37,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench.workloads import workloads  # noqa: E402
 from dsv4_jax import prefill as JP  # noqa: E402
-from dsv4_jax.buckets import pow2_bucket  # noqa: E402
+from planner.sizes import pow2_bucket  # noqa: E402
 from planner import LayerKind, PlanConfig, PrefillBatch  # noqa: E402
 from planner.report import table as _table  # noqa: E402
 

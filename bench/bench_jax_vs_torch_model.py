@@ -1,4 +1,4 @@
-"""Prefill and decode tokens/s: the JAX model (`dsv4_jax.generate`) vs transformers' eager model.
+"""Prefill and decode tokens/s: the JAX model (`dsv4_jax.model.generate`) vs transformers' eager model.
 
 Same tiny checkpoint, same prompts (a batch of equal-length random prompts, so transformers can
 run them as one unpadded batch, which it handles correctly), greedy decoding of the same number
@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 
 def jax_run(ckpt, prompts, new_tokens, args):
-    from dsv4_jax.generate import JaxGenerator
+    from dsv4_jax.model.generate import JaxGenerator
 
     gen = JaxGenerator(
         ckpt, attention_backend=args.backend, planner=args.planner, dtype=args.dtype,

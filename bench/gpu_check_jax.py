@@ -33,7 +33,7 @@ SHAPES = [("V4-Flash", 4096, 64, 512, 65536, 640), ("V4-Pro", 4096, 128, 512, 65
 DRY_RUN = bool(os.environ.get("DSV4_GPU_CHECK_DRY_RUN"))
 if DRY_RUN:
     SHAPES = [(name, 8, H, D, 4096, K) for name, _, H, D, _, K in SHAPES]
-# The tilings timed: dsv4_jax.pallas_kernel.ALTERNATIVE_TILINGS ((block_h, block_k, block_dv,
+# The tilings timed: dsv4_jax.kernels.pallas_triton.ALTERNATIVE_TILINGS ((block_h, block_k, block_dv,
 # num_warps, num_stages); None = default_tuning's GPU tiling, used explicitly so a dry run on CPU
 # exercises the very tiling a GPU runs).
 FLASHMLA_TOL = dict(abs=8e-4, rel=3 / 128)
@@ -59,8 +59,8 @@ def main():
         import numpy as np
 
         import dsv4_jax
-        from dsv4_jax.pallas_kernel import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas
-        from dsv4_jax.xla_reference import sparse_attention_xla
+        from dsv4_jax.kernels.pallas_triton import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas
+        from dsv4_jax.kernels.xla import sparse_attention_xla
     except Exception as e:  # noqa: BLE001
         print(f"cannot import the JAX path: {type(e).__name__}: {e}")
         return 0

@@ -1,6 +1,6 @@
 """Offline resource check of the Pallas kernel's Triton build: no GPU needed.
 
-Lowers `dsv4_jax.pallas_kernel.sparse_attention_pallas` for CUDA on this machine, takes the
+Lowers `dsv4_jax.kernels.pallas_triton.sparse_attention_pallas` for CUDA on this machine, takes the
 Triton IR that Pallas produced, compiles it with the `triton` pip wheel for an SM90 (or SM100)
 target and runs the wheel's ptxas with -v. Prints, per tiling: shared memory, registers per
 thread, spill bytes, which tensor-core instruction the dots got (wgmma, mma.sync) and
@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from dsv4_jax.aot import lower_for_cuda  # noqa: E402
-from dsv4_jax.pallas_kernel import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas  # noqa: E402
+from dsv4_jax.kernels.pallas_triton import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas  # noqa: E402
 
 SHAPES = {"V4-Flash": (4096, 64, 512, 65536, 640), "V4-Pro": (4096, 128, 512, 65536, 1152)}
 

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax.pallas_kernel import sparse_attention_pallas
-from dsv4_jax.xla_reference import sparse_attention_xla
+from dsv4_jax.kernels.pallas_triton import sparse_attention_pallas
+from dsv4_jax.kernels.xla import sparse_attention_xla
 
 logger = logging.getLogger("dsv4_jax")
 

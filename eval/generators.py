@@ -399,7 +399,7 @@ class HFTorchGenerator(Generator):
 
 
 class JaxGenerator(Generator):
-    """Adapter over the JAX DeepSeek-V4 model (`dsv4_jax.generate.JaxGenerator(...).session()`):
+    """Adapter over the JAX DeepSeek-V4 model (`dsv4_jax.model.generate.JaxGenerator(...).session()`):
 
         session.prefill(prompts: list[list[int]]) -> list[int]   # greedy next token per request
         session.decode(tokens: list[int]) -> list[int]
@@ -423,9 +423,9 @@ class JaxGenerator(Generator):
         if dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
         try:
-            from dsv4_jax.generate import JaxGenerator as Model
+            from dsv4_jax.model.generate import JaxGenerator as Model
         except ModuleNotFoundError as e:
-            raise SetupError(f"--framework jax needs JAX and dsv4_jax.generate ({e})") from None
+            raise SetupError(f"--framework jax needs JAX and dsv4_jax.model.generate ({e})") from None
         backend = "auto" if attention == "auto" else attention
         session = Model(str(checkpoint), attention_backend=backend, planner=planner, dtype=dtype,
                         max_batch_size=max_batch_size, max_model_len=max_model_len).session()

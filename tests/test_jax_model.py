@@ -23,9 +23,10 @@ jax = pytest.importorskip("jax")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from dsv4_jax.checkpoint import load_checkpoint, read_safetensors, to_transformers_names  # noqa: E402
-from dsv4_jax.generate import JaxGenerator  # noqa: E402
-from dsv4_jax.model import DeepseekV4, ModelConfig, rope_inv_freq  # noqa: E402
+from dsv4_jax.model.checkpoint import load_checkpoint, read_safetensors, to_transformers_names  # noqa: E402
+from dsv4_jax.model.generate import JaxGenerator  # noqa: E402
+from dsv4_jax.model import DeepseekV4, ModelConfig  # noqa: E402
+from dsv4_jax.model.layers import rope_inv_freq  # noqa: E402
 from dsv4_torch.hf.tiny_checkpoint import tiny_config  # noqa: E402
 from tests.jax_model_cases import (  # noqa: E402
     DECODE_A, MODEL_OPTIONS, PROMPT_A, PROMPT_B, PROMPT_C, chunked_then_decode,
@@ -147,7 +148,7 @@ def test_loads_what_transformers_save_pretrained_writes(hf_model, tmp_path):
 def test_loader_rejects_bad_checkpoints(checkpoints, tmp_path):
     tensors = read_safetensors(checkpoints["hf"])
     cfg = ModelConfig.from_name("tiny")
-    from dsv4_jax.checkpoint import load_params
+    from dsv4_jax.model.checkpoint import load_params
 
     missing = dict(tensors)
     del missing["model.layers.2.self_attn.compressor.position_bias"]
@@ -255,7 +256,7 @@ def test_bad_inputs_raise(model, checkpoints):
 
 
 def test_runtime_modules_do_not_import_torch():
-    code = "import sys, dsv4_jax.generate, dsv4_jax.checkpoint; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    code = "import sys, dsv4_jax.model.generate, dsv4_jax.model.checkpoint; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -15,7 +15,7 @@ import pytest
 
 import planner as P
 import dsv4_jax.attention
-from dsv4_jax import buckets as B
+from planner import sizes as B
 from dsv4_jax.aot import lower_for_cuda
 from dsv4_jax import prefill as JP
 from tests.cases import PrefillCase, boundary_cases, make_case

@@ -19,8 +19,8 @@ import pytest
 
 import dsv4_jax
 from dsv4_jax.aot import lower_for_cuda
-from dsv4_jax.pallas_kernel import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas
-from dsv4_jax.xla_reference import sparse_attention_xla
+from dsv4_jax.kernels.pallas_triton import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas
+from dsv4_jax.kernels.xla import sparse_attention_xla
 from planner import oracle
 
 BACKENDS = ["xla", "pallas_interpret"]

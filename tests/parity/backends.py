@@ -26,7 +26,7 @@ import dsv4_jax
 import dsv4_torch
 import planner as P
 from dsv4_jax import prefill as JP
-from dsv4_jax.buckets import bucket
+from planner.sizes import bucket
 from dsv4_torch import prefill as TP
 
 GPU_ONLY = "needs an SM90/SM100 GPU"

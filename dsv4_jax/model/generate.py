@@ -1,6 +1,6 @@
 """Greedy generation with the JAX DeepSeek-V4 model: ragged batched chunked prefill, then decode.
 
-    from dsv4_jax.generate import JaxGenerator
+    from dsv4_jax.model.generate import JaxGenerator
 
     gen = JaxGenerator("path/to/checkpoint", attention_backend="auto", planner="adaptive", dtype="float32")
     outputs = gen.generate([[0, 71, 5, ...], [0, 9, ...]], max_new_tokens=256, stop_token_ids=(1,))
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dsv4_jax.model import DeepseekV4, compile_counts
+from dsv4_jax.model.model import DeepseekV4, compile_counts
 
 
 @dataclass

@@ -31,12 +31,11 @@ import re
 import struct
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from dsv4_jax.model import ModelConfig
+from dsv4_jax.model.config import ModelConfig
 from planner import LayerKind
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -307,7 +306,3 @@ def load_checkpoint(path, dtype="float32") -> tuple[ModelConfig, dict]:
     """(ModelConfig, params) of a checkpoint directory: config.json + safetensors, either name style."""
     cfg = ModelConfig.from_checkpoint(path)
     return cfg, load_params(cfg, read_safetensors(path), dtype)
-
-
-def param_count(params) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

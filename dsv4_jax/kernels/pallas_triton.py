@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dsv4_jax.xla_reference import no_key_result
+from dsv4_jax.kernels.xla import no_key_result
 from planner.oracle import value_dim
 
 MIN_BLOCK = 16  # Triton's smallest dot dimension.

@@ -1,0 +1,168 @@
+"""The model's small pieces: linear, RMSNorm, RoPE, mHC (Sinkhorn) and the MoE (notes sections 4, 11)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+from dsv4_jax.model.config import ModelConfig, RopeConfig
+
+F32 = jnp.float32
+HIGHEST = lax.Precision.HIGHEST
+
+# ----------------------------------------------------------------------------- small pieces
+
+
+def linear(x, w):
+    """x (..., in) @ w (out, in).T in x's dtype, float32 accumulation (torch's F.linear)."""
+    y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=HIGHEST, preferred_element_type=F32)
+    return y.astype(x.dtype)
+
+
+def rms_norm(x, weight, eps):
+    """Weighted RMSNorm (section 5): float32 inside, weight float32, cast back once."""
+    xf = x.astype(F32)
+    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(F32) * xf).astype(x.dtype)
+
+
+def rms_norm_unweighted(x, eps):
+    """x * rsqrt(mean(x^2) + eps): the factor in float32, the product in x's dtype."""
+    xf = x.astype(F32)
+    return x * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps).astype(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
+    """(dim/2,) float32 inverse frequencies, computed in float32 like transformers (section 6)."""
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    pos_freqs = np.power(np.float32(rope.theta), exponents, dtype=np.float32)
+    if rope.rope_type == "default":
+        return (np.float32(1.0) / pos_freqs).astype(np.float32)
+    factor = rope.factor
+    orig = rope.original_max_position_embeddings
+    if factor is None:
+        raise ValueError("rope_parameters: YaRN needs a 'factor'")
+
+    def correction_dim(rotations):
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low = max(math.floor(correction_dim(rope.beta_fast)), 0)  # transformers always truncates here
+    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = (np.float32(1) - ramp).astype(np.float32)
+    inv_extra = np.float32(1.0) / pos_freqs
+    inv_inter = np.float32(1.0) / (np.float32(factor) * pos_freqs)
+    return (inv_inter * (np.float32(1) - extrapolation) + inv_extra * extrapolation).astype(np.float32)
+
+
+def rope_cos_sin(positions, rope: RopeConfig, dim: int):
+    """cos, sin (..., dim/2) float32 at integer positions."""
+    freqs = positions.astype(F32)[..., None] * jnp.asarray(rope_inv_freq(rope, dim))
+    return jnp.cos(freqs) * rope.attention_factor, jnp.sin(freqs) * rope.attention_factor
+
+
+def apply_rope(x, cos, sin):
+    """Interleaved RoPE on the trailing 2*cos.shape[-1] dims of x (section 6), in float32.
+
+    x (..., D); cos, sin broadcastable to (..., R/2). Pass -sin for the inverse rotation.
+    """
+    r = 2 * cos.shape[-1]
+    nope, rope = x[..., :-r], x[..., -r:].astype(F32)
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1).reshape(rope.shape)
+    return jnp.concatenate([nope, rotated.astype(x.dtype)], axis=-1)
+
+
+# ----------------------------------------------------------------------------- mHC (section 4)
+
+
+def hyper_pre(p, X, cfg: ModelConfig):
+    """Mixing weights of one mHC site and the collapsed block input.
+
+    X (T, n, hidden) -> post (T, n) f32, comb (T, n, n) f32 (comb[j, k]: stream j -> k), x (T, hidden).
+    """
+    n, eps = cfg.hc_mult, cfg.hc_eps
+    flat = rms_norm_unweighted(X.reshape(X.shape[0], -1).astype(F32), cfg.rms_norm_eps)
+    mix = jnp.einsum("ti,oi->to", flat, p["fn"].astype(F32), precision=HIGHEST)
+    base, scale = p["base"].astype(F32), p["scale"].astype(F32)
+    pre = jax.nn.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
+    post = 2 * jax.nn.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb = mix[:, 2 * n :].reshape(-1, n, n) * scale[2] + base[2 * n :].reshape(n, n)
+    comb = jax.nn.softmax(comb, axis=-1) + eps
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)  # one column step, then (row, column) pairs
+
+    def row_then_column(_, c):
+        c = c / (c.sum(axis=-1, keepdims=True) + eps)
+        return c / (c.sum(axis=-2, keepdims=True) + eps)
+
+    comb = lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, row_then_column, comb)  # a loop: compiles fast
+    x = (pre[..., None] * X).sum(axis=1).astype(X.dtype)
+    return post, comb, x
+
+
+def hyper_post(X, y, post, comb):
+    """X_k <- post_k * y + sum_j comb[j, k] X_j."""
+    dt = X.dtype
+    mixed = jnp.einsum("tjk,tjd->tkd", comb.astype(dt), X, precision=HIGHEST)
+    return post.astype(dt)[..., None] * y[:, None, :] + mixed
+
+
+def hyper_head(p, X, cfg: ModelConfig):
+    """Final stream collapse (`DeepseekV4HyperHead`): X (R, n, hidden) -> (R, hidden)."""
+    flat = rms_norm_unweighted(X.reshape(X.shape[0], -1).astype(F32), cfg.rms_norm_eps)
+    mix = jnp.einsum("ti,oi->to", flat, p["fn"].astype(F32), precision=HIGHEST)
+    pre = jax.nn.sigmoid(mix * p["scale"].astype(F32) + p["base"].astype(F32)) + cfg.hc_eps
+    return (pre[..., None] * X).sum(axis=1).astype(X.dtype)
+
+
+# ----------------------------------------------------------------------------- MoE (section 11)
+
+
+def _score(logits, func: str):
+    if func == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits))
+    if func == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    return jax.nn.softplus(logits)
+
+
+def _swiglu(gate, up, limit):
+    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+def moe(p, x, hash_experts, use_hash, cfg: ModelConfig):
+    """Routed experts + the shared expert: x (T, hidden) -> (T, hidden).
+
+    Hash layers (use_hash true) take their experts from hash_experts (T, k) = tid2eid[token_ids];
+    the others route by top-k of score + bias. A traced flag, so both kinds share one program.
+    """
+    E, k, limit = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.swiglu_limit
+    scores = _score(linear(x, p["gate"]), cfg.scoring_func)
+    top = lax.top_k(scores.astype(F32) + p["bias"].astype(F32), k)[1]
+    experts = jnp.where(use_hash, hash_experts, top)
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
+
+    # Sort the (token, expert) pairs by expert: two grouped matmuls over contiguous groups.
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    h = lax.ragged_dot(x[token], p["w13"].astype(x.dtype), sizes, precision=HIGHEST, preferred_element_type=F32)
+    inter = h.shape[-1] // 2
+    act = _swiglu(h[:, :inter], h[:, inter:], limit).astype(x.dtype)
+    out = lax.ragged_dot(act, p["w2"].astype(x.dtype), sizes, precision=HIGHEST, preferred_element_type=F32)
+    out = out.astype(x.dtype) * weights.reshape(-1)[order][:, None].astype(x.dtype)
+    routed = jnp.zeros_like(x).at[token].add(out)
+
+    shared = _swiglu(linear(x, p["shared_w1"]), linear(x, p["shared_w3"]), limit)
+    return routed + linear(shared, p["shared_w2"])
+
+

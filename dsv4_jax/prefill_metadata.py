@@ -1,0 +1,285 @@
+"""Per-step prefill metadata for JAX, built once on the host from the planner's step plan.
+
+The JAX twin of `dsv4_torch.prefill_metadata`. `build_step_metadata` plans every layer kind (or
+takes a `planner.StepPlan`) and packs each kind's plan into one int32 table `(NUM_FIELDS, L)`,
+copied to the device in one transfer per kind, plus a few static ints (`KindShape`, the jit key
+of `dsv4_jax.prefill.prefill_attention`). How the static sizes are chosen (token buckets, the
+workspace rows and HCA width padded to powers of two, `sizes="fine" | "server"`) is described in
+`dsv4_jax.prefill`'s docstring and `planner.sizes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.tree_util import register_pytree_node_class
+
+from planner.sizes import MIN_TILE, bucket, pow2_bucket, tile_ladder, tiled_items
+from planner import LayerKind, PlanConfig, PrefillBatch, StepPlan, layer_kind
+from planner.plan import as_step_plan
+from planner.layout import INDEX_ALIGN, index_width, round_up
+from planner.plan import KindPlan
+
+MIN_WORKSPACE_ROWS = 128
+SIZES = ("bucket", "fine", "server")
+
+
+# Rows of `KindMetadata.table`; each row has L = padded_tokens + 1 int32 entries.
+TOK_INDEX = 0  # planned token -> row of q / out
+TOK_REQUEST = 1  # planned token -> chunk-local request b (its segment is chunk_seg_start + b)
+TOK_POSITION = 2  # planned token -> absolute position p
+SEG_REQUEST = 3  # segment -> batch request (row of the block table / logical offsets)
+SEG_ROW_BASE = 4  # segment -> b * M
+SEG_GATHER_START = 5  # segment -> first raw position gathered
+SEG_COMP_START = 6  # exclusive prefix sum of compressed_len over segments; entries >= n_seg: total
+SEG_RAW_START = 7  # exclusive prefix sum of gather_len over segments; entries >= n_seg: total
+CHUNK_SEG_START = 8  # chunk -> first segment; entries >= num_chunks: n_seg
+CHUNK_TOKEN_START = 9  # chunk -> first planned token; entries >= num_chunks: T
+CHUNK_N = 10  # chunk -> N
+SCALARS = 11  # [num_chunks, T, n_seg]
+NUM_FIELDS = 12
+
+
+
+@dataclass(frozen=True)
+class KindShape:
+    """The static part of a kind's metadata: the jit cache key (with the input shapes)."""
+
+    compress_ratio: int
+    window_size: int
+    padded_tokens: int  # bucket(T) or the caller's count: every table row has padded_tokens + 1 entries
+    index_width: int  # columns of every index row (a multiple of 128)
+    workspace_rows: int  # pow2_bucket (or bucket) of a chunk's max rows, or the plan's budget (sizes="server")
+    token_ladder: tuple[int, ...]  # attention tile sizes, largest first
+    gather_ladder: tuple[int, ...]  # gather tile sizes, largest first
+
+    @property
+    def kind(self) -> LayerKind:
+        return layer_kind(self.compress_ratio)
+
+
+@register_pytree_node_class
+class KindMetadata:
+    """Device-side plan of one layer kind for one step; reuse it for every layer of that kind.
+
+    Reuse is valid while the batch, the caches' block tables and the plan are those of this step.
+    A pytree: `table` (NUM_FIELDS, padded_tokens + 1) int32 is its leaf, `shape` is static. The
+    host plan (`plan`, `num_tokens`, `num_requests`) rides along outside `jax.jit` for checks
+    and `build_indices`; a copy rebuilt by JAX inside a trace has them as None.
+    """
+
+    def __init__(self, table, shape: KindShape, plan: KindPlan | None = None, num_tokens=None, num_requests=None):
+        self.table = table
+        self.shape = shape
+        self.plan = plan
+        self.num_tokens = num_tokens
+        self.num_requests = num_requests
+        # The concrete backend of the last `prefill_attention` call on this object. Under a
+        # user's jax.jit the call sees a copy JAX rebuilt, so the caller's object keeps None:
+        # there, `dsv4_jax.resolve_backend(backend)` names the backend (the call asks it too).
+        self.last_backend: str | None = None
+
+    @property
+    def kind(self) -> LayerKind:
+        return self.shape.kind
+
+    @property
+    def index_width(self) -> int:
+        return self.shape.index_width
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.shape.padded_tokens
+
+    def tree_flatten(self):
+        return (self.table,), self.shape
+
+    @classmethod
+    def tree_unflatten(cls, shape, children):
+        return cls(children[0], shape)
+
+    def __repr__(self):
+        return f"KindMetadata({self.shape}, num_tokens={self.num_tokens})"
+
+    def padding(self) -> dict:
+        """Real vs padded/processed elements of this kind's layer call (host; needs the plan).
+
+        tokens: T; padded_tokens: the bucket; attended_tokens: tokens the attention tiles cover.
+        rows: rows the gathers must write; gathered_rows: rows the gather tiles cover;
+        max_chunk_rows / workspace_rows: the largest chunk's rows and the bucketed buffer.
+        needed_width / index_width: the planner's index width for this step (HCA's grows with
+        the longest context; CSA's and SWA's are fixed by topk and W) and the bucketed one.
+        """
+        kp = _host_plan(self, "padding")
+        s = self.shape
+        tok = np.diff(kp.chunk_token_starts.astype(np.int64))
+        comp = np.add.reduceat(kp.seg_compressed_len.astype(np.int64), kp.chunk_starts[:-1]) if kp.num_chunks else tok
+        raw = np.add.reduceat(kp.seg_gather_len.astype(np.int64), kp.chunk_starts[:-1]) if kp.num_chunks else tok
+        regions = [raw] + ([comp] if s.kind is not LayerKind.SWA else [])
+        return dict(
+            tokens=int(tok.sum()),
+            padded_tokens=s.padded_tokens,
+            attended_tokens=sum(tiled_items(n, s.token_ladder) for n in tok.tolist()),
+            rows=int(sum(r.sum() for r in regions)),
+            gathered_rows=sum(tiled_items(n, s.gather_ladder) for r in regions for n in r.tolist()),
+            max_chunk_rows=kp.max_workspace_rows,
+            workspace_rows=s.workspace_rows,
+            needed_width=index_width(kp) if s.kind is LayerKind.HCA else s.index_width,
+            index_width=s.index_width,
+        )
+
+
+@register_pytree_node_class
+class StepMetadata:
+    """All kinds' metadata for one step. A pytree of its `KindMetadata`s."""
+
+    def __init__(self, kinds: dict, padded_tokens: int, step_plan: StepPlan | None = None):
+        self.kinds = kinds
+        self.padded_tokens = padded_tokens
+        self.step_plan = step_plan
+
+    def __getitem__(self, kind) -> KindMetadata:
+        k = layer_kind(kind)
+        if k not in self.kinds:
+            raise KeyError(f"no metadata for {k.name} in this step (built: {[x.name for x in self.kinds]})")
+        return self.kinds[k]
+
+    def pad_tokens(self, x):
+        """Pad axis 0 (tokens) of q or top-k rows with zeros to `padded_tokens` (NumPy or jax)."""
+        n = x.shape[0]
+        if n > self.padded_tokens:
+            raise ValueError(f"x: {n} tokens exceed padded_tokens = {self.padded_tokens}")
+        widths = [(0, self.padded_tokens - n)] + [(0, 0)] * (x.ndim - 1)
+        return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)
+
+    def tree_flatten(self):
+        keys = tuple(self.kinds)
+        return tuple(self.kinds[k] for k in keys), (keys, self.padded_tokens)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        keys, padded = aux
+        return cls(dict(zip(keys, children)), padded)
+
+
+def build_step_metadata(
+    plan_or_batch: StepPlan | PrefillBatch,
+    *,
+    index_topk: int | None = None,
+    config: PlanConfig | None = None,
+    compress_ratios: Sequence[int] = (0, 4, 128),
+    planner: str | None = None,
+    sizes: str = "bucket",
+    padded_tokens: int | None = None,
+    token_tile: int = 256,
+    gather_tile: int = 4096,
+    min_tokens: int = MIN_TILE,
+    min_workspace_rows: int = MIN_WORKSPACE_ROWS,
+    device=None,
+) -> StepMetadata:
+    """Per-step metadata for every layer kind, built once on the host, one transfer per kind.
+
+    Args:
+      plan_or_batch: a `planner.StepPlan`, or a `PrefillBatch` to plan here with `config`.
+      index_topk: the indexer's top-k (CSA index width); required when CSA is planned.
+      config: the `PlanConfig` when a batch is given.
+      compress_ratios: the model's per-layer ratios (or just the kinds) when a batch is given.
+      planner: "adaptive", "fixed" or "per_request": overrides `config.policy`.
+      sizes: how the workspace rows and the HCA index width are sized (both static):
+        "bucket" (default): from this step (the largest chunk's rows, the longest context),
+          padded to powers of two (under 2x memory; they cost no attention work). A program
+          per (tokens, rows, width) bucket combination.
+        "fine": the same, padded to the 1.25x token buckets: tighter memory, about 1.5x the
+          programs over a varied stream (bench/bench_jax_prefill.py --stream-only).
+        "server": from the `PlanConfig` alone: the plan's workspace budget (what the fixed plan
+          allocates and the adaptive plan never exceeds) and max_model_len's width. The token
+          bucket is then the only static size that changes from step to step: a jitted model
+          compiles once per token bucket, at the price of a budget-sized workspace every call.
+      padded_tokens: the static token count (>= T); default `bucket(T, min_tokens)`. A model
+        that pads its tokens to its own buckets passes its padded count here.
+      token_tile: largest attention tile (tokens), a power of two; the ladder goes down 4x to 16.
+      gather_tile: largest gather tile (workspace rows), a power of two; down 4x to 16.
+      min_tokens, min_workspace_rows: the smallest token and workspace buckets (all smaller
+        batches share them, and their compiled programs).
+      device: where the tables go (default: JAX's default device).
+    """
+    step = as_step_plan(plan_or_batch, config, compress_ratios, planner)
+    for name, v in (("token_tile", token_tile), ("gather_tile", gather_tile)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+            raise ValueError(f"{name}: expected a power of two, got {v!r}")
+    for name, v in (("min_tokens", min_tokens), ("min_workspace_rows", min_workspace_rows)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    if index_topk is not None and (isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1):
+        raise ValueError(f"index_topk: expected a positive int, got {index_topk!r}")
+    if sizes not in SIZES:
+        raise ValueError(f"sizes: expected one of {SIZES}, got {sizes!r}")
+    T = step.batch.num_tokens
+    if padded_tokens is None:
+        padded_tokens = bucket(T, min_tokens)
+    elif isinstance(padded_tokens, bool) or not isinstance(padded_tokens, int) or padded_tokens < T:
+        raise ValueError(f"padded_tokens: expected an int >= the batch's {T} tokens, got {padded_tokens!r}")
+    kinds = {}
+    for kind, kp in step.kinds.items():
+        if kind is LayerKind.CSA and index_topk is None:
+            raise ValueError("index_topk: required when CSA (ratio-4) layers are planned")
+        shape, table = _kind_table(kp, padded_tokens, index_topk, sizes, token_tile, gather_tile, min_workspace_rows)
+        kinds[kind] = KindMetadata(jax.device_put(table, device), shape, kp, step.batch.num_tokens, step.batch.num_requests)
+    return StepMetadata(kinds, padded_tokens, step)
+
+
+def _kind_table(kp: KindPlan, padded: int, index_topk, sizes: str, token_tile: int, gather_tile: int, min_rows: int):
+    L = padded + 1
+    T, n_seg, n_c = kp.token_index.shape[0], kp.seg_request.shape[0], kp.num_chunks
+    table = np.zeros((NUM_FIELDS, L), dtype=np.int32)
+    table[TOK_INDEX, :T] = kp.token_index
+    table[TOK_REQUEST, :T] = kp.token_request
+    table[TOK_POSITION, :T] = kp.token_position
+    table[SEG_REQUEST, :n_seg] = kp.seg_request
+    table[SEG_ROW_BASE, :n_seg] = kp.seg_row_base
+    table[SEG_GATHER_START, :n_seg] = kp.seg_gather_start
+    for row, lens in ((SEG_COMP_START, kp.seg_compressed_len), (SEG_RAW_START, kp.seg_gather_len)):
+        cum = np.cumsum(lens, dtype=np.int64)
+        table[row, 1 : n_seg + 1] = cum
+        table[row, n_seg + 1 :] = cum[-1] if n_seg else 0
+    table[CHUNK_SEG_START, : n_c + 1] = kp.chunk_starts
+    table[CHUNK_SEG_START, n_c + 1 :] = n_seg
+    table[CHUNK_TOKEN_START, : n_c + 1] = kp.chunk_token_starts
+    table[CHUNK_TOKEN_START, n_c + 1 :] = T
+    table[CHUNK_N, :n_c] = kp.chunk_N
+    table[SCALARS, :3] = (n_c, T, n_seg)
+
+    width = index_width(kp, index_topk if kp.kind is LayerKind.CSA else None)
+    if sizes == "server":
+        if kp.kind is LayerKind.HCA:  # the most entries any context up to max_model_len sees
+            width = round_up(kp.config.max_model_len // kp.compress_ratio + kp.window_size, INDEX_ALIGN)
+        rows = max(kp.budget_rows, min_rows)
+        if kp.max_workspace_rows > rows:  # the planner keeps every chunk within its budget
+            raise AssertionError(f"a chunk needs {kp.max_workspace_rows} rows, over the budget {rows}")
+    else:  # "bucket": powers of two (they pad memory, not work); "fine": the 1.25x token buckets
+        size = pow2_bucket if sizes == "bucket" else bucket
+        if kp.kind is LayerKind.HCA:  # grows with the longest context of the batch: bucket it
+            width = size(width // INDEX_ALIGN) * INDEX_ALIGN
+        rows = size(kp.max_workspace_rows, min_rows)
+    shape = KindShape(
+        compress_ratio=kp.compress_ratio,
+        window_size=kp.window_size,
+        padded_tokens=padded,
+        index_width=width,
+        workspace_rows=rows,
+        token_ladder=tile_ladder(token_tile, padded),
+        gather_ladder=tile_ladder(gather_tile, rows),
+    )
+    return shape, table
+
+
+def _host_plan(meta: KindMetadata, what: str) -> KindPlan:
+    if not isinstance(meta, KindMetadata):
+        raise TypeError(f"meta: expected a KindMetadata (build_step_metadata(...)[ratio]), got {type(meta).__name__}")
+    if meta.plan is None:
+        raise ValueError(f"meta: {what} needs the host plan, which a copy rebuilt inside jax.jit does not carry")
+    return meta.plan
