@@ -522,7 +522,7 @@ def _attention_forward(integ: _Integration, module, hidden_states, position_embe
         raise RuntimeError(
             f"layer {idx}: called twice in one forward, and its input state was not kept (a reentrant "
             "torch.utils.checkpoint around it under no_grad?); use transformers' gradient checkpointing "
-            "(model.gradient_checkpointing_enable()) or use_reentrant=False"
+            "(model.activation_checkpointing_enable()) or use_reentrant=False"
         )
     else:
         lstate = ctx.state.layer(idx)
@@ -533,8 +533,8 @@ def _attention_forward(integ: _Integration, module, hidden_states, position_embe
 
 
 def _copy_layer_state(ls: ragged.LayerState) -> ragged.LayerState:
-    """A new LayerState holding the same tensors (the layer code assigns new tensors, never edits
-    these in place when a gradient is recorded)."""
+    """A new LayerState holding the same tensors (in a replayable forward the layer code assigns
+    new tensors and never edits these in place)."""
     return ragged.LayerState(ls.window, {n: dataclasses.replace(cs) for n, cs in ls.compressors.items()})
 
 
@@ -620,7 +620,7 @@ def _compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: _Context, r: i
             grown[dev["move_dst"]] = cs.entries[dev["move_src"]]
         cs.entries = grown
     if n:
-        if torch.is_grad_enabled():  # a new tensor: the one before may be a checkpoint's saved input state
+        if ctx.replayable:  # a new tensor: the one before is kept as a layer's input state
             cs.entries = cs.entries.index_put((dev["append_dst"],), new_entries)
         else:
             cs.entries[dev["append_dst"]] = new_entries
