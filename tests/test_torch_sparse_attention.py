@@ -732,6 +732,20 @@ def test_backends_without_a_backward_refuse_when_a_gradient_is_required():
             sparse_attention(**case, backend="flashmla")
 
 
+def test_reference_backward_never_syncs_with_the_host(monkeypatch):
+    """The backward on the device path (every key block, as on a GPU) reads nothing on the host."""
+    from tests.no_host_sync import forbid_host_sync
+
+    case = make_case(150, 16, 64, 90, 200, seed=55, topk=True, sink="random")
+    monkeypatch.setattr(ref_kernel, "SKIP_EMPTY_BLOCKS_ON_CPU", False)
+    leaves = {k: case[k].detach().clone().requires_grad_(True) for k in ("q", "kv", "attn_sink")}
+    out, _, _ = sparse_attention(**{**case, **leaves}, backend="reference")
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    with forbid_host_sync():
+        torch.autograd.backward(out, w)
+    assert all(leaves[k].grad is not None and torch.isfinite(leaves[k].grad).all() for k in leaves)
+
+
 def _dropout_mask(T, H, K, p, seed, dtype=torch.float64):
     """The mask the reference kernel draws, laid out (T, H, K)."""
     tile = ref_kernel.token_tile(H, 64, dtype)
