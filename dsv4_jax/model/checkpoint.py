@@ -248,7 +248,7 @@ def load_params(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype="float32
             attn["compressor"] = {
                 "wkv": get(c + "kv_proj.weight", (width, hid)),
                 "wgate": get(c + "gate_proj.weight", (width, hid)),
-                "ape": get(c + "position_bias", (kind.ratio, width), "f32"),
+                "ape": get(c + "position_bias", (cfg.compress_ratio(kind), width), "f32"),
                 "norm": get(c + "kv_norm.weight", (D,), "f32"),
             }
         if kind is LayerKind.CSA:

@@ -2,11 +2,11 @@
 
     from dsv4_jax.model.generate import JaxGenerator
 
-    gen = JaxGenerator("path/to/checkpoint", attention_backend="auto", planner="adaptive", dtype="float32")
+    gen = JaxGenerator("path/to/checkpoint", backend="auto", policy="adaptive", dtype="float32")
     outputs = gen.generate([[0, 71, 5, ...], [0, 9, ...]], max_new_tokens=256, stop_token_ids=(1,))
     gen.stats  # {"prefill_tokens": ..., "prefill_seconds": ..., "decode_tokens": ..., ...}
 
-`JaxGenerator(checkpoint_dir, attention_backend="auto"|"xla"|"pallas", planner="adaptive"|"fixed"|
+`JaxGenerator(checkpoint_dir, backend="auto"|"xla"|"pallas", policy="adaptive"|"fixed"|
 "per_request", dtype="float32"|"bfloat16", *, max_batch_size=8, max_model_len=4096,
 max_num_batched_tokens=512, mesh=None)`:
   loads the checkpoint (transformers' or DeepSeek's names; NumPy + safetensors, no torch) and keeps
@@ -58,14 +58,14 @@ class _Request:
 class JaxGenerator:
     """Greedy ragged-batch generation; see the module docstring."""
 
-    def __init__(self, checkpoint_dir, attention_backend: str = "auto", planner: str = "adaptive",
+    def __init__(self, checkpoint_dir, backend: str = "auto", policy: str = "adaptive",
                  dtype: str = "float32", *, max_batch_size: int = 8, max_model_len: int = 4096,
                  max_num_batched_tokens: int = 512, mesh=None, **model_kwargs):  # fmt: skip
         model_kwargs.setdefault("token_buckets", "pow2")  # prefill tails vary; few shapes beat tight padding
         self.model = DeepseekV4.from_checkpoint(
             checkpoint_dir, dtype=dtype, max_batch_size=max_batch_size, max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens, attention_backend=attention_backend,
-            planner=planner, mesh=mesh, **model_kwargs,
+            max_num_batched_tokens=max_num_batched_tokens, backend=backend,
+            policy=policy, mesh=mesh, **model_kwargs,
         )  # fmt: skip
         self.config = self.model.config
         self.max_num_batched_tokens = max_num_batched_tokens

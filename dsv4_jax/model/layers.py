@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-
 from dsv4_jax.model.config import ModelConfig, RopeConfig
 
 F32 = jnp.float32
