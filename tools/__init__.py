@@ -6,6 +6,9 @@
   Pallas kernel (needs jax).
 * `tools.triton_compile`: compile Triton IR / PTX offline with the `triton` wheel and read ptxas'
   resource report (needs triton, nothing else).
+* `tools.transformers_suite` (+ `suite_plugin`): transformers' own DeepSeek-V4 model tests run
+  against our path (`make test-transformers-suite`).
+* `tools.grad_parity`: gradients of our path vs eager on the tiny checkpoint.
 
 Run from the repository root (`python -m tools.NAME`, or pytest, whose `pythonpath` is the root);
 the package is not installed with `pip install`.
