@@ -69,7 +69,7 @@ from planner import LayerKind
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 WEIGHTS = ("stored", "dequantized")
 
-__all__ = ["DTYPES", "WEIGHTS", "CheckpointFiles", "load_checkpoint", "load_params", "quant_block",
+__all__ = ["DTYPES", "WEIGHTS", "CheckpointFiles", "held_bytes", "load_checkpoint", "load_params", "plan_params", "quant_block",
            "read_safetensors", "to_transformers_names"]
 
 # ----------------------------------------------------------------------------- names
@@ -475,7 +475,25 @@ def load_params(cfg: ModelConfig, tensors, dtype="float32", *, weights: str = "s
     mesh, axis = parallel.resolve_mesh(mesh, axis)
     if mesh is not None:
         parallel.check_divisible(cfg, mesh, axis)
+    tree, tied = plan_params(cfg, files, block_size)
+    # Every header is checked: now the bytes, one tensor at a time.
     dt = DTYPES[dtype]
+    params = jax.tree.map(lambda e: _place(files, e, dt, weights, mesh, axis), tree,
+                          is_leaf=lambda x: isinstance(x, _Entry))  # fmt: skip
+    if tied:
+        params["head"] = params["embed"]
+    for ffn in (lp["ffn"] for lp in params["layers"]):
+        if "tid2eid" in ffn:
+            t = np.asarray(ffn["tid2eid"])
+            if t.min() < 0 or t.max() >= cfg.n_routed_experts:
+                raise ValueError(f"tensors: a tid2eid table holds expert ids outside 0..{cfg.n_routed_experts - 1}")
+    return params
+
+
+def plan_params(cfg: ModelConfig, files, block_size: tuple[int, int] = FP8_BLOCK):
+    """The parameter tree with an `_Entry` (role, source, logical shape, format) per tensor, every
+    name, dtype and shape checked against `cfg` from the headers alone; and whether the head is
+    the tied embedding. `files`: anything with `names()` and `info(name)` (`CheckpointFiles`)."""
     sources, _mtp = _sources(files.names())
     used: set[str] = set()
     H, D, G = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
@@ -561,18 +579,28 @@ def load_params(cfg: ModelConfig, tensors, dtype="float32", *, weights: str = "s
     unused = sorted(set(sources) - used)
     if unused:
         raise ValueError(f"tensors: {len(unused)} tensors the config does not use, e.g. {unused[:3]}")
+    return tree, tied
 
-    # Every header is checked: now the bytes, one tensor at a time.
-    params = jax.tree.map(lambda e: _place(files, e, dt, weights, mesh, axis), tree,
-                          is_leaf=lambda x: isinstance(x, _Entry))  # fmt: skip
-    if tied:
-        params["head"] = params["embed"]
-    for ffn in (lp["ffn"] for lp in params["layers"]):
-        if "tid2eid" in ffn:
-            t = np.asarray(ffn["tid2eid"])
-            if t.min() < 0 or t.max() >= E:
-                raise ValueError(f"tensors: a tid2eid table holds expert ids outside 0..{E - 1}")
-    return params
+
+def held_bytes(tree, files, n: int) -> tuple[int, int]:
+    """(bytes one device holds, all bytes) of a `plan_params` tree split over n devices as
+    `dsv4_jax.model.parallel` says, from the headers alone (e.g. the V4-Flash figure)."""
+    held = total = 0
+    for e in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, _Entry)):
+        parts = [e.source.part] if e.source.part else [p for ps in e.source.experts for p in ps]
+        data = sum(files.info(p.name).nbytes for p in parts)
+        split = parallel.spec(e.role, e.shape, n, "x") != jax.sharding.PartitionSpec() if n > 1 else False
+        held += data // n if split else data
+        total += data
+        if e.fmt is not None:
+            scale = sum(files.info(p.scale).nbytes for p in parts)
+            sshape = tuple(files.info(parts[0].scale).shape)
+            if e.source.experts:
+                sshape = (len(e.source.experts),) + sshape
+            s_split = n > 1 and parallel.spec(e.role, sshape, n, "x", e.block, e.shape) != jax.sharding.PartitionSpec()
+            held += scale // n if s_split else scale
+            total += scale
+    return held, total
 
 
 def load_checkpoint(path, dtype="float32", *, weights: str = "stored", mesh=None, axis=None) -> tuple[ModelConfig, dict]:

@@ -66,6 +66,7 @@ def _layer(p, cache, X, step, meta, hash_experts, use_hash, *, cfg: ModelConfig,
     COMPILES[f"layer[{kind.name}]"] += 1
     opts = dict(opts)
     mesh, axis = opts["mesh"], opts["axis"]
+    p = parallel.gather_for_use(p, mesh)  # storage-split weights whole (FSDP-style); TP/EP ones stay split
     post, comb, x = hyper_pre(p["attn_hc"], X, cfg)
     y, cache = attention(p["attn"], cache, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), step, meta, cfg, kind, opts)
     X = hyper_post(X, y, post, comb)
@@ -77,9 +78,10 @@ def _layer(p, cache, X, step, meta, hash_experts, use_hash, *, cfg: ModelConfig,
     return X, cache
 
 
-@jax.jit
-def _hash_route(tid2eid, token_ids):
-    return tid2eid[token_ids]
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def _hash_route(tid2eid, token_ids, *, mesh):
+    routes = parallel.gather_for_use({"ffn": {"tid2eid": tid2eid}}, mesh)["ffn"]["tid2eid"][token_ids]
+    return routes if mesh is None else jax.lax.with_sharding_constraint(routes, NamedSharding(mesh, P()))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "mesh", "axis"))
@@ -89,10 +91,11 @@ def _embed(embed, token_ids, *, cfg: ModelConfig, dtype, mesh, axis):
     return jnp.broadcast_to(x[:, None, :], (x.shape[0], cfg.hc_mult, x.shape[1]))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _head(p, X, rows, *, cfg: ModelConfig):
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
+def _head(p, X, rows, *, cfg: ModelConfig, mesh):
     """Logits (R, vocab) float32 of token rows `rows`, and their greedy next tokens (R,)."""
     COMPILES["head"] += 1
+    p = parallel.gather_for_use(p, mesh)
     h = rms_norm(hyper_head(p["hc_head"], X[rows], cfg), p["norm"], cfg.rms_norm_eps)
     logits = linear(h, p["head"]).astype(F32)
     return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -201,10 +204,13 @@ class DeepseekV4:
         # Hash layers keep their tid2eid table out of the layer parameters (a zero bias stands
         # in), so hash and top-k layers of a kind have one parameter structure and one program.
         self._layer_params, self._hash_tables = [], []
+        bias_dtype = next((lp["ffn"]["bias"].dtype for lp in self.params["layers"] if "bias" in lp["ffn"]), F32)
         for lp in self.params["layers"]:
             ffn = dict(lp["ffn"])
             table = ffn.pop("tid2eid", None)
-            ffn.setdefault("bias", jax.device_put(jnp.zeros((config.n_routed_experts,), F32), self._placement))
+            if "bias" not in ffn:  # placed like a loaded bias, so both layer kinds share one program
+                where = parallel.sharding(mesh, axis, "ffn.bias", (config.n_routed_experts,))
+                ffn["bias"] = jax.device_put(jnp.zeros((config.n_routed_experts,), bias_dtype), where)
             self._layer_params.append({**lp, "ffn": ffn})
             self._hash_tables.append(table)
 
@@ -302,11 +308,11 @@ class DeepseekV4:
         flags = [jax.device_put(np.bool_(t is not None), self._placement) for t in self._hash_tables]
         for i, (kind, lp) in enumerate(zip(cfg.kinds, self._layer_params)):
             table = self._hash_tables[i]
-            route = no_route if table is None else _hash_route(table, step.token_ids)
+            route = no_route if table is None else _hash_route(table, step.token_ids, mesh=self.mesh)
             X, cache[i] = _layer(
                 lp, cache[i], X, step, meta[kind], route, flags[i], cfg=cfg, kind=kind, opts=self._opts
             )
         head = {k: self.params[k] for k in ("hc_head", "norm", "head")}
-        logits, next_tokens = _head(head, X, rows, cfg=cfg)
+        logits, next_tokens = _head(head, X, rows, cfg=cfg, mesh=self.mesh)
         q_lens = [len(t) for t in tokens]
         return cache, StepOutput(logits, next_tokens, all_tokens, q_lens, plan)

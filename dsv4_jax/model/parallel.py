@@ -1,26 +1,31 @@
 """Where the model's weights live on a `jax.sharding.Mesh`: one mesh axis splits them all.
 
 `DeepseekV4(..., mesh=mesh, axis="tp")` (and `load_checkpoint(..., mesh=, axis=)`) split the
-weights over the `n` devices of mesh axis `axis` (other axes hold replicas) as a tensor-, expert-
-and vocabulary-parallel model does:
+weights over the `n` devices of mesh axis `axis` (other axes hold replicas). Two kinds of split:
 
-  role (param tree)          split on                          compute
-  embed (V, hidden)          vocabulary rows                   local rows + psum (exact)
-  head (V, hidden)           vocabulary rows                   logits split on V, argmax over all
-  attn.wq_b (H*D, q_lora)    output = query heads              q split by head: the attention's own
-  attn.sink (H,)             heads                             shard_map (no communication)
-  attn.wo_a (G*o_lora, H*D/G) output rows (groups when n | G)   XLA inserts the transfers
-  attn.wo_b (hidden, G*o_lora) input columns (row-parallel)    partial sums + all-reduce
-  ffn.shared_w1, shared_w3   output (the shared expert's I)    column-parallel
-  ffn.shared_w2              input (I)                         row-parallel + all-reduce
-  ffn.w13, ffn.w2 (E, ...)   experts                           expert-parallel shard_map + psum
-  everything else            replicated                        (wq_a, wkv, compressors, indexer,
-                                                                router, mHC, norms: < 1% of V4-Flash)
+Compute splits (tensor, expert and vocabulary parallelism; `COMPUTE_SPLIT`):
 
-A quantized weight splits its data the same way; its scale grid splits along when the split
-falls on block boundaries, else it is replicated (scales are 1/16384 of an FP8 weight). A split
-that does not divide raises ValueError naming the weight. The indexer and the router stay
-replicated on purpose: their top-k must see the one-device scores bit for bit.
+  role (param tree)            split on                         compute
+  embed (V, hidden)            vocabulary rows                  local rows + psum (exact)
+  head (V, hidden)             vocabulary rows                  logits split on V, argmax over all
+  attn.wq_b (H*D, q_lora)      output = query heads             q split by head, as the attention's
+  attn.sink (H,)               heads                            shard_map wants (no communication)
+  attn.wo_a (G*o_lora, H*D/G)  output rows (a group per device  XLA inserts the transfers
+                               when n divides G, as V4-Flash on 8)
+  attn.wo_b (hidden, G*o_lora) input columns                    row-parallel: partial sums + all-reduce
+  ffn.shared_w1, shared_w3     output (the shared expert's I)   column-parallel
+  ffn.shared_w2                input (I)                        row-parallel + all-reduce
+  ffn.w13, ffn.w2 (E, ...)     experts                          expert-parallel shard_map + psum
+
+Storage splits (everything else: wq_a, wkv, compressors, indexer, router, mHC, norms, biases,
+tid2eid): each array is split on its first dimension that n divides (kept whole if none does)
+and all-gathered where a program uses it (`gather_for_use`, FSDP-style), so those layers compute
+on whole weights exactly as on one device; the indexer's and the router's top-k see the very
+same scores. The gathered copies of one layer are a few tens of MB for V4-Flash.
+
+A compute-split quantized weight splits its data as above and its scale grid along with it when
+the split falls on block boundaries (else the scale, 1/16384 of an FP8 weight, is whole on every
+device). A compute split that does not divide raises ValueError naming the weight.
 
 Meshes with Explicit axes (`jax.make_mesh`'s default) are used through an Auto copy of the same
 devices and names: the model lets XLA place its intermediates.
@@ -36,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dsv4_jax.model.quant import QuantizedWeight
 
-SPLIT_DIM = {
+COMPUTE_SPLIT = {
     "embed": 0, "head": 0,
     "attn.wq_b": 0, "attn.sink": 0, "attn.wo_a": 0, "attn.wo_b": 1,
     "ffn.shared_w1": 0, "ffn.shared_w3": 0, "ffn.shared_w2": 1,
@@ -77,17 +82,19 @@ def check_divisible(cfg, mesh, axis) -> None:
 
 def spec(role: str, shape: tuple[int, ...], n: int, axis, block: tuple[int, int] | None = None,
          logical: tuple[int, ...] | None = None) -> P:  # fmt: skip
-    """The PartitionSpec of one array of weight `role` (SPLIT_DIM) over an axis of n devices.
+    """The PartitionSpec of one array of weight `role` over an axis of n devices (module docstring).
 
-    For a quantized weight's scale pass its `block` and the weight's `logical` shape: the scale
-    splits only where the weight's split falls on block boundaries (else replicated).
+    For a quantized weight's scale pass its `block` and the weight's `logical` shape.
     """
-    d = SPLIT_DIM.get(role)
-    if n == 1 or d is None:
+    shape = tuple(shape)
+    if n == 1:
         return P()
-    ndim = len(shape)
-    if block is not None:  # a scale grid
-        lead = ndim - 2
+    d = COMPUTE_SPLIT.get(role)
+    if d is None:  # storage split: the first dimension n divides
+        d = next((i for i, s in enumerate(shape) if s % n == 0 and s > 0), None)
+        return P() if d is None else P(*([None] * d + [axis]))
+    if block is not None:  # the scale grid of a compute-split quantized weight
+        lead = len(shape) - 2
         if d >= lead:
             b = block[d - lead]
             if logical[d] % n or (logical[d] // n) % b or shape[d] % n:
@@ -98,6 +105,21 @@ def spec(role: str, shape: tuple[int, ...], n: int, axis, block: tuple[int, int]
     return P(*([None] * d + [axis]))
 
 
+def gather_for_use(params, mesh):
+    """Inside a program: the storage-split arrays of `params` (a param (sub)tree) all-gathered
+    (whole on every device), compute-split ones as they are. No-op without a mesh."""
+    if mesh is None:
+        return params
+    whole = NamedSharding(mesh, P())
+
+    def one(path, leaf):
+        if role_of(path) in COMPUTE_SPLIT:
+            return leaf
+        return jax.lax.with_sharding_constraint(leaf, whole)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
 def sharding(mesh, axis, role, shape, block=None, logical=None):
     """Where an array of `role` goes: a NamedSharding on the mesh, or device 0 without one."""
     if mesh is None:
@@ -106,11 +128,16 @@ def sharding(mesh, axis, role, shape, block=None, logical=None):
 
 
 def role_of(path) -> str:
-    """The SPLIT_DIM role of a param-tree path: "embed", "head", "attn.wq_b", "ffn.w13", ..."""
+    """The role of a param-tree path, from the root (`layers`, i, `attn`, `wq_b`) or inside a
+    layer (`attn`, `wq_b`): "embed", "head", "attn.wq_b", "ffn.w13", "attn_norm", ..."""
     keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-    if keys and keys[0] == "layers" and len(keys) >= 4:
-        return f"{keys[2]}.{keys[3]}"
-    return str(keys[0]) if keys else ""
+    keys = [k for k in keys if k not in ("data", "scale")]  # QuantizedWeight children (flattened)
+    if keys and keys[0] == "layers":
+        keys = keys[2:]
+    keys = [k for k in keys if isinstance(k, str)]
+    if not keys:
+        return ""
+    return keys[0] if len(keys) == 1 else f"{keys[0]}.{keys[1]}"
 
 
 def place(params, mesh, axis):
@@ -144,17 +171,5 @@ def weight_bytes(tree) -> int:
     return int(sum(leaf.nbytes for leaf in jax.tree.leaves(tree) if hasattr(leaf, "nbytes")))
 
 
-def split_fraction(shapes: dict, n: int) -> float:
-    """Bytes one device holds / all bytes, for {role: [(shape, itemsize), ...]} under SPLIT_DIM
-    (shape-only: the V4-Flash figure needs no arrays)."""
-    total = held = 0
-    for role, items in shapes.items():
-        for shape, itemsize in items:
-            b = int(np.prod(shape)) * itemsize
-            total += b
-            held += b // n if SPLIT_DIM.get(role) is not None else b
-    return held / total
-
-
-__all__ = ["SPLIT_DIM", "axis_size", "check_divisible", "device_bytes", "place", "resolve_mesh", "role_of",
-           "sharding", "spec", "split_fraction", "weight_bytes"]
+__all__ = ["COMPUTE_SPLIT", "gather_for_use", "axis_size", "check_divisible", "device_bytes", "place", "resolve_mesh", "role_of",
+           "sharding", "spec", "weight_bytes"]
