@@ -421,6 +421,12 @@ def _hash_chunks(g, shape, E):
     return gen
 
 
+def official_layout(config: dict, experts: str = "fp4") -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of every tensor `write_random_checkpoint` writes for `config`
+    (nothing is generated: for header-only figures such as V4-Flash's bytes per device)."""
+    return [(s.name, s.dtype, s.shape) for s in _random_specs(config, experts, 0)]
+
+
 def write_random_checkpoint(out_dir, config: dict, experts: str = "fp4", shards: int = 2, seed: int = 0,
                             tokenizer: bool = False) -> Path:  # fmt: skip
     """A checkpoint of `config` (transformers' fields, e.g. `flash_like_config()`) in the official
