@@ -43,3 +43,10 @@ def test_prefill_check_dry_run():
     rows = [line for line in text.splitlines() if line.startswith("spec-example")]
     assert len(rows) >= 2 * 2 * 3 * 3, text[-4000:]  # all rows, printed twice: as measured and at the end
     assert all(line.rstrip().endswith("yes") for line in rows), "plans must give bitwise equal outputs"
+
+
+def test_model_check_dry_run():
+    """bench/gpu_check_model.py: one layer written in the official format, loaded, two prefill steps."""
+    text = _run(["bench/gpu_check_model.py", "--dry-run"])
+    assert "Traceback" not in text and "FAILED" not in text, text[-4000:]
+    assert "logits finite: True" in text and "tokens/s" in text and "on the device" in text, text[-4000:]

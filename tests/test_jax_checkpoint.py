@@ -360,7 +360,8 @@ def test_fp8_on_device_equals_bf16_dequantized_at_load(official, fp8_logits):
     for a, b, r in zip(runs["stored"], runs["dequantized"], ref32):
         np.testing.assert_array_equal(a, b)
         assert (a.argmax(-1) == b.argmax(-1)).all()
-        assert _err(a, r) < 0.5  # bf16 through 6 layers vs fp32 (logits std ~1): a loose sanity bound
+        rel = float(np.sqrt(np.mean((a - r) ** 2) / np.mean(r**2)))
+        assert rel < 0.1, rel  # bf16 compute through 6 layers against fp32: a loose sanity bound
 
 
 SHARDED_SCRIPT = """
@@ -397,7 +398,7 @@ def test_sharded_over_8_devices_equals_one_device(official, fp8_logits, tmp_path
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(abs(b / (r["total"] / 8) - 1) < 0.05 for b in r["per_device"]), r
     assert r["split_per_device"] == [r["split_total"] // 8] * 8, r  # every split array splits evenly
-    assert r["n_split"] > 0.8 * r["n_all"], r
+    assert r["split_total"] > 0.99 * r["total"], r  # only a few small vectors stay whole
     got = np.load(out)
     for i, want in enumerate(ref):
         assert _err(got[f"arr_{i}"], want) < 1e-5

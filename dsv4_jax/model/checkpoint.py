@@ -359,7 +359,11 @@ def _host(a: np.ndarray, kind: str) -> np.ndarray:
 
 
 def _put(read, shape, dtype, shard) -> jax.Array:
-    """An array of `shape` on `shard` (a Sharding), each device's block read by `read(index)`."""
+    """An array of `shape` on `shard` (a Sharding), each device's block read by `read(index)`.
+    shard None: the default device, uncommitted (as `jnp.asarray` places it), so the model's
+    programs see one placement for weights, caches and step inputs alike."""
+    if shard is None:
+        return jax.device_put(read(tuple(slice(None) for _ in shape))).block_until_ready()
     arrays, last = [], (None, None)
     for device, index in shard.addressable_devices_indices_map(tuple(shape)).items():
         key = tuple((s.start, s.stop, s.step) for s in index)
@@ -372,6 +376,9 @@ def _put(read, shape, dtype, shard) -> jax.Array:
 
 def _stack(pieces_of, shape, dtype, shard, n_experts) -> jax.Array:
     """Experts stacked on each device from per-expert host pieces `pieces_of(e)` (E, rows, cols)."""
+    if shard is None:
+        parts = [jax.device_put(pieces_of(e)) for e in range(n_experts)]
+        return jnp.stack(parts).block_until_ready()
     arrays = []
     for device, index in shard.addressable_devices_indices_map(tuple(shape)).items():
         if any(s != slice(None) for s in index[1:]):
@@ -388,7 +395,7 @@ def _dequantizer(fmt, block, dtype, out_sharding):
     def f(data, scale):
         return dequantize(QuantizedWeight(data, scale, fmt, block), dtype)
 
-    return jax.jit(f, out_shardings=out_sharding)
+    return jax.jit(f) if out_sharding is None else jax.jit(f, out_shardings=out_sharding)
 
 
 def _place(files, e: _Entry, dt, weights: str, mesh, axis):
@@ -437,7 +444,8 @@ def _place(files, e: _Entry, dt, weights: str, mesh, axis):
     if quantized:
         if weights == "stored":
             return QuantizedWeight(data, scale, e.fmt, e.block)
-        out = _dequantizer(e.fmt, e.block, dt, data.sharding)(data, scale)
+        where = None if mesh is None else data.sharding
+        out = _dequantizer(e.fmt, e.block, dt, where)(data, scale)
         del data, scale
         return out.block_until_ready()
     if weights == "dequantized":
@@ -448,7 +456,7 @@ def _place(files, e: _Entry, dt, weights: str, mesh, axis):
 
 
 def _cast(a, dtype):
-    return jax.jit(lambda x: x.astype(dtype), out_shardings=a.sharding)(a)
+    return a.astype(dtype)
 
 
 def _device_dtype(dtype: np.dtype, kind: str):

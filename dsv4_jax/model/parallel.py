@@ -121,9 +121,10 @@ def gather_for_use(params, mesh):
 
 
 def sharding(mesh, axis, role, shape, block=None, logical=None):
-    """Where an array of `role` goes: a NamedSharding on the mesh, or device 0 without one."""
+    """Where an array of `role` goes: a NamedSharding on the mesh; None (the default device,
+    uncommitted) without one."""
     if mesh is None:
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return None
     return NamedSharding(mesh, spec(role, tuple(shape), axis_size(mesh, axis), axis, block, logical))
 
 
