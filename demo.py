@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from planner import LayerKind, PlanConfig, PrefillBatch, oracle, plan_step
+from planner import V4_LAYERS, LayerKind, LayerSpec, PlanConfig, PrefillBatch, oracle, plan_step
 from planner.report import SPEC_LIMITS, SPEC_QUERY_LENS, SPEC_SEQ_LENS, plan_report, table
 
 FRAMEWORKS = ("torch", "jax")
@@ -59,45 +59,50 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def random_layer(batch: PrefillBatch, ratio: int, H: int, D: int, topk: int, rng):
-    """Latents of one layer: per-request raw and compressed KV, queries, valid top-k rows, sink."""
+def random_layer(batch: PrefillBatch, spec: LayerSpec, H: int, D: int, topk: int, rng):
+    """Latents of one layer: per-request raw and compressed KV, queries, valid top-k rows (CSA
+    only, else None), sink."""
+    r = spec.compress_ratio
     raw = [rng.standard_normal((int(s), D), dtype=np.float32) for s in batch.seq_lens]
-    comp = [rng.standard_normal((int(s) // ratio if ratio > 1 else 0, D), dtype=np.float32) for s in batch.seq_lens]
+    comp = [rng.standard_normal((int(s) // r if spec.has_compressed else 0, D), dtype=np.float32) for s in batch.seq_lens]
     q = rng.standard_normal((batch.num_tokens, H, D), dtype=np.float32)
-    visible = (batch.token_position.astype(np.int64) + 1) // 4
-    scores = rng.random((batch.num_tokens, int(visible.max(initial=0)) or 1))
-    scores[np.arange(scores.shape[1])[None, :] >= visible[:, None]] = -1  # an indexer: best visible first
-    rows = np.argsort(-scores, axis=1, kind="stable")[:, :topk].astype(np.int32)
-    rows = np.pad(rows, ((0, 0), (0, max(0, topk - rows.shape[1]))), constant_values=-1)
-    rows[np.arange(topk)[None, :] >= np.minimum(visible, topk)[:, None]] = -1
+    rows = None
+    if spec.kind is LayerKind.CSA:
+        visible = (batch.token_position.astype(np.int64) + 1) // r
+        scores = rng.random((batch.num_tokens, int(visible.max(initial=0)) or 1))
+        scores[np.arange(scores.shape[1])[None, :] >= visible[:, None]] = -1  # an indexer: best visible first
+        rows = np.argsort(-scores, axis=1, kind="stable")[:, :topk].astype(np.int32)
+        rows = np.pad(rows, ((0, 0), (0, max(0, topk - rows.shape[1]))), constant_values=-1)
+        rows[np.arange(topk)[None, :] >= np.minimum(visible, topk)[:, None]] = -1
     return raw, comp, q, rows, rng.standard_normal(H).astype(np.float32)
 
 
-def run_torch(step, ratio, layer, topk, scale, backend):
+def run_torch(step, spec, layer, topk, scale, backend):
     import torch
     from dsv4_torch import prefill as TP
 
     raw, comp, q, rows, sink = layer
-    meta = TP.build_step_metadata(step, index_topk=topk)[ratio]
+    meta = TP.build_step_metadata(step, index_topk=topk)[spec.kind]
     args = dict(sm_scale=scale, attn_sink=torch.from_numpy(sink), backend=backend,
-                topk_indices=torch.from_numpy(rows) if ratio == 4 else None)  # fmt: skip
+                topk_indices=None if rows is None else torch.from_numpy(rows))  # fmt: skip
     call = lambda: TP.prefill_attention(torch.from_numpy(q), meta, [torch.from_numpy(x) for x in raw],
-                                        [torch.from_numpy(x) for x in comp] if ratio > 1 else None, **args)  # fmt: skip
+                                        [torch.from_numpy(x) for x in comp] if spec.has_compressed else None,
+                                        **args)  # fmt: skip
     call()  # warm-up
     t0 = time.perf_counter()
     out = call()
     return out.numpy(), time.perf_counter() - t0, meta.last_backend
 
 
-def run_jax(step, ratio, layer, topk, scale, backend):
+def run_jax(step, spec, layer, topk, scale, backend):
     from dsv4_jax import prefill as JP
 
     raw, comp, q, rows, sink = layer
     meta = JP.build_step_metadata(step, index_topk=topk)
-    kmeta = meta[ratio]
+    kmeta = meta[spec.kind]
     raw_kv = JP.LogicalKV.from_list(raw)
-    comp_kv = JP.LogicalKV.from_list(comp) if ratio > 1 else None
-    q_pad, rows_pad = meta.pad_tokens(q), meta.pad_tokens(rows) if ratio == 4 else None
+    comp_kv = JP.LogicalKV.from_list(comp) if spec.has_compressed else None
+    q_pad, rows_pad = meta.pad_tokens(q), None if rows is None else meta.pad_tokens(rows)
     call = lambda: JP.prefill_attention(q_pad, kmeta, raw_kv, comp_kv, sm_scale=scale, attn_sink=sink,
                                         topk_indices=rows_pad, backend=backend).block_until_ready()  # fmt: skip
     call()  # compiles
@@ -116,18 +121,18 @@ def attention_report(batch: PrefillBatch, limits: dict, args) -> str:
     steps = {p: plan_step(batch, PlanConfig(policy=p, **limits)) for p in PLANS}
     scale = args.head_dim**-0.5
     rows = []
-    for kind in LayerKind:
-        r = kind.ratio
-        layer = random_layer(batch, r, args.heads, args.head_dim, args.index_topk, rng)
+    for spec in V4_LAYERS:  # one layer per kind, at DeepSeek-V4.0's ratios (plan_step's default)
+        kind = spec.kind
+        layer = random_layer(batch, spec, args.heads, args.head_dim, args.index_topk, rng)
         raw, comp, q, topk_rows, sink = layer
-        want, _, _ = oracle.prefill_attention(q, raw, comp, batch.seq_lens, batch.query_lens, compress_ratio=r,
-                                              window_size=limits["window_size"], sm_scale=scale, attn_sink=sink,
-                                              topk_rows=topk_rows if r == 4 else None)  # fmt: skip
+        want, _, _ = oracle.prefill_attention(q, raw, comp, batch.seq_lens, batch.query_lens, kind=kind,
+                                              compress_ratio=spec.compress_ratio, window_size=limits["window_size"],
+                                              sm_scale=scale, attn_sink=sink, topk_rows=topk_rows)  # fmt: skip
         results = {}
         for fw in frameworks:
             run = run_torch if fw == "torch" else run_jax
             for plan in PLANS:
-                out, seconds, backend = run(steps[plan], r, layer, args.index_topk, scale, args.backend)
+                out, seconds, backend = run(steps[plan], spec, layer, args.index_topk, scale, args.backend)
                 results[fw, plan] = out
                 err = np.abs(out - want).max() / np.abs(want).max()
                 rows.append([kind.name, fw, backend, plan, steps[plan][kind].num_chunks, f"{seconds * 1e3:.1f}",

@@ -59,7 +59,7 @@ def child(args) -> dict:
     if args.mode == "sparse":
         from dsv4_torch.hf import enable_sparse_prefill, last_forward
 
-        enable_sparse_prefill(model, backend="reference", planner="adaptive")
+        enable_sparse_prefill(model, backend="reference", policy="adaptive")
     ids = torch.randint(3, model.config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model(ids[:, :16], logits_to_keep=1)  # warm-up: lazy inits, kernels

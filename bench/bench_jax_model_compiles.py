@@ -45,7 +45,7 @@ def main(argv=None):
     from dsv4_jax.model.generate import JaxGenerator
 
     gen = JaxGenerator(
-        ckpt, attention_backend=args.backend, max_batch_size=args.max_batch_size,
+        ckpt, backend=args.backend, max_batch_size=args.max_batch_size,
         max_model_len=args.max_len + args.new_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
     )  # fmt: skip
     rng = np.random.default_rng(args.seed)

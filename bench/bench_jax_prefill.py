@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 from bench.workloads import workloads  # noqa: E402
 from dsv4_jax import prefill as JP  # noqa: E402
 from planner.sizes import pow2_bucket  # noqa: E402
-from planner import LayerKind, PlanConfig, PrefillBatch  # noqa: E402
+from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch  # noqa: E402
 from planner.report import table as _table  # noqa: E402
 
 POLICIES = ("adaptive", "fixed", "per_request")
@@ -50,16 +50,18 @@ def table(rows: list[dict]) -> str:
 
 
 def make_inputs(batch: PrefillBatch, padded_tokens: int, H: int, D: int, rng):
-    """Random q, logical caches and valid top-k rows for one batch."""
+    """Random q, logical caches (compressed ones per kind, at V4.0's ratios: what the metadata plans)
+    and valid top-k rows for one batch."""
+    ratio = {s.kind: s.compress_ratio for s in V4_LAYERS}
     raw = JP.LogicalKV.from_list([rng.standard_normal((s, D), dtype=np.float32) for s in batch.seq_lens.tolist()])
-    comp4 = JP.LogicalKV.from_list([rng.standard_normal((s // 4, D), dtype=np.float32) for s in batch.seq_lens.tolist()])
-    comp128 = JP.LogicalKV.from_list([rng.standard_normal((s // 128, D), dtype=np.float32) for s in batch.seq_lens.tolist()])
+    comps = {k: JP.LogicalKV.from_list([rng.standard_normal((s // ratio[k], D), dtype=np.float32)
+                                        for s in batch.seq_lens.tolist()]) for k in (LayerKind.CSA, LayerKind.HCA)}
     q = rng.standard_normal((padded_tokens, H, D), dtype=np.float32)
-    visible = (batch.token_position.astype(np.int64) + 1) // 4
+    visible = (batch.token_position.astype(np.int64) + 1) // ratio[LayerKind.CSA]
     topk = (rng.random((padded_tokens, TOPK)) * np.pad(visible, (0, padded_tokens - visible.shape[0]))[:, None]).astype(np.int32)
     topk[np.arange(TOPK)[None, :] >= np.pad(np.minimum(visible, TOPK), (0, padded_tokens - visible.shape[0]))[:, None]] = -1
     sink = rng.standard_normal(H).astype(np.float32)
-    return jnp.asarray(q), raw, {4: comp4, 128: comp128}, jnp.asarray(topk), jnp.asarray(sink)
+    return jnp.asarray(q), raw, comps, jnp.asarray(topk), jnp.asarray(sink)
 
 
 def layer_call(q, meta, raw, comp, topk, sink, backend: str):
@@ -93,10 +95,10 @@ def layer_rows(args, names, kinds) -> list[dict]:
             continue
         batch = PrefillBatch(seq, qry)
         cfg = PlanConfig(**limits)
-        metas = {p: JP.build_step_metadata(batch, config=cfg, planner=p, index_topk=TOPK) for p in POLICIES}
+        metas = {p: JP.build_step_metadata(batch, config=cfg, policy=p, index_topk=TOPK) for p in POLICIES}
         q, raw, comps, topk, sink = make_inputs(batch, metas["adaptive"].padded_tokens, args.heads, args.dim, rng)
         for kind in kinds:
-            calls = {p: layer_call(q, metas[p][kind], raw, comps.get(kind.ratio), topk, sink, "xla") for p in POLICIES}
+            calls = {p: layer_call(q, metas[p][kind], raw, comps.get(kind), topk, sink, "xla") for p in POLICIES}
             timed = time_calls(calls, args.repeats)
             for policy in POLICIES:
                 meta = metas[policy][kind]
@@ -125,10 +127,10 @@ def pallas_rows(args) -> list[dict]:
     for kind in (LayerKind.SWA, LayerKind.CSA):
         m = meta[kind]
         outs = {}
-        timed = time_calls({b: layer_call(q, m, raw, comps.get(kind.ratio), topk, sink, b) for b in ("xla", "pallas")}, 3)
+        timed = time_calls({b: layer_call(q, m, raw, comps.get(kind), topk, sink, b) for b in ("xla", "pallas")}, 3)
         for backend in ("xla", "pallas"):
             compile_s, steady = timed[backend]
-            outs[backend] = np.asarray(JP.prefill_attention(q, m, raw, comps.get(kind.ratio), sm_scale=args.dim**-0.5,
+            outs[backend] = np.asarray(JP.prefill_attention(q, m, raw, comps.get(kind), sm_scale=args.dim**-0.5,
                                                             attn_sink=sink, topk_indices=topk, backend=backend))  # fmt: skip
             rows.append(dict(workload="spec-example", kind=kind.name, backend=m.last_backend, T=batch.num_tokens,
                              compile_s=round(compile_s, 2), ms=round(steady * 1e3, 1),
@@ -164,7 +166,7 @@ def stream_report(num_batches: int, seed: int = 1) -> list[dict]:
             policy = str(rng.choice(POLICIES))
             batch = PrefillBatch(seq, qry)
             padded = pow2_bucket(batch.num_tokens, 16) if tokens == "pow2" else None
-            smeta = JP.build_step_metadata(batch, config=cfg, planner=policy, index_topk=TOPK, sizes=sizes, padded_tokens=padded)
+            smeta = JP.build_step_metadata(batch, config=cfg, policy=policy, index_topk=TOPK, sizes=sizes, padded_tokens=padded)
             for kind, meta in smeta.kinds.items():
                 pad = meta.padding()
                 for k, v in pad.items():

@@ -29,7 +29,7 @@ def jax_run(ckpt, prompts, new_tokens, args):
     from dsv4_jax.model.generate import JaxGenerator
 
     gen = JaxGenerator(
-        ckpt, attention_backend=args.backend, planner=args.planner, dtype=args.dtype,
+        ckpt, backend=args.backend, policy=args.policy, dtype=args.dtype,
         max_batch_size=len(prompts), max_model_len=args.prompt_len + new_tokens,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )  # fmt: skip
@@ -98,7 +98,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--backend", default="auto", help="JAX attention backend: auto, xla, pallas")
-    ap.add_argument("--planner", default="adaptive", choices=("adaptive", "fixed", "per_request"))
+    ap.add_argument("--policy", "--planner", dest="policy", default="adaptive", choices=("adaptive", "fixed", "per_request"),
+                    help="the chunk plan (--planner: the same)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the results here")
@@ -133,7 +134,7 @@ def main(argv=None):
 
     j = results["jax"]
     print(f"batch {args.batch} x prompt {args.prompt_len} + {args.new_tokens} new tokens, {args.dtype}, "
-          f"JAX backend {args.backend}, planner {args.planner}")  # fmt: skip
+          f"JAX backend {args.backend}, policy {args.policy}")  # fmt: skip
     print(f"{'':22s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
     print(f"{'jax':22s} {j['prefill_tokens_per_s']:14.1f} {j['decode_tokens_per_s']:13.1f}")
     for name in runs:

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.workloads import scaling_batch, workloads  # noqa: E402
 from planner import LayerKind, PlanConfig, PrefillBatch, plan_step  # noqa: E402
-from planner.models import PRESETS, ModelShape  # noqa: E402
+from planner.contract import ModelShape  # noqa: E402
 from planner.report import BYTES_PER_ROW, table  # noqa: E402
 
 
@@ -50,7 +50,7 @@ def vllm_style_plan(seq_t, qry_t, r, W, mml, mnbt, pcs):
 def time_host(repeats: int) -> list[dict]:
     import torch
 
-    shape = PRESETS["v4-pro"]
+    shape = ModelShape.from_name("V4-Pro")
     W, mml, mnbt = 128, 65536, 16384
     cfg = PlanConfig(window_size=W, max_model_len=mml, max_num_batched_tokens=mnbt)
     rows = []
@@ -63,15 +63,16 @@ def time_host(repeats: int) -> list[dict]:
         for _ in range(reps):  # alternating blocks: both see the same machine state, each warm
             t0 = time.perf_counter()
             for _ in range(block):
-                step = plan_step(PrefillBatch(seq, qry), cfg, shape.compress_ratios)
+                step = plan_step(PrefillBatch(seq, qry), cfg, shape.layers)
             t1 = time.perf_counter()
-            for r in shape.compress_ratios:  # one plan per layer
-                vllm_style_plan(seq_t, qry_t, r, W, mml, mnbt, 4)
+            for spec in shape.layers:  # one plan per layer
+                vllm_style_plan(seq_t, qry_t, spec.compress_ratio, W, mml, mnbt, 4)
             t2 = time.perf_counter()
             ours.append((t1 - t0) / block)
             base.append(t2 - t1)
         # the baseline must plan exactly what we plan
-        assert step[4].as_tuples() == vllm_style_plan(seq_t, qry_t, 4, W, mml, mnbt, 4)
+        csa = step[LayerKind.CSA]
+        assert csa.as_tuples() == vllm_style_plan(seq_t, qry_t, csa.compress_ratio, W, mml, mnbt, 4)
         o, b = float(np.median(ours)) * 1e6, float(np.median(base)) * 1e6
         rows.append(dict(requests=n, tokens=int(sum(qry)), ours_us=round(o, 1), per_layer_baseline_us=round(b, 1),
                          speedup=round(b / o, 1), chunks={k.name: p.num_chunks for k, p in step.kinds.items()}))  # fmt: skip
@@ -83,8 +84,8 @@ def workspace_report() -> list[dict]:
     for name, (seq, qry, limits) in workloads().items():
         batch = PrefillBatch(seq, qry)
         steps = {pol: plan_step(batch, PlanConfig(policy=pol, **limits)) for pol in ("adaptive", "fixed", "per_request")}
-        for shape in (PRESETS["v4-flash"], PRESETS["v4-pro"]):
-            layers = ModelShape.layers_per_kind(shape)
+        for shape in (ModelShape.from_name("V4-Flash"), ModelShape.from_name("V4-Pro")):
+            layers = shape.layers_per_kind()
             r = dict(workload=name, model=shape.name, requests=batch.num_requests, tokens=batch.num_tokens)
             for pol, step in steps.items():
                 r[f"{pol}_peak_MiB"] = round(step.max_workspace_rows * BYTES_PER_ROW / 2**20, 2)

@@ -21,21 +21,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.workloads import workloads  # noqa: E402
 from dsv4_torch import prefill as TP  # noqa: E402
-from planner import LayerKind, PlanConfig, PrefillBatch, plan_step  # noqa: E402
+from planner import V4_LAYERS, LayerKind, LayerSpec, PlanConfig, PrefillBatch, plan_step  # noqa: E402
 from planner.report import table  # noqa: E402
 
 POLICIES = ("adaptive", "fixed", "per_request")
 
 
-def layer_inputs(batch: PrefillBatch, ratio: int, H: int, D: int, topk: int, dtype, seed=0):
+def layer_inputs(batch: PrefillBatch, layer: LayerSpec, H: int, D: int, topk: int, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
+    r = layer.compress_ratio
     raw = [torch.randn(int(s), D, generator=g, dtype=torch.float32).to(dtype) for s in batch.seq_lens]
-    comp = [torch.randn(int(s) // ratio, D, generator=g).to(dtype) for s in batch.seq_lens] if ratio > 1 else None
+    comp = [torch.randn(int(s) // r, D, generator=g).to(dtype) for s in batch.seq_lens] if layer.has_compressed else None
     q = torch.randn(batch.num_tokens, H, D, generator=g).to(dtype)
     rows = None
-    if ratio == 4:
+    if layer.kind is LayerKind.CSA:
         pos = torch.from_numpy(batch.token_position.astype(np.int64))
-        visible = (pos + 1) // 4
+        visible = (pos + 1) // r
         # a valid top-k row: the most recent min(visible, topk) entries
         rows = (visible[:, None] - 1 - torch.arange(topk)[None, :]).clamp(min=-1).to(torch.int32)
         rows[torch.arange(topk)[None, :] >= visible[:, None]] = -1
@@ -57,13 +58,13 @@ def main(argv=None):
     rows_out = []
     for name, (seq, qry, limits) in workloads(scale=args.scale).items():
         batch = PrefillBatch(seq, qry)
-        for kind in LayerKind:
-            r = kind.ratio
-            q, raw, comp, topk_rows, sink = layer_inputs(batch, r, args.heads, args.dim, args.topk, dtype)
+        for layer in V4_LAYERS:  # one layer per kind at DeepSeek-V4.0's ratios
+            kind = layer.kind
+            q, raw, comp, topk_rows, sink = layer_inputs(batch, layer, args.heads, args.dim, args.topk, dtype)
             metas = {}
             for pol in POLICIES:
-                step = plan_step(batch, PlanConfig(policy=pol, **limits), [r])
-                metas[pol] = TP.build_step_metadata(step, index_topk=args.topk)[r]
+                step = plan_step(batch, PlanConfig(policy=pol, **limits), [layer])
+                metas[pol] = TP.build_step_metadata(step, index_topk=args.topk)[kind]
             times = {pol: [] for pol in POLICIES}
             outs = {}
             for rep in range(args.repeats + 1):

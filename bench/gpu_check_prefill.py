@@ -26,17 +26,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gpu_check_torch import time_ms  # noqa: E402
 from bench.workloads import workloads  # noqa: E402
-from planner import LayerKind, PlanConfig, PrefillBatch, plan_step  # noqa: E402
-from planner.models import PRESETS  # noqa: E402
+from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch, plan_step  # noqa: E402
+from planner.contract import ModelShape  # noqa: E402
 from planner.report import BYTES_PER_ROW, table  # noqa: E402
 
 PLANS = ("adaptive", "fixed", "per_request")
 
 
-def layer_plan_inputs(batch: PrefillBatch, topk: int):
+def layer_plan_inputs(batch: PrefillBatch, topk: int, compress_ratio: int):
     """The host-side inputs of one layer: the CSA top-k rows (a stand-in for the indexer's choice:
     the most recent visible entries) and the request offsets of packed caches."""
-    visible = (batch.token_position.astype(np.int64) + 1) // 4
+    visible = (batch.token_position.astype(np.int64) + 1) // compress_ratio
     rows = (visible[:, None] - 1 - np.arange(topk)[None, :]).astype(np.int32)
     rows[np.arange(topk)[None, :] >= np.minimum(visible, topk)[:, None]] = -1
     return rows
@@ -46,7 +46,7 @@ def packed_offsets(lens) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32)
 
 
-def torch_inputs(batch, ratio, H, D, topk, dry, seed=0):
+def torch_inputs(batch, layer, H, D, topk, dry, seed=0):
     """Random latents made on the device (NumPy would spend seconds per GiB), caches packed once."""
     import torch
 
@@ -59,20 +59,22 @@ def torch_inputs(batch, ratio, H, D, topk, dry, seed=0):
     seq = batch.seq_lens
     raw = TP.LogicalKV(randn(int(seq.sum()), D), torch.as_tensor(packed_offsets(seq), device=dev))
     comp = None
-    if ratio > 1:
-        clen = seq // ratio
+    if layer.has_compressed:
+        clen = seq // layer.compress_ratio
         comp = TP.LogicalKV(randn(max(1, int(clen.sum())), D), torch.as_tensor(packed_offsets(clen), device=dev))
     q = randn(batch.num_tokens, H, D) * 10
-    rows = torch.as_tensor(layer_plan_inputs(batch, topk), device=dev) if ratio == 4 else None
+    rows = None
+    if layer.kind is LayerKind.CSA:
+        rows = torch.as_tensor(layer_plan_inputs(batch, topk, layer.compress_ratio), device=dev)
     sink = randn(H).float() * 10
     return dict(q=q, raw=raw, comp=comp, rows=rows, sink=sink)
 
 
-def time_torch(step, ratio, x, topk, iters, dry):
+def time_torch(step, layer, x, topk, iters, dry):
     from dsv4_torch import prefill as TP
 
     dev = "cpu" if dry else "cuda"
-    meta = TP.build_step_metadata(step, device=dev, index_topk=topk)[ratio]
+    meta = TP.build_step_metadata(step, device=dev, index_topk=topk)[layer.kind]
     q = x["q"]
     call = lambda: TP.prefill_attention(q, meta, x["raw"], x["comp"], sm_scale=q.shape[-1] ** -0.5,  # noqa: E731
                                         attn_sink=x["sink"], topk_indices=x["rows"])  # fmt: skip
@@ -81,7 +83,7 @@ def time_torch(step, ratio, x, topk, iters, dry):
     return ms, out.float().cpu().numpy(), meta.last_backend
 
 
-def jax_inputs(batch, ratio, H, D, topk, dry, seed=0):
+def jax_inputs(batch, layer, H, D, topk, dry, seed=0):
     import jax
     import jax.numpy as jnp
 
@@ -92,23 +94,23 @@ def jax_inputs(batch, ratio, H, D, topk, dry, seed=0):
     seq = batch.seq_lens
     raw = JP.LogicalKV(jax.random.normal(keys[0], (int(seq.sum()), D), dt) * 0.1, jnp.asarray(packed_offsets(seq)))
     comp = None
-    if ratio > 1:
-        clen = seq // ratio
+    if layer.has_compressed:
+        clen = seq // layer.compress_ratio
         comp = JP.LogicalKV(jax.random.normal(keys[1], (max(1, int(clen.sum())), D), dt) * 0.1,
                             jnp.asarray(packed_offsets(clen)))  # fmt: skip
     q = jax.random.normal(keys[2], (batch.num_tokens, H, D), dt)
-    rows = layer_plan_inputs(batch, topk) if ratio == 4 else None
+    rows = layer_plan_inputs(batch, topk, layer.compress_ratio) if layer.kind is LayerKind.CSA else None
     sink = np.asarray(jax.random.normal(keys[3], (H,), jnp.float32))
     return dict(q=q, raw=raw, comp=comp, rows=rows, sink=sink)
 
 
-def time_jax(step, ratio, x, topk, iters, dry):
+def time_jax(step, layer, x, topk, iters, dry):
     import jax.numpy as jnp
 
     from dsv4_jax import prefill as JP
 
     meta = JP.build_step_metadata(step, index_topk=topk)
-    km = meta[ratio]
+    km = meta[layer.kind]
     q = meta.pad_tokens(x["q"])
     rows = jnp.asarray(meta.pad_tokens(x["rows"])) if x["rows"] is not None else None
     call = lambda: JP.prefill_attention(q, km, x["raw"], x["comp"], sm_scale=q.shape[-1] ** -0.5,  # noqa: E731
@@ -159,17 +161,18 @@ def main(argv=None):
     for wname, (seq, qry, limits) in chosen.items():
         batch = PrefillBatch(seq, qry)
         for mname, H, topk in shapes:
-            layers = (PRESETS["v4-flash" if mname != "V4-Pro" else "v4-pro"]).layers_per_kind()
-            for kind in LayerKind:
+            layers = ModelShape.from_name("V4-Pro" if mname == "V4-Pro" else "V4-Flash").layers_per_kind()
+            for layer in V4_LAYERS:  # one layer per kind, at DeepSeek-V4.0's ratios
+                kind = layer.kind
                 if time.time() - start > args.seconds:
                     skipped.append(f"{wname}/{mname}/{kind.name}")
                     continue
-                steps = {p: plan_step(batch, PlanConfig(policy=p, **limits), [kind.ratio]) for p in PLANS}
+                steps = {p: plan_step(batch, PlanConfig(policy=p, **limits), [layer]) for p in PLANS}
                 for fw in args.frameworks.split(","):
                     try:
                         make, fn = (torch_inputs, time_torch) if fw == "torch" else (jax_inputs, time_jax)
-                        x = make(batch, kind.ratio, H, D, topk, dry)
-                        res = {p: fn(steps[p], kind.ratio, x, topk, args.iters, dry) for p in PLANS}
+                        x = make(batch, layer, H, D, topk, dry)
+                        res = {p: fn(steps[p], layer, x, topk, args.iters, dry) for p in PLANS}
                         del x
                     except Exception as e:  # noqa: BLE001 - keep going, report
                         print(f"[{fw} {wname} {mname} {kind.name}] {type(e).__name__}: {e}")

@@ -36,10 +36,10 @@ sys.path.insert(0, ROOT)
 
 FLASHMLA_PUBLISHED_TFLOPS = 640.0  # FlashMLA README: sparse prefill on H800
 
-SHAPES = [  # name, heads, topk part (compressed entries per row), ratio
-    ("V4-Flash CSA", 64, 512, 4),
-    ("V4-Pro CSA", 128, 1024, 4),
-    ("V4-Flash HCA", 64, 2048, 128),
+SHAPES = [  # name, heads, topk part (compressed entries per row), kind, ratio
+    ("V4-Flash CSA", 64, 512, "CSA", 4),
+    ("V4-Pro CSA", 128, 1024, "CSA", 4),
+    ("V4-Flash HCA", 64, 2048, "HCA", 128),
 ]
 WINDOW = 128
 D = 512
@@ -63,7 +63,7 @@ def guarded(fn):
     return wrapper
 
 
-def build_rows(T, heads, topk, ratio, rows_total, device, dtype, seed=0):
+def build_rows(T, heads, topk, kind, ratio, rows_total, device, dtype, seed=0):
     """Index rows of one long request as in spec section 3, compressed part first, then window.
 
     Workspace: rows [0, N) compressed entries, rows [N, S) raw tokens (the T new ones and W-1 of
@@ -79,7 +79,7 @@ def build_rows(T, heads, topk, ratio, rows_total, device, dtype, seed=0):
     visible = ((positions + 1) // ratio).clamp(0, N)  # compressed entries each query may see
     n_comp = visible.clamp(max=topk)
     comp = (torch.rand(T, topk, generator=g) * visible[:, None].clamp(min=1)).long()  # indexer picks
-    if ratio >= 128:  # HCA: every visible entry, newest last
+    if kind == "HCA":  # every visible entry, newest last (CSA: the indexer's picks)
         comp = (visible[:, None] - n_comp[:, None] + torch.arange(topk)[None, :]).clamp(min=0)
     win_start = torch.clamp(positions - WINDOW + 1, min=0)
     win_len = positions - win_start + 1
@@ -248,11 +248,11 @@ def real_shapes(args, device, results):
 
     import dsv4_torch
 
-    for name, H, topk, ratio in SHAPES:
+    for name, H, topk, kind, ratio in SHAPES:
         T, S = args.tokens, args.rows
         if device == "cpu":
             T, S, H, topk = 32, 2048, 16, min(topk, 256)
-        case = build_rows(T, H, topk, ratio, S, device, torch.bfloat16)
+        case = build_rows(T, H, topk, kind, ratio, S, device, torch.bfloat16)
         K = case["indices"].shape[1]
         nvalid = valid_count(case)
         print(f"{name}: T={T} H={H} K={K} S={S} D={D}, valid indices {nvalid} ({nvalid / (T * K):.1%} of the width)", flush=True)
@@ -289,11 +289,11 @@ def triton_sweep(args, device, results):
     if "triton" not in gpu_backends(device):
         print("triton unavailable: no sweep")
         return
-    name, H, topk, ratio = SHAPES[0]
+    name, H, topk, kind, ratio = SHAPES[0]
     T, S = args.tokens, args.rows
     if device == "cpu":
         T, S, H, topk = 16, 2048, 16, 128
-    case = build_rows(T, H, topk, ratio, S, device, torch.bfloat16)
+    case = build_rows(T, H, topk, kind, ratio, S, device, torch.bfloat16)
     nvalid = valid_count(case)
     arch = None
     if device == "cuda" and torch.version.hip is None:

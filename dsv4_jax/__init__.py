@@ -1,5 +1,18 @@
-"""dsv4-prefill, JAX path: sparse attention (Pallas kernel for Triton, jnp reference)."""
+"""dsv4-prefill for JAX: DeepSeek-V4 sparse-attention prefill kernels (the twin of `dsv4_torch`).
 
-from dsv4_jax.attention import available_backends, resolve_backend, sparse_attention
+`sparse_attention` implements the FlashMLA sparse-attention contract on the JAX backends
+(`dsv4_jax.kernels`: Pallas lowered through Triton on NVIDIA GPUs, a tiled XLA reference);
+`resolve_backend` says which one a call runs and `available_backends` which ones this machine
+has, with reasons for the others. `dsv4_jax.prefill` runs whole layers from a planner step plan;
+`dsv4_jax.model` is a JAX DeepSeek-V4 model on that path.
+"""
 
-__all__ = ["available_backends", "resolve_backend", "sparse_attention"]
+from dsv4_jax.attention import (
+    BACKENDS,
+    BackendUnavailableError,
+    available_backends,
+    resolve_backend,
+    sparse_attention,
+)
+
+__all__ = ["BACKENDS", "BackendUnavailableError", "available_backends", "resolve_backend", "sparse_attention"]

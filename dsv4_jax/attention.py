@@ -23,11 +23,14 @@ import numpy as np
 
 from dsv4_jax.kernels.pallas_triton import sparse_attention_pallas
 from dsv4_jax.kernels.xla import sparse_attention_xla
+from planner.contract import BACKENDS as CONTRACT_BACKENDS  # noqa: F401  (re-exported)
+from planner.contract import BackendUnavailableError
 
 logger = logging.getLogger("dsv4_jax")
 
-CONCRETE_BACKENDS = ("xla", "pallas_triton", "pallas_interpret")
-REQUESTABLE_BACKENDS = ("auto", "pallas") + CONCRETE_BACKENDS
+BACKENDS = CONTRACT_BACKENDS["jax"]  # "pallas" resolves to pallas_triton (GPU) or pallas_interpret
+CONCRETE_BACKENDS = tuple(b for b in BACKENDS if b != "pallas")
+REQUESTABLE_BACKENDS = ("auto",) + BACKENDS
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
@@ -99,7 +102,7 @@ def resolve_backend(backend: str = "auto", *arrays) -> str:
     CPU arrays while a GPU exists run "auto" on xla); otherwise JAX's default device, which is
     where a jitted call on traced or uncommitted arrays runs.
 
-    Raises ValueError for an unknown name and RuntimeError, with the reason, for a named
+    Raises ValueError for an unknown name and BackendUnavailableError, with the reason, for a named
     backend that cannot run on those devices.
     """
     if backend not in REQUESTABLE_BACKENDS:
@@ -110,7 +113,7 @@ def resolve_backend(backend: str = "auto", *arrays) -> str:
     if backend == "pallas":
         return "pallas_interpret" if triton_missing else "pallas_triton"
     if backend == "pallas_triton" and triton_missing:
-        raise RuntimeError(f"backend 'pallas_triton' cannot run here: {triton_missing}")
+        raise BackendUnavailableError(f"backend 'pallas_triton' cannot run here: {triton_missing}")
     return backend
 
 

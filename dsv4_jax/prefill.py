@@ -1,6 +1,6 @@
 """Prefill attention of one DeepSeek-V4 layer in JAX, driven by the planner's step plan.
 
-The JAX twin of `dsv4_torch.prefill`: same inputs, outputs, names and `planner=` choices.
+The JAX twin of `dsv4_torch.prefill`: same inputs, outputs, names and `policy=` choices.
 
 Once per step, on the host: `build_step_metadata` plans every layer kind (or takes a
 `planner.StepPlan`) and packs each kind's plan into one int32 table `(NUM_FIELDS, L)`, copied
@@ -61,16 +61,33 @@ from jax import lax
 from jax.tree_util import register_pytree_node_class
 
 from dsv4_jax.attention import resolve_backend, sparse_attention
-from planner.sizes import bucket
-from planner import LayerKind
-from planner.layout import check_topk_rows
-from planner.oracle import value_dim
-from planner.plan import KindPlan
 from dsv4_jax.prefill_metadata import (  # noqa: F401  (the metadata is part of this module's API)
-    CHUNK_N, CHUNK_SEG_START, CHUNK_TOKEN_START, MIN_WORKSPACE_ROWS, NUM_FIELDS, SCALARS, SEG_COMP_START,
-    SEG_GATHER_START, SEG_RAW_START, SEG_REQUEST, SEG_ROW_BASE, SIZES, TOK_INDEX, TOK_POSITION, TOK_REQUEST,
-    KindMetadata, KindShape, StepMetadata, _host_plan, build_step_metadata,
+    CHUNK_N,
+    CHUNK_SEG_START,
+    CHUNK_TOKEN_START,
+    MIN_WORKSPACE_ROWS,
+    NUM_FIELDS,
+    SCALARS,
+    SEG_COMP_START,
+    SEG_GATHER_START,
+    SEG_RAW_START,
+    SEG_REQUEST,
+    SEG_ROW_BASE,
+    SIZES,
+    TOK_INDEX,
+    TOK_POSITION,
+    TOK_REQUEST,
+    KindMetadata,
+    KindShape,
+    StepMetadata,
+    _host_plan,
+    build_step_metadata,
 )
+from planner import LayerKind
+from planner.contract import value_dim
+from planner.layout import check_topk_rows
+from planner.plan import KindPlan
+from planner.sizes import bucket
 
 DROP = int(np.iinfo(np.int32).max)  # a row index out of every array: scatters with mode="drop" skip it
 
@@ -281,7 +298,7 @@ def _tile_indices(f: _Fields, shape: KindShape, c, k, valid, topk_rows):
     if kind is LayerKind.SWA:
         visible = jnp.zeros_like(p)
     else:
-        visible = (p + 1) // kind.ratio
+        visible = (p + 1) // shape.compress_ratio
     bad = None
     if kind is LayerKind.CSA:
         topk = topk_rows.shape[1]
@@ -361,7 +378,7 @@ def prefill_attention(
         request-major (batch order), after all query-side processing; D = 512 in DeepSeek-V4.
         T_q >= T; rows past T are padding. Pad to `padded_tokens` (`StepMetadata.pad_tokens`)
         so that varied batches share compiled programs.
-      meta: `build_step_metadata(...)[compress_ratio]` for this layer's kind.
+      meta: `build_step_metadata(...)[kind]` for this layer's kind.
       raw_kv: the raw-token latents, q's dtype: a `PagedKV` (page_size tokens per page), a
         `LogicalKV`, or per-request (seq_len_i, D) arrays (packed on every call: for tests).
         Must hold positions gather_start .. seq_len - 1 of each request.
@@ -379,7 +396,7 @@ def prefill_attention(
       (T_q, H, d_v), q.dtype (d_v = 512 for D >= 512); padding rows are 0.
     """
     if not isinstance(meta, KindMetadata):
-        raise TypeError(f"meta: expected a KindMetadata (build_step_metadata(...)[ratio]), got {type(meta).__name__}")
+        raise TypeError(f"meta: expected a KindMetadata (build_step_metadata(...)[kind]), got {type(meta).__name__}")
     shape = meta.shape
     kind = shape.kind
     T_q, H, D = _check_q(q, meta)

@@ -11,21 +11,19 @@ workspace rows and HCA width padded to powers of two, `sizes="fine" | "server"`)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import register_pytree_node_class
 
+from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch, StepPlan, contract
+from planner.contract import INDEX_ALIGN, SIZES
+from planner.layout import index_width
+from planner.plan import KindPlan, as_step_plan
 from planner.sizes import MIN_TILE, bucket, pow2_bucket, tile_ladder, tiled_items
-from planner import LayerKind, PlanConfig, PrefillBatch, StepPlan, layer_kind
-from planner.plan import as_step_plan
-from planner.layout import INDEX_ALIGN, index_width, round_up
-from planner.plan import KindPlan
 
 MIN_WORKSPACE_ROWS = 128
-SIZES = ("bucket", "fine", "server")
 
 
 # Rows of `KindMetadata.table`; each row has L = padded_tokens + 1 int32 entries.
@@ -49,6 +47,7 @@ NUM_FIELDS = 12
 class KindShape:
     """The static part of a kind's metadata: the jit cache key (with the input shapes)."""
 
+    kind: LayerKind
     compress_ratio: int
     window_size: int
     padded_tokens: int  # bucket(T) or the caller's count: every table row has padded_tokens + 1 entries
@@ -56,10 +55,6 @@ class KindShape:
     workspace_rows: int  # pow2_bucket (or bucket) of a chunk's max rows, or the plan's budget (sizes="server")
     token_ladder: tuple[int, ...]  # attention tile sizes, largest first
     gather_ladder: tuple[int, ...]  # gather tile sizes, largest first
-
-    @property
-    def kind(self) -> LayerKind:
-        return layer_kind(self.compress_ratio)
 
 
 @register_pytree_node_class
@@ -143,7 +138,7 @@ class StepMetadata:
         self.step_plan = step_plan
 
     def __getitem__(self, kind) -> KindMetadata:
-        k = layer_kind(kind)
+        k = LayerKind.of(kind)
         if k not in self.kinds:
             raise KeyError(f"no metadata for {k.name} in this step (built: {[x.name for x in self.kinds]})")
         return self.kinds[k]
@@ -171,8 +166,8 @@ def build_step_metadata(
     *,
     index_topk: int | None = None,
     config: PlanConfig | None = None,
-    compress_ratios: Sequence[int] = (0, 4, 128),
-    planner: str | None = None,
+    layers=V4_LAYERS,
+    policy: str | None = None,
     sizes: str = "bucket",
     padded_tokens: int | None = None,
     token_tile: int = 256,
@@ -187,8 +182,8 @@ def build_step_metadata(
       plan_or_batch: a `planner.StepPlan`, or a `PrefillBatch` to plan here with `config`.
       index_topk: the indexer's top-k (CSA index width); required when CSA is planned.
       config: the `PlanConfig` when a batch is given.
-      compress_ratios: the model's per-layer ratios (or just the kinds) when a batch is given.
-      planner: "adaptive", "fixed" or "per_request": overrides `config.policy`.
+      layers: the model's layer specs (`{kind: ratio}` or (kind, ratio) pairs) when a batch is given.
+      policy: "adaptive", "fixed" or "per_request": overrides `config.policy`.
       sizes: how the workspace rows and the HCA index width are sized (both static):
         "bucket" (default): from this step (the largest chunk's rows, the longest context),
           padded to powers of two (under 2x memory; they cost no attention work). A program
@@ -207,7 +202,7 @@ def build_step_metadata(
         batches share them, and their compiled programs).
       device: where the tables go (default: JAX's default device).
     """
-    step = as_step_plan(plan_or_batch, config, compress_ratios, planner)
+    step = as_step_plan(plan_or_batch, config, layers, policy)
     for name, v in (("token_tile", token_tile), ("gather_tile", gather_tile)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
             raise ValueError(f"{name}: expected a power of two, got {v!r}")
@@ -226,7 +221,7 @@ def build_step_metadata(
     kinds = {}
     for kind, kp in step.kinds.items():
         if kind is LayerKind.CSA and index_topk is None:
-            raise ValueError("index_topk: required when CSA (ratio-4) layers are planned")
+            raise ValueError("index_topk: required when CSA layers are planned")
         shape, table = _kind_table(kp, padded_tokens, index_topk, sizes, token_tile, gather_tile, min_workspace_rows)
         kinds[kind] = KindMetadata(jax.device_put(table, device), shape, kp, step.batch.num_tokens, step.batch.num_requests)
     return StepMetadata(kinds, padded_tokens, step)
@@ -256,7 +251,7 @@ def _kind_table(kp: KindPlan, padded: int, index_topk, sizes: str, token_tile: i
     width = index_width(kp, index_topk if kp.kind is LayerKind.CSA else None)
     if sizes == "server":
         if kp.kind is LayerKind.HCA:  # the most entries any context up to max_model_len sees
-            width = round_up(kp.config.max_model_len // kp.compress_ratio + kp.window_size, INDEX_ALIGN)
+            width = contract.index_width(kp.kind, kp.config.max_model_len, kp.compress_ratio, kp.window_size)
         rows = max(kp.budget_rows, min_rows)
         if kp.max_workspace_rows > rows:  # the planner keeps every chunk within its budget
             raise AssertionError(f"a chunk needs {kp.max_workspace_rows} rows, over the budget {rows}")
@@ -266,6 +261,7 @@ def _kind_table(kp: KindPlan, padded: int, index_topk, sizes: str, token_tile: i
             width = size(width // INDEX_ALIGN) * INDEX_ALIGN
         rows = size(kp.max_workspace_rows, min_rows)
     shape = KindShape(
+        kind=kp.kind,
         compress_ratio=kp.compress_ratio,
         window_size=kp.window_size,
         padded_tokens=padded,
@@ -279,7 +275,7 @@ def _kind_table(kp: KindPlan, padded: int, index_topk, sizes: str, token_tile: i
 
 def _host_plan(meta: KindMetadata, what: str) -> KindPlan:
     if not isinstance(meta, KindMetadata):
-        raise TypeError(f"meta: expected a KindMetadata (build_step_metadata(...)[ratio]), got {type(meta).__name__}")
+        raise TypeError(f"meta: expected a KindMetadata (build_step_metadata(...)[kind]), got {type(meta).__name__}")
     if meta.plan is None:
         raise ValueError(f"meta: {what} needs the host plan, which a copy rebuilt inside jax.jit does not carry")
     return meta.plan

@@ -16,7 +16,8 @@ from __future__ import annotations
 import inspect
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dsv4_jax.attention import check_inputs, sparse_attention
 

@@ -17,14 +17,13 @@ import numbers
 
 import torch
 
+from planner.contract import BACKENDS as CONTRACT_BACKENDS  # noqa: F401  (re-exported)
+from planner.contract import BackendUnavailableError
+
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("flashmla", "triton", "reference")
+BACKENDS = CONTRACT_BACKENDS["torch"]
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-
-
-class BackendUnavailableError(RuntimeError):
-    """A backend was asked for by name but cannot run here; the message says why."""
 
 
 def sparse_attention(
@@ -246,7 +245,7 @@ def _need_tensor(x, name: str) -> None:
 
 
 def _empty_result(q: torch.Tensor, backend: str):
-    from planner.oracle import value_dim
+    from planner.contract import value_dim
 
     T, H, D = q.shape
     stat = torch.float64 if (q.dtype == torch.float64 and backend == "reference") else torch.float32

@@ -18,14 +18,19 @@ import numpy as np
 import torch
 
 from dsv4_torch.attention import resolve_backend, sparse_attention
-from planner import LayerKind
-from planner.layout import check_topk_rows
-from planner.oracle import value_dim
 from dsv4_torch.prefill_metadata import (  # noqa: F401  (the metadata is part of this module's API)
-    ChunkIndices, ChunkMeta, GatherMap, KindMetadata, StepMetadata, _chunk_indices, _shape, build_step_metadata,
+    ChunkIndices,
+    ChunkMeta,
+    GatherMap,
+    KindMetadata,
+    StepMetadata,
+    _chunk_indices,
+    _shape,
+    build_step_metadata,
 )
-
-
+from planner import LayerKind
+from planner.contract import value_dim
+from planner.layout import check_topk_rows
 
 
 @dataclass(frozen=True)
@@ -234,7 +239,7 @@ def prefill_attention(
     Args:
       q: (T, H, D): the step's prefill query tokens, request-major (batch order), after all
         query-side processing. D = 512 in DeepSeek-V4.
-      meta: `build_step_metadata(...)[compress_ratio]` for this layer's kind.
+      meta: `build_step_metadata(...)[kind]` for this layer's kind.
       raw_kv: the raw-token latents: a `PagedKV` (page_size tokens per page), a `LogicalKV` or
         per-request (seq_len_i, D) tensors. Must hold positions gather_start .. seq_len - 1 of each
         request with queries.

@@ -10,15 +10,13 @@ HCA's, CSA's window part) with device ops, and keeps the host integers the chunk
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import torch
 
-from planner import LayerKind, PlanConfig, PrefillBatch, StepPlan, layer_kind
-from planner.plan import as_step_plan
+from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch, StepPlan
 from planner.layout import chunk_gather_rows, index_width
-from planner.plan import KindPlan
+from planner.plan import KindPlan, as_step_plan
 
 
 def _shape(x):
@@ -128,7 +126,7 @@ class StepMetadata:
     _workspace: torch.Tensor | None = None
 
     def __getitem__(self, kind) -> KindMetadata:
-        k = layer_kind(kind)
+        k = LayerKind.of(kind)
         if k not in self.kinds:
             raise KeyError(f"no metadata for {k.name} in this step (built: {[x.name for x in self.kinds]})")
         return self.kinds[k]
@@ -148,8 +146,8 @@ def build_step_metadata(
     device: torch.device | str = "cpu",
     index_topk: int | None = None,
     config: PlanConfig | None = None,
-    compress_ratios: Sequence[int] = (0, 4, 128),
-    planner: str | None = None,
+    layers=V4_LAYERS,
+    policy: str | None = None,
 ) -> StepMetadata:
     """Per-step metadata for every layer kind, built once on the host and copied in one go.
 
@@ -161,15 +159,15 @@ def build_step_metadata(
       device: where the layers run.
       index_topk: the indexer's top-k (CSA index width); required when CSA is planned.
       config: the `PlanConfig` when a batch is given.
-      compress_ratios: the model's per-layer ratios (or just the kinds) when a batch is given.
-      planner: "adaptive", "fixed" or "per_request": overrides `config.policy`.
+      layers: the model's layer specs (`{kind: ratio}` or (kind, ratio) pairs) when a batch is given.
+      policy: "adaptive", "fixed" or "per_request": overrides `config.policy`.
     """
-    step = as_step_plan(plan_or_batch, config, compress_ratios, planner)
+    step = as_step_plan(plan_or_batch, config, layers, policy)
     device = torch.device(device)
     meta = StepMetadata(step_plan=step, device=device, kinds={}, max_workspace_rows=step.max_workspace_rows)
     for kind, kp in step.kinds.items():
         if kind is LayerKind.CSA and index_topk is None:
-            raise ValueError("index_topk: required when CSA (ratio-4) layers are planned")
+            raise ValueError("index_topk: required when CSA layers are planned")
         meta.kinds[kind] = _kind_metadata(kp, meta, device, index_topk)
     return meta
 
@@ -229,7 +227,7 @@ def _chunk_indices(meta: KindMetadata, chunk: ChunkMeta) -> ChunkIndices:
     p = meta.token_position[chunk.t0 : chunk.t1]
     base = meta.seg_row_base[chunk.s0 : chunk.s1][b]
     gstart = meta.seg_gather_start[chunk.s0 : chunk.s1][b]
-    visible = torch.zeros_like(p) if kind is LayerKind.SWA else torch.div(p + 1, kind.ratio, rounding_mode="floor")
+    visible = torch.zeros_like(p) if kind is LayerKind.SWA else torch.div(p + 1, meta.plan.compress_ratio, rounding_mode="floor")
     ncomp = torch.clamp(visible, max=meta.index_topk) if kind is LayerKind.CSA else visible
     nwin = torch.clamp(p + 1, max=W)
     length = (ncomp + nwin).to(torch.int32)

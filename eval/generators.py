@@ -8,11 +8,14 @@ session of requests, each returning the greedy (argmax) next token of every requ
     prefill(prompts: list[list[int]]) -> list[int]    # starts a session
     decode(tokens: list[int]) -> list[int]            # one token per request of the session
 
-- `HFTorchGenerator`: transformers' `DeepseekV4ForCausalLM` from a checkpoint directory, either
-  with its own eager attention (`attention="eager"`) or (default, `attention="auto"` or a named
-  backend) after `dsv4_torch.hf.enable_sparse_prefill(model, backend=..., planner=...)`, whose
+- `TorchEvalGenerator`: transformers' `DeepseekV4ForCausalLM` from a checkpoint directory, either
+  with its own eager attention (`backend="eager"`) or (default, `backend="auto"` or a named
+  backend) after `dsv4_torch.hf.enable_sparse_prefill(model, backend=..., policy=...)`, whose
   ragged batches need no care here: left padding + `attention_mask` is all it reads.
-- `JaxGenerator`: an adapter over the JAX model of issue 7 (`dsv4_jax.model.load_generator`).
+- `JaxEvalGenerator`: an adapter over the JAX model (`dsv4_jax.model.generate.JaxGenerator`).
+
+`backend` is the attention kernel, `policy` the chunk plan (`planner.POLICIES`); the CLI spells
+them `--attention` and `--planner`.
 
 Batching: `"per_request"` runs each prompt alone (batch of one); `"batched"` runs all prompts of
 a `generate` call as one session (left-padded with a 2-D `attention_mask` and per-row
@@ -32,13 +35,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from planner.contract import BACKENDS, POLICIES
+
 BATCHING = ("auto", "per_request", "batched")
-TORCH_ATTENTION = ("eager", "auto", "reference", "triton", "flashmla")
-JAX_ATTENTION = ("auto", "xla", "pallas")
-PLANNERS = ("adaptive", "fixed", "per_request")
+# `backend=` per framework: "eager" is transformers' own attention; the rest are our kernels
+TORCH_BACKENDS = ("eager", "auto") + BACKENDS["torch"]
+JAX_BACKENDS = ("auto", "xla", "pallas")  # "pallas": the Triton kernel on a GPU, interpreted elsewhere
 DTYPES = ("float32", "bfloat16")
-
-
 
 
 class SetupError(RuntimeError):
@@ -258,22 +261,31 @@ def _check_prompts(prompts) -> None:
 # ----------------------------------------------------------------------------- torch / transformers
 
 
-def resolve_batching(batching: str, attention: str) -> str:
+def resolve_batching(batching: str, backend: str) -> str:
     """`auto` -> per_request for transformers' eager attention, batched for every other backend."""
     if batching not in BATCHING:
         raise ValueError(f"batching: expected one of {BATCHING}, got {batching!r}")
     if batching == "auto":
-        return "per_request" if attention == "eager" else "batched"
-    if batching == "batched" and attention == "eager":
+        return "per_request" if backend == "eager" else "batched"
+    if batching == "batched" and backend == "eager":
         raise ValueError(
-            "batching='batched' with attention='eager': transformers' eager DeepSeek-V4 attention gives "
+            "batching='batched' with backend='eager': transformers' eager DeepSeek-V4 attention gives "
             "different tokens for left-padded requests (its compressors count windows from cache position 0, "
             "pad tokens included); use batching='per_request' (the default for eager)"
         )
     return batching
 
 
-class HFTorchGenerator(Generator):
+def _check_choices(backend: str, policy: str, dtype: str, framework: str, backends: tuple) -> None:
+    if backend not in backends:
+        raise ValueError(f"backend: for framework={framework!r} expected one of {backends}, got {backend!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
+
+
+class TorchEvalGenerator(Generator):
     """transformers' `DeepseekV4ForCausalLM`; eager attention or our sparse prefill (issue 6).
 
     Per request: `model(input_ids[1, L], past_key_values=DynamicCache(config))`, then one token per
@@ -282,7 +294,7 @@ class HFTorchGenerator(Generator):
     if the attention honours per-request lengths (our integration's contract, not eager's).
     """
 
-    def __init__(self, model, codec, *, attention: str = "auto", planner: str | None = None,
+    def __init__(self, model, codec, *, backend: str = "auto", policy: str | None = None,
                  batching: str = "auto", plan_hook=None):
         super().__init__()
         import torch
@@ -290,29 +302,24 @@ class HFTorchGenerator(Generator):
         self._torch = torch
         self.model = model.eval()
         self.codec = codec
-        self.attention = attention
-        self.planner = planner
-        self.batching = resolve_batching(batching, attention)
+        self.backend = backend
+        self.policy = policy
+        self.batching = resolve_batching(batching, backend)
         self.plan_hook = plan_hook
         self.device = next(model.parameters()).device
         self._cache = self._mask = self._next_pos = None
 
     @classmethod
-    def from_checkpoint(cls, checkpoint, *, attention="auto", planner="adaptive", dtype="float32",
-                        device=None, batching="auto") -> "HFTorchGenerator":
+    def from_checkpoint(cls, checkpoint, *, backend="auto", policy="adaptive", dtype="float32",
+                        device=None, batching="auto") -> "TorchEvalGenerator":
         """Load model and tokenizer from `checkpoint`; route attention through our path unless eager.
 
-        attention: "eager" (transformers' own) or a backend of `dsv4_torch.hf.enable_sparse_prefill`
-          ("auto", "reference", "triton", "flashmla"). planner: "adaptive", "fixed" or "per_request"
+        backend: "eager" (transformers' own) or a backend of `dsv4_torch.hf.enable_sparse_prefill`
+          ("auto", "reference", "triton", "flashmla"). policy: "adaptive", "fixed" or "per_request"
           (not used by eager). dtype: "float32" or "bfloat16". device: default cuda if available.
         """
-        if attention not in TORCH_ATTENTION:
-            raise ValueError(f"attention: for --framework torch expected one of {TORCH_ATTENTION}, got {attention!r}")
-        if planner not in PLANNERS:
-            raise ValueError(f"planner: expected one of {PLANNERS}, got {planner!r}")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
-        batching = resolve_batching(batching, attention)  # fail before loading anything
+        _check_choices(backend, policy, dtype, "torch", TORCH_BACKENDS)
+        batching = resolve_batching(batching, backend)  # fail before loading anything
         import torch
         from transformers import DeepseekV4ForCausalLM
 
@@ -321,13 +328,13 @@ class HFTorchGenerator(Generator):
             str(checkpoint), dtype=getattr(torch, dtype), attn_implementation="eager"
         ).to(device)
         plan_hook = None
-        if attention != "eager":
+        if backend != "eager":
             from dsv4_torch import hf
 
-            hf.enable_sparse_prefill(model, backend=attention, planner=planner)
+            hf.enable_sparse_prefill(model, backend=backend, policy=policy)
             plan_hook = functools.partial(hf.last_step_plan, model)
-        return cls(model, TextCodec.from_checkpoint(checkpoint), attention=attention,
-                   planner=None if attention == "eager" else planner, batching=batching, plan_hook=plan_hook)
+        return cls(model, TextCodec.from_checkpoint(checkpoint), backend=backend,
+                   policy=None if backend == "eager" else policy, batching=batching, plan_hook=plan_hook)
 
     def prefill(self, prompts):
         torch = self._torch
@@ -375,8 +382,8 @@ class HFTorchGenerator(Generator):
         return {
             **super().describe(),
             "framework": "torch",
-            "attention": self.attention,
-            "planner": self.planner,
+            "backend": self.backend,
+            "policy": self.policy,
             "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
             "device": str(self.device),
             "torch": torch.__version__,
@@ -387,7 +394,7 @@ class HFTorchGenerator(Generator):
 
     def _backends_run(self):
         """The concrete kernel per layer kind of the last forward (our path only), e.g. {"CSA": "triton"}."""
-        if self.attention == "eager":
+        if self.backend == "eager":
             return None
         from dsv4_torch import hf
 
@@ -398,7 +405,7 @@ class HFTorchGenerator(Generator):
 # ----------------------------------------------------------------------------- JAX (issue 7)
 
 
-class JaxGenerator(Generator):
+class JaxEvalGenerator(Generator):
     """Adapter over the JAX DeepSeek-V4 model (`dsv4_jax.model.generate.JaxGenerator(...).session()`):
 
         session.prefill(prompts: list[list[int]]) -> list[int]   # greedy next token per request
@@ -407,29 +414,23 @@ class JaxGenerator(Generator):
         session.last_step_plan() -> planner.StepPlan | None     # planner figures
     """
 
-    def __init__(self, session, codec, *, attention, planner, dtype, batching="batched"):
+    def __init__(self, session, codec, *, backend, policy, dtype, batching="batched"):
         super().__init__()
         self.session, self.codec = session, codec
-        self.attention, self.planner, self.dtype = attention, planner, dtype
-        self.batching = resolve_batching(batching, attention)
+        self.backend, self.policy, self.dtype = backend, policy, dtype
+        self.batching = resolve_batching(batching, backend)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint, *, attention="auto", planner="adaptive", dtype="float32",
-                        batching="auto", max_batch_size=8, max_model_len=8192) -> "JaxGenerator":
-        if attention not in JAX_ATTENTION:
-            raise ValueError(f"attention: for --framework jax expected one of {JAX_ATTENTION}, got {attention!r}")
-        if planner not in PLANNERS:
-            raise ValueError(f"planner: expected one of {PLANNERS}, got {planner!r}")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
+    def from_checkpoint(cls, checkpoint, *, backend="auto", policy="adaptive", dtype="float32",
+                        batching="auto", max_batch_size=8, max_model_len=8192) -> "JaxEvalGenerator":
+        _check_choices(backend, policy, dtype, "jax", JAX_BACKENDS)
         try:
-            from dsv4_jax.model.generate import JaxGenerator as Model
+            from dsv4_jax.model.generate import JaxGenerator
         except ModuleNotFoundError as e:
             raise SetupError(f"--framework jax needs JAX and dsv4_jax.model.generate ({e})") from None
-        backend = "auto" if attention == "auto" else attention
-        session = Model(str(checkpoint), attention_backend=backend, planner=planner, dtype=dtype,
-                        max_batch_size=max_batch_size, max_model_len=max_model_len).session()
-        return cls(session, TextCodec.from_checkpoint(checkpoint), attention=attention, planner=planner,
+        session = JaxGenerator(str(checkpoint), backend=backend, policy=policy, dtype=dtype,
+                               max_batch_size=max_batch_size, max_model_len=max_model_len).session()
+        return cls(session, TextCodec.from_checkpoint(checkpoint), backend=backend, policy=policy,
                    dtype=dtype, batching=batching)
 
     def prefill(self, prompts):
@@ -449,19 +450,19 @@ class JaxGenerator(Generator):
     def describe(self):
         import jax
 
-        return {**super().describe(), "framework": "jax", "attention": self.attention, "planner": self.planner,
+        return {**super().describe(), "framework": "jax", "backend": self.backend, "policy": self.policy,
                 "dtype": self.dtype, "device": str(jax.devices()[0]), "jax": jax.__version__}
 
 
-def load_generator(checkpoint, *, framework="torch", attention="auto", planner="adaptive", dtype="float32",
+def load_generator(checkpoint, *, framework="torch", backend="auto", policy="adaptive", dtype="float32",
                    device=None, batching="auto", batch_size=8) -> Generator:
-    """The generator for one configuration (see `HFTorchGenerator` / `JaxGenerator`)."""
+    """The generator for one configuration (see `TorchEvalGenerator` / `JaxEvalGenerator`)."""
     if framework == "torch":
-        return HFTorchGenerator.from_checkpoint(checkpoint, attention=attention, planner=planner, dtype=dtype,
-                                                device=device, batching=batching)
+        return TorchEvalGenerator.from_checkpoint(checkpoint, backend=backend, policy=policy, dtype=dtype,
+                                                  device=device, batching=batching)
     if framework == "jax":
         if device is not None:
-            raise ValueError(f"device: not supported for --framework jax (JAX picks its default device), got {device!r}")
-        return JaxGenerator.from_checkpoint(checkpoint, attention=attention, planner=planner, dtype=dtype,
-                                            batching=batching, max_batch_size=batch_size)
+            raise ValueError(f"device: not supported for framework='jax' (JAX picks its default device), got {device!r}")
+        return JaxEvalGenerator.from_checkpoint(checkpoint, backend=backend, policy=policy, dtype=dtype,
+                                                batching=batching, max_batch_size=batch_size)
     raise ValueError(f"framework: expected 'torch' or 'jax', got {framework!r}")

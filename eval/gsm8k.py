@@ -5,6 +5,10 @@
     python -m eval.gsm8k --checkpoint DIR --compare planner=adaptive planner=fixed
     python -m eval.gsm8k --checkpoint DIR --compare attention=eager attention=reference,batch_size=16
 
+`--attention` picks the attention backend (`backend=` of the Python API) and `--planner` the chunk
+plan's policy (`policy=`); `--compare` takes either spelling (`planner=` or `policy=`, `attention=`
+or `backend=`).
+
 What is reproduced, read from EleutherAI/lm-evaluation-harness (commit 4e7e0d47, task version 3.0):
 `lm_eval/tasks/gsm8k/gsm8k.yaml`, `lm_eval/api/task.py` (`fewshot_context`, `build_qa_turn`,
 `build_all_requests`), `lm_eval/api/samplers.py` (`ContextSampler.sample`), `lm_eval/evaluator.py`
@@ -68,9 +72,9 @@ if __package__ in (None, ""):  # run as `python eval/gsm8k.py`
 from eval.generators import (  # noqa: E402
     BATCHING,
     DTYPES,
-    JAX_ATTENTION,
-    PLANNERS,
-    TORCH_ATTENTION,
+    JAX_BACKENDS,
+    POLICIES,
+    TORCH_BACKENDS,
     Generator,
     SetupError,
     load_generator,
@@ -309,32 +313,33 @@ def accuracy(flags: Sequence[bool]) -> dict:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One configuration of `--compare` (and of a plain run). `attention=None`: auto (our sparse
-    path for torch, `dsv4_torch.hf.enable_sparse_prefill`; the JAX model's default for jax).
-    `batching="auto"`: per request for eager, batched otherwise."""
+    """One configuration of `--compare` (and of a plain run). `backend` (`--attention`) None: auto
+    (our sparse path for torch, `dsv4_torch.hf.enable_sparse_prefill`; the JAX model's default for
+    jax). `policy` (`--planner`): the chunk plan. `batching="auto"`: per request for eager, batched
+    otherwise."""
 
     checkpoint: str
     framework: str = "torch"
-    attention: str | None = None
-    planner: str = "adaptive"
+    backend: str | None = None
+    policy: str = "adaptive"
     batching: str = "auto"
     dtype: str = "float32"
     device: str | None = None
     batch_size: int = 8
 
     def resolved(self) -> "RunConfig":
-        attention = self.attention or "auto"
-        cfg = replace(self, attention=attention)
+        cfg = replace(self, backend=self.backend or "auto")
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
         if self.framework not in ("torch", "jax"):
             raise ValueError(f"framework: expected 'torch' or 'jax', got {self.framework!r}")
-        allowed = TORCH_ATTENTION if self.framework == "torch" else JAX_ATTENTION
-        if self.attention not in allowed:
-            raise ValueError(f"attention: for framework={self.framework} expected one of {allowed}, got {self.attention!r}")
-        for name, value, choices in (("planner", self.planner, PLANNERS), ("batching", self.batching, BATCHING),
+        allowed = TORCH_BACKENDS if self.framework == "torch" else JAX_BACKENDS
+        if self.backend not in allowed:
+            raise ValueError(f"backend (--attention): for framework={self.framework} expected one of {allowed}, "
+                             f"got {self.backend!r}")  # fmt: skip
+        for name, value, choices in (("policy (--planner)", self.policy, POLICIES), ("batching", self.batching, BATCHING),
                                      ("dtype", self.dtype, DTYPES)):
             if value not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
@@ -452,8 +457,8 @@ def _planner_summary(steps) -> dict | None:
 def run_config(cfg: RunConfig, prompts, test, *, max_new_tokens, progress=True, label="gsm8k") -> dict:
     """Load the generator of `cfg`, evaluate, free it; the report with its `config` section."""
     cfg = cfg.resolved()
-    generator = load_generator(cfg.checkpoint, framework=cfg.framework, attention=cfg.attention,
-                               planner=cfg.planner, dtype=cfg.dtype, device=cfg.device, batching=cfg.batching,
+    generator = load_generator(cfg.checkpoint, framework=cfg.framework, backend=cfg.backend,
+                               policy=cfg.policy, dtype=cfg.dtype, device=cfg.device, batching=cfg.batching,
                                batch_size=cfg.batch_size)
     try:
         body = evaluate(generator, prompts, test, batch_size=cfg.batch_size, max_new_tokens=max_new_tokens,
@@ -468,13 +473,15 @@ def run_config(cfg: RunConfig, prompts, test, *, max_new_tokens, progress=True, 
 # ----------------------------------------------------------------------------- compare
 
 OVERRIDE_KEYS = {f.name for f in fields(RunConfig)}
+OVERRIDE_ALIASES = {"attention": "backend", "planner": "policy"}  # the CLI flags' spellings
 
 
 def parse_overrides(spec: str) -> dict:
-    """`"planner=fixed,attention=reference"` -> `{"planner": "fixed", "attention": "reference"}`.
+    """`"planner=fixed,attention=reference"` -> `{"policy": "fixed", "backend": "reference"}`.
 
-    Keys: the fields of `RunConfig` (checkpoint, framework, attention, planner, batching, dtype,
-    device, batch_size). An empty spec means no override (the base configuration).
+    Keys: the fields of `RunConfig` (checkpoint, framework, backend, policy, batching, dtype,
+    device, batch_size), or the CLI flags' spellings `attention` (= backend) and `planner`
+    (= policy). An empty spec means no override (the base configuration).
     """
     if not isinstance(spec, str):
         raise TypeError(f"compare spec: expected a str, got {type(spec).__name__}")
@@ -483,10 +490,14 @@ def parse_overrides(spec: str) -> dict:
         key, sep, value = (x.strip() for x in item.partition("="))
         if not sep or not key or not value:
             raise ValueError(f"compare spec {spec!r}: expected comma-separated key=value items, got {item!r}")
-        if key not in OVERRIDE_KEYS:
-            raise ValueError(f"compare spec {spec!r}: unknown key {key!r} (allowed: {', '.join(sorted(OVERRIDE_KEYS))})")
-        if key in out:
-            raise ValueError(f"compare spec {spec!r}: key {key!r} given twice")
+        name = OVERRIDE_ALIASES.get(key, key)
+        if name not in OVERRIDE_KEYS:
+            allowed = ", ".join(sorted(OVERRIDE_KEYS | set(OVERRIDE_ALIASES)))
+            raise ValueError(f"compare spec {spec!r}: unknown key {key!r} (allowed: {allowed})")
+        if name in out:
+            spellings = " / ".join([name] + [a for a, n in OVERRIDE_ALIASES.items() if n == name])
+            raise ValueError(f"compare spec {spec!r}: key {spellings!r} given twice")
+        key = name
         if key == "batch_size":
             try:
                 value = int(value)
@@ -500,8 +511,8 @@ def apply_overrides(base: RunConfig, spec: str) -> RunConfig:
     """`base` with the overrides of `spec`, validated."""
     overrides = parse_overrides(spec)
     framework = overrides.get("framework", base.framework)
-    if "attention" not in overrides and base.attention not in (TORCH_ATTENTION if framework == "torch" else JAX_ATTENTION):
-        overrides["attention"] = None  # the base backend does not exist there: that framework's default
+    if "backend" not in overrides and base.backend not in (TORCH_BACKENDS if framework == "torch" else JAX_BACKENDS):
+        overrides["backend"] = None  # the base backend does not exist there: that framework's default
     cfg = replace(base, **overrides)
     return cfg.resolved()
 
@@ -564,9 +575,11 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", help="checkpoint directory (config.json, *.safetensors, tokenizer.json); "
                    f"default: the tiny random checkpoint in {TINY_CHECKPOINT_DIR.relative_to(REPO_ROOT)} (made on demand)")
     p.add_argument("--framework", choices=("torch", "jax"), default="torch")
-    p.add_argument("--attention", help=f"torch: {'/'.join(TORCH_ATTENTION)} (default auto: our sparse path; eager = transformers' own); "
-                   f"jax: {'/'.join(JAX_ATTENTION)} (default auto)")
-    p.add_argument("--planner", choices=PLANNERS, default="adaptive", help="chunk plan of our path (unused by eager)")
+    p.add_argument("--attention", dest="backend", metavar="BACKEND",
+                   help=f"attention backend (backend= in the API); torch: {'/'.join(TORCH_BACKENDS)} (default auto: our "
+                   f"sparse path; eager = transformers' own); jax: {'/'.join(JAX_BACKENDS)} (default auto)")
+    p.add_argument("--planner", dest="policy", choices=POLICIES, default="adaptive",
+                   help="chunk-plan policy of our path (policy= in the API; unused by eager)")
     p.add_argument("--batching", choices=BATCHING, default="auto",
                    help="auto: one request at a time for eager, ragged batches for our path")
     p.add_argument("--limit", type=int, help=f"first N test problems (default all 1319; {TINY_LIMIT} on the tiny checkpoint)")
@@ -582,7 +595,8 @@ def parse_args(argv=None):
     p.add_argument("--output", default=str(DEFAULT_OUTPUT), help="JSON report path (default %(default)s)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"),
                    help="run two configurations on the same prompts, each a comma-separated list of key=value "
-                        "overrides of the flags above (keys: " + ", ".join(sorted(OVERRIDE_KEYS)) + "), "
+                        "overrides of the flags above (keys: " + ", ".join(sorted(OVERRIDE_KEYS)) + "; "
+                        "planner= and policy= are one key, attention= and backend= another), "
                         "e.g. planner=adaptive planner=fixed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -599,7 +613,7 @@ def run(args) -> dict:
         raise ValueError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
     # Check every configuration and find the data before any model or checkpoint work.
     base = RunConfig(checkpoint=args.checkpoint or str(TINY_CHECKPOINT_DIR), framework=args.framework,
-                     attention=args.attention, planner=args.planner, batching=args.batching, dtype=args.dtype,
+                     backend=args.backend, policy=args.policy, batching=args.batching, dtype=args.dtype,
                      device=args.device, batch_size=args.batch_size)
     configs = [apply_overrides(base, s) for s in args.compare] if args.compare else [base.resolved()]
     try:
@@ -633,7 +647,7 @@ def summary(report: dict) -> str:
         g = r["config"]["generator"]
         t = r["throughput"]
         rate = lambda ph: f"{t[ph]['tokens_per_s']:.1f}" if t[ph]["tokens_per_s"] else "-"  # noqa: E731
-        line = (f"{name}{g.get('framework')} attention={g.get('attention')} planner={g.get('planner')} "
+        line = (f"{name}{g.get('framework')} backend={g.get('backend')} policy={g.get('policy')} "
                 f"batching={g.get('batching')} dtype={g.get('dtype')}: {acc}\n    prefill {rate('prefill')} tok/s, decode {rate('decode')} tok/s")
         if r["planner"]:
             line += f", peak workspace rows {r['planner']['peak_workspace_rows']}"

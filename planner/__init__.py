@@ -1,9 +1,30 @@
 """dsv4-prefill planner: chunk plans, workspace layouts, sparse indices and a float64 oracle.
 
-Pure NumPy. Both framework packages (`dsv4_torch`, `dsv4_jax`) consume what it computes.
+Pure NumPy. Both framework packages (`dsv4_torch`, `dsv4_jax`) consume what it computes. The
+contract they share (kinds, names, constants, formulas, presets) is `planner.contract`.
 """
 
-from planner.batch import LayerKind, PrefillBatch, cdiv, layer_kind
+from planner import contract, oracle, sizes
+from planner.batch import PrefillBatch
+from planner.contract import (
+    BACKENDS,
+    POLICIES,
+    PRESETS,
+    V4_LAYERS,
+    BackendUnavailableError,
+    LayerKind,
+    LayerSpec,
+    ModelShape,
+    cdiv,
+    layer_specs,
+)
+from planner.layout import (
+    build_chunk_indices,
+    check_topk_rows,
+    chunk_gather_rows,
+    gather_workspace,
+    index_width,
+)
 from planner.plan import (
     ChunkLayout,
     KindPlan,
@@ -15,27 +36,34 @@ from planner.plan import (
     plan_kind,
     plan_step,
 )
-from planner.layout import build_chunk_indices, check_topk_rows, chunk_gather_rows, gather_workspace, index_width
-from planner import oracle
 
 __all__ = [
+    "BACKENDS",
+    "BackendUnavailableError",
     "ChunkLayout",
     "KindPlan",
     "LayerKind",
+    "LayerSpec",
+    "ModelShape",
+    "POLICIES",
+    "PRESETS",
     "PlanConfig",
     "PrefillBatch",
     "StepPlan",
+    "V4_LAYERS",
     "as_step_plan",
     "build_chunk_indices",
-    "check_topk_rows",
     "cdiv",
+    "check_topk_rows",
     "chunk_gather_rows",
+    "contract",
     "gather_workspace",
     "get_fixed_chunk_plan",
     "get_prefill_chunk_plan",
     "index_width",
-    "layer_kind",
+    "layer_specs",
     "oracle",
     "plan_kind",
     "plan_step",
+    "sizes",
 ]

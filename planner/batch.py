@@ -1,39 +1,13 @@
-"""A validated prefill batch and the three DeepSeek-V4 layer kinds (spec sections 1 and 3)."""
+"""A validated prefill batch: the requests of one step (spec section 3)."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import numpy as np
 
-
-class LayerKind(enum.Enum):
-    """Attention layer kinds, named by what the compressed part of a key set holds."""
-
-    SWA = 0  # sliding window only
-    CSA = 4  # indexer top-k of ratio-4 compressed entries
-    HCA = 128  # every visible ratio-128 compressed entry
-
-    @property
-    def ratio(self) -> int:
-        return self.value
-
-
-def layer_kind(compress_ratio) -> LayerKind:
-    """The layer kind of a compress ratio: 0 or 1 -> SWA, 4 -> CSA, 128 -> HCA."""
-    if isinstance(compress_ratio, LayerKind):
-        return compress_ratio
-    if isinstance(compress_ratio, (bool, np.bool_)) or not isinstance(compress_ratio, (int, np.integer)):
-        raise ValueError(f"compress_ratio: expected one of 0, 1, 4, 128, got {compress_ratio!r}")
-    r = int(compress_ratio)
-    if r in (0, 1):
-        return LayerKind.SWA
-    if r == 4:
-        return LayerKind.CSA
-    if r == 128:
-        return LayerKind.HCA
-    raise ValueError(f"compress_ratio: expected one of 0, 1, 4, 128, got {r}")
+from planner import contract
+from planner.contract import _as_int, cdiv  # noqa: F401  (cdiv: part of this module's API)
 
 
 def _as_int_vector(x, name: str) -> np.ndarray:
@@ -51,17 +25,8 @@ def _as_int_vector(x, name: str) -> np.ndarray:
     raise ValueError(f"{name}: expected integers, got dtype {a.dtype} ({a[:4].tolist()}...)")
 
 
-def _as_int(x, name: str, *, minimum: int | None = None) -> int:
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
-        raise ValueError(f"{name}: expected an integer, got {x!r}")
-    v = int(x)
-    if minimum is not None and v < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {v}")
-    return v
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -145,12 +110,13 @@ class PrefillBatch:
         """Requests with at least one query token (the only ones a plan places in chunks)."""
         return self.query_lens > 0
 
-    def compressed_lens(self, compress_ratio: int) -> np.ndarray:
-        """Rows of compressed KV each request gathers: seq_len // r (0 when r <= 1)."""
-        r = _as_int(compress_ratio, "compress_ratio", minimum=0)
-        return np.zeros_like(self.seq_lens) if r <= 1 else self.seq_lens // r
+    def compressed_lens(self, compress_ratio: int, has_compressed: bool | None = None) -> np.ndarray:
+        """Rows of compressed KV each request gathers: seq_len // r, 0 without a compressed cache
+        (`has_compressed` as vLLM 0.33: None means r > 1)."""
+        hc = contract.has_compressed(compress_ratio, has_compressed)
+        return contract.compressed_len(self.seq_lens, int(compress_ratio), hc)
 
     def gather_lens(self, window_size: int) -> np.ndarray:
         """Raw rows each request gathers: its new tokens plus up to W-1 tokens of history."""
         w = _as_int(window_size, "window_size", minimum=1)
-        return self.query_lens + np.clip(self.prefix_lens, 0, w - 1)
+        return contract.gather_len(self.seq_lens, self.query_lens, w)

@@ -9,14 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.batch import LayerKind
+from planner import contract
+from planner.contract import INDEX_ALIGN, LayerKind, round_up  # noqa: F401  (part of this module's API)
 from planner.plan import ChunkLayout, KindPlan
-
-INDEX_ALIGN = 128  # FlashMLA on SM90 wants the index width to be a multiple of 128
-
-
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def compressed_width(plan: KindPlan, topk: int | None = None) -> int:
@@ -25,19 +20,13 @@ def compressed_width(plan: KindPlan, topk: int | None = None) -> int:
     It depends on the batch, never on how the plan chunked it, so every plan of a step builds
     rows of the same width (and a kernel sees the very same index rows whatever the plan).
     """
-    kind = plan.kind
-    if kind is LayerKind.SWA:
-        return 0
-    if kind is LayerKind.CSA:
-        if topk is None:
-            raise ValueError("topk: required for CSA (ratio-4) layers")
-        return int(topk)
-    return int(plan.seg_seq_len.max(initial=0)) // plan.compress_ratio
+    return contract.compressed_index_width(plan.kind, int(plan.seg_seq_len.max(initial=0)), plan.compress_ratio, topk)
 
 
 def index_width(plan: KindPlan, topk: int | None = None) -> int:
     """One index width for every chunk of this kind in the step: compressed part + W, to 128."""
-    return round_up(compressed_width(plan, topk) + plan.window_size, INDEX_ALIGN)
+    return contract.index_width(plan.kind, int(plan.seg_seq_len.max(initial=0)), plan.compress_ratio,
+                                plan.window_size, topk)
 
 
 def check_topk_rows(topk_rows, token_index, token_position, compress_ratio: int, name: str = "topk_rows"):
@@ -53,7 +42,7 @@ def check_topk_rows(topk_rows, token_index, token_position, compress_ratio: int,
     if rows.shape[0] <= int(np.max(token_index, initial=-1)):
         raise ValueError(f"{name}: {rows.shape[0]} rows, but the step has token {int(np.max(token_index))}")
     pos = np.asarray(token_position, dtype=np.int64)
-    visible = (pos + 1) // compress_ratio
+    visible = contract.visible_entries(pos, compress_ratio)
     sel = rows[token_index].astype(np.int64)
     used = np.arange(rows.shape[1])[None, :] < np.minimum(visible, rows.shape[1])[:, None]
     bad = used & ((sel < 0) | (sel >= visible[:, None]))
@@ -82,7 +71,7 @@ def build_chunk_indices(plan: KindPlan, chunk, topk_rows=None, *, width: int | N
       chunk: a chunk number or a `ChunkLayout` of `plan`.
       topk_rows: CSA only. (T_step, topk) integers: the indexer's request-local top-k row of every
         token of the step (rows are picked with `chunk.token_index`). For a token at position p
-        the first min((p+1)//4, topk) entries are used; each must lie in 0 .. (p+1)//4 - 1.
+        the first min((p+1)//r, topk) entries are used; each must lie in 0 .. (p+1)//r - 1.
       width: columns of the result; default `index_width(plan, topk)`, the same for every chunk
         and every plan of the step. Must hold every row.
 
@@ -97,11 +86,11 @@ def build_chunk_indices(plan: KindPlan, chunk, topk_rows=None, *, width: int | N
     base = c.row_bases.astype(np.int64)[b]  # b * M
     gstart = c.gather_starts.astype(np.int64)[b]
 
-    visible = np.zeros_like(p) if kind is LayerKind.SWA else (p + 1) // r
+    visible = np.zeros_like(p) if kind is LayerKind.SWA else contract.visible_entries(p, r)
     sel = None
     if kind is LayerKind.CSA:
         if topk_rows is None:
-            raise ValueError("topk_rows: required for CSA (ratio-4) layers")
+            raise ValueError("topk_rows: required for CSA layers")
         sel, _ = check_topk_rows(topk_rows, c.token_index, p, r)
         topk = sel.shape[1]
         ncomp = np.minimum(visible, topk)

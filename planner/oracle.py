@@ -12,15 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.batch import LayerKind, _as_int_vector, layer_kind
-
-# FlashMLA's value head dim: V is the first 512 dims of the gathered row.
-FLASHMLA_D_V = 512
-
-
-def value_dim(d_qk: int) -> int:
-    """d_v for a key/query dim: 512 for FlashMLA's 512/576, the whole row for smaller test dims."""
-    return min(d_qk, FLASHMLA_D_V)
+from planner.batch import _as_int_vector
+from planner.contract import LayerKind, LayerSpec, value_dim  # noqa: F401  (value_dim: part of this module's API)
 
 
 def _as_float_array(x, name: str, ndim: tuple[int, ...]) -> np.ndarray:
@@ -119,6 +112,7 @@ def prefill_attention(
     seq_lens,
     query_lens,
     *,
+    kind,
     compress_ratio: int,
     window_size: int,
     sm_scale: float,
@@ -135,7 +129,8 @@ def prefill_attention(
       compressed_kv: sequence of per-request (seq_lens[i] // r, D) arrays (entry w summarises
         tokens r*w .. r*w+r-1); ignored (may be None) for SWA layers.
       seq_lens, query_lens: (B,) integers.
-      compress_ratio: 0 or 1 (SWA), 4 (CSA) or 128 (HCA).
+      kind: the layer kind (`LayerKind` or its name): SWA, CSA (top-k) or HCA (dense).
+      compress_ratio: the layer's ratio r (any r >= 1 for CSA/HCA; ignored for SWA).
       window_size: W, the sliding window (the query itself included).
       sm_scale: float.
       attn_sink: optional (H,) float.
@@ -147,7 +142,8 @@ def prefill_attention(
     """
     from planner.batch import PrefillBatch
 
-    kind = layer_kind(compress_ratio)
+    layer = LayerSpec(LayerKind.of(kind), compress_ratio)
+    kind = layer.kind
     batch = PrefillBatch(seq_lens, query_lens)
     q = _as_float_array(q, "q", (3,))
     if q.shape[0] != batch.num_tokens:
@@ -158,10 +154,10 @@ def prefill_attention(
         raise ValueError(f"compressed_kv: expected {batch.num_requests} per-request arrays for a {kind.name} layer")
     if int(window_size) < 1:
         raise ValueError(f"window_size: must be >= 1, got {window_size}")
-    W, r = int(window_size), int(compress_ratio)
+    W, r = int(window_size), layer.compress_ratio
     if kind is LayerKind.CSA:
         if topk_rows is None:
-            raise ValueError("topk_rows: required for CSA (ratio-4) layers")
+            raise ValueError("topk_rows: required for CSA layers")
         topk_rows = np.asarray(topk_rows)
         if topk_rows.ndim != 2 or topk_rows.shape[0] != batch.num_tokens:
             raise ValueError(f"topk_rows: expected ({batch.num_tokens}, topk), got {topk_rows.shape}")

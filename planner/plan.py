@@ -21,10 +21,17 @@ from functools import cached_property
 
 import numpy as np
 
-from planner.batch import LayerKind, PrefillBatch, _as_int, cdiv, layer_kind
-
-POLICIES = ("adaptive", "fixed", "per_request")
-ORDERS = ("batch", "length")
+from planner import contract
+from planner.batch import PrefillBatch
+from planner.contract import (
+    ORDERS,
+    POLICIES,
+    V4_LAYERS,
+    LayerKind,
+    LayerSpec,
+    _as_int,
+    as_layer_specs,
+)
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,8 @@ class PlanConfig:
     policy: "adaptive" (vLLM's greedy packing), "fixed" (the old plan) or "per_request"
       (one request per chunk, vLLM's batch-invariant mode).
     budget_rows: workspace rows one chunk may use (adaptive and per_request). None = vLLM's bound
-      `prefill_chunk_size * (cdiv(max_model_len, r) + W + max_num_batched_tokens)`.
+      `prefill_chunk_size * (cdiv(max_model_len, r) + W + max_num_batched_tokens)` (the
+      cdiv term is 0 for layers without a compressed cache).
     order: "batch" (vLLM-compatible) or "length" (requests sorted by workspace width, which packs
       similar requests together and pads less; the permutation is `KindPlan.order`).
     """
@@ -65,19 +73,20 @@ class PlanConfig:
             if self.policy == "fixed":
                 raise ValueError("budget_rows: the fixed plan has its own workspace size; use policy='adaptive'")
 
-    def max_compressed_len(self, compress_ratio: int) -> int:
-        """Upper bound of compressed rows per request: cdiv(max_model_len, r), 0 for r <= 1."""
-        return 0 if compress_ratio <= 1 else cdiv(self.max_model_len, compress_ratio)
+    def max_compressed_len(self, layer: LayerSpec) -> int:
+        """Upper bound of compressed rows per request: cdiv(max_model_len, r), 0 without a
+        compressed cache."""
+        return contract.max_compressed_len(self.max_model_len, layer.compress_ratio, layer.has_compressed)
 
-    def vllm_budget_rows(self, compress_ratio: int) -> int:
+    def vllm_budget_rows(self, layer: LayerSpec) -> int:
         """vLLM's adaptive workspace bound: exactly the fixed plan's workspace rows."""
-        return self.prefill_chunk_size * self.fixed_M(compress_ratio)
+        return self.prefill_chunk_size * self.fixed_M(layer)
 
-    def fixed_M(self, compress_ratio: int) -> int:
-        return self.max_compressed_len(compress_ratio) + self.window_size + self.max_num_batched_tokens
+    def fixed_M(self, layer: LayerSpec) -> int:
+        return self.max_compressed_len(layer) + self.window_size + self.max_num_batched_tokens
 
-    def budget(self, compress_ratio: int) -> int:
-        return self.vllm_budget_rows(compress_ratio) if self.budget_rows is None else int(self.budget_rows)
+    def budget(self, layer: LayerSpec) -> int:
+        return self.vllm_budget_rows(layer) if self.budget_rows is None else int(self.budget_rows)
 
 
 class ChunkLayout:
@@ -147,7 +156,7 @@ class KindPlan:
     All integer arrays are int32 (what device kernels want), read-only.
     """
 
-    compress_ratio: int
+    layer: LayerSpec  # the kind and compress ratio this plan serves
     config: PlanConfig
     budget_rows: int
     order: np.ndarray  # request ids with queries, in the order the planner scanned them
@@ -172,7 +181,15 @@ class KindPlan:
 
     @property
     def kind(self) -> LayerKind:
-        return layer_kind(self.compress_ratio)
+        return self.layer.kind
+
+    @property
+    def compress_ratio(self) -> int:
+        return self.layer.compress_ratio
+
+    @property
+    def has_compressed(self) -> bool:
+        return self.layer.has_compressed
 
     @property
     def window_size(self) -> int:
@@ -246,7 +263,7 @@ def _greedy_chunks(comp: list[int], gath: list[int], area: int):
     return starts, Ns, Ms
 
 
-def _split_request(prefix: int, query_len: int, r: int, W: int, budget: int, request: int):
+def _split_request(prefix: int, query_len: int, r: int, W: int, budget: int, request: int):  # r = 0: no compressed rows
     """Cut one request's queries into pieces [a, b) whose rows fit `budget` (greedy, longest first).
 
     A piece is planned as a request of seq_len prefix+b and query_len b-a: it gathers every
@@ -254,7 +271,7 @@ def _split_request(prefix: int, query_len: int, r: int, W: int, budget: int, req
     """
 
     def rows(a, b):
-        comp = 0 if r <= 1 else (prefix + b) // r
+        comp = 0 if r == 0 else (prefix + b) // r
         return comp + (b - a) + min(prefix + a, W - 1)
 
     pieces, a = [], 0
@@ -307,21 +324,25 @@ def _active_requests(batch: PrefillBatch, config: PlanConfig):
     skipped = np.flatnonzero(~has_queries)
     seq_a = batch.seq_lens[active]
     qry_a = batch.query_lens[active]
-    gath_a = qry_a + np.minimum(seq_a - qry_a, config.window_size - 1)
+    gath_a = contract.gather_len(seq_a, qry_a, config.window_size)
     return active, skipped, seq_a, qry_a, gath_a
 
 
-def plan_kind(batch: PrefillBatch, config: PlanConfig, compress_ratio: int, _shared=None) -> KindPlan:
-    """Plan one layer kind (any compress ratio >= 0) for one step."""
-    r = _as_int(compress_ratio, "compress_ratio", minimum=0)
+def plan_kind(batch: PrefillBatch, config: PlanConfig, layer, _shared=None) -> KindPlan:
+    """Plan one layer kind for one step.
+
+    layer: a `LayerSpec` or `(kind, compress_ratio)` pair: any ratio >= 1 for CSA/HCA.
+    """
+    layer = LayerSpec.of(layer)
+    r = layer.compress_ratio if layer.has_compressed else 0  # 0: no compressed rows
     W = config.window_size
     active, skipped, seq_a, qry_a, gath_a = _shared or _active_requests(batch, config)
-    comp_a = np.zeros_like(seq_a) if r <= 1 else seq_a // r
+    comp_a = contract.compressed_len(seq_a, r, layer.has_compressed)
     if config.order == "length" and active.size:
         perm = np.lexsort((-gath_a, -comp_a), axis=0)  # widest first; stable for ties
         active, seq_a, qry_a, comp_a, gath_a = (x[perm] for x in (active, seq_a, qry_a, comp_a, gath_a))
 
-    budget = config.budget(r)
+    budget = config.budget(layer)
     split: list[int] = []
     if config.policy != "fixed" and active.size and int((comp_a + gath_a).max()) > budget:
         rows = []  # (request, seq_len, query_len, query_offset)
@@ -332,8 +353,8 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, compress_ratio: int, _sha
             rows.extend((i, s - q + b, b - a, a) for a, b in pieces)
         seg = np.array(rows, dtype=np.int64).reshape(-1, 4)
         seg_req, seg_seq, seg_q, seg_off = seg.T
-        seg_comp = np.zeros_like(seg_seq) if r <= 1 else seg_seq // r
-        seg_gath = seg_q + np.minimum(seg_seq - seg_q, W - 1)
+        seg_comp = contract.compressed_len(seg_seq, r, layer.has_compressed)
+        seg_gath = contract.gather_len(seg_seq, seg_q, W)
     else:
         seg_req, seg_seq, seg_q = active, seq_a, qry_a
         seg_off = np.zeros_like(seg_q)
@@ -347,8 +368,8 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, compress_ratio: int, _sha
     elif config.policy == "fixed":
         chunk_starts = np.append(np.arange(0, n, config.prefill_chunk_size), n)
         nc = chunk_starts.shape[0] - 1
-        chunk_N = np.full(nc, config.max_compressed_len(r), dtype=np.int64)
-        chunk_M = np.full(nc, config.fixed_M(r), dtype=np.int64)
+        chunk_N = np.full(nc, config.max_compressed_len(layer), dtype=np.int64)
+        chunk_M = np.full(nc, config.fixed_M(layer), dtype=np.int64)
     else:  # per_request
         chunk_starts = np.arange(n + 1, dtype=np.int64)
         chunk_N, chunk_M = seg_comp.astype(np.int64), (seg_comp + seg_gath).astype(np.int64)
@@ -379,7 +400,7 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, compress_ratio: int, _sha
     chunk_N, chunk_M = _frozen32(chunk_N, chunk_M)
     chunk_starts, chunk_token_starts = _frozen32(chunk_starts, chunk_token_starts)
     return KindPlan(
-        compress_ratio=r, config=config, budget_rows=budget,
+        layer=layer, config=config, budget_rows=budget,
         order=_ro32(active), skipped=_ro32(skipped), split_requests=_ro32(split),
         seg_request=seg[0], seg_seq_len=seg[1], seg_query_len=seg[2], seg_query_offset=seg[3],
         seg_compressed_len=seg[4], seg_gather_len=seg[5], seg_gather_start=seg[6], seg_row_base=seg[7],
@@ -392,7 +413,7 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, compress_ratio: int, _sha
 class StepPlan:
     """One step's plans: a `KindPlan` per layer kind, shared by all layers of that kind.
 
-    Index it with a compress ratio or a `LayerKind`: `step[4]`, `step[LayerKind.CSA]`.
+    Index it with a kind: `step[LayerKind.CSA]` or `step["CSA"]`.
     """
 
     batch: PrefillBatch
@@ -400,7 +421,7 @@ class StepPlan:
     kinds: dict[LayerKind, KindPlan]
 
     def __getitem__(self, kind) -> KindPlan:
-        k = layer_kind(kind)
+        k = LayerKind.of(kind)
         if k not in self.kinds:
             raise KeyError(f"no plan for {k.name} in this step (planned: {[x.name for x in self.kinds]})")
         return self.kinds[k]
@@ -410,38 +431,39 @@ class StepPlan:
         return max((p.max_workspace_rows for p in self.kinds.values()), default=0)
 
 
-def plan_step(batch: PrefillBatch, config: PlanConfig, compress_ratios=(0, 4, 128)) -> StepPlan:
-    """Plan every layer kind among `compress_ratios` (a model's per-layer list is fine) once."""
-    kinds = {}
+def plan_step(batch: PrefillBatch, config: PlanConfig, layers=V4_LAYERS) -> StepPlan:
+    """Plan every layer kind of `layers` once for this step.
+
+    layers: `{kind: compress_ratio}` or `LayerSpec` / `(kind, ratio)` entries (a model's
+      per-layer list is fine; `planner.layer_specs(config_json)` reads one). Default: the three
+      kinds at V4.0's ratios (SWA, CSA 4, HCA 128).
+    """
     shared = _active_requests(batch, config)
-    for r in dict.fromkeys(compress_ratios):  # a model lists its ratio per layer: visit each once
-        k = layer_kind(r)
-        if k not in kinds:
-            kinds[k] = plan_kind(batch, config, k.ratio, shared)
+    kinds = {spec.kind: plan_kind(batch, config, spec, shared) for spec in as_layer_specs(layers)}
     return StepPlan(batch=batch, config=config, kinds=kinds)
 
 
-def as_step_plan(plan_or_batch, config: PlanConfig | None = None, compress_ratios=(0, 4, 128),
-                 planner: str | None = None) -> StepPlan:  # fmt: skip
-    """A given `StepPlan`, or the plan of a `PrefillBatch` under `config` (policy `planner` if set).
+def as_step_plan(plan_or_batch, config: PlanConfig | None = None, layers=V4_LAYERS,
+                 policy: str | None = None) -> StepPlan:  # fmt: skip
+    """A given `StepPlan`, or the plan of a `PrefillBatch` under `config` (with `policy` if set).
 
     What framework metadata builders accept: plan here once, or pass the plan you made.
     """
     if isinstance(plan_or_batch, StepPlan):
-        if planner is not None and planner != plan_or_batch.config.policy:
-            raise ValueError(f"planner: {planner!r} differs from the given StepPlan's policy {plan_or_batch.config.policy!r}")
+        if policy is not None and policy != plan_or_batch.config.policy:
+            raise ValueError(f"policy: {policy!r} differs from the given StepPlan's policy {plan_or_batch.config.policy!r}")
         return plan_or_batch
     if isinstance(plan_or_batch, PrefillBatch):
         if config is None:
             raise ValueError("config: a PlanConfig is required to plan a PrefillBatch")
-        if planner is not None:
-            config = replace(config, policy=planner)
-        return plan_step(plan_or_batch, config, compress_ratios)
+        if policy is not None:
+            config = replace(config, policy=policy)
+        return plan_step(plan_or_batch, config, layers)
     raise TypeError(f"plan_or_batch: expected a StepPlan or PrefillBatch, got {type(plan_or_batch).__name__}")
 
 
 def _tuple_plan(policy, seq_lens, query_lens, compress_ratio, window_size, max_model_len,
-                max_num_batched_tokens, prefill_chunk_size):  # fmt: skip
+                max_num_batched_tokens, prefill_chunk_size, has_compressed):  # fmt: skip
     config = PlanConfig(
         window_size=window_size,
         max_model_len=max_model_len,
@@ -450,7 +472,11 @@ def _tuple_plan(policy, seq_lens, query_lens, compress_ratio, window_size, max_m
         policy=policy,
     )
     batch = PrefillBatch(seq_lens, query_lens, max_model_len, max_num_batched_tokens)
-    return plan_kind(batch, config, compress_ratio).as_tuples()
+    # Rows depend on whether a compressed cache is gathered, not on which compressed kind: HCA
+    # stands for "has a compressed cache" here (CSA plans the very same chunks).
+    hc = contract.has_compressed(compress_ratio, has_compressed)
+    layer = LayerSpec(LayerKind.HCA, compress_ratio) if hc else LayerSpec(LayerKind.SWA, 0)
+    return plan_kind(batch, config, layer).as_tuples()
 
 
 def get_prefill_chunk_plan(
@@ -462,6 +488,7 @@ def get_prefill_chunk_plan(
     max_model_len: int,
     max_num_batched_tokens: int,
     prefill_chunk_size: int = 4,
+    has_compressed: bool | None = None,
 ) -> list[tuple[int, int, int, int]]:
     """vLLM's adaptive DSv4 prefill chunk plan: `[(start, end, N, M), ...]` over batch indices.
 
@@ -472,10 +499,13 @@ def get_prefill_chunk_plan(
     have queries; `query_len == 0` requests are skipped (they never start or widen a chunk).
 
     seq_lens, query_lens: 1-D integers (list, NumPy array, or anything with `__array__`).
-    compress_ratio: r >= 0 (0/1 = no compressed part).
+    compress_ratio: r >= 0.
+    has_compressed: vLLM 0.33's keyword: whether the layer gathers a compressed cache
+      (`seq_len // r` rows per request); None means `r > 1` (V4.0's layers). True at r = 1 is
+      DeepSeek-V4.1's full-length compressed cache.
     """
     return _tuple_plan("adaptive", seq_lens, query_lens, compress_ratio, window_size, max_model_len,
-                       max_num_batched_tokens, prefill_chunk_size)  # fmt: skip
+                       max_num_batched_tokens, prefill_chunk_size, has_compressed)  # fmt: skip
 
 
 def get_fixed_chunk_plan(
@@ -487,9 +517,11 @@ def get_fixed_chunk_plan(
     max_model_len: int,
     max_num_batched_tokens: int,
     prefill_chunk_size: int = 4,
+    has_compressed: bool | None = None,
 ) -> list[tuple[int, int, int, int]]:
     """The old fixed plan: `prefill_chunk_size` consecutive requests per chunk, with
-    `N = cdiv(max_model_len, r)` (0 for r <= 1) and `M = N + window_size + max_num_batched_tokens`.
-    Same arguments and `query_len == 0` handling as `get_prefill_chunk_plan`."""
+    `N = cdiv(max_model_len, r)` (0 without a compressed cache) and `M = N + window_size + max_num_batched_tokens`.
+    Same arguments (`has_compressed` included) and `query_len == 0` handling as
+    `get_prefill_chunk_plan`."""
     return _tuple_plan("fixed", seq_lens, query_lens, compress_ratio, window_size, max_model_len,
-                       max_num_batched_tokens, prefill_chunk_size)  # fmt: skip
+                       max_num_batched_tokens, prefill_chunk_size, has_compressed)  # fmt: skip

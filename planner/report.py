@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from planner.batch import LayerKind, PrefillBatch
-from planner.models import PRESETS
+from planner.batch import PrefillBatch
+from planner.contract import LayerKind, ModelShape
 from planner.plan import PlanConfig, plan_step
 
 BYTES_PER_ROW = 512 * 2  # one bf16 latent of 512 dims
@@ -42,7 +42,7 @@ def plan_report(batch: PrefillBatch, limits: dict, policies=("adaptive", "fixed"
             kp = steps[pol][kind]
             tuples = kp.as_tuples() if kp.config.order == "batch" and not kp.split_requests.size else []
             shown = " ".join(f"({s},{e},{n},{m})" for s, e, n, m in tuples[:4]) + (" ..." if len(tuples) > 4 else "")
-            rows.append([kind.name, kind.ratio, pol, kp.num_chunks, shown, kp.max_workspace_rows,
+            rows.append([kind.name, kp.compress_ratio, pol, kp.num_chunks, shown, kp.max_workspace_rows,
                          mib(kp.max_workspace_rows), kp.total_workspace_rows, kp.padding_free_rows])  # fmt: skip
     out += ["", "Chunk plans and workspace (bf16, 512-d rows; peak = the one buffer every chunk reuses):",
             table(rows, ["kind", "r", "plan", "chunks", "(start,end,N,M)", "peak rows", "peak MiB",
@@ -57,7 +57,7 @@ def plan_report(batch: PrefillBatch, limits: dict, policies=("adaptive", "fixed"
                 table(rows, ["kind", "adaptive chunks", "fixed chunks", "adaptive peak MiB", "fixed peak MiB",
                              "workspace saved"])]  # fmt: skip
         rows = []
-        for shape in PRESETS.values():
+        for shape in (ModelShape.from_name("V4-Flash"), ModelShape.from_name("V4-Pro")):
             layers = shape.layers_per_kind()
             launches = {pol: sum(steps[pol][k].num_chunks * n for k, n in layers.items()) for pol in ("adaptive", "fixed")}
             rows.append([shape.name, "/".join(str(layers[k]) for k in LayerKind), launches["adaptive"],

@@ -20,6 +20,20 @@ def tiny_checkpoints(tmp_path_factory):
     return {names: write_tiny_checkpoint(root / names, seed=0, names=names) for names in ("hf", "deepseek")}
 
 
+# Small test models use small ratios so that short prompts reach compressed entries: the kinds come
+# from `layer_types` (the tiny model's SWA, SWA, CSA, HCA, CSA, HCA), the ratios from `compress_rates`.
+OTHER_COMPRESS_RATES = {"compressed_sparse_attention": 8, "heavily_compressed_attention": 32}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_other_ratios(tmp_path_factory):
+    """The tiny checkpoint (transformers' names, seed 1) with CSA ratio 8 and HCA ratio 32."""
+    from dsv4_torch.hf.tiny_checkpoint import tiny_config, write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny-ckpt-8-32")
+    return write_tiny_checkpoint(root, seed=1, config=tiny_config(compress_rates=dict(OTHER_COMPRESS_RATES)))
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint_dir(tiny_checkpoints):
     """The tiny checkpoint with transformers' names."""

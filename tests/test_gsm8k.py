@@ -335,7 +335,7 @@ def test_evaluate_planner_figures_from_the_stats_hook():
     assert [s["chunks"] for s in steps] == [{k.name: kp.num_chunks for k, kp in e.kinds.items()} for e in expected]
     assert [s["peak_workspace_rows"] for s in steps] == [e.max_workspace_rows for e in expected]
     assert report["planner"]["peak_workspace_rows"]["prefill"] == max(e.max_workspace_rows for e in expected)
-    assert report["planner"]["chunks_per_prefill_step"]["CSA"]["max"] == max(e[4].num_chunks for e in expected)
+    assert report["planner"]["chunks_per_prefill_step"]["CSA"]["max"] == max(e["CSA"].num_chunks for e in expected)
 
 
 def test_plan_figures_inputs():
@@ -344,7 +344,7 @@ def test_plan_figures_inputs():
     step = P.plan_step(P.PrefillBatch([300, 40], [300, 40]),
                        P.PlanConfig(window_size=8, max_model_len=512, max_num_batched_tokens=512, policy="fixed"))
     chunks, peak = G.plan_figures(step)
-    assert chunks == {"SWA": step[0].num_chunks, "CSA": step[4].num_chunks, "HCA": step[128].num_chunks}
+    assert chunks == {k.name: step[k].num_chunks for k in P.LayerKind} and chunks["CSA"] == step["CSA"].num_chunks
     assert peak == step.max_workspace_rows > 0
     assert G.plan_figures(type("Meta", (), {"step_plan": step})()) == (chunks, peak)
     assert G.plan_figures({"chunks": {"CSA": 2}, "peak_workspace_rows": 9}) == ({"CSA": 2}, 9)
@@ -378,27 +378,44 @@ def test_compare_runs_agreement_first_difference_and_flips():
 
 
 def test_parse_and_apply_overrides():
-    assert E.parse_overrides("planner=fixed, attention=reference") == {"planner": "fixed", "attention": "reference"}
+    # the CLI flags' spellings (planner=, attention=) and the API's (policy=, backend=) are one key each
+    want = {"policy": "fixed", "backend": "reference"}
+    assert E.parse_overrides("planner=fixed, attention=reference") == want
+    assert E.parse_overrides("policy=fixed,backend=reference") == want
+    assert E.parse_overrides("planner=fixed,backend=reference") == want
     assert E.parse_overrides("batch_size=16") == {"batch_size": 16}
     assert E.parse_overrides("") == {}
-    for bad, msg in [("planner", "key=value"), ("color=red", "unknown key 'color'"), ("planner=a,planner=b", "twice"),
-                     ("batch_size=x", "batch_size must be an integer")]:
+    for bad, msg in [("planner", "key=value"), ("color=red", "unknown key 'color'.*attention.*planner"),
+                     ("planner=a,planner=b", "twice"), ("planner=a,policy=b", "'policy / planner' given twice"),
+                     ("attention=eager,backend=xla", "'backend / attention' given twice"),
+                     ("batch_size=x", "batch_size must be an integer")]:  # fmt: skip
         with pytest.raises(ValueError, match=msg):
             E.parse_overrides(bad)
     base = E.RunConfig(checkpoint="ckpt")
-    assert base.resolved().attention == "auto"  # torch: our sparse path
-    assert E.apply_overrides(base, "framework=jax").attention == "auto"
-    ref = E.RunConfig(checkpoint="ckpt", attention="reference")
-    assert E.apply_overrides(ref, "framework=torch").attention == "reference"  # kept where it exists
-    assert E.apply_overrides(ref, "framework=jax").attention == "auto"
-    assert E.apply_overrides(base, "attention=reference,planner=fixed") == E.RunConfig(
-        checkpoint="ckpt", attention="reference", planner="fixed")
-    with pytest.raises(ValueError, match="attention: for framework=jax"):
+    assert base.resolved().backend == "auto"  # torch: our sparse path
+    assert E.apply_overrides(base, "framework=jax").backend == "auto"
+    ref = E.RunConfig(checkpoint="ckpt", backend="reference")
+    assert E.apply_overrides(ref, "framework=torch").backend == "reference"  # kept where it exists
+    assert E.apply_overrides(ref, "framework=jax").backend == "auto"
+    for spec in ("attention=reference,planner=fixed", "backend=reference,policy=fixed"):
+        assert E.apply_overrides(base, spec) == E.RunConfig(checkpoint="ckpt", backend="reference", policy="fixed")
+    with pytest.raises(ValueError, match=r"backend \(--attention\): for framework=jax"):
         E.apply_overrides(base, "framework=jax,attention=eager")
-    with pytest.raises(ValueError, match="planner"):
+    with pytest.raises(ValueError, match=r"policy \(--planner\)"):
         E.apply_overrides(base, "planner=greedy")
     with pytest.raises(ValueError, match="batch_size"):
         E.apply_overrides(base, "batch_size=0")
+
+
+def test_cli_flags_map_onto_backend_and_policy(capsys):
+    args = E.parse_args(["--attention", "xla", "--planner", "fixed", "--framework", "jax"])
+    assert (args.backend, args.policy, args.framework) == ("xla", "fixed", "jax")
+    assert (E.parse_args([]).backend, E.parse_args([]).policy) == (None, "adaptive")
+    with pytest.raises(SystemExit):
+        E.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "planner= and policy= are one key, attention= and backend= another" in text
+    assert "backend= in the API" in text and "policy= in the API" in text
 
 
 def test_cli_compare_writes_report(tmp_path, monkeypatch, capsys):
@@ -411,22 +428,22 @@ def test_cli_compare_writes_report(tmp_path, monkeypatch, capsys):
 
     def fake_load(checkpoint, **cfg):
         loaded.append(cfg)
-        scripts = SCRIPTS if cfg["planner"] == "adaptive" else dict(SCRIPTS, **{"test q0?\nAnswer:": " #### 1"})
-        return ScriptedGenerator(scripts, "batched" if cfg["attention"] != "eager" else "per_request")
+        scripts = SCRIPTS if cfg["policy"] == "adaptive" else dict(SCRIPTS, **{"test q0?\nAnswer:": " #### 1"})
+        return ScriptedGenerator(scripts, "batched" if cfg["backend"] != "eager" else "per_request")
 
     monkeypatch.setattr(E, "load_generator", fake_load)
     out = tmp_path / "r.json"
     argv = ["--checkpoint", str(tmp_path / "ckpt"), "--data", str(tmp_path), "--limit", "3", "--num-fewshot", "2",
             "--max-new-tokens", "40", "--output", str(out), "--no-progress",
-            "--compare", "attention=reference,planner=adaptive", "attention=reference,planner=fixed"]
+            "--compare", "attention=reference,planner=adaptive", "backend=reference,policy=fixed"]
     assert E.main(argv) == 0
-    assert [c["planner"] for c in loaded] == ["adaptive", "fixed"]
+    assert [(c["backend"], c["policy"]) for c in loaded] == [("reference", "adaptive"), ("reference", "fixed")]
     report = json.loads(out.read_text())
     assert report["num_problems"] == 3 and report["num_fewshot"] == 2 and report["fewshot_seed"] == 1234
     assert report["compare"]["identical_problems"] == 2
     assert report["compare"]["first_difference"]["doc_id"] == 0
     assert report["compare"]["accuracy_difference"]["strict-match"] == pytest.approx(-1 / 3)
-    assert report["a"]["config"]["planner"] == "adaptive" and report["b"]["config"]["planner"] == "fixed"
+    assert report["a"]["config"]["policy"] == "adaptive" and report["b"]["config"]["policy"] == "fixed"
     assert "identical generated tokens: 2/3" in capsys.readouterr().out
     # A bad spec or missing data fails before any model is loaded, with a message and exit code 2.
     loaded.clear()
@@ -446,13 +463,17 @@ def test_missing_components_fail_clearly(tmp_path):
     """Until issue 7 lands here, its absence is a clear SetupError (each check runs only then)."""
     if not has_module("dsv4_jax.model"):
         with pytest.raises(G.SetupError, match=r"JAX DeepSeek-V4 model \(issue 7\)"):
-            G.load_generator(tmp_path, framework="jax", attention="auto")
+            G.load_generator(tmp_path, framework="jax", backend="auto")
     if not has_module("dsv4_torch.hf.tiny_checkpoint"):
         with pytest.raises(G.SetupError, match=r"tiny checkpoint writer"):
             E.ensure_tiny_checkpoint(tmp_path / "tiny")
-    with pytest.raises(ValueError, match="attention: for --framework torch"):
-        G.load_generator(tmp_path, attention="pallas")
-    with pytest.raises(ValueError, match="batching='batched' with attention='eager'"):
+    with pytest.raises(ValueError, match="backend: for framework='torch'"):
+        G.load_generator(tmp_path, backend="pallas")
+    with pytest.raises(ValueError, match="backend: for framework='jax'"):
+        G.load_generator(tmp_path, framework="jax", backend="eager")
+    with pytest.raises(ValueError, match="policy: expected one of"):
+        G.load_generator(tmp_path, policy="greedy")
+    with pytest.raises(ValueError, match="batching='batched' with backend='eager'"):
         G.resolve_batching("batched", "eager")
     assert G.resolve_batching("auto", "eager") == "per_request"
     assert G.resolve_batching("auto", "reference") == "batched"
@@ -506,8 +527,8 @@ def test_eager_greedy_loop_equals_generate(tiny_eager):
     import torch
 
     model, ckpt = tiny_eager
-    gen = G.load_generator(ckpt, attention="eager", device="cpu")
-    assert gen.batching == "per_request"
+    gen = G.load_generator(ckpt, backend="eager", device="cpu")
+    assert isinstance(gen, G.TorchEvalGenerator) and gen.batching == "per_request"
     prompts = [gen.codec.encode("Question: " + "Tom has 12 apples and buys 30 more. " * 4 + "\nAnswer:"),
                gen.codec.encode("Question: 2+2?\nAnswer:")]
     assert prompts[0][0] == 256 and len(prompts[0]) > 128  # BOS added; long enough for an HCA entry
@@ -544,7 +565,7 @@ def test_cli_end_to_end_on_tiny_eager_checkpoint(tiny_eager, tmp_path):
     assert E.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["config"]["generator"]["batching"] == "per_request"
-    assert report["config"]["generator"]["attention"] == "eager"
+    assert report["config"]["generator"]["backend"] == "eager" and report["config"]["backend"] == "eager"
     assert report["planner"] is None
     for p in report["problems"]:
         assert 1 <= len(p["generated_token_ids"]) <= 3
@@ -557,7 +578,7 @@ def test_batched_adapter_path_on_equal_lengths(tiny_eager):
     """The batched path (mask, per-row positions, growing mask) on prompts of one length, where eager
     needs no padding: same tokens as per request. Ragged batches need our attention (issue 6)."""
     _, ckpt = tiny_eager
-    gen = G.load_generator(ckpt, attention="eager", device="cpu")
+    gen = G.load_generator(ckpt, backend="eager", device="cpu")
     prompts = [gen.codec.encode(f"Question: {a} + {b} = ?\nAnswer:") for a, b in ((12, 30), (45, 11), (70, 99))]
     assert len({len(p) for p in prompts}) == 1
     alone = gen.generate(prompts, 5, [])
@@ -605,3 +626,6 @@ def test_cli_compare_torch_vs_jax(tiny_eager, tmp_path):
     report = json.loads(out.read_text())
     assert report["compare"]["problems"] == 3 and report["compare"]["identical_problems"] == 3
     assert report["b"]["planner"] is not None
+    gen_a, gen_b = report["a"]["config"]["generator"], report["b"]["config"]["generator"]
+    assert (gen_a["generator"], gen_b["generator"]) == ("TorchEvalGenerator", "JaxEvalGenerator")
+    assert (gen_a["backend"], gen_b["backend"], gen_b["policy"]) == ("reference", "xla", "adaptive")

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from dsv4_torch.hf.capture import capture_attention, capture_attention_layers  # noqa: E402
 from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
-from planner.batch import LayerKind  # noqa: E402
+from planner import LayerKind  # noqa: E402
 from planner.oracle import prefill_attention  # noqa: E402
 
 LAYERS = {"SWA": 1, "CSA": 2, "HCA": 3}  # layer index of each kind in the tiny preset
@@ -52,7 +52,7 @@ def oracle_output(cap):
     topk = None if cap.topk_indices is None else cap.topk_indices.numpy()
     out, _, _ = prefill_attention(
         cap.query.numpy(), [cap.raw_kv().numpy()], comp, [cap.seq_len], [cap.query_len],
-        compress_ratio=cap.compress_ratio, window_size=cap.window_size, sm_scale=cap.sm_scale,
+        kind=cap.kind, compress_ratio=cap.compress_ratio, window_size=cap.window_size, sm_scale=cap.sm_scale,
         attn_sink=cap.sink.numpy(), topk_rows=topk,
     )
     return out

@@ -112,6 +112,36 @@ def test_greedy_generate_matches_eager(model, tokenizer):
     assert torch.equal(ours, eager)
 
 
+def test_other_compress_rates_match_eager(tiny_checkpoint_other_ratios):
+    """A kind and a ratio vary apart: CSA 8 / HCA 32 (kinds from `layer_types`, ratios from
+    `compress_rates`) end to end, one call and chunked at boundaries that are not multiples of 8,
+    32 or W, then decode steps, and a ragged batch against each prompt alone."""
+    m = transformers.DeepseekV4ForCausalLM.from_pretrained(tiny_checkpoint_other_ratios).eval()
+    assert dict(m.config.compress_rates) == {"compressed_sparse_attention": 8, "heavily_compressed_attention": 32}
+    ids = ids_of(152, 11)  # 4 HCA entries, 19 CSA entries (top-8 selects)
+    # calls of 37, 64 and 48 tokens (HCA entries 1, 2 and 3 close inside them), then 3 decode steps;
+    # the last one completes CSA block 18 (position 151)
+    bounds = [0, 37, 101, 149, 150, 151, 152]
+    with torch.no_grad():
+        eager_one, eager = m(ids).logits, calls(m, ids, bounds)
+        with sparse(m):
+            ours_one = m(ids).logits
+            plan = I.last_step_plan(m)
+            ours = calls(m, ids, bounds)
+            g = torch.Generator().manual_seed(12)
+            prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (133, 70, 9)]
+            pids, mask = left_padded(prompts)
+            batch = m(pids, attention_mask=mask).logits
+        alone = [m(torch.tensor([p])).logits[0] for p in prompts]
+    assert {k: (p.compress_ratio, p.has_compressed) for k, p in plan.kinds.items()} == {
+        LayerKind.SWA: (0, False), LayerKind.CSA: (8, True), LayerKind.HCA: (32, True)}
+    assert err(ours_one, eager_one) < TOL
+    assert err(ours, eager) < TOL
+    L = pids.shape[1]
+    for i, (p, a) in enumerate(zip(prompts, alone)):
+        assert err(batch[i, L - len(p):], a) < TOL, i
+
+
 # ----------------------------------------------------------------------------- ragged batches
 
 
@@ -236,13 +266,13 @@ def test_planners_give_bitwise_identical_logits(model):
             b = model(a[:, -1:].argmax(-1), attention_mask=m2, past_key_values=cache).logits
             return torch.cat([a, b], 1), plan
 
-    ref, plan = run(planner="adaptive")
+    ref, plan = run(policy="adaptive")
     assert all(plan[k].num_chunks == 1 for k in LayerKind)  # the default budget holds the whole step
-    fixed, plan = run(planner="fixed", prefill_chunk_size=2)
+    fixed, plan = run(policy="fixed", prefill_chunk_size=2)
     assert plan[LayerKind.CSA].num_chunks == 3  # 5 requests in chunks of 2
-    per_request, plan = run(planner="per_request")
+    per_request, plan = run(policy="per_request")
     assert plan[LayerKind.HCA].num_chunks == 5
-    split, plan = run(planner="adaptive", budget_rows=64)  # cuts the long requests along their queries
+    split, plan = run(policy="adaptive", budget_rows=64)  # cuts the long requests along their queries
     assert plan[LayerKind.HCA].split_requests.tolist() == [0, 2, 4]
     assert torch.equal(fixed, ref) and torch.equal(per_request, ref) and torch.equal(split, ref)
 
@@ -315,16 +345,18 @@ def test_unsupported_models_and_settings_fail_clearly(model, monkeypatch):
         I.enable_sparse_prefill(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="backend: expected one of"):
         I.enable_sparse_prefill(model, backend="sdpa")
-    with pytest.raises(ValueError, match="planner: expected one of"):
-        I.enable_sparse_prefill(model, planner="greedy")
+    with pytest.raises(ValueError, match="policy: expected one of"):
+        I.enable_sparse_prefill(model, policy="greedy")
+    with pytest.raises(TypeError, match="planner"):  # the old keyword is gone, not silently ignored
+        I.enable_sparse_prefill(model, planner="adaptive")
     with pytest.raises(ValueError, match="max_model_len"):
         I.enable_sparse_prefill(model, max_model_len=0)
     from dsv4_torch.attention import BackendUnavailableError
 
     with pytest.raises(BackendUnavailableError, match="flashmla"):
         I.enable_sparse_prefill(model, backend="flashmla")  # CPU model
-    monkeypatch.setitem(model.config.compress_rates, "compressed_sparse_attention", 8)
-    with pytest.raises(ValueError, match=r"compress_rates\['compressed_sparse_attention'\]: 8 is not supported"):
+    monkeypatch.setitem(model.config.compress_rates, "compressed_sparse_attention", 0)  # any ratio >= 1 is fine
+    with pytest.raises(ValueError, match=r"compress_rates\['compressed_sparse_attention'\]: .*CSA layers need a ratio >= 1, got 0"):
         I.enable_sparse_prefill(model)
     monkeypatch.undo()
     from dsv4_torch.hf import versions

@@ -87,10 +87,11 @@ def test_config_from_both_name_styles_and_presets(checkpoints):
     assert ModelConfig.from_checkpoint(checkpoints["deepseek"]) == tiny  # MTP slot dropped, legacy fields folded
     assert tiny == ModelConfig.from_dict(tiny_config())
     flash, pro = ModelConfig.from_name("V4-Flash"), ModelConfig.from_name("v4_pro")
-    from planner.models import ModelShape
+    from planner.contract import ModelShape
 
     for cfg, shape in ((flash, ModelShape.from_name("V4-Flash")), (pro, ModelShape.from_name("V4-Pro"))):
-        assert cfg.compress_ratios == shape.compress_ratios[:-1]  # the planner's list ends with the MTP layer
+        assert cfg.layers == shape.layers[:-1]  # the planner's list ends with the MTP layer
+        assert cfg.compress_ratios == tuple(s.compress_ratio for s in shape.layers[:-1])
         assert (cfg.num_attention_heads, cfg.sliding_window, cfg.index_topk) == (
             shape.num_heads, shape.window_size, shape.index_topk)  # fmt: skip
     with pytest.raises(ValueError, match="name"):
@@ -186,8 +187,8 @@ def test_chunked_prefill_then_decode_matches_transformers(chunked_a, hf_logits, 
 
 
 def test_pallas_backend_inside_the_model(checkpoints, chunked_a):
-    """The same steps with attention_backend="pallas" (the Pallas kernel; interpreted on CPU)."""
-    pallas = DeepseekV4.from_checkpoint(checkpoints["hf"], **{**MODEL_OPTIONS, "attention_backend": "pallas"})
+    """The same steps with backend="pallas" (the Pallas kernel; interpreted on CPU)."""
+    pallas = DeepseekV4.from_checkpoint(checkpoints["hf"], **{**MODEL_OPTIONS, "backend": "pallas"})
     assert _max_err(chunked_then_decode(pallas), chunked_a) < 1e-5
 
 
@@ -210,6 +211,27 @@ def test_ragged_chunked_batch_equals_each_prompt_alone(model, hf_logits, one_cal
     assert _max_err(a, hf_logits(PROMPT_A)) < TOL
     assert _max_err(b, hf_logits(PROMPT_B + [99])) < TOL
     assert _max_err(c, hf_logits(PROMPT_C)) < TOL
+
+
+def test_other_compress_rates_match_transformers(tiny_checkpoint_other_ratios):
+    """A kind and a ratio vary apart: CSA 8 / HCA 32 (kinds from `layer_types`, ratios from
+    `compress_rates`), chunked prefill at boundaries that are not multiples of 8, 32 or W, then
+    decode steps (the last completes CSA block 18), against transformers' one-call logits."""
+    cfg = ModelConfig.from_checkpoint(tiny_checkpoint_other_ratios)
+    assert (cfg.compress_rate_csa, cfg.compress_rate_hca) == (8, 32)
+    assert cfg.compress_ratios == (0, 0, 8, 32, 8, 32) and cfg.compress_ratio("HCA") == 32
+    tokens = PROMPT_A[:152]  # 4 HCA entries, 19 CSA entries (top-8 selects)
+    with torch.no_grad():
+        hf = transformers.DeepseekV4ForCausalLM.from_pretrained(tiny_checkpoint_other_ratios).eval()
+        reference = hf(torch.tensor([tokens]), use_cache=False).logits[0].numpy()
+    model = DeepseekV4.from_checkpoint(tiny_checkpoint_other_ratios, dtype="float32", **MODEL_OPTIONS)
+    cache, got = model.init_cache(), []
+    for a, b in zip([0, 37, 101, 149, 150, 151], [37, 101, 149, 150, 151, 152]):  # every step <= 64 tokens
+        cache, out = model.step(cache, [1], [a], [tokens[a:b]], all_tokens=True)
+        got.append(out.request_logits()[0])
+    assert {k.name: p.compress_ratio for k, p in out.plan.kinds.items()} == {"SWA": 0, "CSA": 8, "HCA": 32}
+    assert reference.std() > 0.5
+    assert _max_err(np.concatenate(got), reference) < TOL
 
 
 def test_greedy_generation_matches_transformers(checkpoints, hf_model):
@@ -244,8 +266,10 @@ def test_bad_inputs_raise(model, checkpoints):
         model.step(cache, [0], [0], [[]])
     with pytest.raises(ValueError, match="max_model_len"):
         model.step(cache, [0], [510], [[5, 6, 7]])
-    with pytest.raises(ValueError, match="attention_backend"):
-        DeepseekV4.from_checkpoint(checkpoints["hf"], attention_backend="cuda")
+    with pytest.raises(ValueError, match="backend"):
+        DeepseekV4.from_checkpoint(checkpoints["hf"], **{**MODEL_OPTIONS, "backend": "cuda"})
+    with pytest.raises(ValueError, match="policy"):
+        DeepseekV4.from_checkpoint(checkpoints["hf"], **{**MODEL_OPTIONS, "policy": "greedy"})
     gen = JaxGenerator(checkpoints["hf"], **MODEL_OPTIONS)
     with pytest.raises(ValueError, match="prompts\\[0\\]"):
         gen.generate([[]], 4)

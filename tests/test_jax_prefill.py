@@ -44,19 +44,19 @@ def paged(case, which, dtype=np.float32, seed=1):
 
 def caches(case, *, paged_kv=False, dtype=np.float32):
     if paged_kv:
-        return paged(case, "raw", dtype, 1), (paged(case, "comp", dtype, 2) if case.ratio > 1 else None)
-    return logical(case.raw, dtype), (logical(case.comp, dtype) if case.ratio > 1 else None)
+        return paged(case, "raw", dtype, 1), (paged(case, "comp", dtype, 2) if case.kind.has_compressed else None)
+    return logical(case.raw, dtype), (logical(case.comp, dtype) if case.kind.has_compressed else None)
 
 
 def run(case, *, policy="adaptive", paged_kv=False, dtype=np.float32, backend="xla", meta_kw=FAST, **cfg):
-    step = P.plan_step(case.batch, case.plan_config(policy=policy, **cfg), [case.ratio])
+    step = P.plan_step(case.batch, case.plan_config(policy=policy, **cfg), [case.layer])
     smeta = JP.build_step_metadata(step, index_topk=case.topk, **meta_kw)
-    meta = smeta[case.ratio]
+    meta = smeta[case.kind]
     raw, comp = caches(case, paged_kv=paged_kv, dtype=dtype)
     q = jnp.asarray(smeta.pad_tokens(case.q).astype(dtype))
     out = JP.prefill_attention(
         q, meta, raw, comp, sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink),
-        topk_indices=smeta.pad_tokens(case.topk_rows) if case.ratio == 4 else None, backend=backend,
+        topk_indices=smeta.pad_tokens(case.topk_rows) if case.kind is P.LayerKind.CSA else None, backend=backend,
     )  # fmt: skip
     assert out.shape == (smeta.padded_tokens,) + case.q.shape[1:] and out.dtype == q.dtype
     out = np.asarray(out)
@@ -82,10 +82,22 @@ def test_prefill_matches_oracle_and_is_chunk_invariant(ratio):
         for policy in POLICIES[1:]:
             np.testing.assert_array_equal(outs[policy], outs["adaptive"], err_msg=f"{case.name} {policy}")
         # nor does a length-sorted order, a budget that splits requests, or paged caches
-        tight = max(s // ratio if ratio > 1 else 0 for s in case.seq_lens) + case.window_size + 4
+        tight = max(s // ratio if case.kind.has_compressed else 0 for s in case.seq_lens) + case.window_size + 4
         for kw in (dict(order="length"), dict(budget_rows=tight), dict(paged_kv=True)):
             out, _ = run(case, **kw)
             np.testing.assert_array_equal(out, outs["adaptive"], err_msg=f"{case.name} {kw}")
+
+
+@pytest.mark.parametrize("kind, ratio", [("CSA", 8), ("HCA", 32)])
+def test_other_ratios_match_oracle_and_are_chunk_invariant(kind, ratio):
+    """A kind and a ratio vary apart: a small test model's CSA 8 / HCA 32 (ratio 1: tests/test_torch_prefill.py)."""
+    for case in boundary_cases(ratio, kind=kind)[1:2]:  # queries at r - 1, r, W - 1, W (one case: compiles)
+        assert case.layer == P.LayerSpec(kind, ratio)
+        want, _, _ = case.oracle()
+        outs = [run(case, policy=p)[0] for p in POLICIES] + [run(case, paged_kv=True)[0]]
+        close(outs[0], want)
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0], err_msg=case.name)
 
 
 def test_tile_ladders_and_default_buckets_are_bitwise_equal():
@@ -143,15 +155,16 @@ def test_pallas_interpret_small_case():
 def test_device_indices_equal_numpy_builder():
     for ratio in (0, 4, 128):
         case = boundary_cases(ratio)[2]
-        tight = max(s // ratio if ratio > 1 else 0 for s in case.seq_lens) + case.window_size + 4
+        tight = max(s // ratio if case.kind.has_compressed else 0 for s in case.seq_lens) + case.window_size + 4
+        rows = case.topk_rows if case.kind is P.LayerKind.CSA else None
         for policy, extra in [(p, {}) for p in POLICIES] + [("adaptive", dict(budget_rows=tight))]:
-            step = P.plan_step(case.batch, case.plan_config(policy=policy, order="length", **extra), [ratio])
-            meta = JP.build_step_metadata(step, index_topk=case.topk, **FAST)[ratio]
-            kp = step[ratio]
+            step = P.plan_step(case.batch, case.plan_config(policy=policy, order="length", **extra), [case.layer])
+            meta = JP.build_step_metadata(step, index_topk=case.topk, **FAST)[case.kind]
+            kp = step[case.kind]
             assert kp.num_chunks > 1 or policy in ("adaptive", "fixed")
             for c in range(kp.num_chunks):
-                want_idx, want_len = P.build_chunk_indices(kp, c, case.topk_rows if ratio == 4 else None, width=meta.index_width)
-                idx, length = JP.build_indices(meta, c, case.topk_rows if ratio == 4 else None)
+                want_idx, want_len = P.build_chunk_indices(kp, c, rows, width=meta.index_width)
+                idx, length = JP.build_indices(meta, c, rows)
                 np.testing.assert_array_equal(np.asarray(idx), want_idx)
                 np.testing.assert_array_equal(np.asarray(length), want_len)
 
@@ -160,11 +173,11 @@ def test_device_indices_equal_numpy_builder():
 def test_device_gathers_equal_numpy_workspace(paged_kv):
     for ratio in (4, 128):
         case = boundary_cases(ratio)[3]  # with query_len == 0 requests
-        step = P.plan_step(case.batch, case.plan_config(policy="fixed"), [ratio])
-        meta = JP.build_step_metadata(step, index_topk=case.topk, token_tile=16, gather_tile=64)[ratio]
+        step = P.plan_step(case.batch, case.plan_config(policy="fixed"), [case.layer])
+        meta = JP.build_step_metadata(step, index_topk=case.topk, token_tile=16, gather_tile=64)[case.kind]
         raw, comp = caches(case, paged_kv=paged_kv)
-        for c in range(step[ratio].num_chunks):
-            want = P.gather_workspace(step[ratio], c, case.raw, case.comp, fill=np.nan)
+        for c in range(step[case.kind].num_chunks):
+            want = P.gather_workspace(step[case.kind], c, case.raw, case.comp, fill=np.nan)
             got = np.asarray(JP.gather_workspace(meta, c, raw, comp))
             written = ~np.isnan(want[:, 0])
             np.testing.assert_array_equal(got[: want.shape[0]][written], want[written])
@@ -207,7 +220,7 @@ def test_compile_count_bounded_by_buckets():
         seq = qry + np.exp(rng.uniform(np.log(6000), np.log(48_000), n)).astype(int)
         batch = P.PrefillBatch(seq, qry)
         cfg = P.PlanConfig(window_size=W, max_model_len=max_len, max_num_batched_tokens=18, policy=str(rng.choice(POLICIES)))
-        step = P.plan_step(batch, cfg, [0, 4, 128])
+        step = P.plan_step(batch, cfg, P.V4_LAYERS)
         smeta = JP.build_step_metadata(step, index_topk=topk, token_tile=16, gather_tile=64, min_tokens=min_tokens,
                                        min_workspace_rows=min_rows)  # fmt: skip
         T = batch.num_tokens
@@ -224,10 +237,11 @@ def test_compile_count_bounded_by_buckets():
             count("workspace rows", kp.max_workspace_rows, rows_bucket)
             if kind is P.LayerKind.HCA:
                 count("HCA index width", width, width_bucket)
-            r = kind.ratio if kind is not P.LayerKind.SWA else 0
+            r = kp.compress_ratio  # 0 for SWA
             out = JP.prefill_attention(
                 jnp.asarray(smeta.pad_tokens(q)), smeta[kind], kv[0], kv[r] if r else None, sm_scale=D**-0.5,
-                attn_sink=jnp.asarray(sink), topk_indices=jnp.asarray(smeta.pad_tokens(rows)) if r == 4 else None,
+                attn_sink=jnp.asarray(sink),
+                topk_indices=jnp.asarray(smeta.pad_tokens(rows)) if kind is P.LayerKind.CSA else None,
                 backend="xla",
             )  # fmt: skip
             if i % 10 == 9:  # and the results are right
@@ -235,7 +249,7 @@ def test_compile_count_bounded_by_buckets():
                 case = PrefillCase("r", seq.tolist(), qry.tolist(), r, W, topk, q,
                                    [banks[0][j * max_len : j * max_len + s] for j, s in enumerate(seq)],
                                    [banks[r][j * per : j * per + s // r] for j, s in enumerate(seq)] if r else [],
-                                   rows, sink)  # fmt: skip
+                                   rows, sink, kind=kind)  # fmt: skip
                 close(np.asarray(out)[:T], case.oracle()[0])
     compiles = JP._prefill_jit._cache_size() - cache0
     assert JP.TRACE_COUNT["prefill"] - traces0 == compiles <= len(touched)
@@ -259,18 +273,19 @@ def test_runs_inside_user_jit_and_traces_once_per_bucket():
     @jax.jit
     def layer(q, step_meta, raw, comp, topk_rows, sink):  # the whole step's metadata is a pytree too
         traces.append(1)
-        return JP.prefill_attention(q, step_meta[4], raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows)
+        return JP.prefill_attention(q, step_meta["CSA"], raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows)
 
     build = lambda case: JP.build_step_metadata(  # noqa: E731
-        P.plan_step(case.batch, case.plan_config(), [4]), index_topk=topk, token_tile=16, gather_tile=16, min_workspace_rows=256
+        P.plan_step(case.batch, case.plan_config(), [case.layer]), index_topk=topk, token_tile=16, gather_tile=16,
+        min_workspace_rows=256,
     )  # fmt: skip
-    assert build(cases[0])[4].shape == build(cases[1])[4].shape
+    assert build(cases[0])["CSA"].shape == build(cases[1])["CSA"].shape
     for case in cases:
         smeta = build(case)
         raw, comp = caches(case)
         q, topk_rows, sink = (jnp.asarray(x) for x in (smeta.pad_tokens(case.q), smeta.pad_tokens(case.topk_rows), case.sink))
         got = np.asarray(layer(q, smeta, raw, comp, topk_rows, sink))
-        eager = JP.prefill_attention(q, smeta[4], raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows)
+        eager = JP.prefill_attention(q, smeta["CSA"], raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows)
         np.testing.assert_array_equal(got, np.asarray(eager))
         close(got[: case.batch.num_tokens], case.oracle()[0])
     assert len(traces) == 1  # both batches fall in the same buckets
@@ -285,7 +300,7 @@ def test_server_sizes_leave_only_the_token_bucket_static():
         qry = rng.integers(0, 400, n)
         seq = qry + rng.integers(0, 60000, n)
         policy = str(rng.choice(POLICIES))
-        smeta = JP.build_step_metadata(P.PrefillBatch(seq, qry), config=cfg, planner=policy, index_topk=512, sizes="server")
+        smeta = JP.build_step_metadata(P.PrefillBatch(seq, qry), config=cfg, policy=policy, index_topk=512, sizes="server")
         for kind, meta in smeta.kinds.items():
             assert meta.shape.workspace_rows == meta.plan.budget_rows >= meta.plan.max_workspace_rows
             shapes.add(dataclasses.replace(meta.shape, padded_tokens=0, token_ladder=()))
@@ -303,28 +318,28 @@ def test_rows_no_chunk_wrote_are_never_read():
     """A NaN-filled workspace: a read of any row the chunk's gathers did not write would show."""
     for ratio in (0, 4, 128):
         case = boundary_cases(ratio)[3]
-        step = P.plan_step(case.batch, case.plan_config(policy="fixed"), [ratio])
+        step = P.plan_step(case.batch, case.plan_config(policy="fixed"), [case.layer])
         smeta = JP.build_step_metadata(step, index_topk=case.topk, **FAST)
         raw, comp = caches(case, paged_kv=True)
         out = JP._prefill_jit(
-            jnp.asarray(smeta.pad_tokens(case.q)), smeta[ratio].table, raw, comp,
-            jnp.asarray(smeta.pad_tokens(case.topk_rows)) if ratio == 4 else None, jnp.asarray(case.sink),
-            shape=smeta[ratio].shape, sm_scale=case.sm_scale, backend="xla", fill=float("nan"),
+            jnp.asarray(smeta.pad_tokens(case.q)), smeta[case.kind].table, raw, comp,
+            jnp.asarray(smeta.pad_tokens(case.topk_rows)) if case.kind is P.LayerKind.CSA else None,
+            jnp.asarray(case.sink), shape=smeta[case.kind].shape, sm_scale=case.sm_scale, backend="xla", fill=float("nan"),
         )  # fmt: skip
         close(np.asarray(out)[: case.batch.num_tokens], case.oracle()[0])
 
 
 def test_zero_token_batch_and_unpadded_q():
     case = make_case("none", [40, 9], [0, 0], 128, window_size=8, H=2, D=16)
-    step = P.plan_step(case.batch, case.plan_config(), [128])
-    meta = JP.build_step_metadata(step)[128]
-    assert step[128].num_chunks == 0
+    step = P.plan_step(case.batch, case.plan_config(), [case.layer])
+    meta = JP.build_step_metadata(step)[case.kind]
+    assert step[P.LayerKind.HCA].num_chunks == 0
     out = JP.prefill_attention(jnp.zeros((0, 2, 16)), meta, *caches(case), sm_scale=0.25)
     assert out.shape == (0, 2, 16)
     # q with exactly T rows (no padding) works too
     case = boundary_cases(0)[1]
-    step = P.plan_step(case.batch, case.plan_config(), [0])
-    meta = JP.build_step_metadata(step, **FAST)[0]
+    step = P.plan_step(case.batch, case.plan_config(), [case.layer])
+    meta = JP.build_step_metadata(step, **FAST)[case.kind]
     raw = [jnp.asarray(x) for x in case.raw]
     out = JP.prefill_attention(jnp.asarray(case.q), meta, raw, sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink))
     close(np.asarray(out), case.oracle()[0])
@@ -364,7 +379,7 @@ def test_padding_waste_over_random_stream_is_under_2x():
             qry = (qry * min(1.0, 8192 / max(1, qry.sum()))).astype(int)
             seq = qry + np.exp(rng.uniform(0, np.log(60000), n)).astype(int)
             policy = str(rng.choice(POLICIES))
-            smeta = JP.build_step_metadata(P.PrefillBatch(seq, qry), config=cfg, planner=policy, index_topk=512, sizes=sizes)
+            smeta = JP.build_step_metadata(P.PrefillBatch(seq, qry), config=cfg, policy=policy, index_topk=512, sizes=sizes)
             for kind, meta in smeta.kinds.items():
                 keys[sizes].add((kind, meta.shape.workspace_rows, meta.shape.index_width))
                 for k, v in meta.padding().items():
@@ -385,8 +400,8 @@ def test_padding_waste_over_random_stream_is_under_2x():
 
 def test_bad_inputs():
     case = boundary_cases(4)[0]
-    step = P.plan_step(case.batch, case.plan_config(), [4])
-    meta = JP.build_step_metadata(step, index_topk=case.topk, **FAST)[4]
+    step = P.plan_step(case.batch, case.plan_config(), [case.layer])
+    meta = JP.build_step_metadata(step, index_topk=case.topk, **FAST)[case.kind]
     q = jnp.asarray(case.q)
     raw = [jnp.asarray(x) for x in case.raw]
     comp = [jnp.asarray(x) for x in case.comp]
@@ -398,7 +413,7 @@ def test_bad_inputs():
     with pytest.raises(TypeError, match="q: expected a jax.Array"):
         call(q=case.q.tolist())
     with pytest.raises(TypeError, match="meta"):
-        call(meta=step[4])
+        call(meta=step[case.kind])
     with pytest.raises(ValueError, match="topk_indices"):
         call(topk_indices=None)
     for dtype in (np.float32, np.int64, np.uint32, np.int16):  # never a silent cast
@@ -431,8 +446,8 @@ def test_bad_inputs():
         JP.build_step_metadata(step)
     with pytest.raises(ValueError, match="config"):
         JP.build_step_metadata(case.batch)
-    with pytest.raises(ValueError, match="planner"):
-        JP.build_step_metadata(step, planner="fixed", index_topk=6)
+    with pytest.raises(ValueError, match="policy"):
+        JP.build_step_metadata(step, policy="fixed", index_topk=6)
     with pytest.raises(ValueError, match="sizes"):
         JP.build_step_metadata(step, index_topk=6, sizes="exact")
     with pytest.raises(ValueError, match="padded_tokens"):
@@ -454,8 +469,8 @@ def test_bad_caches_raise_naming_the_argument():
     """Caches that do not hold what the step reads: a ValueError on the host, never a silently
     wrong output (JAX gathers clamp out-of-range rows) or a bare IndexError."""
     case = boundary_cases(4)[0]  # seq_lens [3, 7, 8, 9, 21], D = 32; compressed lens [0, 1, 2, 2, 5]
-    step = P.plan_step(case.batch, case.plan_config(), [4])
-    meta = JP.build_step_metadata(step, index_topk=case.topk, **FAST)[4]
+    step = P.plan_step(case.batch, case.plan_config(), [case.layer])
+    meta = JP.build_step_metadata(step, index_topk=case.topk, **FAST)[case.kind]
     q, rows, D = jnp.asarray(case.q), jnp.asarray(case.topk_rows), case.q.shape[2]
     raw, comp = list(case.raw), list(case.comp)
     call = lambda raw_kv=raw, compressed_kv=comp: JP.prefill_attention(  # noqa: E731
@@ -509,9 +524,9 @@ def test_last_backend_outside_and_inside_a_user_jit():
     """Outside jax.jit the caller's metadata records the backend; inside a user's jit the call
     sees a copy JAX rebuilt, so `resolve_backend` is the way to know (it is what the call asks)."""
     case = boundary_cases(0)[0]
-    step = P.plan_step(case.batch, case.plan_config(), [0])
+    step = P.plan_step(case.batch, case.plan_config(), [case.layer])
     raw, sink = logical(case.raw), jnp.asarray(case.sink)
-    meta = JP.build_step_metadata(step, **FAST)[0]
+    meta = JP.build_step_metadata(step, **FAST)[case.kind]
     q = jnp.asarray(JP.build_step_metadata(step, **FAST).pad_tokens(case.q))
     eager = JP.prefill_attention(q, meta, raw, sm_scale=0.25, attn_sink=sink)
     assert meta.last_backend == dsv4_jax.resolve_backend("auto") == "xla"  # CPU
@@ -523,7 +538,7 @@ def test_last_backend_outside_and_inside_a_user_jit():
         seen.append(meta.last_backend)  # the traced copy's
         return out
 
-    fresh = JP.build_step_metadata(step, **FAST)[0]
+    fresh = JP.build_step_metadata(step, **FAST)[case.kind]
     np.testing.assert_array_equal(np.asarray(layer(q, fresh)), np.asarray(eager))
     assert seen == ["xla"] and fresh.last_backend is None
 
@@ -535,7 +550,7 @@ def test_prefill_lowers_for_cuda_with_the_triton_kernel(monkeypatch):
     H, D, topk, W = 64, 512, 512, 128
     batch = P.PrefillBatch([5000, 300], [300, 300])
     cfg = P.PlanConfig(window_size=W, max_model_len=8192, max_num_batched_tokens=512)
-    meta = JP.build_step_metadata(batch, config=cfg, compress_ratios=[4], index_topk=topk)[4]
+    meta = JP.build_step_metadata(batch, config=cfg, layers={"CSA": 4}, index_topk=topk)["CSA"]
     assert meta.shape.token_ladder == (256, 64, 16)
 
     def layer(q, meta, raw_pages, comp_pages, block_table, comp_table, topk_rows, sink):

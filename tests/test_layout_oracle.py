@@ -8,16 +8,17 @@ from planner import oracle
 from planner.layout import round_up
 
 
-def random_step(rng, seq, qry, ratio, D=16, H=4, topk=6):
+def random_step(rng, seq, qry, layer, D=16, H=4, topk=6):
     """Per-request raw and compressed latents, queries, and a random valid CSA top-k row per token."""
     batch = P.PrefillBatch(seq, qry)
+    r = layer.compress_ratio
     raw = [rng.standard_normal((s, D)) for s in seq]
-    comp = [rng.standard_normal((s // ratio if ratio > 1 else 0, D)) for s in seq]
+    comp = [rng.standard_normal((s // r if layer.has_compressed else 0, D)) for s in seq]
     q = rng.standard_normal((batch.num_tokens, H, D))
     topk_rows = np.full((batch.num_tokens, topk), -1, dtype=np.int32)
-    if ratio == 4:
+    if layer.kind is P.LayerKind.CSA:
         for t, p in enumerate(batch.token_position):
-            visible = (int(p) + 1) // 4
+            visible = (int(p) + 1) // r
             k = min(visible, topk)
             topk_rows[t, :k] = rng.permutation(visible)[:k]  # request-local, any order
     return batch, raw, comp, q, topk_rows
@@ -45,9 +46,12 @@ CASES = [
     ([300, 7, 0 + 9, 150, 260], [0, 7, 9, 0, 31]),
     ([127, 128, 129, 131, 132], [1, 128, 2, 4, 5]),
 ]
+# V4.0's layers, then other ratios (a small test model's CSA 8 / HCA 32; V4.1's full-length ratio 1)
+LAYERS = [P.LayerSpec(k, r) for k, r in (("SWA", 0), ("CSA", 4), ("HCA", 128), ("CSA", 8), ("HCA", 32), ("CSA", 1))]
+LAYER_IDS = [f"{x.kind.name}{x.compress_ratio}" for x in LAYERS]
 
 
-@pytest.mark.parametrize("ratio", [0, 4, 128])
+@pytest.mark.parametrize("layer", LAYERS, ids=LAYER_IDS)
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize(
     "cfg",
@@ -60,19 +64,22 @@ CASES = [
     ],
     ids=["adaptive", "fixed", "per_request", "length-order", "budget-split"],
 )
-def test_plan_gather_equals_chunk_free_reference(ratio, case, cfg):
-    rng = np.random.default_rng(case * 10 + ratio)
+def test_plan_gather_equals_chunk_free_reference(layer, case, cfg):
+    rng = np.random.default_rng(case * 10 + layer.compress_ratio)
     seq, qry = CASES[case]
     W = 8
-    batch, raw, comp, q, topk_rows = random_step(rng, seq, qry, ratio)
+    batch, raw, comp, q, topk_rows = random_step(rng, seq, qry, layer)
     sink = rng.standard_normal(q.shape[1])
     scale = q.shape[2] ** -0.5
-    plan = P.plan_kind(batch, P.PlanConfig(window_size=W, max_model_len=512, max_num_batched_tokens=128, **cfg), ratio)
+    if layer.compress_ratio == 1 and "budget_rows" in cfg:  # full-length entries: a token needs seq_len + W rows
+        cfg = dict(cfg, budget_rows=280)  # position 259 of case 2 needs 268; its whole request 298: split
+    plan = P.plan_kind(batch, P.PlanConfig(window_size=W, max_model_len=512, max_num_batched_tokens=128, **cfg), layer)
+    assert plan.layer == layer
     got, got_lse = run_by_plan(plan, raw, comp, q, topk_rows, sink, scale)
     want, _, want_lse = oracle.prefill_attention(
-        q, raw, comp, seq, qry, compress_ratio=ratio, window_size=W, sm_scale=scale, attn_sink=sink,
-        topk_rows=topk_rows if ratio == 4 else None,
-    )
+        q, raw, comp, seq, qry, kind=layer.kind, compress_ratio=layer.compress_ratio, window_size=W, sm_scale=scale,
+        attn_sink=sink, topk_rows=topk_rows if layer.kind is P.LayerKind.CSA else None,
+    )  # fmt: skip
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(got_lse, want_lse, rtol=1e-12)
 
@@ -80,7 +87,7 @@ def test_plan_gather_equals_chunk_free_reference(ratio, case, cfg):
 def test_indices_follow_spec_layout():
     """Spot-check the spec's formulas on a 2-request HCA chunk."""
     batch = P.PrefillBatch([300, 10], [2, 10])
-    plan = P.plan_kind(batch, P.PlanConfig(window_size=4, max_model_len=512, max_num_batched_tokens=16), 128)
+    plan = P.plan_kind(batch, P.PlanConfig(window_size=4, max_model_len=512, max_num_batched_tokens=16), ("HCA", 128))
     c = plan.chunks[0]
     assert (c.N, c.M) == (2, 2 + 10)  # N = 300 // 128; gather_len = max(2 + 3, 10)
     idx, tl = P.build_chunk_indices(plan, c)
@@ -96,7 +103,7 @@ def test_indices_follow_spec_layout():
 
 def test_csa_topk_rows_validated():
     batch = P.PrefillBatch([16], [4])
-    plan = P.plan_kind(batch, P.PlanConfig(window_size=4, max_model_len=64, max_num_batched_tokens=16), 4)
+    plan = P.plan_kind(batch, P.PlanConfig(window_size=4, max_model_len=64, max_num_batched_tokens=16), ("CSA", 4))
     rows = np.tile(np.arange(8, dtype=np.int32)[::-1], (4, 1))  # position 12 sees entries 0..2 only
     with pytest.raises(ValueError, match="topk_rows: row 0 \\(position 12\\)"):
         P.build_chunk_indices(plan, 0, rows)
@@ -133,19 +140,19 @@ def test_oracle_contract_edges():
         oracle.sparse_attention(q, kv, idx, 1.0, topk_length=[1, 2])
 
 
-@pytest.mark.parametrize("ratio", [0, 4, 128])
-def test_logical_key_rows_identical_across_plans(ratio):
+@pytest.mark.parametrize("layer", LAYERS[:5], ids=LAYER_IDS[:5])
+def test_logical_key_rows_identical_across_plans(layer):
     """Whatever the plan, a token's index row names the same keys in the same columns (width too)."""
     rng = np.random.default_rng(7)
     seq, qry = [300, 7, 9, 150, 260, 40], [0, 7, 9, 3, 31, 40]
-    batch, raw, comp, q, topk_rows = random_step(rng, seq, qry, ratio)
+    batch, raw, comp, q, topk_rows = random_step(rng, seq, qry, layer)
     logical = {}
     for cfg in (dict(policy="adaptive"), dict(policy="fixed"), dict(policy="per_request"),
                 dict(policy="adaptive", order="length"), dict(policy="adaptive", budget_rows=90)):  # fmt: skip
-        plan = P.plan_kind(batch, P.PlanConfig(window_size=8, max_model_len=512, max_num_batched_tokens=128, **cfg), ratio)
+        plan = P.plan_kind(batch, P.PlanConfig(window_size=8, max_model_len=512, max_num_batched_tokens=128, **cfg), layer)
         rows = np.full((batch.num_tokens, P.index_width(plan, 6)), -9, dtype=np.int64)
         for c in plan.chunks:
-            idx, tl = P.build_chunk_indices(plan, c, topk_rows if ratio == 4 else None)
+            idx, tl = P.build_chunk_indices(plan, c, topk_rows if layer.kind is P.LayerKind.CSA else None)
             b = idx // c.M
             j = idx - b * c.M
             raw_pos = c.gather_starts[np.clip(b, 0, None)] + (j - c.N)

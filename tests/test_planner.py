@@ -51,10 +51,13 @@ def test_accepts_numpy_and_torch_tensors():
 # --- vLLM equivalence on random batches --------------------------------------------------------
 
 
-def vllm_adaptive(seq, qry, r, W, mml, mnbt, pcs):
-    """vLLM's loop, transcribed from the spec's formula with scalar arithmetic (independent of ours)."""
-    area = pcs * ((0 if r <= 1 else cdiv(mml, r)) + W + mnbt)
-    comp = [0 if r <= 1 else s // r for s in seq]
+def vllm_adaptive(seq, qry, r, W, mml, mnbt, pcs, has_compressed=None):
+    """vLLM's loop, transcribed from the spec's formula with scalar arithmetic (independent of ours).
+
+    has_compressed: vLLM 0.33's flag; None means r > 1 (at r = 1 and True: full-length entries)."""
+    hc = r > 1 if has_compressed is None else has_compressed
+    area = pcs * ((cdiv(mml, r) if hc else 0) + W + mnbt)
+    comp = [s // r if hc else 0 for s in seq]
     gath = [q + min(max(s - q, 0), W - 1) for s, q in zip(seq, qry)]
     plan, s0 = [], 0
     while s0 < len(seq):
@@ -84,18 +87,16 @@ def batches(draw, min_query=1, max_requests=12):
 
 
 @settings(max_examples=150, deadline=None)
-@given(batches(), st.sampled_from([0, 1, 4, 128]), st.sampled_from([1, 8, 64, 128]), st.integers(1, 6))
-def test_adaptive_matches_vllm(b, r, W, pcs):
+@given(batches(), st.sampled_from([0, 1, 4, 8, 32, 128]), st.sampled_from([None, None, True, False]),
+       st.sampled_from([1, 8, 64, 128]), st.integers(1, 6))  # fmt: skip
+def test_adaptive_matches_vllm(b, r, hc, W, pcs):
     seq, qry, mml, mnbt = b
-    ours = P.get_prefill_chunk_plan(
-        seq, qry, compress_ratio=r, window_size=W, max_model_len=mml, max_num_batched_tokens=mnbt, prefill_chunk_size=pcs
-    )
-    assert ours == vllm_adaptive(seq, qry, r, W, mml, mnbt, pcs)
-    fixed = P.get_fixed_chunk_plan(
-        seq, qry, compress_ratio=r, window_size=W, max_model_len=mml, max_num_batched_tokens=mnbt, prefill_chunk_size=pcs
-    )
-    N = 0 if r <= 1 else cdiv(mml, r)
-    assert fixed == [(s, min(s + pcs, len(seq)), N, N + W + mnbt) for s in range(0, len(seq), pcs)]
+    hc = None if hc and r == 0 else hc  # has_compressed=True needs a ratio >= 1
+    kw = dict(compress_ratio=r, window_size=W, max_model_len=mml, max_num_batched_tokens=mnbt, prefill_chunk_size=pcs,
+              has_compressed=hc)  # fmt: skip
+    assert P.get_prefill_chunk_plan(seq, qry, **kw) == vllm_adaptive(seq, qry, r, W, mml, mnbt, pcs, hc)
+    N = cdiv(mml, r) if (r > 1 if hc is None else hc) else 0
+    assert P.get_fixed_chunk_plan(seq, qry, **kw) == [(s, min(s + pcs, len(seq)), N, N + W + mnbt) for s in range(0, len(seq), pcs)]
 
 
 def min_partition(widths_c, widths_g, area):
@@ -110,17 +111,22 @@ def min_partition(widths_c, widths_g, area):
     return best[n]
 
 
+# V4.0's layers and other ratios (small test models' CSA 8 / HCA 32, V4.1's full-length ratio 1)
+LAYERS = P.V4_LAYERS + tuple(P.LayerSpec(k, r) for k, r in ((P.LayerKind.CSA, 8), (P.LayerKind.HCA, 32),
+                                                            (P.LayerKind.HCA, 1)))  # fmt: skip
+
+
 @settings(max_examples=100, deadline=None)
-@given(batches(min_query=0), st.sampled_from([0, 4, 128]), st.sampled_from([4, 64]), st.sampled_from([None, 0.3, 0.7]))
-def test_plan_properties(b, r, W, budget_frac):
+@given(batches(min_query=0), st.sampled_from(LAYERS), st.sampled_from([4, 64]), st.sampled_from([None, 0.3, 0.7]))
+def test_plan_properties(b, layer, W, budget_frac):
     """Coverage exactly once, budget respected, minimal chunk count, determinism."""
     seq, qry, mml, mnbt = b
     cfg0 = P.PlanConfig(window_size=W, max_model_len=mml, max_num_batched_tokens=mnbt)
-    budget = None if budget_frac is None else max(1, int(cfg0.vllm_budget_rows(r) * budget_frac))
+    budget = None if budget_frac is None else max(1, int(cfg0.vllm_budget_rows(layer) * budget_frac))
     cfg = P.PlanConfig(window_size=W, max_model_len=mml, max_num_batched_tokens=mnbt, budget_rows=budget)
     batch = P.PrefillBatch(seq, qry)
     try:
-        plan = P.plan_kind(batch, cfg, r)
+        plan = P.plan_kind(batch, cfg, layer)
     except ValueError as e:  # a budget below one token's rows is refused, never silently exceeded
         assert "budget_rows" in str(e)
         return
@@ -141,9 +147,63 @@ def test_plan_properties(b, r, W, budget_frac):
         plan.seg_compressed_len.tolist(), plan.seg_gather_len.tolist(), plan.budget_rows
     )
     # deterministic
-    again = P.plan_kind(P.PrefillBatch(list(seq), list(qry)), cfg, r)
+    again = P.plan_kind(P.PrefillBatch(list(seq), list(qry)), cfg, layer)
     for name in ("seg_request", "chunk_starts", "chunk_N", "chunk_M", "token_index", "token_request"):
         np.testing.assert_array_equal(getattr(plan, name), getattr(again, name))
+
+
+# --- kinds and ratios vary apart (vLLM 0.33's has_compressed) ----------------------------------
+
+
+def test_has_compressed_at_ratio_1_is_a_full_length_compressed_cache():
+    seq, qry = [100, 300, 200], [4, 8, 8]  # one chunk: N = the longest request, every row compressed
+    plan = P.get_prefill_chunk_plan(seq, qry, compress_ratio=1, has_compressed=True, **KW)
+    assert plan == [(0, 3, 300, 300 + 8 + 63)]
+    # the default at ratio 1 (None: r > 1) has no compressed rows, the SWA plan
+    assert P.get_prefill_chunk_plan(seq, qry, compress_ratio=1, **KW) == [(0, 3, 0, 71)]
+    assert P.get_fixed_chunk_plan(seq, qry, compress_ratio=1, has_compressed=True, **KW) == [
+        (0, 3, 16384, 16384 + 64 + 4096)
+    ]
+    # the same through plan_kind with a (kind, 1) layer: N of every chunk is its longest request
+    for kind in (P.LayerKind.CSA, P.LayerKind.HCA):
+        kp = P.plan_kind(P.PrefillBatch(SPEC_SEQ, SPEC_QRY), P.PlanConfig(**KW), (kind, 1))
+        assert kp.has_compressed and kp.compress_ratio == 1
+        np.testing.assert_array_equal(kp.seg_compressed_len, SPEC_SEQ)
+        ends = kp.chunk_starts[1:]
+        assert kp.chunk_N.tolist() == [max(SPEC_SEQ[s:e]) for s, e in zip(kp.chunk_starts[:-1], ends)]
+        assert kp.as_tuples() == vllm_adaptive(SPEC_SEQ, SPEC_QRY, 1, 64, 16384, 4096, 4, has_compressed=True)
+
+
+def test_has_compressed_false_gives_the_swa_plan():
+    for plan in (P.get_prefill_chunk_plan, P.get_fixed_chunk_plan):
+        for r in (4, 128):
+            swa = plan(SPEC_SEQ, SPEC_QRY, compress_ratio=0, **KW)
+            assert plan(SPEC_SEQ, SPEC_QRY, compress_ratio=r, has_compressed=False, **KW) == swa
+    assert P.get_prefill_chunk_plan(SPEC_SEQ, SPEC_QRY, compress_ratio=4, has_compressed=False, **KW) == [(0, 10, 0, 95)]
+    # and None at ratio 4 is V4.0's compressed layer
+    assert P.get_prefill_chunk_plan(SPEC_SEQ, SPEC_QRY, compress_ratio=4, has_compressed=None, **KW) == [
+        (0, 10, 2048, 2143)
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(), st.sampled_from([1, 8, 64]), st.integers(1, 6))
+def test_plans_at_csa_8_and_hca_32_match_the_transcription(b, W, pcs):
+    """A small test model's ratios (CSA 8, HCA 32), every policy, against scalar transcriptions."""
+    seq, qry, mml, mnbt = b
+    limits = dict(window_size=W, max_model_len=mml, max_num_batched_tokens=mnbt, prefill_chunk_size=pcs)
+    layers = {P.LayerKind.SWA: 0, P.LayerKind.CSA: 8, P.LayerKind.HCA: 32}
+    steps = {pol: P.plan_step(P.PrefillBatch(seq, qry), P.PlanConfig(policy=pol, **limits), layers)
+             for pol in ("adaptive", "fixed", "per_request")}  # fmt: skip
+    gath = [q + min(s - q, W - 1) for s, q in zip(seq, qry)]
+    for kind, r in layers.items():
+        assert steps["adaptive"][kind].layer == P.LayerSpec(kind, r)
+        assert steps["adaptive"][kind].as_tuples() == vllm_adaptive(seq, qry, r, W, mml, mnbt, pcs)
+        N = cdiv(mml, r) if r else 0
+        assert steps["fixed"][kind].as_tuples() == [(s, min(s + pcs, len(seq)), N, N + W + mnbt)
+                                                    for s in range(0, len(seq), pcs)]  # fmt: skip
+        comp = [s // r if r else 0 for s in seq]
+        assert steps["per_request"][kind].as_tuples() == [(i, i + 1, c, c + g) for i, (c, g) in enumerate(zip(comp, gath))]
 
 
 # --- beyond vLLM -------------------------------------------------------------------------------
@@ -155,7 +215,7 @@ def test_zero_query_requests_never_form_or_widen_a_chunk():
     tuples = P.get_prefill_chunk_plan(seq, qry, compress_ratio=4, **KW)
     # request 1 (5000 tokens, no queries) would set N = 1250 if it widened the chunk
     assert tuples == [(0, 3, 25, 25 + 73)]
-    plan = P.plan_kind(P.PrefillBatch(seq, qry), P.PlanConfig(**KW), 4)
+    plan = P.plan_kind(P.PrefillBatch(seq, qry), P.PlanConfig(**KW), (P.LayerKind.CSA, 4))
     assert plan.skipped.tolist() == [1, 3, 4]
     assert plan.seg_request.tolist() == [0, 2]
     # the chunk's workspace holds the two requests with queries only
@@ -168,7 +228,7 @@ def test_zero_query_requests_never_form_or_widen_a_chunk():
 def test_budget_rows_honoured_and_long_request_split():
     cfg = P.PlanConfig(window_size=8, max_model_len=4096, max_num_batched_tokens=2048, budget_rows=600)
     batch = P.PrefillBatch([40, 2000, 30], [40, 1000, 30])
-    plan = P.plan_kind(batch, cfg, 4)
+    plan = P.plan_kind(batch, cfg, (P.LayerKind.CSA, 4))
     assert plan.split_requests.tolist() == [1]
     assert (plan.chunk_workspace_rows <= 600).all()
     pieces = [(o, q) for r, o, q in zip(plan.seg_request, plan.seg_query_offset, plan.seg_query_len) if r == 1]
@@ -184,7 +244,8 @@ def test_budget_rows_honoured_and_long_request_split():
     np.testing.assert_array_equal(plan.seg_gather_len[seg], plan.seg_query_len[seg] + 7)
     # a budget below what one token needs is refused
     with pytest.raises(ValueError, match="budget_rows"):
-        P.plan_kind(batch, P.PlanConfig(window_size=8, max_model_len=4096, max_num_batched_tokens=2048, budget_rows=400 // 4), 4)
+        P.plan_kind(batch, P.PlanConfig(window_size=8, max_model_len=4096, max_num_batched_tokens=2048, budget_rows=400 // 4),
+                    (P.LayerKind.CSA, 4))  # fmt: skip
     with pytest.raises(ValueError, match="budget_rows"):
         P.PlanConfig(window_size=8, max_model_len=4096, max_num_batched_tokens=2048, policy="fixed", budget_rows=10)
 
@@ -196,8 +257,9 @@ def test_length_order_reduces_padding():
     seq = np.ravel(np.column_stack([long, short]))  # alternating long and short requests
     qry = np.minimum(seq, 64)
     batch = P.PrefillBatch(seq, qry)
-    by_batch = P.plan_kind(batch, P.PlanConfig(window_size=128, max_model_len=4096, max_num_batched_tokens=256), 4)
-    by_len = P.plan_kind(batch, P.PlanConfig(window_size=128, max_model_len=4096, max_num_batched_tokens=256, order="length"), 4)
+    csa = P.LayerSpec(P.LayerKind.CSA, 4)
+    by_batch = P.plan_kind(batch, P.PlanConfig(window_size=128, max_model_len=4096, max_num_batched_tokens=256), csa)
+    by_len = P.plan_kind(batch, P.PlanConfig(window_size=128, max_model_len=4096, max_num_batched_tokens=256, order="length"), csa)
     pad = lambda p: p.total_workspace_rows - p.padding_free_rows
     assert pad(by_len) < pad(by_batch) / 2
     assert sorted(by_len.order.tolist()) == list(range(16))
@@ -208,20 +270,27 @@ def test_length_order_reduces_padding():
 
 
 def test_step_plan_shared_per_kind():
-    flash = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)] + [0]
+    flash = P.ModelShape.from_name("V4-Flash").layers  # one LayerSpec per layer, the MTP layer last
+    assert len(flash) == 44 and flash[-1] == P.LayerSpec(P.LayerKind.SWA, 0)
     step = P.plan_step(P.PrefillBatch(SPEC_SEQ, SPEC_QRY), P.PlanConfig(**KW), flash)
     assert set(step.kinds) == {P.LayerKind.SWA, P.LayerKind.CSA, P.LayerKind.HCA}
-    assert step[4] is step[P.LayerKind.CSA]
-    assert step[0] is step[1]
-    assert step[4].as_tuples() == [(0, 10, 2048, 2143)]
+    assert step["CSA"] is step[P.LayerKind.CSA] is step["compressed_sparse_attention"]
+    assert step["swa"] is step[P.LayerKind.SWA]
+    assert step[P.LayerKind.CSA].as_tuples() == [(0, 10, 2048, 2143)]
+    assert step[P.LayerKind.CSA].layer == P.LayerSpec(P.LayerKind.CSA, 4) and step["HCA"].compress_ratio == 128
     assert step.max_workspace_rows == 10 * 2143
-    with pytest.raises(KeyError):
-        P.plan_step(P.PrefillBatch([8], [8]), P.PlanConfig(**KW), [0])[4]
+    # the same step from a {kind: ratio} mapping and from (kind, ratio) pairs
+    for layers in ({"SWA": 0, "CSA": 4, "HCA": 128}, [("CSA", 4), (P.LayerKind.HCA, 128), ("sliding_attention", 0)]):
+        again = P.plan_step(P.PrefillBatch(SPEC_SEQ, SPEC_QRY), P.PlanConfig(**KW), layers)
+        assert {k: p.as_tuples() for k, p in again.kinds.items()} == {k: p.as_tuples() for k, p in step.kinds.items()}
+    with pytest.raises(KeyError, match="no plan for CSA"):
+        P.plan_step(P.PrefillBatch([8], [8]), P.PlanConfig(**KW), [(P.LayerKind.SWA, 0)])["CSA"]
 
 
 def test_per_token_metadata():
     batch = P.PrefillBatch([10, 7, 20], [3, 7, 5])
-    plan = P.plan_kind(batch, P.PlanConfig(window_size=4, max_model_len=64, max_num_batched_tokens=16, policy="per_request"), 4)
+    plan = P.plan_kind(batch, P.PlanConfig(window_size=4, max_model_len=64, max_num_batched_tokens=16, policy="per_request"),
+                       P.LayerSpec(P.LayerKind.CSA, 4))  # fmt: skip
     assert plan.num_chunks == 3
     assert plan.token_position.tolist() == [7, 8, 9, 0, 1, 2, 3, 4, 5, 6, 15, 16, 17, 18, 19]
     assert plan.token_request.tolist() == [0] * 15
@@ -247,6 +316,8 @@ def test_per_token_metadata():
         (["a"], [1], {}, "seq_lens"),
         ([10], [1], {"window_size": 0}, "window_size"),
         ([10], [1], {"compress_ratio": -4}, "compress_ratio"),
+        ([10], [1], {"compress_ratio": 0, "has_compressed": True}, "compress_ratio: has_compressed=True needs a ratio >= 1"),
+        ([10], [1], {"has_compressed": "yes"}, "has_compressed"),
         ([10], [1], {"prefill_chunk_size": 0}, "prefill_chunk_size"),
     ],
 )
@@ -258,14 +329,26 @@ def test_bad_input_names_the_argument(seq, qry, kw, match):
 
 
 def test_bad_kind_and_config():
-    for r in (2, 3, 64, -1, 4.0, "4", True):
+    for r in (0, -1, 4.0, "4", True, None):
         with pytest.raises(ValueError, match="compress_ratio"):
-            P.layer_kind(r)
+            P.LayerSpec(P.LayerKind.CSA, r)
+    for kind in (4, "c4a", "dense", None, P.LayerSpec(P.LayerKind.CSA, 4)):
+        with pytest.raises(ValueError, match="kind"):
+            P.LayerKind.of(kind)
     with pytest.raises(ValueError, match="policy"):
         P.PlanConfig(window_size=4, max_model_len=64, max_num_batched_tokens=16, policy="greedy")
     with pytest.raises(ValueError, match="order"):
         P.PlanConfig(window_size=4, max_model_len=64, max_num_batched_tokens=16, order="random")
-    # a ratio that is not a DeepSeek-V4 kind can be planned, but no kind (and no indices) exists for it
-    plan = P.plan_kind(P.PrefillBatch([64], [8]), P.PlanConfig(window_size=4, max_model_len=64, max_num_batched_tokens=16), 16)
-    with pytest.raises(ValueError, match="compress_ratio"):
-        P.build_chunk_indices(plan, 0)
+    # a ratio alone does not say the kind: bare ints are refused, pointing at LayerSpec
+    batch, cfg = P.PrefillBatch([64], [8]), P.PlanConfig(window_size=4, max_model_len=64, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="LayerSpec"):
+        P.plan_kind(batch, cfg, 16)
+    for layers in ([4, 0, 128], [(P.LayerKind.SWA, 0), 4], (4,)):
+        with pytest.raises(ValueError, match=r"layers: .*bare ratio 4\b.*LayerSpec"):
+            P.plan_step(batch, cfg, layers)
+    # one ratio per kind: two would need two plans under one name
+    with pytest.raises(ValueError, match=r"layers: CSA layers with two ratios \(4 and 8\)"):
+        P.plan_step(batch, cfg, [("CSA", 4), ("HCA", 128), ("CSA", 8)])
+    # a step built from a batch is planned with the caller's layers, and the same rules
+    with pytest.raises(ValueError, match="LayerSpec"):
+        P.as_step_plan(batch, cfg, [0, 4])

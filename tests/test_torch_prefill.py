@@ -12,25 +12,25 @@ POLICIES = ("adaptive", "fixed", "per_request")
 
 
 def run(case, *, policy="adaptive", paged=False, dtype=torch.float32, backend="reference", **cfg):
-    step = P.plan_step(case.batch, case.plan_config(policy=policy, **cfg), [case.ratio])
-    meta = TP.build_step_metadata(step, index_topk=case.topk)[case.ratio]
+    step = P.plan_step(case.batch, case.plan_config(policy=policy, **cfg), [case.layer])
+    meta = TP.build_step_metadata(step, index_topk=case.topk)[case.kind]
     t = lambda a: torch.from_numpy(np.asarray(a)).to(dtype)
     if paged is True:
         raw = TP.PagedKV(*(torch.from_numpy(x) for x in case.paged("raw", seed=1)))
         raw = TP.PagedKV(raw.pages.to(dtype), raw.block_table)
         comp = None
-        if case.ratio > 1:
+        if case.kind.has_compressed:
             pages, table = case.paged("comp", seed=2)
             comp = TP.PagedKV(t(pages), torch.from_numpy(table))
     else:
         raw = [t(x) for x in case.raw]
-        comp = [t(x) for x in case.comp] if case.ratio > 1 else None
+        comp = [t(x) for x in case.comp] if case.kind.has_compressed else None
         if paged == "packed":  # one tensor + offsets; a window-only raw cache needs negative offsets
             raw = TP.LogicalKV.from_list(raw)
             comp = TP.LogicalKV.from_list(comp) if comp else None
     out = TP.prefill_attention(
         t(case.q), meta, raw, comp, sm_scale=case.sm_scale, attn_sink=torch.from_numpy(case.sink),
-        topk_indices=torch.from_numpy(case.topk_rows) if case.ratio == 4 else None, backend=backend,
+        topk_indices=torch.from_numpy(case.topk_rows) if case.kind is P.LayerKind.CSA else None, backend=backend,
     )  # fmt: skip
     return out, meta
 
@@ -50,10 +50,22 @@ def test_prefill_matches_oracle_and_is_chunk_invariant(ratio, case_no):
     for policy in POLICIES[1:]:
         assert torch.equal(outs[policy], outs["adaptive"]), policy
     # nor does a length-sorted order, a budget that splits requests, paged or packed caches
-    tight = max(s // ratio if ratio > 1 else 0 for s in case.seq_lens) + case.window_size + 4
+    tight = max(s // ratio if case.kind.has_compressed else 0 for s in case.seq_lens) + case.window_size + 4
     for kw in (dict(order="length"), dict(budget_rows=tight), dict(paged=True), dict(paged="packed")):
         out, _ = run(case, **kw)
         assert torch.equal(out, outs["adaptive"]), kw
+
+
+@pytest.mark.parametrize("kind, ratio", [("CSA", 8), ("HCA", 32), ("HCA", 1)])
+@pytest.mark.parametrize("case_no", [1, 2])
+def test_other_ratios_match_oracle_and_are_chunk_invariant(kind, ratio, case_no):
+    """A kind and a ratio vary apart: a small test model's CSA 8 / HCA 32, V4.1's full-length ratio 1."""
+    case = boundary_cases(ratio, kind=kind)[case_no]
+    assert case.layer == P.LayerSpec(kind, ratio)
+    want, _, _ = case.oracle()
+    outs = [run(case, policy=p)[0] for p in POLICIES] + [run(case, paged=True)[0]]
+    np.testing.assert_allclose(outs[0].numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert all(torch.equal(o, outs[0]) for o in outs)
 
 
 @pytest.mark.parametrize("topk, width", [(512, 640), (1024, 1152)])
@@ -89,11 +101,11 @@ def test_device_indices_equal_numpy_builder():
     for ratio in (0, 4, 128):
         case = boundary_cases(ratio)[2]
         for policy in POLICIES:
-            step = P.plan_step(case.batch, case.plan_config(policy=policy, order="length"), [ratio])
-            meta = TP.build_step_metadata(step, index_topk=case.topk)[ratio]
-            kp = step[ratio]
+            step = P.plan_step(case.batch, case.plan_config(policy=policy, order="length"), [case.layer])
+            meta = TP.build_step_metadata(step, index_topk=case.topk)[case.kind]
+            kp = step[case.kind]
             for c, cm in zip(kp.chunks, meta.chunks):
-                want_idx, want_len = P.build_chunk_indices(kp, c, case.topk_rows if ratio == 4 else None)
+                want_idx, want_len = P.build_chunk_indices(kp, c, case.topk_rows if case.kind is P.LayerKind.CSA else None)
                 idx, length = TP.build_indices(meta, cm, torch.from_numpy(case.topk_rows))
                 np.testing.assert_array_equal(idx.numpy(), want_idx)
                 np.testing.assert_array_equal(length.numpy(), want_len)
@@ -101,9 +113,9 @@ def test_device_indices_equal_numpy_builder():
 
 def test_metadata_built_once_and_workspace_shared():
     case = boundary_cases(128)[0]
-    step = P.plan_step(case.batch, case.plan_config(), [0, 4, 128])
+    step = P.plan_step(case.batch, case.plan_config(), P.V4_LAYERS)
     meta = TP.build_step_metadata(step, index_topk=case.topk)
-    assert meta[0] is meta[P.LayerKind.SWA]
+    assert meta["SWA"] is meta[P.LayerKind.SWA]
     ws = meta.workspace(32, torch.float32)
     assert ws.shape[0] == step.max_workspace_rows
     assert meta.workspace(32, torch.float32) is ws  # every layer reuses it
@@ -117,8 +129,8 @@ def test_logical_kv_keeps_only_recent_rows():
     keep = [x[int(s) - int(g):] for x, s, g in zip(case.raw, case.seq_lens, gath)]
     starts = np.concatenate([[0], np.cumsum([len(k) for k in keep])[:-1]])
     offsets = torch.tensor(starts - (np.array(case.seq_lens) - gath))
-    step = P.plan_step(case.batch, case.plan_config(), [0])
-    meta = TP.build_step_metadata(step)[0]
+    step = P.plan_step(case.batch, case.plan_config(), [case.layer])
+    meta = TP.build_step_metadata(step)[case.kind]
     got = TP.prefill_attention(torch.from_numpy(case.q), meta,
                                TP.LogicalKV(torch.from_numpy(np.concatenate(keep)), offsets),
                                sm_scale=case.sm_scale, attn_sink=torch.from_numpy(case.sink), backend="reference")
@@ -127,8 +139,8 @@ def test_logical_kv_keeps_only_recent_rows():
 
 def test_bad_inputs():
     case = boundary_cases(4)[0]
-    step = P.plan_step(case.batch, case.plan_config(), [4])
-    meta = TP.build_step_metadata(step, index_topk=case.topk)[4]
+    step = P.plan_step(case.batch, case.plan_config(), [case.layer])
+    meta = TP.build_step_metadata(step, index_topk=case.topk)[case.kind]
     q = torch.from_numpy(case.q)
     raw = [torch.from_numpy(x) for x in case.raw]
     comp = [torch.from_numpy(x) for x in case.comp]
@@ -165,12 +177,13 @@ def test_bad_inputs():
 def _layer(ratio, case_no=2):
     """(call(**overrides), case, meta): a CSA/HCA/SWA layer call with good inputs by default."""
     case = boundary_cases(ratio)[case_no]
-    step = P.plan_step(case.batch, case.plan_config(), [ratio])
-    meta = TP.build_step_metadata(step, index_topk=case.topk)[ratio]
+    step = P.plan_step(case.batch, case.plan_config(), [case.layer])
+    meta = TP.build_step_metadata(step, index_topk=case.topk)[case.kind]
     kw = dict(q=torch.from_numpy(case.q), meta=meta, raw_kv=[torch.from_numpy(x) for x in case.raw],
-              compressed_kv=[torch.from_numpy(x) for x in case.comp] if ratio > 1 else None,
+              compressed_kv=[torch.from_numpy(x) for x in case.comp] if case.kind.has_compressed else None,
               sm_scale=case.sm_scale, attn_sink=torch.from_numpy(case.sink),
-              topk_indices=torch.from_numpy(case.topk_rows) if ratio == 4 else None, backend="reference")  # fmt: skip
+              topk_indices=torch.from_numpy(case.topk_rows) if case.kind is P.LayerKind.CSA else None,
+              backend="reference")  # fmt: skip
     return (lambda **o: TP.prefill_attention(**{**kw, **o})), case, meta
 
 
@@ -286,10 +299,10 @@ def test_layer_call_makes_no_host_sync(ratio, layout, monkeypatch):
     call, case, meta = _layer(ratio)
     want = call()
     if layout == "paged":
-        raw, comp = _paged(case, "raw"), _paged(case, "comp") if ratio > 1 else None
+        raw, comp = _paged(case, "raw"), _paged(case, "comp") if case.kind.has_compressed else None
     else:
         raw = TP.LogicalKV.from_list([torch.from_numpy(x) for x in case.raw])
-        comp = TP.LogicalKV.from_list([torch.from_numpy(x) for x in case.comp]) if ratio > 1 else None
+        comp = TP.LogicalKV.from_list([torch.from_numpy(x) for x in case.comp]) if case.kind.has_compressed else None
     # The value checks read page ids / offsets / top-k rows on the host and run for CPU tensors only
     # (free there; on a GPU they are skipped), so they are the one thing taken out here.
     monkeypatch.setattr(TP, "_check_source_values", lambda *a: None)

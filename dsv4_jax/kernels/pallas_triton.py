@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dsv4_jax.kernels.xla import no_key_result
-from planner.oracle import value_dim
+from planner.contract import value_dim
 
 MIN_BLOCK = 16  # Triton's smallest dot dimension.
 LOG2_E = math.log2(math.e)

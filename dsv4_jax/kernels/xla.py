@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from planner.oracle import value_dim
+from planner.contract import value_dim
 
 # Chunk of the index row folded per step. Fixed (not derived from K) so that rows of different
 # widths accumulate in the same groups; the spec pads rows to multiples of 128 anyway.

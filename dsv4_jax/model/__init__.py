@@ -13,8 +13,8 @@
 """
 
 from dsv4_jax.model.config import ModelConfig, RopeConfig
-from dsv4_jax.model.model import DeepseekV4, StepOutput, compile_counts
 from dsv4_jax.model.generate import JaxGenerator
+from dsv4_jax.model.model import DeepseekV4, StepOutput, compile_counts
 from dsv4_jax.model.quant import QuantizedWeight
 
 __all__ = ["DeepseekV4", "JaxGenerator", "ModelConfig", "QuantizedWeight", "RopeConfig", "StepOutput", "compile_counts"]

@@ -13,12 +13,17 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import register_pytree_node_class
 
-from dsv4_jax.prefill import LogicalKV, prefill_attention
-from planner import LayerKind, layer_kind
-
 from dsv4_jax.model.config import ModelConfig
-from dsv4_jax.model.layers import apply_rope, linear, rms_norm, rms_norm_unweighted, rope_cos_sin
+from dsv4_jax.model.layers import (
+    apply_rope,
+    linear,
+    rms_norm,
+    rms_norm_unweighted,
+    rope_cos_sin,
+)
 from dsv4_jax.model.quant import dense
+from dsv4_jax.prefill import LogicalKV, prefill_attention
+from planner import LayerKind
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
@@ -63,8 +68,8 @@ def init_cache(cfg: ModelConfig, num_slots: int, max_model_len: int, dtype) -> l
     """Zeroed per-layer caches for `num_slots` requests of up to `max_model_len` tokens."""
     D, W = cfg.head_dim, cfg.sliding_window
     caches = []
-    for r in cfg.compress_ratios:
-        kind = layer_kind(r)
+    for spec in cfg.layers:
+        kind, r = spec.kind, spec.compress_ratio
         c = {"window": jnp.zeros((num_slots, max(W - 1, 1), D), dtype)}
         if kind is not LayerKind.SWA:
             overlap = kind is LayerKind.CSA
@@ -250,7 +255,7 @@ def attention(p, cache: dict, x, step: StepInputs, meta, cfg: ModelConfig, kind:
     raw, cache["window"] = _window_step(cache["window"], kv, step)
     comp = topk = None
     if kind is not LayerKind.SWA:
-        r = kind.ratio
+        r = cfg.compress_ratio(kind)
         overlap = kind is LayerKind.CSA
         cache["entries"], cache["ring_kv"], cache["ring_gate"] = _compress(
             p["compressor"], x, cache["entries"], cache["ring_kv"], cache["ring_gate"], step, cfg, r, overlap

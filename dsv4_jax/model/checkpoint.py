@@ -539,7 +539,7 @@ def plan_params(cfg: ModelConfig, files, block_size: tuple[int, int] = FP8_BLOCK
             attn["compressor"] = {
                 "wkv": get(c + "kv_proj.weight", (width, hid)),
                 "wgate": get(c + "gate_proj.weight", (width, hid)),
-                "ape": get(c + "position_bias", (kind.ratio, width), "f32"),
+                "ape": get(c + "position_bias", (cfg.compress_ratio(kind), width), "f32"),
                 "norm": get(c + "kv_norm.weight", (D,), "f32"),
             }
         if kind is LayerKind.CSA:

@@ -7,17 +7,16 @@ and DeepSeek's published fields) or `from_checkpoint(dir)`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-
-from planner import LayerKind, layer_kind
+from planner import contract
+from planner.contract import LayerKind, LayerSpec
 
 # ----------------------------------------------------------------------------- config
 
-_LAYER_TYPE_RATIO_KEY = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-_LEGACY_RATIO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softplus")
 
 
@@ -38,8 +37,9 @@ class RopeConfig:
 class ModelConfig:
     """DeepSeek-V4 hyper-parameters (transformers' names; defaults = V4-Flash).
 
-    `compress_ratios[i]` is layer i's kind as a ratio (0 SWA, 4 CSA, 128 HCA; no MTP slot);
-    `mlp_layer_types[i]` is "hash_moe" or "moe". Build one with `from_name("tiny" | "V4-Flash" |
+    `layer_types[i]` is layer i's kind in transformers' names (no MTP slot); CSA and HCA layers use
+    `compress_rate_csa` / `compress_rate_hca` (any ratio >= 1; V4.0: 4 and 128); `layers` gives
+    each layer's `planner.LayerSpec`. `mlp_layer_types[i]` is "hash_moe" or "moe". Build one with `from_name("tiny" | "V4-Flash" |
     "V4-Pro")`, `from_dict(config_json)` (both transformers' and DeepSeek's published fields)
     or `from_checkpoint(dir)`.
     """
@@ -55,7 +55,9 @@ class ModelConfig:
     q_lora_rank: int = 1024
     o_groups: int = 8
     o_lora_rank: int = 1024
-    compress_ratios: tuple[int, ...] = (0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 43))
+    layer_types: tuple[str, ...] = tuple(contract.PRESETS["V4-Flash"]["layer_types"])
+    compress_rate_csa: int = 4
+    compress_rate_hca: int = 128
     mlp_layer_types: tuple[str, ...] = ("hash_moe",) * 3 + ("moe",) * 40
     sliding_window: int = 128
     index_n_heads: int = 64
@@ -79,13 +81,12 @@ class ModelConfig:
 
     def __post_init__(self):
         n = self.num_hidden_layers
-        if len(self.compress_ratios) != n or len(self.mlp_layer_types) != n:
+        if len(self.layer_types) != n or len(self.mlp_layer_types) != n:
             raise ValueError(
-                f"compress_ratios / mlp_layer_types: need {n} entries each, got "
-                f"{len(self.compress_ratios)} / {len(self.mlp_layer_types)}"
+                f"layer_types / mlp_layer_types: need {n} entries each, got "
+                f"{len(self.layer_types)} / {len(self.mlp_layer_types)}"
             )
-        for r in self.compress_ratios:
-            layer_kind(r)  # ValueError for anything but 0, 1, 4, 128
+        self.layers  # ValueError for unknown layer types or ratios < 1
         bad = [t for t in self.mlp_layer_types if t not in ("hash_moe", "moe")]
         if bad:
             raise ValueError(f"mlp_layer_types: entries must be 'hash_moe' or 'moe', got {bad}")
@@ -98,9 +99,27 @@ class ModelConfig:
         if self.index_head_dim < self.rope_head_dim:
             raise ValueError(f"index_head_dim: {self.index_head_dim} is smaller than rope_head_dim {self.rope_head_dim}")
 
+    @functools.cached_property
+    def layers(self) -> tuple[LayerSpec, ...]:
+        """Each layer's kind and compress ratio."""
+        return contract.layer_specs({"layer_types": list(self.layer_types), "compress_rates": {
+            "compressed_sparse_attention": self.compress_rate_csa, "heavily_compressed_attention": self.compress_rate_hca}})
+
     @property
     def kinds(self) -> tuple[LayerKind, ...]:
-        return tuple(layer_kind(r) for r in self.compress_ratios)
+        return tuple(s.kind for s in self.layers)
+
+    @property
+    def compress_ratios(self) -> tuple[int, ...]:
+        """Each layer's ratio (0 for SWA layers)."""
+        return tuple(s.compress_ratio for s in self.layers)
+
+    def compress_ratio(self, kind: LayerKind) -> int:
+        """The ratio of `kind`'s layers (0 for SWA)."""
+        kind = LayerKind.of(kind)
+        if kind is LayerKind.SWA:
+            return 0
+        return self.compress_rate_csa if kind is LayerKind.CSA else self.compress_rate_hca
 
     @classmethod
     def from_name(cls, name: str) -> "ModelConfig":
@@ -128,32 +147,16 @@ class ModelConfig:
         head_dim = int(d.get("head_dim", 512))
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act: only 'silu' is supported, got {d['hidden_act']!r}")
-        rates = dict(_LAYER_TYPE_RATIO_KEY)
-        rates.update(d.get("compress_rates") or {})
-        if "compress_rate_csa" in d:
-            rates["compressed_sparse_attention"] = d["compress_rate_csa"]
-        if "compress_rate_hca" in d:
-            rates["heavily_compressed_attention"] = d["compress_rate_hca"]
-        types = d.get("layer_types")
-        if types is None and d.get("compress_ratios") is not None:
-            legacy = d["compress_ratios"]
-            unknown = [r for r in legacy if r not in _LEGACY_RATIO_TYPE]
-            if unknown:
-                raise ValueError(f"compress_ratios: entries must be 0, 4 or 128, got {unknown}")
-            types = [_LEGACY_RATIO_TYPE[r] for r in legacy]
-        if types is None:  # transformers' default (HCA, HCA, HCA, CSA, ...: not the spec's V4-Pro parity)
-            types = ["heavily_compressed_attention"] * min(n, 2) + [
-                "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))
-            ]
-        types = list(types)[:n]
-        ratios = []
-        for t in types:
-            if t == "sliding_attention":
-                ratios.append(0)
-            elif t in rates:
-                ratios.append(int(rates[t]))
-            else:
-                raise ValueError(f"layer_types: unknown layer type {t!r}")
+        if d.get("layer_types") is None and d.get("compress_ratios") is None:
+            # transformers' default (HCA, HCA, HCA, CSA, ...: not the spec's V4-Pro parity)
+            d = dict(d, layer_types=["heavily_compressed_attention"] * min(n, 2) + [
+                "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))])
+        specs = contract.layer_specs(dict(d, num_hidden_layers=n))
+        rates = {k: [s.compress_ratio for s in specs if s.kind is k] for k in (LayerKind.CSA, LayerKind.HCA)}
+        dflt = contract.layer_specs({"layer_types": [k.layer_type for k in (LayerKind.CSA, LayerKind.HCA)], **{
+            key: d[key] for key in ("compress_rates", "compress_rate_csa", "compress_rate_hca") if key in d}})
+        csa_rate = rates[LayerKind.CSA][0] if rates[LayerKind.CSA] else dflt[0].compress_ratio
+        hca_rate = rates[LayerKind.HCA][0] if rates[LayerKind.HCA] else dflt[1].compress_ratio
         mlp = d.get("mlp_layer_types")
         if mlp is None:
             n_hash = int(d.get("num_hash_layers", 3))
@@ -175,7 +178,9 @@ class ModelConfig:
             q_lora_rank=int(d.get("q_lora_rank", 1024)),
             o_groups=int(d.get("o_groups", 8)),
             o_lora_rank=int(d.get("o_lora_rank", 1024)),
-            compress_ratios=tuple(ratios),
+            layer_types=tuple(sp.kind.layer_type for sp in specs),
+            compress_rate_csa=int(csa_rate),
+            compress_rate_hca=int(hca_rate),
             mlp_layer_types=tuple(list(mlp)[:n]),
             sliding_window=int(d.get("sliding_window", 128)),
             index_n_heads=int(d.get("index_n_heads", 64)),
@@ -232,23 +237,5 @@ def _rope_configs(d: dict) -> tuple[RopeConfig, RopeConfig]:
     return RopeConfig("default", theta), _rope_spec(yarn, ctheta)
 
 
-def _interleaved(first: tuple[int, ...], n: int) -> tuple[int, ...]:
-    return first + tuple(4 if i % 2 == 0 else 128 for i in range(len(first), n))
-
-
-PRESETS = {
-    "tiny": ModelConfig(  # = dsv4_torch.hf.tiny_checkpoint.tiny_config()
-        name="tiny", vocab_size=512, hidden_size=64, moe_intermediate_size=64, num_hidden_layers=6,
-        num_attention_heads=8, q_lora_rank=64, o_groups=2, o_lora_rank=32,
-        compress_ratios=(0, 0, 4, 128, 4, 128), mlp_layer_types=("hash_moe",) * 3 + ("moe",) * 3,
-        sliding_window=8, index_n_heads=16, index_topk=8, n_routed_experts=8, num_experts_per_tok=2,
-    ),  # fmt: skip
-    "v4-flash": ModelConfig(),
-    "v4-pro": ModelConfig(  # index_topk 1024 as in the project spec (section 1)
-        name="V4-Pro", hidden_size=7168, moe_intermediate_size=3072, num_hidden_layers=61,
-        num_attention_heads=128, q_lora_rank=1536, o_groups=16, compress_ratios=_interleaved((128, 128), 61),
-        mlp_layer_types=("hash_moe",) * 3 + ("moe",) * 58, index_topk=1024, n_routed_experts=384,
-        routed_scaling_factor=2.5,
-    ),  # fmt: skip
-}
-
+# The contract's one preset table (planner.contract.PRESETS), keyed case-insensitively.
+PRESETS = {name.lower(): ModelConfig.from_dict(cfg, name=name) for name, cfg in contract.PRESETS.items()}

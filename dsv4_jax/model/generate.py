@@ -2,12 +2,12 @@
 
     from dsv4_jax.model.generate import JaxGenerator
 
-    gen = JaxGenerator("path/to/checkpoint", attention_backend="auto", planner="adaptive", dtype="bfloat16")
+    gen = JaxGenerator("path/to/checkpoint", backend="auto", policy="adaptive", dtype="bfloat16")
     gen.generate(["Question: 2 + 3?\nAnswer:"], max_new_tokens=64)          # text in, text out
     gen.generate([[0, 71, 5, ...], [0, 9, ...]], max_new_tokens=256, stop_token_ids=(1,))  # ids
     gen.stats  # {"prefill_tokens": ..., "prefill_seconds": ..., "decode_tokens": ..., ...}
 
-`JaxGenerator(checkpoint_dir, attention_backend="auto"|"xla"|"pallas", planner="adaptive"|"fixed"|
+`JaxGenerator(checkpoint_dir, backend="auto"|"xla"|"pallas", policy="adaptive"|"fixed"|
 "per_request", dtype="float32"|"bfloat16", *, weights="stored"|"dequantized", max_batch_size=8,
 max_model_len=4096, max_num_batched_tokens=512, mesh=None, axis=None)`:
   loads the checkpoint (the official FP8/FP4 release, transformers' or DeepSeek's names; NumPy +
@@ -69,7 +69,7 @@ class _Request:
 class JaxGenerator:
     """Greedy ragged-batch generation; see the module docstring."""
 
-    def __init__(self, checkpoint_dir, attention_backend: str = "auto", planner: str = "adaptive",
+    def __init__(self, checkpoint_dir, backend: str = "auto", policy: str = "adaptive",
                  dtype: str = "float32", *, weights: str = "stored", max_batch_size: int = 8,
                  max_model_len: int = 4096, max_num_batched_tokens: int = 512, mesh=None, axis=None,
                  **model_kwargs):  # fmt: skip
@@ -78,7 +78,7 @@ class JaxGenerator:
         self.model = DeepseekV4.from_checkpoint(
             checkpoint_dir, dtype=dtype, weights=weights, max_batch_size=max_batch_size,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-            attention_backend=attention_backend, planner=planner, mesh=mesh, axis=axis, **model_kwargs,
+            backend=backend, policy=policy, mesh=mesh, axis=axis, **model_kwargs,
         )  # fmt: skip
         self.config = self.model.config
         self._tokenizer = None

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 in JAX, on the dsv4-prefill attention path. One file, read top to bottom.
+"""DeepSeek-V4 in JAX, on the dsv4-prefill attention path: `DeepseekV4`, one ragged step at a time.
 
 The math is transformers' `DeepseekV4ForCausalLM` (docs/transformers-dsv4.md, section numbers
 below refer to it); the attention core is the planner + `dsv4_jax.prefill.prefill_attention`
@@ -42,17 +42,33 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from dsv4_jax.prefill import build_step_metadata
-from planner import LayerKind, PlanConfig, PrefillBatch, StepPlan, plan_step
-from planner.sizes import pow2_bucket
-
+from dsv4_jax.model.attention import StepInputs, attention, init_cache
 from dsv4_jax.model import parallel
 from dsv4_jax.model.checkpoint import DTYPES, load_checkpoint
 from dsv4_jax.model.config import ModelConfig
-from dsv4_jax.model.attention import StepInputs, attention, init_cache
-from dsv4_jax.model.layers import embed_lookup, hyper_head, hyper_post, hyper_pre, linear, moe, rms_norm
+from dsv4_jax.model.layers import (
+    embed_lookup,
+    hyper_head,
+    hyper_post,
+    hyper_pre,
+    linear,
+    moe,
+    rms_norm,
+)
+from dsv4_jax.prefill import build_step_metadata
+from planner import (
+    BACKENDS,
+    POLICIES,
+    LayerKind,
+    PlanConfig,
+    PrefillBatch,
+    StepPlan,
+    plan_step,
+)
+from planner.sizes import pow2_bucket
 
 F32 = jnp.float32
 COMPILES: Counter = Counter()  # traces (= compilations) of each jitted function, by name
@@ -139,8 +155,8 @@ class DeepseekV4:
       dtype: the compute dtype ("float32", "bfloat16", "float16"; default: the embedding's dtype).
       max_batch_size: cache slots (requests in flight). max_model_len: tokens per request.
       max_num_batched_tokens: most new tokens of one request in one step (planner limit).
-      attention_backend: "auto", "xla" or "pallas" (see `dsv4_jax.sparse_attention`).
-      planner: "adaptive", "fixed" or "per_request" (`planner.PlanConfig.policy`).
+      backend: "auto", "xla" or "pallas" (see `dsv4_jax.sparse_attention`).
+      policy: "adaptive", "fixed" or "per_request" (`planner.PlanConfig.policy`).
       mesh, axis: optional; split the model over mesh axis `axis` (default the mesh's first):
         attention heads and the dense MLP tensor-parallel, routed experts expert-parallel,
         embedding and head on the vocabulary (`dsv4_jax.model.parallel`); other axes replicate.
@@ -153,7 +169,7 @@ class DeepseekV4:
     """
 
     def __init__(self, config: ModelConfig, params: dict, *, max_batch_size: int = 8, max_model_len: int = 4096,
-                 max_num_batched_tokens: int = 512, attention_backend: str = "auto", planner: str = "adaptive",
+                 max_num_batched_tokens: int = 512, backend: str = "auto", policy: str = "adaptive",
                  mesh: Mesh | None = None, axis: str | None = None, dtype=None, min_tokens: int = 16,
                  min_workspace_rows: int = 128, token_tile: int = 256, gather_tile: int = 4096,
                  min_requests: int = 8, token_buckets: str = "fine"):  # fmt: skip
@@ -163,12 +179,12 @@ class DeepseekV4:
                         ("max_num_batched_tokens", max_num_batched_tokens)):  # fmt: skip
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
-        if planner not in ("adaptive", "fixed", "per_request"):
-            raise ValueError(f"planner: expected 'adaptive', 'fixed' or 'per_request', got {planner!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
         if not isinstance(params, dict) or len(params.get("layers", ())) != config.num_hidden_layers:
             raise ValueError(f"params: expected the tree of dsv4_jax.model.checkpoint.load_params for {config.num_hidden_layers} layers")
-        if attention_backend not in ("auto", "xla", "pallas", "pallas_triton", "pallas_interpret"):
-            raise ValueError(f"attention_backend: expected 'auto', 'xla' or 'pallas', got {attention_backend!r}")
+        if backend != "auto" and backend not in BACKENDS["jax"]:
+            raise ValueError(f"backend: expected 'auto' or one of {BACKENDS['jax']}, got {backend!r}")
         mesh, axis = parallel.resolve_mesh(mesh, axis)
         if mesh is not None:
             parallel.check_divisible(config, mesh, axis)
@@ -191,7 +207,7 @@ class DeepseekV4:
             window_size=config.sliding_window,
             max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
-            policy=planner,
+            policy=policy,
         )
         self._min_requests = min(pow2_bucket(min_requests), pow2_bucket(max_batch_size))
         if token_buckets not in ("fine", "pow2"):
@@ -200,7 +216,7 @@ class DeepseekV4:
         self._min_tokens = min_tokens
         self._min_workspace_rows = min_workspace_rows
         self._bucket_options = dict(token_tile=token_tile, gather_tile=gather_tile)
-        self._opts = (("backend", attention_backend), ("mesh", mesh), ("axis", axis))
+        self._opts = (("backend", backend), ("mesh", mesh), ("axis", axis))
         # Hash layers keep their tid2eid table out of the layer parameters (a zero bias stands
         # in), so hash and top-k layers of a kind have one parameter structure and one program.
         self._layer_params, self._hash_tables = [], []
@@ -253,7 +269,7 @@ class DeepseekV4:
         if ids.min() < 0 or ids.max() >= self.config.vocab_size:
             raise ValueError(f"tokens: ids must be in 0..{self.config.vocab_size - 1}, got {int(ids.min())}..{int(ids.max())}")
         batch = PrefillBatch(seq, q_lens, self.max_model_len, self.plan_config.max_num_batched_tokens)
-        plan = plan_step(batch, self.plan_config, self.config.compress_ratios)  # once per step
+        plan = plan_step(batch, self.plan_config, self.config.layers)  # once per step
         # Per kind, the workspace is padded to a power of two: its size is a compile key but costs
         # only its allocation (gathers and attention cover the real rows), so coarse buckets are
         # cheap here, unlike the token buckets, which pad compute.
@@ -282,8 +298,9 @@ class DeepseekV4:
             rows = np.arange(T_pad)
         else:
             rows = pad(starts + q_lens - 1, B_pad, 0)
-        max_entries = int(seq.max()) // 4
-        index_entries = min(pow2_bucket(max_entries, 128), -(-self.max_model_len // 4))
+        r_csa = self.config.compress_rate_csa  # the indexer scores CSA's compressed entries
+        max_entries = int(seq.max()) // r_csa
+        index_entries = min(pow2_bucket(max_entries, 128), -(-self.max_model_len // r_csa))
         step = StepInputs(
             token_ids=pad(ids, T_pad, 0),
             positions=pad(positions, T_pad, 0),

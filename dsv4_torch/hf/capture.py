@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_torch.hf.versions import require_supported_transformers
-from planner.batch import LayerKind, layer_kind
+from planner.contract import LayerKind
 
 
 @dataclass
@@ -171,8 +171,8 @@ def _to_capture(cfg, layer_idx: int, record: dict, T: int) -> AttentionCapture:
     if "output" not in record:
         raise RuntimeError(f"layer {layer_idx}: the eager attention function was not called")
     ltype = cfg.layer_types[layer_idx]
-    ratio = 0 if ltype == "sliding_attention" else int(cfg.compress_rates[ltype])
-    kind = layer_kind(ratio)
+    kind = LayerKind.of(ltype)
+    ratio = 0 if kind is LayerKind.SWA else int(cfg.compress_rates[ltype])
     W = int(cfg.sliding_window)
     positions = record["position_ids"].reshape(-1)[-T:].to(torch.int64).cpu()
     seq_len = int(positions[-1]) + 1

@@ -1,7 +1,7 @@
 """Our sparse prefill inside transformers' DeepSeek-V4 model, with ragged (padded) batches.
 
     model = DeepseekV4ForCausalLM.from_pretrained(ckpt)
-    enable_sparse_prefill(model, backend="auto", planner="adaptive")
+    enable_sparse_prefill(model, backend="auto", policy="adaptive")
     model.generate(**tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt"))
     last_step_plan(model), last_forward(model).backends   # what the last forward planned and ran
     disable_sparse_prefill(model)                           # back to transformers' eager attention
@@ -63,15 +63,26 @@ import torch
 from dsv4_torch.attention import BACKENDS, resolve_backend
 from dsv4_torch.hf import ragged
 from dsv4_torch.hf.versions import require_supported_transformers
-from dsv4_torch.prefill import PagedKV, StepMetadata, build_step_metadata, prefill_attention
-from planner import PlanConfig, PrefillBatch, StepPlan, layer_kind
-from planner.plan import POLICIES
+from dsv4_torch.prefill import (
+    PagedKV,
+    StepMetadata,
+    build_step_metadata,
+    prefill_attention,
+)
+from planner import (
+    POLICIES,
+    LayerKind,
+    LayerSpec,
+    PlanConfig,
+    PrefillBatch,
+    StepPlan,
+    layer_specs,
+)
 
 ATTN_IMPLEMENTATION = "dsv4_sparse_prefill"
 INDEXER_CHUNK_ELEMS = 1 << 24  # indexer scores (query x head x entry) computed at once per request
 _MODEL_ATTR = "_dsv4_sparse_prefill"
 _CACHE_ATTR = "_dsv4_sparse_state"
-_KIND_RATIO = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 
 
 @dataclass
@@ -90,7 +101,7 @@ class ForwardRecord:
 def enable_sparse_prefill(
     model,
     backend: str = "auto",
-    planner: str = "adaptive",
+    policy: str = "adaptive",
     *,
     max_model_len: int | None = None,
     max_num_batched_tokens: int | None = None,
@@ -104,7 +115,7 @@ def enable_sparse_prefill(
       model: a loaded `DeepseekV4ForCausalLM` or `DeepseekV4Model` (transformers >=5.23.0,<5.24).
       backend: "auto", "flashmla", "triton" or "reference" (`dsv4_torch.sparse_attention`); a named
         backend that cannot run on the model's device/dtype is refused here.
-      planner: "adaptive", "fixed" or "per_request" (`planner.PlanConfig.policy`).
+      policy: "adaptive", "fixed" or "per_request" (`planner.PlanConfig.policy`).
       max_model_len, max_num_batched_tokens: the engine limits the plans are sized from; None =
         each step's own (its longest request, its token count). Given values are enforced.
       prefill_chunk_size, budget_rows: `planner.PlanConfig` fields.
@@ -116,8 +127,8 @@ def enable_sparse_prefill(
     base = _base_model(model)
     if not isinstance(backend, str) or backend not in ("auto",) + BACKENDS:
         raise ValueError(f"backend: expected one of 'auto', {', '.join(map(repr, BACKENDS))}; got {backend!r}")
-    if planner not in POLICIES:
-        raise ValueError(f"planner: expected one of {POLICIES}, got {planner!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
     for name, v in (("max_model_len", max_model_len), ("max_num_batched_tokens", max_num_batched_tokens),
                     ("budget_rows", budget_rows)):  # fmt: skip
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -125,9 +136,9 @@ def enable_sparse_prefill(
     for name, v in (("prefill_chunk_size", prefill_chunk_size), ("indexer_chunk_elems", indexer_chunk_elems)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
-    if budget_rows is not None and planner == "fixed":
-        raise ValueError("budget_rows: the fixed plan has its own workspace size; use planner='adaptive'")
-    ratios = _check_config(base.config)
+    if budget_rows is not None and policy == "fixed":
+        raise ValueError("budget_rows: the fixed plan has its own workspace size; use policy='adaptive'")
+    layers = _check_config(base.config)
     if getattr(base, _MODEL_ATTR, None) is not None:
         disable_sparse_prefill(model)
     p = next(base.parameters())
@@ -135,7 +146,7 @@ def enable_sparse_prefill(
     resolve_backend(backend, torch.empty((0, cfg.num_attention_heads, cfg.head_dim), dtype=p.dtype, device=p.device))
 
     integ = _Integration(
-        base=base, backend=backend, planner=planner, ratios=ratios, max_model_len=max_model_len,
+        base=base, backend=backend, policy=policy, layers=layers, max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens, prefill_chunk_size=prefill_chunk_size,
         budget_rows=budget_rows, indexer_chunk_elems=indexer_chunk_elems,
         previous_attn_implementation=cfg._attn_implementation,
@@ -205,27 +216,14 @@ def _integration(model) -> "_Integration":
     return integ
 
 
-def _check_config(cfg) -> tuple[int, ...]:
-    """The model's per-layer compress ratios; ValueError for what our path does not implement."""
-    ratios = []
-    for i, t in enumerate(cfg.layer_types):
-        if t == "sliding_attention":
-            ratios.append(0)
-            continue
-        if t not in _KIND_RATIO:
-            raise ValueError(f"config.layer_types[{i}]: unsupported layer type {t!r}")
-        r = int(cfg.compress_rates[t])
-        if r != _KIND_RATIO[t]:
-            raise ValueError(
-                f"config.compress_rates[{t!r}]: {r} is not supported (DeepSeek-V4 uses {_KIND_RATIO[t]}; "
-                "the planner knows ratios 4 (CSA) and 128 (HCA) only)"
-            )
-        ratios.append(r)
+def _check_config(cfg) -> tuple[LayerSpec, ...]:
+    """The model's per-layer kinds and ratios; ValueError for what our path does not implement."""
+    layers = layer_specs({"layer_types": list(cfg.layer_types), "compress_rates": dict(cfg.compress_rates or {})})
     if cfg.head_dim > 512:
         raise ValueError(f"config.head_dim: {cfg.head_dim} > 512 is not supported (the kernel's value is the first 512 dims)")
     if int(cfg.sliding_window) < 1:
         raise ValueError(f"config.sliding_window: expected >= 1, got {cfg.sliding_window}")
-    return tuple(ratios)
+    return layers
 
 
 def _register_attention_function():
@@ -280,8 +278,8 @@ _FORWARD_ARGS = ("input_ids", "attention_mask", "position_ids", "past_key_values
 class _Integration:
     base: object
     backend: str
-    planner: str
-    ratios: tuple[int, ...]
+    policy: str
+    layers: tuple[LayerSpec, ...]  # per decoder layer
     max_model_len: int | None
     max_num_batched_tokens: int | None
     prefill_chunk_size: int
@@ -335,13 +333,13 @@ class _Integration:
             window_size=int(cfg.sliding_window),
             max_model_len=self.max_model_len or max(1, int(seq.max())),
             max_num_batched_tokens=self.max_num_batched_tokens or max(1, int(query.sum())),
-            prefill_chunk_size=self.prefill_chunk_size, policy=self.planner, budget_rows=self.budget_rows,
+            prefill_chunk_size=self.prefill_chunk_size, policy=self.policy, budget_rows=self.budget_rows,
         )  # fmt: skip
         device = ref.device
         meta = build_step_metadata(batch, device=device, index_topk=int(cfg.index_topk), config=plan_cfg,
-                                   compress_ratios=self.ratios)  # fmt: skip
+                                   layers=self.layers)  # fmt: skip
         raw = ragged.plan_raw(state.seen, query, int(cfg.sliding_window))
-        compress = {r: ragged.plan_compress(state.seen, query, r, state.layout(r)) for r in sorted(set(self.ratios) - {0})}
+        compress = {r: ragged.plan_compress(state.seen, query, r, state.layout(r)) for r in sorted({s.compress_ratio for s in self.layers if s.has_compressed})}
         arrays = {
             "position_ids": np.where(real, positions, 0),
             "token_positions": positions[real],
@@ -486,7 +484,9 @@ def _attention_forward(integ: _Integration, module, hidden_states, position_embe
 
 
 def _sparse_layer(integ: _Integration, ctx: _Context, module, hidden_states, position_embeddings):
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb as rope
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        apply_rotary_pos_emb as rope,
+    )
 
     cfg = module.config
     if ctx.num_tokens == 0:  # only padding in this call
@@ -506,16 +506,20 @@ def _sparse_layer(integ: _Integration, ctx: _Context, module, hidden_states, pos
 
     compressed = topk = None
     comp = module.compressor
-    ratio = 0 if comp is None else int(comp.compress_rate)
-    if comp is not None:
-        entries = _compress(comp, x, lstate, "compressor", ctx, ratio, overlapped=ratio == 4)
+    spec = integ.layers[module.layer_idx]
+    ratio = spec.compress_ratio
+    if spec.has_compressed:
+        if comp is None or int(comp.compress_rate) != ratio:
+            raise RuntimeError(f"layer {module.layer_idx}: a {spec.kind.name} layer of ratio {ratio} without that compressor")
+        csa = spec.kind is LayerKind.CSA
+        entries = _compress(comp, x, lstate, "compressor", ctx, ratio, overlapped=csa)
         compressed = PagedKV(entries.view(-1, ragged.ENTRY_PAGE, entries.shape[1]), ctx.dev[f"{ratio}.table"])
-        if ratio == 4:
+        if csa:
             index_entries = _compress(comp.indexer, x, lstate, "indexer", ctx, ratio, overlapped=True)
             topk = _indexer_topk(comp.indexer, x, q_residual, index_entries, ctx, integ.indexer_chunk_elems)
 
     out = prefill_attention(
-        q, ctx.meta[layer_kind(ratio)], raw, compressed, sm_scale=module.scaling, attn_sink=module.sinks,
+        q, ctx.meta[spec.kind], raw, compressed, sm_scale=module.scaling, attn_sink=module.sinks,
         topk_indices=topk, backend=integ.backend,
     )  # fmt: skip
     out = rope(out, cos, -sin)  # undo the values' RoPE at the query position, as transformers does
@@ -526,7 +530,9 @@ def _sparse_layer(integ: _Integration, ctx: _Context, module, hidden_states, pos
 def _compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: _Context, r: int, overlapped: bool):
     """Pool every request's newly completed blocks (transformers' compressor math, ragged) and
     append the entries to the request's region; returns the layer's entry rows."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb as rope
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        apply_rotary_pos_emb as rope,
+    )
 
     plan = ctx.compress[r]
     dev = {k: ctx.dev[f"{r}.{k}"] for k in ("usable", "leftover", "prev", "overlap", "positions", "move_src",
@@ -570,7 +576,9 @@ def _compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: _Context, r: i
 def _indexer_topk(ind, x, q_residual, entries, ctx: _Context, chunk_elems: int):
     """(Tr, index_topk) request-local top-k entry ids per token, -1 = none (transformers' indexer,
     each request against its own entries only)."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb as rope
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        apply_rotary_pos_emb as rope,
+    )
 
     Tr = x.shape[0]
     positions = ctx.dev["token_positions"]

@@ -19,10 +19,14 @@ import math
 
 import torch
 
-FLASHMLA_HEADS = (64, 128)
-FLASHMLA_HEAD_DIMS = (512, 576)
-FLASHMLA_D_V = 512
-INDEX_ALIGN = 128
+from planner.contract import D_V as FLASHMLA_D_V  # noqa: F401
+from planner.contract import (
+    FLASHMLA_HEAD_DIMS,
+    FLASHMLA_HEADS,
+    INDEX_ALIGN,
+    BackendUnavailableError,
+)
+
 SUPPORTED_ARCH_MAJORS = (9, 10)  # SM90, SM100/SM103
 
 _cache: dict[str, object] = {}
@@ -93,7 +97,7 @@ def sparse_attention_flashmla(
         raise ValueError(f"q: the flashmla backend needs head dim D in {FLASHMLA_HEAD_DIMS}, got {D}")
     reason = unavailable_reason(q.device)
     if reason is not None:
-        raise RuntimeError(f"flashmla backend unavailable: {reason}")
+        raise BackendUnavailableError(f"flashmla backend unavailable: {reason}")
     S, K = kv.shape[0], indices.shape[1]
 
     # Rewrite every invalid entry to -1 and pad the width to a multiple of 128 with -1.
@@ -120,7 +124,7 @@ def sparse_attention_flashmla(
     for h0 in range(0, H, 128):  # FlashMLA takes at most 128 heads: split, heads are independent
         h1 = min(H, h0 + 128)
         n = h1 - h0
-        padded = 64 if n <= 64 else 128  # sparse_fwd.h dispatches h_q 64 and 128 on SM90 and SM100
+        padded = next(h for h in FLASHMLA_HEADS if n <= h)  # sparse_fwd.h dispatches h_q 64 and 128 (SM90, SM100)
         q_g = q[:, h0:h1]
         sink_g = sink[h0:h1] if sink is not None else None
         if padded != n:

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from planner.oracle import value_dim
+from planner.contract import value_dim
 
 KEY_BLOCK = 64  # index columns per step of the online softmax
 MAX_TOKEN_TILE = 64

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from planner.oracle import value_dim
+from planner.contract import BackendUnavailableError, value_dim
 
 _LOG2E = 1.4426950408889634
 
@@ -272,12 +272,12 @@ def sparse_attention_triton(
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"q: the triton backend takes bfloat16, float16 or float32, got {q.dtype}")
     if q.device.type == "cpu" and not INTERPRETED:
-        raise RuntimeError(
+        raise BackendUnavailableError(
             "backend='triton' got CPU tensors, but Triton's interpreter is off: set TRITON_INTERPRET=1 "
             "before dsv4_torch.kernels.triton_sparse is first imported, or use a CUDA/ROCm device"
         )
     if q.device.type == "cpu" and INTERPRETER_UNSUPPORTED:
-        raise RuntimeError(f"backend='triton' on CPU tensors: {INTERPRETER_UNSUPPORTED}")
+        raise BackendUnavailableError(f"backend='triton' on CPU tensors: {INTERPRETER_UNSUPPORTED}")
     T, H, D = q.shape
     S, K = kv.shape[0], indices.shape[1]
     d_v = value_dim(D)

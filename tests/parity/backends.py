@@ -252,7 +252,7 @@ class Cache:
 class LayerInputs:
     """One layer's prefill inputs (torch, TORCH_DEVICE): queries, caches, sink and CSA top-k rows."""
 
-    ratio: int
+    layer: P.LayerSpec  # the layer's kind and compress ratio
     q: torch.Tensor  # (T, H, D)
     sink: torch.Tensor  # (H,) float32 (float64 for float64 runs)
     topk: torch.Tensor | None  # (T, topk) int32, CSA only
@@ -262,7 +262,7 @@ class LayerInputs:
 
     def tokens(self, a: int, b: int) -> "LayerInputs":
         """The same layer with query tokens a .. b-1 only (a step of a split prompt)."""
-        return LayerInputs(self.ratio, self.q[a:b], self.sink, None if self.topk is None else self.topk[a:b], self.raw, self.comp)
+        return LayerInputs(self.layer, self.q[a:b], self.sink, None if self.topk is None else self.topk[a:b], self.raw, self.comp)
 
     def jax_q(self, padded: int):
         """q and top-k rows crossed to JAX and padded to `padded` tokens. The padding is NaN queries
@@ -277,9 +277,9 @@ class LayerInputs:
         return self._jax[("q", padded)], self._jax.get(("topk", padded)), self._jax["sink"]
 
 
-def run_prefill(name: str, step: P.StepPlan, layers: dict[int, LayerInputs], layout: str, topk: int, sm_scale: float,
-                jax_meta: dict | None = None):  # fmt: skip
-    """{ratio: (T, H, d_v) float64 output} of one backend for one step (one plan, one cache layout).
+def run_prefill(name: str, step: P.StepPlan, layers: dict[P.LayerKind, LayerInputs], layout: str, topk: int,
+                sm_scale: float, jax_meta: dict | None = None):  # fmt: skip
+    """{kind: (T, H, d_v) float64 output} of one backend for one step (one plan, one cache layout).
 
     jax_meta: overrides of `JAX_PREFILL_META` (e.g. padded_tokens, to share one program)."""
     st = machine_status()[name]
@@ -287,19 +287,19 @@ def run_prefill(name: str, step: P.StepPlan, layers: dict[int, LayerInputs], lay
     batch = step.batch
     out = {}
     if fw == "numpy":
-        for r, x in layers.items():
+        for kind, x in layers.items():
             f64 = lambda t: t.detach().cpu().double().numpy()  # noqa: E731
             res, _, _ = P.oracle.prefill_attention(
                 f64(x.q), x.raw.oracle(), None if x.comp is None else x.comp.oracle(), batch.seq_lens, batch.query_lens,
-                compress_ratio=r, window_size=step.config.window_size, sm_scale=sm_scale, attn_sink=f64(x.sink),
-                topk_rows=None if x.topk is None else x.topk.cpu().numpy(),
+                kind=kind, compress_ratio=x.layer.compress_ratio, window_size=step.config.window_size, sm_scale=sm_scale,
+                attn_sink=f64(x.sink), topk_rows=None if x.topk is None else x.topk.cpu().numpy(),
             )  # fmt: skip
-            out[r] = res
+            out[kind] = res
         return out
     if fw == "torch":
         meta = TP.build_step_metadata(step, device=TORCH_DEVICE, index_topk=topk)
-        for r, x in layers.items():
-            km = meta[r]
+        for kind, x in layers.items():
+            km = meta[kind]
             if x.q.dtype.is_floating_point:  # rows no chunk writes must never reach an output
                 meta.workspace(x.q.shape[2], x.q.dtype).fill_(float("nan"))
             res = TP.prefill_attention(
@@ -308,12 +308,12 @@ def run_prefill(name: str, step: P.StepPlan, layers: dict[int, LayerInputs], lay
             )  # fmt: skip
             if km.last_backend != st.kernel:
                 raise AssertionError(f"{name}: asked for {st.kernel!r}, ran {km.last_backend!r}")
-            out[r] = to_numpy(res)
+            out[kind] = to_numpy(res)
         return out
     smeta = JP.build_step_metadata(step, index_topk=topk, **{**JAX_PREFILL_META, **(jax_meta or {})})
     T = batch.num_tokens
-    for r, x in layers.items():
-        km = smeta[r]
+    for kind, x in layers.items():
+        km = smeta[kind]
         q, topk_rows, sink = x.jax_q(smeta.padded_tokens)
         res = JP.prefill_attention(
             q, km, x.raw.jax_source(layout), None if x.comp is None else x.comp.jax_source(layout),
@@ -324,7 +324,7 @@ def run_prefill(name: str, step: P.StepPlan, layers: dict[int, LayerInputs], lay
         full = to_numpy(res)
         if np.any(full[T:]):
             raise AssertionError(f"{name}: padding rows past the {T} tokens are not 0")
-        out[r] = full[:T]
+        out[kind] = full[:T]
     return out
 
 

@@ -205,7 +205,7 @@ TWO_VARIANTS = (PRIMARY, ("per_request", "paged"))  # the model-shape classes: h
 
 @dataclass
 class StepCase:
-    """One prefill step of a batch, with an SWA, a CSA and an HCA layer (`layers[ratio]`).
+    """One prefill step of a batch, with an SWA, a CSA and an HCA layer (`layers[kind]`).
 
     splits: for a one-request prompt, the step boundaries of the same prompt prefilled over
     several steps (chunked prefill); its output must equal the one-step output.
@@ -214,7 +214,7 @@ class StepCase:
     klass: str
     name: str
     dtype: str
-    layers: dict[int, PrefillCase]
+    layers: dict[P.LayerKind, PrefillCase]
     tiny: bool = True
     splits: list[tuple[int, int]] | None = None
     variants: tuple = VARIANTS
@@ -226,6 +226,11 @@ class StepCase:
     @property
     def first(self) -> PrefillCase:
         return next(iter(self.layers.values()))
+
+    @property
+    def layer_specs(self) -> list[P.LayerSpec]:
+        """What `plan_step` plans: each layer's kind and ratio."""
+        return [c.layer for c in self.layers.values()]
 
     @property
     def head_dim(self) -> int:
@@ -254,8 +259,8 @@ class StepCase:
             policy, kw["budget_rows"] = "adaptive", max(c.seq_lens) // 4 + c.window_size + 4
         return P.PlanConfig(policy=policy, **kw)
 
-    def row(self, ratio: int) -> str:
-        return f"{self.klass} · {P.layer_kind(ratio).name} · {DTYPE_TAG[self.dtype]}"
+    def row(self, kind) -> str:
+        return f"{self.klass} · {P.LayerKind.of(kind).name} · {DTYPE_TAG[self.dtype]}"
 
     def describe(self) -> str:
         c = self.first
@@ -265,15 +270,16 @@ class StepCase:
 
 def step_case(klass, name, seq_lens, query_lens, *, dtype="float32", window_size=8, topk=6, H=4, D=32, seed=0,
               ratios=(0, 4, 128), family=None, topk_junk=False, **kw) -> StepCase:  # fmt: skip
-    """A step over one batch with a layer per ratio. topk_junk: CSA top-k rows hold arbitrary
-    ids (future entries, negatives, huge) past each token's min((p+1)//4, topk) used entries,
-    which every backend must ignore."""
-    layers = {r: make_case(name, seq_lens, query_lens, r, window_size=window_size, topk=topk, H=H, D=D, seed=seed * 10 + i)
-              for i, r in enumerate(ratios)}  # fmt: skip
-    if topk_junk and 4 in layers:
-        c = layers[4]
+    """A step over one batch with a layer per ratio (V4.0's kinds: 0 SWA, 4 CSA, 128 HCA), keyed by
+    kind. topk_junk: CSA top-k rows hold arbitrary ids (future entries, negatives, huge) past each
+    token's min((p+1)//r, topk) used entries, which every backend must ignore."""
+    cases = [make_case(name, seq_lens, query_lens, r, window_size=window_size, topk=topk, H=H, D=D, seed=seed * 10 + i)
+             for i, r in enumerate(ratios)]  # fmt: skip
+    layers = {c.kind: c for c in cases}
+    if topk_junk and P.LayerKind.CSA in layers:
+        c = layers[P.LayerKind.CSA]
         rng = np.random.default_rng(seed)
-        used = np.minimum((c.batch.token_position + 1) // 4, topk)
+        used = np.minimum((c.batch.token_position + 1) // c.ratio, topk)
         past = np.arange(topk)[None, :] >= used[:, None]
         noise = rng.choice(np.array([-1, -3, INT32_MIN, INT32_MAX, 10**6]), size=past.shape)
         future = (used[:, None] + rng.integers(0, 50, past.shape)).astype(np.int64)  # not visible yet

@@ -218,7 +218,7 @@ def make_cache(arrays, page_size: int, dtype: torch.dtype, *, seed: int = 0) -> 
     return B.Cache(t(rows).to(dtype), t(offsets), lens, t(pages).to(dtype), t(table))
 
 
-def step_inputs(case: StepCase) -> dict[int, B.LayerInputs]:
+def step_inputs(case: StepCase) -> dict[P.LayerKind, B.LayerInputs]:
     """Each layer's inputs as torch tensors in the case's dtype (JAX crosses them by DLPack).
 
     bf16 steps take FlashMLA's data scale, whose tolerance is made for it: latents x 0.1 and
@@ -226,16 +226,18 @@ def step_inputs(case: StepCase) -> dict[int, B.LayerInputs]:
     dt, dev = B.TORCH_DTYPES[case.dtype], B.TORCH_DEVICE
     kv_scale = 0.1 if case.dtype == "bfloat16" else 1.0
     out = {}
-    for r, c in case.layers.items():
+    for kind, c in case.layers.items():
         raw = make_cache([kv_scale * x for x in c.raw], case.block_size, dt, seed=1)
-        comp = make_cache([kv_scale * x for x in c.comp], max(1, case.block_size // r), dt, seed=2) if r > 1 else None
-        topk = torch.from_numpy(c.topk_rows).to(dev) if r == 4 else None
+        comp = None
+        if kind.has_compressed:
+            comp = make_cache([kv_scale * x for x in c.comp], max(1, case.block_size // c.ratio), dt, seed=2)
+        topk = torch.from_numpy(c.topk_rows).to(dev) if kind is P.LayerKind.CSA else None
         q = torch.from_numpy(c.q / kv_scale).to(dev, dt)
-        out[r] = B.LayerInputs(r, q, torch.from_numpy(c.sink).to(dev), topk, raw, comp)
+        out[kind] = B.LayerInputs(c.layer, q, torch.from_numpy(c.sink).to(dev), topk, raw, comp)
     return out
 
 
-def check_step_crossing(layers: dict[int, B.LayerInputs], padded: int) -> int:
+def check_step_crossing(layers: dict[P.LayerKind, B.LayerInputs], padded: int) -> int:
     n = 0
     for x in layers.values():
         q, topk, sink = x.jax_q(padded)
@@ -266,10 +268,10 @@ def _variants_for(case: StepCase, be: B.Backend):
 def run_step_case(case: StepCase, only=None) -> list[Row]:
     """One step case on every backend, plan and layout; one Row per layer kind."""
     t0 = time.perf_counter()
-    rows = {r: Row("prefill", case.row(r), [case.describe()]) for r in case.layers}
+    rows = {k: Row("prefill", case.row(k), [case.describe()]) for k in case.layers}
     layers = step_inputs(case)
     sm_scale = case.first.sm_scale
-    outputs = {}  # backend -> {variant -> {ratio: out}}
+    outputs = {}  # backend -> {variant -> {kind: out}}
     crossings = 0
     for be in _backends(only):
         reason = B.why_not(be, case.dtype, case.head_dim, case.tiny)
@@ -284,7 +286,7 @@ def run_step_case(case: StepCase, only=None) -> list[Row]:
                 crossings = check_step_crossing(layers, padded)
             per_variant = {}
             for v in _variants_for(case, be):
-                step = P.plan_step(case.batch, case.plan_config(v), list(case.layers))
+                step = P.plan_step(case.batch, case.plan_config(v), case.layer_specs)
                 per_variant[v] = B.run_prefill(be.name, step, layers, v[1], case.topk, sm_scale)
             if case.splits:
                 per_variant["split"] = _run_split(be.name, case, layers, sm_scale)
@@ -347,8 +349,8 @@ def _run_split(name: str, case: StepCase, layers, sm_scale):
     jax_meta = dict(padded_tokens=B.padded(seq, B.JAX_PREFILL_META["min_tokens"]))
     for a, b in case.splits:
         batch = P.PrefillBatch([b], [b - a])
-        step = P.plan_step(batch, case.plan_config(PRIMARY), list(case.layers))
-        sub = {r: x.tokens(a, b) for r, x in layers.items()}
+        step = P.plan_step(batch, case.plan_config(PRIMARY), case.layer_specs)
+        sub = {k: x.tokens(a, b) for k, x in layers.items()}
         parts.append(B.run_prefill(name, step, sub, PRIMARY[1], case.topk, sm_scale, jax_meta=jax_meta))
     assert case.splits[-1][1] == seq
-    return {r: np.concatenate([p[r] for p in parts]) for r in layers}
+    return {k: np.concatenate([p[k] for p in parts]) for k in layers}

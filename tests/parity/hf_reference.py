@@ -111,7 +111,7 @@ def _layer_inputs(call: Call, dtype: str, index_topk: int) -> B.LayerInputs:
         topk = torch.from_numpy(rows).to(dev)
     sink_dtype = torch.float64 if dtype == "float64" else torch.float32
     q = cap.query.contiguous().to(dev, dt)
-    return B.LayerInputs(r, q, cap.sink.to(dev, sink_dtype), topk, raw, comp)
+    return B.LayerInputs(P.LayerSpec(cap.kind, r), q, cap.sink.to(dev, sink_dtype), topk, raw, comp)
 
 
 def run_hf(calls: dict[str, dict[str, list[Call]]], *, index_topk: int = 8, dtypes=DTYPES, only=None) -> list[Row]:
@@ -140,7 +140,7 @@ def _run_set(kind, set_name, call_list, dtype, index_topk, only) -> Row:
     for call in call_list:
         cap = call.capture
         truth = cap.output.numpy()
-        layers = {cap.compress_ratio: _layer_inputs(call, dtype, index_topk)}
+        layers = {cap.kind: _layer_inputs(call, dtype, index_topk)}
         outputs = {}  # backend -> {variant: out}
         for be in runnable:
             # plans and layouts on the float64 torch reference; one plan elsewhere (the synthetic
@@ -173,6 +173,6 @@ def _run_call(name: str, cap, layers, variant, index_topk: int) -> np.ndarray:
     """One backend's output for one captured call, as a one-request prefill step."""
     policy, layout = variant
     cfg = P.PlanConfig(window_size=cap.window_size, max_model_len=CHUNKS[-1][1], max_num_batched_tokens=PROMPT_LEN, policy=policy)
-    step = P.plan_step(P.PrefillBatch([cap.seq_len], [cap.query_len]), cfg, [cap.compress_ratio])
+    step = P.plan_step(P.PrefillBatch([cap.seq_len], [cap.query_len]), cfg, [(cap.kind, cap.compress_ratio)])
     out = B.run_prefill(name, step, layers, layout, index_topk, cap.sm_scale, jax_meta=dict(padded_tokens=PADDED_TOKENS))
-    return out[cap.compress_ratio]
+    return out[cap.kind]

@@ -10,6 +10,7 @@ One test per case family: the cases of a family share shapes, so its JAX program
 
 import pytest
 
+import planner as P
 from tests.parity import backends as B
 from tests.parity import cases as C
 from tests.parity import harness as H
@@ -49,8 +50,8 @@ def test_family(family):
 def test_families_cover_the_issue():
     """Kinds, plans, query_len == 0 requests, model head counts and index widths, both dtypes."""
     assert "tiny-fp32" in FAMILIES  # the report's --quick family
-    kinds = {r for cases in FAMILIES.values() for c in cases for r in c.layers}
-    assert kinds == {0, 4, 128}
+    layers = {c.layer for cases in FAMILIES.values() for case in cases for c in case.layers.values()}
+    assert layers == set(P.V4_LAYERS)  # every kind, at V4.0's ratios
     policies = {v[0] for cases in FAMILIES.values() for c in cases for v in c.variants}
     assert {"adaptive", "fixed", "per_request"} <= policies
     assert any(0 in c.first.query_lens for cases in FAMILIES.values() for c in cases)
