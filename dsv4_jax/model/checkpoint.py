@@ -252,6 +252,10 @@ class _DictTensors:
     def array(self, name):
         return np.asarray(self._t[name])
 
+    def read(self, name, index=None):
+        a = self.array(name)
+        return np.array(a if index is None else a[tuple(index)])
+
     def release(self, name):
         pass
 
@@ -348,14 +352,14 @@ def _check(files, role, src: _Source, hf: str, shape, kind: str, block) -> _Entr
 
 
 def _host(a: np.ndarray, kind: str) -> np.ndarray:
-    """A slice copied out of the mapped file in the dtype the device gets (before any cast)."""
+    """A copied slice in the dtype the device gets (before any cast)."""
     if kind == "int":
         return np.ascontiguousarray(a, dtype=np.int32)
     if a.dtype == np.float64:
         return np.ascontiguousarray(a, dtype=np.float32)
     if a.dtype == np.int8:  # packed FP4
         return np.ascontiguousarray(a).view(np.uint8)
-    return np.array(device_scale(a), copy=True, order="C")
+    return np.ascontiguousarray(device_scale(a))
 
 
 def _put(read, shape, dtype, shard) -> jax.Array:
@@ -406,16 +410,14 @@ def _place(files, e: _Entry, dt, weights: str, mesh, axis):
     if src.part is not None:
         info = files.info(src.part.name)
         data_shape = tuple(info.shape)
-        view = files.array(src.part.name)
-        data = _put(lambda idx: _host(view[idx], e.kind), data_shape, _device_dtype(info.dtype, e.kind),
+        data = _put(lambda idx: _host(files.read(src.part.name, idx), e.kind), data_shape, _device_dtype(info.dtype, e.kind),
                     parallel.sharding(mesh, axis, e.role, data_shape))  # fmt: skip
         scale = None
         if quantized:
             sinfo = files.info(src.part.scale)
-            sview = files.array(src.part.scale)
             shard = parallel.sharding(mesh, axis, e.role, sinfo.shape, e.block, e.shape)
-            scale = _put(lambda idx: _host(sview[idx], "w"), sinfo.shape, _device_dtype(sinfo.dtype, "w"), shard)
-        del view
+            scale = _put(lambda idx: _host(files.read(src.part.scale, idx), "w"), sinfo.shape,
+                         _device_dtype(sinfo.dtype, "w"), shard)  # fmt: skip
     else:
         first = src.experts[0]
         i0 = files.info(first[0].name)
@@ -423,7 +425,7 @@ def _place(files, e: _Entry, dt, weights: str, mesh, axis):
         data_shape = (len(src.experts), sum(per), i0.shape[1])
 
         def data_piece(ex):
-            return np.concatenate([_host(files.array(p.name), e.kind) for p in src.experts[ex]], axis=0)
+            return np.concatenate([_host(files.read(p.name), e.kind) for p in src.experts[ex]], axis=0)
 
         data = _stack(data_piece, data_shape, _device_dtype(i0.dtype, e.kind),
                       parallel.sharding(mesh, axis, e.role, data_shape), len(src.experts))  # fmt: skip
@@ -433,7 +435,7 @@ def _place(files, e: _Entry, dt, weights: str, mesh, axis):
             scale_shape = (len(src.experts), sum(files.info(p.scale).shape[0] for p in first), s0.shape[1])
 
             def scale_piece(ex):
-                return np.concatenate([_host(files.array(p.scale), "w") for p in src.experts[ex]], axis=0)
+                return np.concatenate([_host(files.read(p.scale), "w") for p in src.experts[ex]], axis=0)
 
             scale = _stack(scale_piece, scale_shape, _device_dtype(s0.dtype, "w"),
                            parallel.sharding(mesh, axis, e.role, scale_shape, e.block, e.shape), len(src.experts))  # fmt: skip

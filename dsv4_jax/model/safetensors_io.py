@@ -213,15 +213,37 @@ class CheckpointFiles:
         raw = np.frombuffer(self._map(info.file), dtype=np.uint8, count=info.nbytes, offset=info.start)
         return raw.view(info.dtype).reshape(info.shape)
 
+    def read(self, name: str, index: tuple | None = None, chunk_bytes: int = 64 << 20) -> np.ndarray:
+        """A copy of `array(name)[index]` (index: slices, one per dimension, steps of 1), copied a
+        block of rows at a time, each block's file pages released once copied: the process holds
+        the copy plus at most `chunk_bytes` of the file, however big the tensor."""
+        a = self.array(name)
+        sub = a if index is None else a[tuple(index)]
+        out = np.empty(sub.shape, sub.dtype)
+        if sub.ndim == 0 or sub.size == 0:
+            out[...] = sub
+            return out
+        info = self.info(name)
+        row_bytes = info.nbytes // max(1, info.shape[0])
+        first = 0 if index is None or index[0].start is None else int(index[0].start)
+        step = max(1, chunk_bytes // max(1, row_bytes))
+        for r in range(0, sub.shape[0], step):
+            out[r : r + step] = sub[r : r + step]
+            begin = info.start + (first + r) * row_bytes
+            self._release_range(info.file, begin, begin + min(step, sub.shape[0] - r) * row_bytes)
+        return out
+
+    def _release_range(self, file: Path, begin: int, end: int) -> None:
+        m = self._maps.get(file)
+        if m is None or end <= begin or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        begin -= begin % _PAGE
+        m.madvise(mmap.MADV_DONTNEED, begin, min(len(m), end) - begin)
+
     def release(self, name: str) -> None:
         """Drop the tensor's pages from this process (they are re-read from the file if touched)."""
         info = self.info(name)
-        m = self._maps.get(info.file)
-        if m is None or info.nbytes == 0 or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        begin = info.start - info.start % _PAGE
-        end = min(len(m), info.start + info.nbytes)
-        m.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+        self._release_range(info.file, info.start, info.start + info.nbytes)
 
     def close(self) -> None:
         """Unmap the files. Views from `array` must be gone (copied) by then."""
