@@ -66,10 +66,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Sequence
 
-if __package__ in (None, ""):  # run as `python eval/gsm8k.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eval.generators import (  # noqa: E402
+from eval.generators import (
     BATCHING,
     DTYPES,
     JAX_BACKENDS,

@@ -48,16 +48,23 @@ def test_prefill_check_dry_run():
     assert all(line.rstrip().endswith("yes") for line in rows), "plans must give bitwise equal outputs"
 
 
-def test_gpu_check_runs_its_three_modules(tmp_path):
+def test_gpu_check_runs_its_modules(tmp_path):
     """Without a GPU each check says so and exits 0: `bench.gpu_check` finds, starts and logs all
-    three modules (a wrong module name or import exits non-zero here)."""
+    four modules (a wrong module name or import exits non-zero here)."""
     import jax
     import torch
 
     if torch.cuda.is_available() or jax.default_backend() != "cpu":
         pytest.skip("a GPU is visible: bench.gpu_check would run the real checks (minutes)")
     text = _run(["-m", "bench.gpu_check", "--budget", "270"], {"OUT": str(tmp_path)})
-    for module in ("gpu_check_torch", "gpu_check_jax", "gpu_check_prefill"):
+    for module in ("gpu_check_torch", "gpu_check_jax", "gpu_check_prefill", "gpu_check_model"):
         assert f"##### bench.{module}: exit 0," in text, text[-4000:]
         assert (tmp_path / f"{module}.log").read_text().strip(), module
     assert "Traceback" not in text, text[-4000:]
+
+
+def test_model_check_dry_run():
+    """bench.gpu_check_model: one layer written in the official format, loaded, two prefill steps."""
+    text = _run(["-m", "bench.gpu_check_model", "--dry-run"])
+    assert "Traceback" not in text and "FAILED" not in text, text[-4000:]
+    assert "logits finite: True" in text and "tokens/s" in text and "on the device" in text, text[-4000:]

@@ -46,7 +46,7 @@ def main(argv=None):
     torch.set_num_threads(1)
     ckpt = args.ckpt
     if ckpt is None:
-        from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint
+        from tools.tiny_checkpoint import write_tiny_checkpoint
 
         ckpt = write_tiny_checkpoint(tempfile.mkdtemp(prefix="tiny-"), seed=0)
     ids = torch.randint(3, 512, (1, args.tokens), generator=torch.Generator().manual_seed(0))
