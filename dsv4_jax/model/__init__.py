@@ -6,6 +6,7 @@
 * `model`: `DeepseekV4`, one ragged step at a time.
 * `checkpoint`: safetensors checkpoints (the official FP8/FP4 release, transformers' names) into
   the parameter tree, streamed from memory-mapped files onto the devices (NumPy + ml_dtypes).
+* `names`: DeepSeek's and transformers' tensor names, mapped onto each other.
 * `safetensors_io`: the header parser and memory-mapped reader (no torch, no safetensors package).
 * `quant`: `QuantizedWeight` (FP8 / FP4 block-scaled weights on the device) and its dequantization.
 * `parallel`: where each weight lives on a mesh (tensor / expert / vocabulary / storage splits).
