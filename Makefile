@@ -23,11 +23,17 @@ test: $(STAMP)
 	@if [ -n "$(JAX_NEW_PYTHON)" ]; then $(MAKE) --no-print-directory test-jax-new; \
 	else echo "test: skipped the jax >= 0.11 run (no Python >= 3.12 here)"; fi
 
+# transformers' own DeepSeek-V4 model tests, the whole file, on plain transformers and through our
+# path, compared test by test (`make test` runs a selection; see tools/transformers_suite.py).
+.PHONY: test-transformers-suite
+test-transformers-suite: $(STAMP)
+	$(PY) -m tools.transformers_suite --full
+
 # The JAX path on jax >= 0.11 (needs Python 3.12; no torch there): `make test-jax-new`.
 JAX_NEW_PYTHON ?= $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/3.1[23]*/bin/python; do \
 	$$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $$p && break; done)
 JAX_NEW_VENV := .venv-jax-new
-JAX_TESTS := tests/test_planner.py tests/test_layout_oracle.py tests/test_jax_sparse_attention.py \
+JAX_TESTS := tests/test_planner.py tests/test_layout_oracle.py tests/test_jax_sparse_attention.py tests/test_jax_mosaic.py \
 	tests/test_jax_sharding.py tests/test_jax_prefill.py
 
 .PHONY: test-jax-new

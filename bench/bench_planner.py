@@ -1,6 +1,6 @@
 """Planner benchmark: host time per step, and workspace/launches per named workload.
 
-    .venv/bin/python bench/bench_planner.py [--repeats 200] [--json out.json]
+    .venv/bin/python -m bench.bench_planner [--repeats 200] [--json out.json]
 
 Host time: our `PrefillBatch` + `plan_step` (all three kinds) once per step, as chunks only (what
 vLLM's tuples need; a plan derives the rest on first use) and with every kind's per-segment
@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.workloads import scaling_batch, workloads  # noqa: E402
-from planner import LayerKind, PlanConfig, PrefillBatch, plan_step  # noqa: E402
-from planner.contract import ModelShape  # noqa: E402
-from planner.report import BYTES_PER_ROW, table  # noqa: E402
+from bench.common import scaling_batch, workloads
+from planner import LayerKind, PlanConfig, PrefillBatch, plan_step
+from planner.contract import ModelShape
+from planner.report import BYTES_PER_ROW, table
 
 
 def vllm_style_plan(seq_t, qry_t, r, W, mml, mnbt, pcs):

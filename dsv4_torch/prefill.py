@@ -17,7 +17,7 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
-from dsv4_torch.attention import resolve_backend, sparse_attention
+from dsv4_torch.attention import check_dropout, gradient_required, resolve_backend, sparse_attention
 from dsv4_torch.prefill_metadata import (  # noqa: F401  (the metadata is part of this module's API)
     ChunkIndices,
     ChunkMeta,
@@ -195,11 +195,18 @@ def _check_source_values(src: _Rows, name: str, needed: np.ndarray, first: np.nd
         )
 
 
-def _gather(ws: torch.Tensor, src: _Rows, g: GatherMap, row_map: torch.Tensor, at: int, count: int) -> None:
-    """ws[dst[k]] = src row row_map[k] for the chunk's k in at .. at + count - 1."""
+def _gather(ws: torch.Tensor, src: _Rows, g: GatherMap, row_map: torch.Tensor, at: int, count: int,
+            in_place: bool = True) -> torch.Tensor:  # fmt: skip
+    """ws[dst[k]] = src row row_map[k] for the chunk's k in at .. at + count - 1; returns ws.
+
+    in_place=False (a gradient is needed): a new tensor, so autograd sees every chunk's workspace
+    (the reused buffer would be overwritten before the backward reads it)."""
     if count == 0:
-        return
-    ws.index_copy_(0, g.dst[at : at + count], src.rows.index_select(0, row_map[at : at + count]))
+        return ws
+    rows = src.rows.index_select(0, row_map[at : at + count])
+    if in_place:
+        return ws.index_copy_(0, g.dst[at : at + count], rows)
+    return ws.index_copy(0, g.dst[at : at + count], rows)
 
 
 def build_indices(meta: KindMetadata, chunk: ChunkMeta, topk_indices: torch.Tensor | None = None):
@@ -233,6 +240,7 @@ def prefill_attention(
     topk_indices: torch.Tensor | None = None,
     backend: str = "auto",
     out: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Sparse prefill attention of one layer for all prefill tokens of the step.
 
@@ -254,6 +262,11 @@ def prefill_attention(
         request-local top-k entries per token (the first min((p+1)//4, topk) are used).
       backend: passed to `sparse_attention`; the concrete one is recorded in `meta.last_backend`.
       out: optional (T, H, d_v) q.dtype output buffer.
+      dropout_p: attention dropout (`sparse_attention`'s; reference backend only).
+
+    Differentiable (reference backend) when grad mode is on and q, a cache or attn_sink requires
+    grad: each chunk then gathers into a fresh workspace instead of the step's shared one, and
+    gradients flow back through the gathers into the caches' rows.
 
     Returns:
       (T, H, d_v), q.dtype (d_v = 512 for D >= 512). Tokens of `query_len == 0` requests: none.
@@ -273,22 +286,24 @@ def prefill_attention(
         if compressed_kv is None:
             raise ValueError(f"compressed_kv: required for {kind.name} layers")
         comp = _Rows(compressed_kv, "compressed_kv", q, meta, "compressed")
-    name = resolve_backend(backend, q)
+    dropout_p = check_dropout(dropout_p)
+    grad = gradient_required(q, raw.rows, None if comp is None else comp.rows, attn_sink)
+    name = resolve_backend(backend, q, needs_grad=grad, dropout_p=dropout_p)
     meta.last_backend = name
-    ws_all = meta.step.workspace(D, q.dtype)
+    ws_all = None if grad else meta.step.workspace(D, q.dtype)
     raw_map = raw.row_map(meta)
     comp_map = comp.row_map(meta) if comp is not None else None
     for chunk in meta.chunks:
-        ws = ws_all[: chunk.rows]
+        ws = q.new_zeros((chunk.rows, D)) if grad else ws_all[: chunk.rows]
         if comp is not None:
-            _gather(ws, comp, meta.compressed_gather, comp_map, chunk.compressed_at, chunk.compressed_rows)
-        _gather(ws, raw, meta.raw_gather, raw_map, chunk.raw_at, chunk.raw_rows)
+            ws = _gather(ws, comp, meta.compressed_gather, comp_map, chunk.compressed_at, chunk.compressed_rows, not grad)
+        ws = _gather(ws, raw, meta.raw_gather, raw_map, chunk.raw_at, chunk.raw_rows, not grad)
         idx, length = build_indices(meta, chunk, topk_indices)
         if meta.tokens_in_batch_order:
             q_c = q[chunk.t0 : chunk.t1]
         else:
             q_c = q.index_select(0, meta.token_index[chunk.t0 : chunk.t1])
-        o, _, _ = sparse_attention(q_c, ws, idx, sm_scale, attn_sink, length, backend=name)
+        o, _, _ = sparse_attention(q_c, ws, idx, sm_scale, attn_sink, length, backend=name, dropout_p=dropout_p)
         if meta.tokens_in_batch_order:
             out[chunk.t0 : chunk.t1] = o
         else:

@@ -26,7 +26,7 @@ def pytest_ignore_collect(collection_path, config):
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """The tiny random DeepSeek-V4 checkpoint (seed 0) in both name styles, written once per session."""
-    from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint
+    from tools.tiny_checkpoint import write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny-ckpt")
     return {names: write_tiny_checkpoint(root / names, seed=0, names=names) for names in ("hf", "deepseek")}
@@ -40,7 +40,7 @@ OTHER_COMPRESS_RATES = {"compressed_sparse_attention": 8, "heavily_compressed_at
 @pytest.fixture(scope="session")
 def tiny_checkpoint_other_ratios(tmp_path_factory):
     """The tiny checkpoint (transformers' names, seed 1) with CSA ratio 8 and HCA ratio 32."""
-    from dsv4_torch.hf.tiny_checkpoint import tiny_config, write_tiny_checkpoint
+    from tools.tiny_checkpoint import tiny_config, write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny-ckpt-8-32")
     return write_tiny_checkpoint(root, seed=1, config=tiny_config(compress_rates=dict(OTHER_COMPRESS_RATES)))

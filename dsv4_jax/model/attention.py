@@ -21,6 +21,7 @@ from dsv4_jax.model.layers import (
     rms_norm_unweighted,
     rope_cos_sin,
 )
+from dsv4_jax.model.quant import dense
 from dsv4_jax.prefill import LogicalKV, prefill_attention
 from planner import LayerKind
 
@@ -270,8 +271,10 @@ def attention(p, cache: dict, x, step: StepInputs, meta, cfg: ModelConfig, kind:
 
     out = _attend(q, meta, raw, comp, p["sink"].astype(F32), topk, sm_scale=D**-0.5, **opts)
     out = apply_rope(out, cos[:, None], -sin[:, None])  # undo V's RoPE at the query position
-    grouped = out.reshape(T, cfg.o_groups, H * D // cfg.o_groups)
-    y = jnp.einsum("tgi,goi->tgo", grouped, p["wo_a"].astype(out.dtype), precision=HIGHEST, preferred_element_type=F32)
+    G = cfg.o_groups
+    grouped = out.reshape(T, G, H * D // G)
+    wo_a = dense(p["wo_a"], out.dtype).reshape(G, -1, H * D // G)  # (G * o_lora, H*D/G) -> per group
+    y = jnp.einsum("tgi,goi->tgo", grouped, wo_a, precision=HIGHEST, preferred_element_type=F32)
     return linear(y.astype(x.dtype).reshape(T, -1), p["wo_b"]), cache
 
 
