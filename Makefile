@@ -23,11 +23,17 @@ test: $(STAMP)
 	@if [ -n "$(JAX_NEW_PYTHON)" ]; then $(MAKE) --no-print-directory test-jax-new; \
 	else echo "test: skipped the jax >= 0.11 run (no Python >= 3.12 here)"; fi
 
+# transformers' own DeepSeek-V4 model tests, the whole file, on plain transformers and through our
+# path, compared test by test (`make test` runs a selection; see tools/transformers_suite.py).
+.PHONY: test-transformers-suite
+test-transformers-suite: $(STAMP)
+	$(PY) -m tools.transformers_suite --full
+
 # The JAX path on jax >= 0.11 (needs Python 3.12; no torch there): `make test-jax-new`.
 JAX_NEW_PYTHON ?= $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/3.1[23]*/bin/python; do \
 	$$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $$p && break; done)
 JAX_NEW_VENV := .venv-jax-new
-JAX_TESTS := tests/test_planner.py tests/test_layout_oracle.py tests/test_jax_sparse_attention.py \
+JAX_TESTS := tests/test_planner.py tests/test_layout_oracle.py tests/test_jax_sparse_attention.py tests/test_jax_mosaic.py \
 	tests/test_jax_sharding.py tests/test_jax_prefill.py tests/test_jax_kvcache.py \
 	tests/test_jax_prefill_fp8.py
 
@@ -40,3 +46,20 @@ test-jax-new:
 	    $(JAX_NEW_VENV)/bin/python -m pip install -q "jax>=0.11" numpy "ml_dtypes>=0.5.1" safetensors pytest hypothesis pytest-xdist; \
 	then $(JAX_NEW_VENV)/bin/python -m pytest -q -n 2 -p no:cacheprovider $(JAX_TESTS); \
 	else echo "test-jax-new: could not install jax >= 0.11 with $(JAX_NEW_PYTHON): skipped"; fi
+
+# The vLLM plugin's tests (tests/vllm/): their own venv with vLLM 0.33.0 (about 9.4 GB, a CUDA build
+# of torch), so never part of `make test` / CI. They run on the CPU: no GPU visible, Triton
+# kernels in Triton's interpreter. `make test-vllm`; the planning benchmark:
+# `.venv-vllm/bin/python -m bench.bench_vllm_planning`.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -e ".[vllm]" "pytest>=8"
+	touch $(VLLM_STAMP)
+
+.PHONY: test-vllm
+test-vllm: $(VLLM_STAMP)
+	CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm

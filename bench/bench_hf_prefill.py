@@ -10,7 +10,7 @@ each child's RSS and stops it above --mem-limit-gib (or when this machine has le
 left) and after --timeout seconds; such points are reported with the reason, and the longer
 prompts of that mode are skipped.
 
-    python bench/bench_hf_prefill.py [--lengths 1024 4096 16384] [--out out/hf_prefill.png]
+    python -m bench.bench_hf_prefill [--lengths 1024 4096 16384] [--out out/hf_prefill.png]
         [--threads 1] [--mem-limit-gib 12] [--timeout 600] [--checkpoint DIR] [--replot JSON]
 
 Prints a table, writes the plot (PNG) and the figures as JSON next to it.
@@ -22,27 +22,11 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.common import ROOT, available_kib, child_env, module_command, proc_status_kib, reset_peak_rss
+
 MODES = ("eager", "sparse")
-
-
-def _status_kib(field: str, pid="self") -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/{pid}/status")
-
-
-def _available_kib() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1])
-    return 1 << 60
 
 
 # ----------------------------------------------------------------------------- child: one point
@@ -50,8 +34,6 @@ def _available_kib() -> int:
 
 def child(args) -> dict:
     import torch
-
-    sys.path.insert(0, ROOT)
     import transformers
 
     torch.set_num_threads(args.threads)
@@ -63,13 +45,13 @@ def child(args) -> dict:
     ids = torch.randint(3, model.config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model(ids[:, :16], logits_to_keep=1)  # warm-up: lazy inits, kernels
-        before = _status_kib("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:  # VmHWM := current RSS
-            f.write("5")
+        before = proc_status_kib("VmRSS")
+        if not reset_peak_rss():  # VmHWM := current RSS
+            raise RuntimeError("/proc/self/clear_refs is not writable: no peak RSS of the call alone")
         t0 = time.perf_counter()
         logits = model(ids, logits_to_keep=1).logits
         seconds = time.perf_counter() - t0
-    peak = _status_kib("VmHWM")
+    peak = proc_status_kib("VmHWM")
     assert torch.isfinite(logits).all()
     out = {"mode": args.mode, "tokens": args.length, "seconds": seconds, "rss_before_MiB": before / 1024,
            "peak_MiB": peak / 1024, "peak_extra_MiB": (peak - before) / 1024, "threads": torch.get_num_threads()}
@@ -84,21 +66,20 @@ def child(args) -> dict:
 
 
 def run_point(args, mode: str, length: int) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode, "--length", str(length),
-           "--checkpoint", str(args.checkpoint), "--threads", str(args.threads)]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    cmd = module_command("bench.bench_hf_prefill", "--child", "--mode", mode, "--length", length,
+                         "--checkpoint", args.checkpoint, "--threads", args.threads)  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     limit_kib = int(args.mem_limit_gib * 2**20)
     start, reason, max_rss = time.time(), None, 0
     while proc.poll() is None:
         try:
-            rss = _status_kib("VmRSS", proc.pid)
+            rss = proc_status_kib("VmRSS", proc.pid)
         except (OSError, RuntimeError):
             rss = 0
         max_rss = max(max_rss, rss)
         if rss > limit_kib:
             reason = f"stopped: RSS over {args.mem_limit_gib:g} GiB"
-        elif _available_kib() < 2 * 2**20:
+        elif available_kib() < 2 * 2**20:
             reason = f"stopped: machine below 2 GiB free (RSS {rss / 2**20:.1f} GiB)"
         elif time.time() - start > args.timeout:
             reason = f"stopped: over {args.timeout} s"
@@ -191,8 +172,7 @@ def main():
         print(f"\nplot: {args.out}")
         return
     if args.checkpoint is None:
-        sys.path.insert(0, ROOT)
-        from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint
+        from tools.tiny_checkpoint import write_tiny_checkpoint
 
         args.checkpoint = os.path.join(ROOT, "out", "tiny-ckpt")
         if not os.path.exists(os.path.join(args.checkpoint, "model.safetensors")):

@@ -5,21 +5,18 @@ and every decode batch is shaped differently) and prints, per round, the steps r
 of each jitted function so far and the seconds spent in steps that compiled. With bucketing,
 later rounds add few or no compilations.
 
-  python bench/bench_jax_model_compiles.py
-  python bench/bench_jax_model_compiles.py --rounds 4 --prompts 16 --max-len 400 --new-tokens 16
+  python -m bench.bench_jax_model_compiles
+  python -m bench.bench_jax_model_compiles --rounds 4 --prompts 16 --max-len 400 --new-tokens 16
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import numpy as np
 
-import numpy as np  # noqa: E402
+from bench.common import checkpoint_or_tiny
 
 
 def main(argv=None):
@@ -34,14 +31,11 @@ def main(argv=None):
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    with checkpoint_or_tiny(args.checkpoint) as ckpt:
+        run(ckpt, args)
 
-    tmp = None
-    ckpt = args.checkpoint
-    if ckpt is None:
-        from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint
 
-        tmp = tempfile.TemporaryDirectory()
-        ckpt = str(write_tiny_checkpoint(os.path.join(tmp.name, "tiny"), seed=0))
+def run(ckpt: str, args) -> None:
     from dsv4_jax.model.generate import JaxGenerator
 
     gen = JaxGenerator(
@@ -60,8 +54,6 @@ def main(argv=None):
         steps = s["prefill_steps"] + s["decode_steps"]
         tokens = s["prefill_tokens"] + s["decode_tokens"]
         print(f"{r:5d} {steps:6d} {tokens:7d} {time.perf_counter() - t0:8.1f} {s['compile_seconds']:9.1f}  {s['compiles']}")
-    if tmp is not None:
-        tmp.cleanup()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """JAX prefill benchmark on CPU: tokens/s per plan, compiles, and bucket padding waste.
 
-    /work/venv/bin/python bench/bench_jax_prefill.py [--scale 0.125] [--heads 16] [--dim 128]
+    python -m bench.bench_jax_prefill [--scale 0.125] [--heads 16] [--dim 128]
         [--repeats 7] [--kinds SWA,CSA,HCA] [--workloads NAME,...] [--stream 500] [--stream-only]
         [--json out.json]
 
-Part 1: for each named workload of `bench/workloads.py` (lengths scaled by --scale so a CPU
+Part 1: for each named workload of `bench.common.workloads` (lengths scaled by --scale so a CPU
 finishes), each layer kind and each plan (adaptive / fixed / per_request), one
 `dsv4_jax.prefill.prefill_attention` layer call on the xla backend: the first call's extra
 time (trace + compile), the median steady-state time (the three plans timed round-robin),
@@ -24,22 +24,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from bench.workloads import workloads  # noqa: E402
-from dsv4_jax import prefill as JP  # noqa: E402
-from planner.sizes import pow2_bucket  # noqa: E402
-from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch  # noqa: E402
-from planner.report import table as _table  # noqa: E402
+from bench.common import time_interleaved, workloads
+from dsv4_jax import prefill as JP
+from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch
+from planner.report import table as _table
+from planner.sizes import pow2_bucket
 
 POLICIES = ("adaptive", "fixed", "per_request")
 TOPK = 512  # V4-Flash
@@ -71,22 +67,6 @@ def layer_call(q, meta, raw, comp, topk, sink, backend: str):
     ).block_until_ready()
 
 
-def time_calls(calls: dict, repeats: int) -> dict:
-    """name -> (first call's extra time (trace + compile), median steady time), interleaved."""
-    first, times = {}, {name: [] for name in calls}
-    for name, call in calls.items():
-        t0 = time.perf_counter()
-        call()
-        first[name] = time.perf_counter() - t0
-    for _ in range(repeats):  # round-robin: every plan sees the same machine state
-        for name, call in calls.items():
-            t0 = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - t0)
-    steady = {name: float(np.median(t)) for name, t in times.items()}
-    return {name: (max(0.0, first[name] - steady[name]), steady[name]) for name in calls}
-
-
 def layer_rows(args, names, kinds) -> list[dict]:
     rows = []
     rng = np.random.default_rng(0)
@@ -99,7 +79,7 @@ def layer_rows(args, names, kinds) -> list[dict]:
         q, raw, comps, topk, sink = make_inputs(batch, metas["adaptive"].padded_tokens, args.heads, args.dim, rng)
         for kind in kinds:
             calls = {p: layer_call(q, metas[p][kind], raw, comps.get(kind), topk, sink, "xla") for p in POLICIES}
-            timed = time_calls(calls, args.repeats)
+            timed = time_interleaved(calls, args.repeats)
             for policy in POLICIES:
                 meta = metas[policy][kind]
                 compile_s, steady = timed[policy]
@@ -127,7 +107,7 @@ def pallas_rows(args) -> list[dict]:
     for kind in (LayerKind.SWA, LayerKind.CSA):
         m = meta[kind]
         outs = {}
-        timed = time_calls({b: layer_call(q, m, raw, comps.get(kind), topk, sink, b) for b in ("xla", "pallas")}, 3)
+        timed = time_interleaved({b: layer_call(q, m, raw, comps.get(kind), topk, sink, b) for b in ("xla", "pallas")}, 3)
         for backend in ("xla", "pallas"):
             compile_s, steady = timed[backend]
             outs[backend] = np.asarray(JP.prefill_attention(q, m, raw, comps.get(kind), sm_scale=args.dim**-0.5,

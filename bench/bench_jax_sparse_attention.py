@@ -4,25 +4,20 @@ On CPU: the "xla" reference against the Pallas kernel in interpret mode, on shap
 run. With an NVIDIA GPU also: the Pallas kernel compiled by Triton on V4-sized shapes, with
 TFLOPS by FlashMLA's convention, 2 * (valid indices) * H * (512 + 512) / time.
 
-  python bench/bench_jax_sparse_attention.py            # all sections this machine can run
-  python bench/bench_jax_sparse_attention.py --repeat 5
+  python -m bench.bench_jax_sparse_attention            # all sections this machine can run
+  python -m bench.bench_jax_sparse_attention --repeat 5
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import dsv4_jax  # noqa: E402
+import dsv4_jax
+from bench.common import TFLOPS_CONVENTION, median_seconds, random_sparse_inputs, tflops
 
 # (name, T, H, D, S, K, dtype): CPU-sized; the V4 head counts and dims at few tokens.
 CPU_SHAPES = [
@@ -38,14 +33,9 @@ GPU_SHAPES = [
 
 def make_inputs(T, H, D, S, K, dtype, seed=0):
     """q, kv, indices, sink, topk_length, with 50-100% of each row valid (then -1 padding)."""
-    rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.standard_normal((T, H, D)) / 10, dtype)
-    kv = jnp.asarray(rng.standard_normal((S, D)) / 10, dtype)
-    topk_length = rng.integers(K // 2, K + 1, T).astype(np.int32)
-    idx = rng.integers(0, S, (T, K)).astype(np.int32)
-    idx[np.arange(K)[None, :] >= topk_length[:, None]] = -1
-    sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
-    return q, kv, jnp.asarray(idx), sink, jnp.asarray(topk_length), int(topk_length.sum())
+    q, kv, idx, sink, tl, valid = random_sparse_inputs(T, H, D, S, K, seed)
+    q, kv, sink = jnp.asarray(q, dtype), jnp.asarray(kv, dtype), jnp.asarray(sink, jnp.float32)
+    return q, kv, jnp.asarray(idx), sink, jnp.asarray(tl), valid
 
 
 def time_backend(backend, inputs, sm_scale, repeat):
@@ -55,17 +45,8 @@ def time_backend(backend, inputs, sm_scale, repeat):
     t0 = time.perf_counter()
     compiled = fn.lower(q, kv, idx, sink, topk_length).compile()
     compile_s = time.perf_counter() - t0
-    jax.block_until_ready(compiled(q, kv, idx, sink, topk_length))  # warm-up
-    runs = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(q, kv, idx, sink, topk_length))
-        runs.append(time.perf_counter() - t0)
-    return compile_s, statistics.median(runs)
-
-
-def flashmla_tflops(num_valid, H, seconds):
-    return 2 * num_valid * H * (512 + 512) / seconds / 1e12
+    run = lambda: compiled(q, kv, idx, sink, topk_length)  # noqa: E731
+    return compile_s, median_seconds(run, repeat, warmup=1, sync=jax.block_until_ready)
 
 
 def main():
@@ -98,14 +79,14 @@ def main():
     if available["pallas_triton"] is not None:
         print(f"\nPallas-Triton section skipped: {available['pallas_triton']}")
         return
-    print("\nGPU: Pallas-Triton vs xla reference, TFLOPS = 2 * valid * H * (512 + 512) / time")
+    print(f"\nGPU: Pallas-Triton vs xla reference, {TFLOPS_CONVENTION}")
     print(f"{'shape':9} {'backend':14} {'compile s':>9} {'run ms':>9} {'TFLOPS':>7}")
     for name, T, H, D, S, K, dtype in GPU_SHAPES:
         q, kv, idx, sink, tl, num_valid = make_inputs(T, H, D, S, K, dtype)
         for backend in ("pallas_triton", "xla"):
             try:
                 compile_s, run_s = time_backend(backend, (q, kv, idx, sink, tl), D**-0.5, max(args.repeat, 10))
-                print(f"{name:9} {backend:14} {compile_s:9.2f} {run_s * 1e3:9.2f} {flashmla_tflops(num_valid, H, run_s):7.1f}")
+                print(f"{name:9} {backend:14} {compile_s:9.2f} {run_s * 1e3:9.2f} {tflops(num_valid, H, run_s):7.1f}")
             except Exception as e:
                 print(f"{name:9} {backend:14} FAILED: {type(e).__name__}: {e}")
 

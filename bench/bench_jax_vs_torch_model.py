@@ -6,23 +6,20 @@ of tokens. JAX is warmed up once (compilation) and then timed for one run; trans
 for one run after a short warm-up. If this branch has `dsv4_torch.hf.enable_sparse_prefill`
 (transformers with our prefill path), that is timed too.
 
-  python bench/bench_jax_vs_torch_model.py                      # writes a tiny checkpoint to a temp dir
-  python bench/bench_jax_vs_torch_model.py --batch 4 --prompt-len 256 --new-tokens 32 --json out.json
-  python bench/bench_jax_vs_torch_model.py --checkpoint DIR --dtype bfloat16
+  python -m bench.bench_jax_vs_torch_model                      # writes a tiny checkpoint to a temp dir
+  python -m bench.bench_jax_vs_torch_model --batch 4 --prompt-len 256 --new-tokens 32 --json out.json
+  python -m bench.bench_jax_vs_torch_model --checkpoint DIR --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
-import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import numpy as np
 
-import numpy as np  # noqa: E402
+from bench.common import checkpoint_or_tiny
 
 
 def jax_run(ckpt, prompts, new_tokens, args):
@@ -107,13 +104,11 @@ def main(argv=None):
     if args.new_tokens < 2:
         ap.error("--new-tokens: need >= 2 (one from the prefill, the rest decoded)")
 
-    tmp = None
-    ckpt = args.checkpoint
-    if ckpt is None:
-        from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint
+    with checkpoint_or_tiny(args.checkpoint, dtype=args.dtype) as ckpt:
+        return run(ckpt, args)
 
-        tmp = tempfile.TemporaryDirectory()
-        ckpt = str(write_tiny_checkpoint(os.path.join(tmp.name, "tiny"), seed=0, dtype=args.dtype))
+
+def run(ckpt: str, args) -> dict:
     rng = np.random.default_rng(args.seed)
     prompts = [[0] + rng.integers(3, 512, size=args.prompt_len - 1).tolist() for _ in range(args.batch)]
 
@@ -148,8 +143,6 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)
-    if tmp is not None:
-        tmp.cleanup()
     return results
 
 

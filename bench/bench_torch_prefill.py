@@ -1,8 +1,8 @@
 """PyTorch prefill attention throughput per plan: adaptive vs fixed vs per-request.
 
-    .venv/bin/python bench/bench_torch_prefill.py [--scale 0.125] [--heads 16] [--dim 128]
+    .venv/bin/python -m bench.bench_torch_prefill [--scale 0.125] [--heads 16] [--dim 128]
 
-For each named workload (bench/workloads.py, lengths scaled down for CPU) and each layer kind,
+For each named workload (`bench.common.workloads`, lengths scaled down for CPU) and each layer kind,
 one layer's `dsv4_torch.prefill_attention` is timed per plan, interleaved, median of repeats.
 Tokens/s and the ratio to the adaptive plan are printed, with chunks and peak workspace.
 """
@@ -12,17 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
-import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.workloads import workloads  # noqa: E402
-from dsv4_torch import prefill as TP  # noqa: E402
-from planner import V4_LAYERS, LayerKind, LayerSpec, PlanConfig, PrefillBatch, plan_step  # noqa: E402
-from planner.report import table  # noqa: E402
+from bench.common import recent_topk_rows, time_interleaved, workloads
+from dsv4_torch import prefill as TP
+from planner import V4_LAYERS, LayerKind, LayerSpec, PlanConfig, PrefillBatch, plan_step
+from planner.report import table
 
 POLICIES = ("adaptive", "fixed", "per_request")
 
@@ -35,11 +31,7 @@ def layer_inputs(batch: PrefillBatch, layer: LayerSpec, H: int, D: int, topk: in
     q = torch.randn(batch.num_tokens, H, D, generator=g).to(dtype)
     rows = None
     if layer.kind is LayerKind.CSA:
-        pos = torch.from_numpy(batch.token_position.astype(np.int64))
-        visible = (pos + 1) // r
-        # a valid top-k row: the most recent min(visible, topk) entries
-        rows = (visible[:, None] - 1 - torch.arange(topk)[None, :]).clamp(min=-1).to(torch.int32)
-        rows[torch.arange(topk)[None, :] >= visible[:, None]] = -1
+        rows = torch.from_numpy(recent_topk_rows(batch.token_position, topk, layer.compress_ratio))
     sink = torch.randn(H, generator=g)
     return q, raw, comp, rows, sink
 
@@ -65,17 +57,16 @@ def main(argv=None):
             for pol in POLICIES:
                 step = plan_step(batch, PlanConfig(policy=pol, **limits), [layer])
                 metas[pol] = TP.build_step_metadata(step, index_topk=args.topk)[kind]
-            times = {pol: [] for pol in POLICIES}
             outs = {}
-            for rep in range(args.repeats + 1):
-                for pol in POLICIES:  # interleaved: each plan sees the same machine state
-                    t0 = time.perf_counter()
-                    outs[pol] = TP.prefill_attention(q, metas[pol], raw, comp, sm_scale=args.dim**-0.5, attn_sink=sink,
-                                                     topk_indices=topk_rows, backend="reference")  # fmt: skip
-                    if rep:  # the first round warms up
-                        times[pol].append(time.perf_counter() - t0)
+
+            def call(pol):
+                outs[pol] = TP.prefill_attention(q, metas[pol], raw, comp, sm_scale=args.dim**-0.5, attn_sink=sink,
+                                                 topk_indices=topk_rows, backend="reference")  # fmt: skip
+
+            # the first call of each warms up; then the plans run interleaved, round-robin
+            timed = time_interleaved({pol: lambda pol=pol: call(pol) for pol in POLICIES}, args.repeats)
             same = all(torch.equal(outs[p], outs["adaptive"]) for p in POLICIES)
-            med = {p: float(np.median(times[p])) for p in POLICIES}
+            med = {p: timed[p][1] for p in POLICIES}
             rows_out.append([name, kind.name, batch.num_tokens] + [
                 f"{batch.num_tokens / med[p]:.0f} ({metas[p].plan.num_chunks}ch, {metas[p].plan.max_workspace_rows} rows)"
                 for p in POLICIES

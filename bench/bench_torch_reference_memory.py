@@ -7,27 +7,18 @@ sampler thread also watches VmRSS; "extra" = peak RSS during the call - RSS befo
 outputs (out (T, H, 512) in q.dtype plus two (T, H) float32) are part of the extra; the figure
 without them is the kernel's working set.
 
-Run: python bench/bench_torch_reference_memory.py [--dtype bf16|fp32] [--tokens 8192] [--threads N]
+Run: python -m bench.bench_torch_reference_memory [--dtype bf16|fp32] [--tokens 8192] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+from bench.common import attention_flop, child_env, module_command, proc_status_kib, reset_peak_rss
 
 
 def child(args) -> dict:
@@ -35,7 +26,6 @@ def child(args) -> dict:
 
     import torch
 
-    sys.path.insert(0, ROOT)
     import dsv4_torch
 
     if args.threads:
@@ -56,19 +46,14 @@ def child(args) -> dict:
     sink = torch.randn(H, generator=g)
     valid = int(topk_length.sum())
 
-    before = _rss_kib("VmRSS")
-    try:
-        with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
-            f.write("5")
-        hwm_reset = True
-    except OSError:
-        hwm_reset = False
+    before = proc_status_kib("VmRSS")
+    hwm_reset = reset_peak_rss()  # VmHWM := the current RSS, where the kernel lets us
     peak = [before]
     stop = threading.Event()
 
     def sample():
         while not stop.is_set():
-            peak[0] = max(peak[0], _rss_kib("VmRSS"))
+            peak[0] = max(peak[0], proc_status_kib("VmRSS"))
             time.sleep(0.005)
 
     th = threading.Thread(target=sample, daemon=True)
@@ -79,12 +64,12 @@ def child(args) -> dict:
     stop.set()
     th.join()
     if hwm_reset:
-        peak[0] = max(peak[0], _rss_kib("VmHWM"))
+        peak[0] = max(peak[0], proc_status_kib("VmHWM"))
     out_bytes = out.numel() * out.element_size() + 2 * max_logits.numel() * max_logits.element_size()
     assert torch.isfinite(lse).all() and not torch.isnan(out).any()
     extra = (peak[0] - before) * 1024
     d_v = out.shape[-1]
-    flop = 2 * valid * H * (D + d_v)
+    flop = attention_flop(valid, H, D, d_v)
     return {
         "T": T, "H": H, "D": D, "K": K, "S": S, "dtype": args.dtype, "threads": torch.get_num_threads(),
         "rss_before_MiB": before / 1024, "peak_extra_MiB": extra / 2**20, "outputs_MiB": out_bytes / 2**20,
@@ -107,8 +92,8 @@ def main():
     if args.child:
         print(json.dumps(child(args)))
         return
-    cmd = [sys.executable, os.path.abspath(__file__), "--child"] + sys.argv[1:]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = module_command("bench.bench_torch_reference_memory", "--child", *sys.argv[1:])
+    res = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
     if res.returncode != 0:
         sys.exit(f"child failed:\n{res.stdout}\n{res.stderr}")
     r = json.loads(res.stdout.strip().splitlines()[-1])

@@ -1,18 +1,22 @@
 """Every GPU check in one command, sized for a short lease on one H100/H200/B200.
 
-    python bench/gpu_check.py [--budget 270]
+    python -m bench.gpu_check [--budget 270] [--model-seconds 90] [--kvcache-seconds 60]
 
-The default budget keeps the whole run under five minutes on an H200 (each script stops starting
-new measurements at its share and prints every row as it is measured, so a cap loses nothing done).
+The default budget keeps the first three checks under five minutes on an H200 (each script stops
+starting new measurements at its share and prints every row as it is measured, so a cap loses
+nothing done); the model and KV-cache checks have their own caps on top (`--model-seconds`,
+`--kvcache-seconds`).
 
 Runs, each in its own process with its own time cap, and prints their tables:
-  1. bench/gpu_check_torch.py    FlashMLA (where its wheel imports) and our Triton kernel vs the
-                                 reference; TFLOPS vs FlashMLA's published 640
-  2. bench/gpu_check_jax.py      Pallas-Triton vs xla; TFLOPS
-  3. bench/gpu_check_prefill.py  whole prefill layers, adaptive vs fixed vs per-request, both frameworks
-  4. bench/gpu_check_kvcache.py  fp8_ds_mla pages: writer/gather bytes vs the NumPy reference, gather
-                                 GB/s vs HBM peak and a device copy (torch Triton, JAX Pallas-Triton),
-                                 prefill layers on fp8 vs bf16 pages (ms, bitwise equal outputs)
+  1. bench.gpu_check_torch    FlashMLA (where its wheel imports) and our Triton kernel vs the
+                              reference; TFLOPS vs FlashMLA's published 640
+  2. bench.gpu_check_jax      Mosaic GPU and Pallas-Triton kernels vs xla; TFLOPS vs 640
+  3. bench.gpu_check_prefill  whole prefill layers, adaptive vs fixed vs per-request, both frameworks
+  4. bench.gpu_check_model    one V4-Flash-sized layer in the official FP8/FP4 format: load time,
+                              device bytes, prefill tokens/s of the JAX model
+  5. bench.gpu_check_kvcache  vLLM's fp8_ds_mla pages: writer/gather bytes vs the NumPy reference,
+                              gather GB/s vs HBM peak and a device copy (torch Triton, JAX
+                              Pallas-Triton), prefill layers on fp8 vs bf16 pages (ms, bitwise)
 Logs go to $OUT (when set, as on the device tool) or ./out/gpu-check/.
 """
 
@@ -24,34 +28,38 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from bench.common import ROOT, child_env, module_command
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget", type=float, default=270, help="seconds for all checks together")
+    ap.add_argument("--budget", type=float, default=270, help="seconds for checks 1-3 together")
+    ap.add_argument("--model-seconds", type=float, default=90, help="cap of check 4 (the JAX model on one layer)")
+    ap.add_argument("--kvcache-seconds", type=float, default=60, help="cap of check 5 (fp8_ds_mla pages)")
     args = ap.parse_args(argv)
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(HERE), "out", "gpu-check")
+    out_dir = os.environ.get("OUT") or os.path.join(ROOT, "out", "gpu-check")
     os.makedirs(out_dir, exist_ok=True)
     b = args.budget
-    # script, its arguments, share of the budget: each script's own budget leaves ~25% of its share
+    # module, its arguments, share of the budget: each script's own budget leaves ~25% of its share
     # for the measurement it has started and its summary (a kill at the cap loses only the summary).
     checks = [
-        ("gpu_check_torch.py", ["--budget", f"{0.26 * b:.0f}", "--sweep-seconds", f"{0.08 * b:.0f}"], 0.35),
-        ("gpu_check_jax.py", ["--budget", f"{0.22 * b:.0f}"], 0.3),
-        ("gpu_check_prefill.py", ["--seconds", f"{0.165 * b:.0f}"], 0.23),
-        ("gpu_check_kvcache.py", ["--budget", f"{0.09 * b:.0f}"], 0.12),
+        ("bench.gpu_check_torch", ["--budget", f"{0.26 * b:.0f}", "--sweep-seconds", f"{0.08 * b:.0f}"], 0.35),
+        ("bench.gpu_check_jax", ["--budget", f"{0.22 * b:.0f}"], 0.3),
+        ("bench.gpu_check_prefill", ["--seconds", f"{0.25 * b:.0f}"], 0.35),
+        ("bench.gpu_check_model", [], args.model_seconds / b),
+        # its own budget leaves ~25% of the cap for the measurement it has started
+        ("bench.gpu_check_kvcache", ["--budget", f"{0.75 * args.kvcache_seconds:.0f}"], args.kvcache_seconds / b),
     ]
     # JAX would take 75% of GPU memory at start-up; the prefill check runs torch and JAX in one process.
-    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    for script, extra, share in checks:
+    env = child_env(PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    for module, extra, share in checks:
         cap = share * b
-        log = os.path.join(out_dir, script.replace(".py", ".log"))
-        print(f"\n##### {script} (cap {cap:.0f} s, log {log})", flush=True)
+        log = os.path.join(out_dir, module.split(".")[-1] + ".log")
+        print(f"\n##### {module} (cap {cap:.0f} s, log {log})", flush=True)
         t0 = time.time()
         with open(log, "w") as f:
             try:
-                p = subprocess.run([sys.executable, os.path.join(HERE, script), *extra], stdout=subprocess.PIPE,
+                p = subprocess.run(module_command(module, *extra), cwd=ROOT, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, timeout=cap, env=env)  # fmt: skip
                 text, rc = p.stdout, p.returncode
             except subprocess.TimeoutExpired as e:
@@ -59,7 +67,7 @@ def main(argv=None):
                 rc = f"timeout after {cap:.0f} s"
             f.write(text)
         print(text[-12000:])
-        print(f"##### {script}: exit {rc}, {time.time() - t0:.0f} s", flush=True)
+        print(f"##### {module}: exit {rc}, {time.time() - t0:.0f} s", flush=True)
     return 0
 
 

@@ -5,28 +5,30 @@ For V4-Flash (H=64, width 640) and V4-Pro (H=128, width 1152), D=512, T=4096, S=
      FlashMLA's tolerance) and against the float64 oracle on a few tokens;
   2. its run time and TFLOPS (FlashMLA's convention: 2 * valid indices * H * (512 + 512) / time)
      for the default tiling and a few alternatives (pick the fastest for default_tuning);
-  3. FlashMLA on the same data when `flash_mla` and a CUDA torch are importable.
+  3. the Mosaic GPU kernel (backend "mosaic", jax >= 0.12, SM90) against the xla reference,
+     its compile time, run time and TFLOPS, before the Pallas alternatives (so the budget never
+     skips it);
+  4. FlashMLA on the same data when `flash_mla` and a CUDA torch are importable.
 Every section is guarded: a failure prints and the script carries on. Without an NVIDIA GPU it
-says so and exits 0.
+says so and exits 0. The summary prints each kernel's TFLOPS beside FlashMLA's published 640.
 
-  python bench/gpu_check_jax.py [--budget 80]
-  DSV4_GPU_CHECK_DRY_RUN=1 python bench/gpu_check_jax.py   # the same steps on CPU: T=8, interpret
+  python -m bench.gpu_check_jax [--budget 80]
+  DSV4_GPU_CHECK_DRY_RUN=1 python -m bench.gpu_check_jax   # the same steps on CPU: T=8, interpret
+                                                          # (the Mosaic kernel: 1 token, jax >= 0.12)
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.common import FLASHMLA_PUBLISHED_TFLOPS, TFLOPS_CONVENTION, median_seconds, random_sparse_inputs, tflops
 
 START = time.time()
-# Stop starting new timings after this many seconds (`--budget N`; bench/gpu_check.py passes its share).
+# Stop starting new timings after this many seconds (`--budget N`; bench.gpu_check passes its share).
 BUDGET_S = float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 80.0
-FLASHMLA_PUBLISHED_TFLOPS = 640.0  # FlashMLA README: sparse prefill on H800
 
 SHAPES = [("V4-Flash", 4096, 64, 512, 65536, 640), ("V4-Pro", 4096, 128, 512, 65536, 1152)]
 # Dry run: every step on CPU with the Pallas interpreter and 8 tokens, to test this script.
@@ -81,27 +83,13 @@ def main():
         return sparse_attention_pallas(*args, interpret=DRY_RUN, **dict(zip(tiling_keys, tiling)))
 
     def make_inputs(T, H, D, S, K, seed=0):
-        rng = np.random.default_rng(seed)
-        q = jnp.asarray(rng.standard_normal((T, H, D)) / 10, jnp.bfloat16)
-        kv = jnp.asarray(rng.standard_normal((S, D)) / 10, jnp.bfloat16)
         # Like a CSA layer late in a prompt: most rows full, some shorter, -1 padding after.
-        topk_length = np.where(rng.random(T) < 0.8, K, rng.integers(1, K + 1, T)).astype(np.int32)
-        idx = rng.integers(0, S, (T, K)).astype(np.int32)
-        idx[np.arange(K)[None, :] >= topk_length[:, None]] = -1
-        sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
-        return q, kv, jnp.asarray(idx), sink, jnp.asarray(topk_length), int(topk_length.sum())
+        q, kv, idx, sink, tl, valid = random_sparse_inputs(T, H, D, S, K, seed, full_rows=0.8)
+        bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+        return bf16(q), bf16(kv), jnp.asarray(idx), jnp.asarray(sink, jnp.float32), jnp.asarray(tl), valid
 
     def timed(fn, *args, repeat=10):
-        jax.block_until_ready(fn(*args))
-        runs = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            runs.append(time.perf_counter() - t0)
-        return statistics.median(runs)
-
-    def tflops(valid, H, seconds):
-        return 2 * valid * H * (512 + 512) / seconds / 1e12
+        return median_seconds(lambda: fn(*args), repeat, warmup=1, sync=jax.block_until_ready)
 
     rows = []  # (shape, what, compile s, ms, TFLOPS)
     for name, T, H, D, S, K in SHAPES:
@@ -147,6 +135,39 @@ def main():
         if got is not None:
             guarded(check_against_oracle)
 
+        section(f"{name}: Mosaic GPU kernel")
+        mosaic_missing = dsv4_jax.available_backends()["mosaic_interpret" if DRY_RUN else "mosaic_gpu"]
+
+        def check_and_time_mosaic():
+            from dsv4_jax.kernels.mosaic import sparse_attention_mosaic
+
+            n = 1 if DRY_RUN else T  # interpret mode costs ~0.3 s per 32-key block per 64 heads
+            args = (q[:n], kv, idx[:n], sink, tl[:n])
+            fn = jax.jit(lambda *a: sparse_attention_mosaic(*a[:3], scale, *a[3:], interpret=DRY_RUN))
+            t0 = time.perf_counter()
+            compiled = fn.lower(*args).compile()
+            compile_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out, ml, lse = jax.block_until_ready(compiled(*args))
+            first_s = time.perf_counter() - t0
+            ref = jax.jit(lambda *a: sparse_attention_xla(*a[:3], scale, *a[3:]))(*args)
+            o, r = np.asarray(out, np.float64), np.asarray(ref[0], np.float64)
+            err = np.abs(o - r)
+            ok = (err < FLASHMLA_TOL["abs"]) | (err / (np.abs(r) + 1e-6) < FLASHMLA_TOL["rel"])
+            lse_err = np.max(np.abs(np.asarray(lse) - np.asarray(ref[2])) / np.maximum(np.abs(np.asarray(ref[2])), 1))
+            verdict = "PASS" if ok.all() and lse_err < 1e-4 else "FAIL"
+            print(f"   mosaic vs xla on {n} tokens: {verdict}; out max abs err {err.max():.2e}, {(~ok).sum()} outside "
+                  f"FlashMLA tolerance; lse max rel err {lse_err:.2e}")  # fmt: skip
+            seconds = first_s if DRY_RUN else timed(compiled, *args)  # interpret mode: run once
+            n_valid = int(np.asarray(tl[:n]).sum())
+            rows.append((name, "mosaic", compile_s, seconds * 1e3, tflops(n_valid, H, seconds)))
+            print(f"   {'mosaic':30} compile {compile_s:5.1f}s  {seconds * 1e3:8.2f} ms  {rows[-1][4]:6.1f} TFLOPS", flush=True)
+
+        if mosaic_missing:
+            print(f"   mosaic not run: {mosaic_missing}")
+        else:
+            guarded(check_and_time_mosaic)
+
         section(f"{name}: timing")
         for tiling in ALTERNATIVE_TILINGS:
             if time.time() - START > BUDGET_S:
@@ -188,15 +209,7 @@ def main():
             if torch.cuda.get_device_capability()[0] == 9:
                 kwargs["use_legacy"] = True  # sgl-flash-mla on SM90 (spec section 2)
             fn = lambda: flash_mla_sparse_fwd(tq, tkv, tidx, scale, **kwargs)  # noqa: E731
-            fn()
-            torch.cuda.synchronize()
-            runs = []
-            for _ in range(10):
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                runs.append(time.perf_counter() - t0)
-            seconds = statistics.median(runs)
+            seconds = median_seconds(fn, 10, warmup=1, sync=lambda _: torch.cuda.synchronize())
             rows.append((name, "FlashMLA", float("nan"), seconds * 1e3, tflops(valid, H, seconds)))
             print(f"   {'FlashMLA':30} {seconds * 1e3:8.2f} ms  {rows[-1][4]:6.1f} TFLOPS")
 
@@ -211,8 +224,7 @@ def main():
     print(f"{'shape':9} {'kernel':30} {'compile s':>9} {'ms':>9} {'TFLOPS':>7} {'vs 640':>7}")
     for name, what, compile_s, ms, tf in rows:
         print(f"{name:9} {what:30} {compile_s:9.1f} {ms:9.2f} {tf:7.1f} {tf / FLASHMLA_PUBLISHED_TFLOPS:7.1%}")
-    print("TFLOPS = 2 * valid indices * H * (512 + 512) / time; 'vs 640' = share of FlashMLA's published"
-          " sparse-prefill figure (H800)")
+    print(f"{TFLOPS_CONVENTION}; 'vs 640' = share of FlashMLA's published sparse-prefill figure (H800)")
     print(f"total {time.time() - START:.0f}s")
     return 0
 

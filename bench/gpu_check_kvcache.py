@@ -17,7 +17,7 @@ For an H100 / H200 / B200 machine; installs nothing. Sections (each catches its 
      layer call each and the ratio; the outputs must be bitwise equal
   5. writer speed (8192 tokens) and a short launch sweep of the torch gather (block_r, warps)
 
-Run: python bench/gpu_check_kvcache.py [--budget 60] [--iters 20] [--dry-run]
+Run: python -m bench.gpu_check_kvcache [--budget 60] [--iters 20] [--dry-run]
 Without a GPU it exits 0 with a message; --dry-run runs tiny shapes on CPU (Triton interpreter,
 Pallas interpret mode) to check the script itself; its timings mean nothing.
 """
@@ -32,9 +32,6 @@ import time
 import traceback
 
 import numpy as np
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 ROW_READ = 584  # bytes of cache per gathered row: 576 data + 8 scale bytes
 ROW_WRITTEN = 1024  # bytes of bf16 written per row

@@ -1,45 +1,31 @@
 """GPU check of whole prefill steps: adaptive vs fixed vs per-request, PyTorch and JAX.
 
-For each named workload (bench/workloads.py, full size) and V4-Flash / V4-Pro shapes (H 64 / 128,
+For each named workload (`bench.common.workloads`, full size) and V4-Flash / V4-Pro shapes (H 64 / 128,
 D 512, top-k 512 / 1024, W 128), one layer of each kind runs through `dsv4_torch.prefill`
 (backend "auto": FlashMLA where its wheel imports, else our Triton kernel) and `dsv4_jax.prefill`
 (Pallas-Triton), bf16. Printed per layer kind and plan: median ms, tokens/s, chunks, peak
 workspace MiB, and the step time summed over the model's layers of each kind; the adaptive plan's
 output is compared with the fixed plan's (bitwise expected: same index rows, same kernel).
 
-Run: python bench/gpu_check_prefill.py [--seconds 150] [--frameworks torch,jax] [--workloads a,b] [--dry-run]
+Run: python -m bench.gpu_check_prefill [--seconds 150] [--frameworks torch,jax] [--workloads a,b] [--dry-run]
 Without a GPU it exits 0 with a message; --dry-run runs tiny shapes on CPU to check the script.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
 import time
 import traceback
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.gpu_check_torch import time_ms  # noqa: E402
-from bench.workloads import workloads  # noqa: E402
-from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch, plan_step  # noqa: E402
-from planner.contract import ModelShape  # noqa: E402
-from planner.report import BYTES_PER_ROW, table  # noqa: E402
+from bench.common import median_seconds, recent_topk_rows, torch_time_ms, workloads
+from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch, plan_step
+from planner.contract import ModelShape
+from planner.report import BYTES_PER_ROW, table
 
 PLANS = ("adaptive", "fixed", "per_request")
-
-
-def layer_plan_inputs(batch: PrefillBatch, topk: int, compress_ratio: int):
-    """The host-side inputs of one layer: the CSA top-k rows (a stand-in for the indexer's choice:
-    the most recent visible entries) and the request offsets of packed caches."""
-    visible = (batch.token_position.astype(np.int64) + 1) // compress_ratio
-    rows = (visible[:, None] - 1 - np.arange(topk)[None, :]).astype(np.int32)
-    rows[np.arange(topk)[None, :] >= np.minimum(visible, topk)[:, None]] = -1
-    return rows
 
 
 def packed_offsets(lens) -> np.ndarray:
@@ -65,7 +51,7 @@ def torch_inputs(batch, layer, H, D, topk, dry, seed=0):
     q = randn(batch.num_tokens, H, D) * 10
     rows = None
     if layer.kind is LayerKind.CSA:
-        rows = torch.as_tensor(layer_plan_inputs(batch, topk, layer.compress_ratio), device=dev)
+        rows = torch.as_tensor(recent_topk_rows(batch.token_position, topk, layer.compress_ratio), device=dev)
     sink = randn(H).float() * 10
     return dict(q=q, raw=raw, comp=comp, rows=rows, sink=sink)
 
@@ -79,7 +65,7 @@ def time_torch(step, layer, x, topk, iters, dry):
     call = lambda: TP.prefill_attention(q, meta, x["raw"], x["comp"], sm_scale=q.shape[-1] ** -0.5,  # noqa: E731
                                         attn_sink=x["sink"], topk_indices=x["rows"])  # fmt: skip
     out = call()  # also the warm-up
-    ms = time_ms(call, dev, 0, iters)
+    ms = torch_time_ms(call, dev, 0, iters)
     return ms, out.float().cpu().numpy(), meta.last_backend
 
 
@@ -99,7 +85,7 @@ def jax_inputs(batch, layer, H, D, topk, dry, seed=0):
         comp = JP.LogicalKV(jax.random.normal(keys[1], (max(1, int(clen.sum())), D), dt) * 0.1,
                             jnp.asarray(packed_offsets(clen)))  # fmt: skip
     q = jax.random.normal(keys[2], (batch.num_tokens, H, D), dt)
-    rows = layer_plan_inputs(batch, topk, layer.compress_ratio) if layer.kind is LayerKind.CSA else None
+    rows = recent_topk_rows(batch.token_position, topk, layer.compress_ratio) if layer.kind is LayerKind.CSA else None
     sink = np.asarray(jax.random.normal(keys[3], (H,), jnp.float32))
     return dict(q=q, raw=raw, comp=comp, rows=rows, sink=sink)
 
@@ -115,13 +101,9 @@ def time_jax(step, layer, x, topk, iters, dry):
     rows = jnp.asarray(meta.pad_tokens(x["rows"])) if x["rows"] is not None else None
     call = lambda: JP.prefill_attention(q, km, x["raw"], x["comp"], sm_scale=q.shape[-1] ** -0.5,  # noqa: E731
                                         attn_sink=x["sink"], topk_indices=rows, backend="auto").block_until_ready()  # fmt: skip
-    out = call()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), np.asarray(out[: step.batch.num_tokens], np.float32), km.last_backend
+    out = call()  # also the warm-up
+    ms = median_seconds(call, iters, warmup=0) * 1e3
+    return ms, np.asarray(out[: step.batch.num_tokens], np.float32), km.last_backend
 
 
 HEADER = ["workload", "model", "kind", "framework", "backend", "plan", "chunks", "ms/layer", "tokens/s",
@@ -133,7 +115,7 @@ def main(argv=None):
     ap.add_argument("--seconds", type=float, default=150, help="stop starting new measurements after this")
     ap.add_argument("--frameworks", default="torch,jax")
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--workloads", default="", help="comma-separated names from bench/workloads.py (default: all)")
+    ap.add_argument("--workloads", default="", help="comma-separated names of bench.common.workloads (default: all)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     start = time.time()

@@ -19,22 +19,18 @@ Every section catches its own errors, prints them and goes on; a section not sta
 Without a GPU it says so and exits 0; --dry-run runs the same code on tiny CPU shapes (reference
 backend, and Triton under its interpreter) to check the script itself.
 
-Run: python bench/gpu_check_torch.py [--tokens 4096] [--rows 65536] [--iters 10] [--sweep-seconds 30] [--budget 100]
+Run: python -m bench.gpu_check_torch [--tokens 4096] [--rows 65536] [--iters 10] [--sweep-seconds 30] [--budget 100]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-FLASHMLA_PUBLISHED_TFLOPS = 640.0  # FlashMLA README: sparse prefill on H800
+from bench.common import FLASHMLA_PUBLISHED_TFLOPS, TFLOPS_CONVENTION, tflops, torch_time_ms
 
 SHAPES = [  # name, heads, topk part (compressed entries per row), kind, ratio
     ("V4-Flash CSA", 64, 512, "CSA", 4),
@@ -144,30 +140,6 @@ def reference_fp32(case):
     return dsv4_torch.sparse_attention(**c, backend="reference")
 
 
-def time_ms(fn, device, warmup, iters):
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 @guarded
 def environment(args):
     import torch
@@ -268,9 +240,8 @@ def real_shapes(args, device, results):
                 if want is not None and backend != "reference":
                     compare(got, want, f"{backend} {name}")
                 it, wu = (args.iters, args.warmup) if backend != "reference" else (1, 0)  # slow, for scale only
-                ms = time_ms(lambda: dsv4_torch.sparse_attention(**case, backend=backend), device, wu, it)
-                tflops = 2 * nvalid * H * (512 + 512) / (ms * 1e-3) / 1e12
-                results.append((name, backend, T, H, K, ms, tflops))
+                ms = torch_time_ms(lambda: dsv4_torch.sparse_attention(**case, backend=backend), device, wu, it)
+                results.append((name, backend, T, H, K, ms, tflops(nvalid, H, ms * 1e-3)))
                 print_row(results[-1])
             except Exception as e:  # noqa: BLE001
                 print(f"  {backend} failed on {name}: {type(e).__name__}: {e}")
@@ -283,7 +254,6 @@ def real_shapes(args, device, results):
 def triton_sweep(args, device, results):
     import torch
 
-    import dsv4_torch
     from dsv4_torch.kernels import triton_sparse as ts
 
     if "triton" not in gpu_backends(device):
@@ -317,11 +287,11 @@ def triton_sweep(args, device, results):
             break
         try:
             fn = lambda cfg=cfg: ts.sparse_attention_triton(q, kv, idx, c["sm_scale"], c["attn_sink"], c["topk_length"], config=cfg)  # noqa: E731
-            ms = time_ms(fn, device, args.warmup, args.iters)
-            tflops = 2 * nvalid * H * 1024 / (ms * 1e-3) / 1e12
+            ms = torch_time_ms(fn, device, args.warmup, args.iters)
+            tf = tflops(nvalid, H, ms * 1e-3)
             tag = " (default)" if cfg == default else ""
-            print(f"  {cfg}{tag}: {ms:8.3f} ms  {tflops:7.1f} TFLOPS ({tflops / FLASHMLA_PUBLISHED_TFLOPS:.1%} of 640)", flush=True)
-            results.append((f"{name} sweep", f"triton {cfg.block_h}/{cfg.block_k}/{cfg.num_warps}w/{cfg.num_stages}s", T, H, idx.shape[1], ms, tflops))
+            print(f"  {cfg}{tag}: {ms:8.3f} ms  {tf:7.1f} TFLOPS ({tf / FLASHMLA_PUBLISHED_TFLOPS:.1%} of 640)", flush=True)
+            results.append((f"{name} sweep", f"triton {cfg.block_h}/{cfg.block_k}/{cfg.num_warps}w/{cfg.num_stages}s", T, H, idx.shape[1], ms, tf))
         except Exception as e:  # noqa: BLE001
             print(f"  {cfg}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         if device == "cuda":
@@ -332,8 +302,8 @@ ROW_HEADER = f"{'shape':24s} {'backend':26s} {'T':>6s} {'H':>4s} {'K':>5s} {'ms'
 
 
 def print_row(row):
-    name, backend, T, H, K, ms, tflops = row
-    print(f"{name:24s} {backend:26s} {T:6d} {H:4d} {K:5d} {ms:10.3f} {tflops:8.1f} {tflops / FLASHMLA_PUBLISHED_TFLOPS:7.1%}", flush=True)
+    name, backend, T, H, K, ms, tf = row
+    print(f"{name:24s} {backend:26s} {T:6d} {H:4d} {K:5d} {ms:10.3f} {tf:8.1f} {tf / FLASHMLA_PUBLISHED_TFLOPS:7.1%}", flush=True)
 
 
 def print_table(results):
@@ -344,7 +314,7 @@ def print_table(results):
     print(ROW_HEADER)
     for row in results:
         print_row(row)
-    print("TFLOPS = 2 * sum(valid indices) * H * (512 + 512) / time; 'vs 640' = ratio to FlashMLA's H800 figure.")
+    print(f"{TFLOPS_CONVENTION}; 'vs 640' = ratio to FlashMLA's H800 figure.")
 
 
 def main():

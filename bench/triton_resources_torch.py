@@ -6,9 +6,9 @@ H100 (sm_90), B200 (sm_100), A100 (sm_80), L40/4090 (sm_89) or RTX 50xx (sm_120)
 thread, spill bytes (ptxas -v), shared memory, whether the matmuls became wgmma (Hopper,
 BLOCK_H >= 64), tcgen05 (datacenter Blackwell) or mma.sync, and how many local-memory
 loads/stores (spills) sit inside the key loop (nvdisasm). It cannot tell speed; the GPU check
-script (bench/gpu_check_torch.py) measures that.
+script (`python -m bench.gpu_check_torch`) measures that.
 
-Run: python bench/triton_resources_torch.py [--arch 90] [--dim 576] [--dtype bf16] [--sweep]
+Run: python -m bench.triton_resources_torch [--arch 90] [--dim 576] [--dtype bf16] [--sweep]
      [--configs "64,16,8,2 64,32,8,1"]   (unset TRITON_INTERPRET first)
 
 Figures (Triton 3.9, bf16, H = 64; regs / spill B / loop LDL+STL / smem B):
@@ -34,11 +34,10 @@ import argparse
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from tools.triton_compile import ptxas_stats, triton_bin_dir
+
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's current default; silences its warning
 
 # Max dynamic shared memory per block (bytes) by compute capability.
@@ -76,7 +75,7 @@ def compile_config(arch: int, dim: int, dtype: str, block_h: int, block_k: int, 
     ptx = kernel.asm["ptx"]
     info = {"smem": kernel.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
             "tcgen05": ptx.count("tcgen05.mma")}
-    info.update(_ptxas_stats(ptx, arch))
+    info.update(ptxas_stats(ptx, arch))
     info["loop_spill"] = _loop_spill_ops(kernel.asm.get("cubin"))
     return info
 
@@ -87,9 +86,7 @@ def _loop_spill_ops(cubin: bytes | None) -> int:
     Spills of loop-invariant values (addresses, masks for the epilogue) sit before and after the
     key loop and cost a few bytes per program; the ones inside the loop are the expensive kind.
     """
-    import triton
-
-    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    exe = os.path.join(triton_bin_dir(), "nvdisasm")
     if not cubin or not os.path.exists(exe):
         return -1
     with tempfile.TemporaryDirectory() as d:
@@ -107,32 +104,6 @@ def _loop_spill_ops(cubin: bytes | None) -> int:
     ]
     spill = re.compile(r"\b(LDL|STL)(\.\S+)?\s")
     return sum(1 for i, line in enumerate(lines) if spill.search(line) and any(a < i < b for a, b in loops))
-
-
-def _ptxas_stats(ptx: str, arch: int) -> dict:
-    import triton
-
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    target = re.search(r"^\.target\s+(\w+)", ptx, re.M)  # e.g. sm_90a: compile for exactly that
-    gpu_name = target.group(1) if target else f"sm_{arch}"
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        err = ""
-        for exe in ("ptxas-blackwell", "ptxas"):  # the newer one reads the newest PTX versions
-            path = os.path.join(bindir, exe)
-            if not os.path.exists(path):
-                continue
-            res = subprocess.run([path, "-v", f"--gpu-name={gpu_name}", src, "-o", os.path.join(d, "k.cubin")],
-                                 capture_output=True, text=True)
-            if res.returncode == 0:
-                out = res.stderr
-                regs = re.search(r"Used (\d+) registers", out)
-                spill = re.search(r"(\d+) bytes spill stores", out)
-                return {"regs": int(regs.group(1)) if regs else -1, "spill": int(spill.group(1)) if spill else 0}
-            err = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "ptxas failed"
-    return {"regs": -1, "spill": -1, "ptxas_error": err}
 
 
 def main():
@@ -174,8 +145,9 @@ def main():
         try:
             r = compile_config(args.arch, args.dim, args.dtype, bh, bk, w, st)
             fits = "?" if limit is None else ("yes" if r["smem"] <= limit else "NO")
-            note = "" if "ptxas_error" not in r else "  " + r["ptxas_error"][:80]
-            print(f"{bh:7d} {bk:7d} {w:5d} {st:6d} {r['regs']:5d} {r['spill']:8d} {r['smem']:8d} {fits:>5s} {r['wgmma']:6d} {r['mma_sync']:8d} {r['tcgen05']:7d} {r['loop_spill']:12d}{note}", flush=True)
+            note = "" if r["ptxas_error"] is None else "  " + r["ptxas_error"][:80]
+            regs, spill = ("?" if r[k] is None else r[k] for k in ("regs", "spill_bytes"))
+            print(f"{bh:7d} {bk:7d} {w:5d} {st:6d} {regs:>5} {spill:>8} {r['smem']:8d} {fits:>5s} {r['wgmma']:6d} {r['mma_sync']:8d} {r['tcgen05']:7d} {r['loop_spill']:12d}{note}", flush=True)
         except Exception as e:  # noqa: BLE001 - e.g. out of resources at compile time
             print(f"{bh:7d} {bk:7d} {w:5d} {st:6d}  failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
 

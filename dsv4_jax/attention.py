@@ -1,12 +1,18 @@
 """`dsv4_jax.sparse_attention`: the FlashMLA sparse-attention contract on `jax.Array`s.
 
-One entry point, three backends behind it:
+One entry point, five concrete backends behind it:
+  "mosaic_gpu"       the Mosaic GPU kernel (`dsv4_jax.kernels.mosaic`): Hopper (SM90) GPUs,
+                     jax >= 0.12, bf16, H in {16, 32, 64, 128}, D in {512, 576},
+  "mosaic_interpret" the same kernel run by Mosaic GPU's interpret mode (CPU; jax >= 0.12; slow),
   "pallas_triton"    the Pallas kernel compiled by Triton (NVIDIA GPUs, compute capability >= 8.0),
   "pallas_interpret" the same kernel run by Pallas' interpreter (any platform; slow, for tests),
   "xla"              the plain-jnp reference (any platform; fp32 math, tiled, deterministic).
-Requested names: "auto" (pallas_triton on an NVIDIA GPU, else xla), "pallas" (pallas_triton on an
-NVIDIA GPU, else pallas_interpret), or one of the three above. `resolve_backend` says which one
-a request runs, `available_backends` says which can run here and why not, and every trace logs
+Requested names: "auto" (mosaic_gpu on an SM90 GPU with jax >= 0.12 for the inputs it serves,
+else pallas_triton on an NVIDIA GPU, else xla), "mosaic" (mosaic_gpu on an SM90 GPU, else
+mosaic_interpret where there is no NVIDIA GPU), "pallas" (pallas_triton on an NVIDIA GPU, else
+pallas_interpret), or one of the five above. A named backend that cannot run raises
+`BackendUnavailableError` saying why (never a silent switch). `resolve_backend` says which one a
+request runs, `available_backends` says which can run here and why not, and every trace logs
 the choice at DEBUG level on the "dsv4_jax" logger. The choice follows the devices of committed
 input arrays (CPU arrays run "auto" on xla even where a GPU exists), else JAX's default device.
 """
@@ -21,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv4_jax.kernels import mosaic as mosaic_kernel
 from dsv4_jax.kernels.pallas_triton import sparse_attention_pallas
 from dsv4_jax.kernels.xla import sparse_attention_xla
 from planner.contract import BACKENDS as CONTRACT_BACKENDS  # noqa: F401  (re-exported)
@@ -28,8 +35,8 @@ from planner.contract import BackendUnavailableError
 
 logger = logging.getLogger("dsv4_jax")
 
-BACKENDS = CONTRACT_BACKENDS["jax"]  # "pallas" resolves to pallas_triton (GPU) or pallas_interpret
-CONCRETE_BACKENDS = tuple(b for b in BACKENDS if b != "pallas")
+BACKENDS = CONTRACT_BACKENDS["jax"]  # "pallas" / "mosaic" resolve to a concrete backend per device
+CONCRETE_BACKENDS = tuple(b for b in BACKENDS if b not in ("pallas", "mosaic"))
 REQUESTABLE_BACKENDS = ("auto",) + BACKENDS
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -89,31 +96,95 @@ def _triton_unavailable_for(arrays) -> str | None:
     return reasons[0] if reasons else None
 
 
+def _mosaic_device_unavailable(device) -> str | None:
+    """None if the compiled Mosaic GPU kernel can run on `device`, else the reason."""
+    if (reason := _device_unavailable(device)) is not None:
+        return reason
+    capability = getattr(device, "compute_capability", None)
+    if capability is not None and str(capability) != "9.0":
+        return f"is a Hopper (SM90, wgmma) kernel, got compute capability {capability} on {device.device_kind}"
+    return None
+
+
+def _devices_for(arrays) -> list:
+    devices = _committed_devices(arrays)
+    if devices:
+        return sorted(devices, key=lambda d: (d.platform, d.id))
+    try:
+        return [_default_device()]
+    except RuntimeError:  # pragma: no cover - broken installs
+        return []
+
+
+def _mosaic_gpu_unavailable_for(arrays) -> str | None:
+    if (reason := mosaic_kernel.unavailable_reason()) is not None:
+        return reason
+    reasons = [r for r in map(_mosaic_device_unavailable, _devices_for(arrays)) if r]
+    return reasons[0] if reasons else None
+
+
+def _mosaic_interpret_unavailable() -> str | None:
+    return mosaic_kernel.unavailable_reason()
+
+
+def _on_nvidia_gpu(arrays) -> bool:
+    return any(_device_unavailable(d) is None for d in _devices_for(arrays))
+
+
 def available_backends(*arrays) -> dict[str, str | None]:
     """Concrete backend name -> None if it can run here (on `arrays`' devices when given and
-    committed, else on the default device), else the reason it cannot."""
-    return {"xla": None, "pallas_triton": _triton_unavailable_for(arrays), "pallas_interpret": None}
+    committed, else on the default device), else the reason it cannot. (mosaic_gpu also takes
+    only the shapes and dtype in the module docstring; `resolve_backend` checks those per call.)"""
+    return {
+        "xla": None,
+        "pallas_triton": _triton_unavailable_for(arrays),
+        "pallas_interpret": None,
+        "mosaic_gpu": _mosaic_gpu_unavailable_for(arrays),
+        "mosaic_interpret": _mosaic_interpret_unavailable(),
+    }
+
+
+def _mosaic_serves(q) -> bool:
+    """Whether the Mosaic kernel takes q's dtype and shape (True when q is not given)."""
+    if q is None or getattr(q, "shape", None) is None:
+        return True
+    if jnp.dtype(q.dtype) != jnp.bfloat16 or jnp.ndim(q) != 3:
+        return False
+    return q.shape[1] in mosaic_kernel.HEADS and q.shape[2] in mosaic_kernel.HEAD_DIMS
 
 
 def resolve_backend(backend: str = "auto", *arrays) -> str:
-    """The concrete backend ("xla", "pallas_triton" or "pallas_interpret") a request runs.
+    """The concrete backend (one of `CONCRETE_BACKENDS`) a request runs.
 
     The choice follows the devices of `arrays` when some are concrete and committed (e.g.
     CPU arrays while a GPU exists run "auto" on xla); otherwise JAX's default device, which is
-    where a jitted call on traced or uncommitted arrays runs.
+    where a jitted call on traced or uncommitted arrays runs. When the first array is q, "auto"
+    takes mosaic_gpu only for the dtype and shapes that kernel serves (bf16, H in {16, 32, 64,
+    128}, D in {512, 576}); others go to pallas_triton.
 
-    Raises ValueError for an unknown name and BackendUnavailableError, with the reason, for a named
-    backend that cannot run on those devices.
+    Raises ValueError for an unknown name and `BackendUnavailableError` (a RuntimeError), with
+    the reason, for a named backend that cannot run on those devices.
     """
     if backend not in REQUESTABLE_BACKENDS:
         raise ValueError(f"backend: expected one of {REQUESTABLE_BACKENDS}, got {backend!r}")
     triton_missing = _triton_unavailable_for(arrays)
+    q = arrays[0] if arrays else None
     if backend == "auto":
+        if not triton_missing and _mosaic_serves(q) and _mosaic_gpu_unavailable_for(arrays) is None:
+            return "mosaic_gpu"
         return "xla" if triton_missing else "pallas_triton"
     if backend == "pallas":
         return "pallas_interpret" if triton_missing else "pallas_triton"
+    if backend == "mosaic":
+        # An NVIDIA GPU that cannot run the kernel (not SM90) is an error, not a quiet
+        # interpreter run; without an NVIDIA GPU the kernel runs interpreted.
+        backend = "mosaic_interpret" if triton_missing else "mosaic_gpu"
     if backend == "pallas_triton" and triton_missing:
         raise BackendUnavailableError(f"backend 'pallas_triton' cannot run here: {triton_missing}")
+    if backend == "mosaic_gpu" and (reason := _mosaic_gpu_unavailable_for(arrays)):
+        raise BackendUnavailableError(f"backend 'mosaic_gpu' cannot run here: {reason}")
+    if backend == "mosaic_interpret" and (reason := _mosaic_interpret_unavailable()):
+        raise BackendUnavailableError(f"backend 'mosaic_interpret' cannot run here: {reason}")
     return backend
 
 
@@ -202,7 +273,9 @@ def sparse_attention(q, kv, indices, sm_scale, attn_sink=None, topk_length=None,
       attn_sink: (H,) float32 or None: one logit per head that joins the softmax denominator
         only; -inf means no sink.
       topk_length: (T,) int32 or None: columns >= topk_length[t] are invalid.
-      backend: "auto", "pallas", "xla", "pallas_triton" or "pallas_interpret" (module docstring).
+      backend: "auto", "mosaic", "pallas" or one of `CONCRETE_BACKENDS` (module docstring).
+        The Mosaic kernel takes bf16 only, H in {16, 32, 64, 128} and D in {512, 576}; other
+        inputs named for it raise ValueError.
 
     Returns:
       out: (T, H, d_v), q.dtype: 0 for a token without a valid key; with a sink, scaled by
@@ -221,6 +294,10 @@ def sparse_attention(q, kv, indices, sm_scale, attn_sink=None, topk_length=None,
     )
     if concrete == "xla":
         return sparse_attention_xla(q, kv, indices, sm_scale, attn_sink, topk_length)
+    if concrete in ("mosaic_gpu", "mosaic_interpret"):
+        return mosaic_kernel.sparse_attention_mosaic(
+            q, kv, indices, sm_scale, attn_sink, topk_length, interpret=(concrete == "mosaic_interpret")
+        )
     return sparse_attention_pallas(
         q, kv, indices, sm_scale, attn_sink, topk_length, interpret=(concrete == "pallas_interpret")
     )

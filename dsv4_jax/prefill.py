@@ -671,6 +671,6 @@ def _check_topk(topk_indices, meta: KindMetadata):
     if topk_indices.shape[1] + meta.shape.window_size > meta.index_width:
         raise ValueError(f"topk_indices: top-k {topk_indices.shape[1]} does not fit index width {meta.index_width}")
     if isinstance(topk_indices, np.ndarray) and meta.plan is not None:  # on the host: free to check
-        check_topk_rows(topk_indices, meta.plan.token_index, meta.plan.token_position, 4, "topk_indices")
+        check_topk_rows(topk_indices, meta.plan.token_index, meta.plan.token_position, meta.plan.compress_ratio, "topk_indices")
     return jnp.asarray(topk_indices)
 

@@ -5,6 +5,11 @@
 - "reference": tiled plain torch, any device, bitwise tile invariant.
 - "auto": flashmla if it can serve the call, else triton on a GPU, else reference.
 
+Gradients: only the reference backend has a backward (`kernels/reference.py`, recomputed per
+tile). Whenever a gradient is required (grad mode on and q, kv or attn_sink requires grad),
+"auto" resolves to "reference" and a named "triton" / "flashmla" raises
+`BackendUnavailableError`; a gradient is never dropped. The same holds for attention dropout.
+
 This module validates arguments, resolves the backend and dispatches; the kernels live in
 `dsv4_torch/kernels/`, one file each.
 """
@@ -35,6 +40,7 @@ def sparse_attention(
     topk_length: torch.Tensor | None = None,
     *,
     backend: str = "auto",
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse MQA attention over a flat KV workspace (FlashMLA `flash_mla_sparse_fwd` contract).
 
@@ -50,6 +56,10 @@ def sparse_attention(
         denominator only, scaling out by exp(lse) / (exp(lse) + exp(sink)). -inf = no sink.
       topk_length: optional (T,), int32: only columns < topk_length[t] are read.
       backend: "auto", "flashmla", "triton" or "reference" (see `resolve_backend`).
+      dropout_p: attention dropout in [0, 1), transformers' eager semantics: each probability
+        (the sink's excluded) is zeroed with probability p, the kept ones scaled by 1 / (1 - p);
+        the mask comes from torch's default CPU generator (so `torch.manual_seed` and checkpoint
+        recomputation reproduce it). Reference backend only; 0 (the default) = the exact kernel.
 
     Returns:
       out: (T, H, d_v), q.dtype; 0 for rows with no valid key.
@@ -57,8 +67,9 @@ def sparse_attention(
         max valid logit, -inf if none.
       lse: (T, H), same dtype: natural-log sum-exp of the valid logits, sink excluded; +inf if none.
 
-    Accumulation is float32 for 16-bit and float32 inputs. Forward only (no autograd).
-    Non-contiguous inputs are accepted: the reference backend reads any strides, the GPU
+    Accumulation is float32 for 16-bit and float32 inputs. Differentiable on the reference
+    backend (out and lse; see the module doc); the other backends refuse a call that needs a
+    gradient. Non-contiguous inputs are accepted: the reference backend reads any strides, the GPU
     backends copy such inputs to contiguous first (a copy, never a wrong answer).
 
     Raises:
@@ -66,11 +77,25 @@ def sparse_attention(
       BackendUnavailableError if the named backend cannot run here.
     """
     q, kv, indices, sm_scale, attn_sink, topk_length = _validate(q, kv, indices, sm_scale, attn_sink, topk_length)
-    name = resolve_backend(backend, q)
+    dropout_p = check_dropout(dropout_p)
+    grad = gradient_required(q, kv, attn_sink)
+    name = resolve_backend(backend, q, needs_grad=grad, dropout_p=dropout_p)
     logger.debug(
-        "sparse_attention: backend=%s (asked %r) T=%d H=%d D=%d K=%d dtype=%s device=%s",
-        name, backend, q.shape[0], q.shape[1], q.shape[2], indices.shape[1], q.dtype, q.device,
+        "sparse_attention: backend=%s (asked %r) T=%d H=%d D=%d K=%d dtype=%s device=%s grad=%s",
+        name, backend, q.shape[0], q.shape[1], q.shape[2], indices.shape[1], q.dtype, q.device, grad,
     )
+    if grad or dropout_p:  # the reference backend, with its backward / dropout
+        from dsv4_torch.kernels import reference
+
+        seed = _dropout_seed() if dropout_p else 0
+        if grad:
+            return reference.sparse_attention_reference_autograd(
+                q, kv, indices, sm_scale, attn_sink, topk_length, dropout_p=dropout_p, dropout_seed=seed
+            )
+        with torch.no_grad():
+            return reference.sparse_attention_reference(
+                q, kv, indices, sm_scale, attn_sink, topk_length, dropout_p=dropout_p, dropout_seed=seed
+            )
     with torch.no_grad():
         if name == "flashmla":
             from dsv4_torch.kernels.flashmla import sparse_attention_flashmla as fn
@@ -83,18 +108,31 @@ def sparse_attention(
         return fn(q, kv, indices, sm_scale, attn_sink, topk_length)
 
 
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
+def resolve_backend(backend: str, q: torch.Tensor, *, needs_grad: bool = False, dropout_p: float = 0.0) -> str:
     """The concrete backend `sparse_attention(q, ..., backend=backend)` runs.
 
     "auto" picks "flashmla" for bf16 q with D in {512, 576} on an SM90/SM100 GPU with the wheel
     importable, else "triton" on any other CUDA/ROCm GPU (bf16/fp16/fp32) with Triton importable,
     else "reference". A named backend is checked and returned, or BackendUnavailableError says why
     it cannot run for this q.
+
+    needs_grad / dropout_p > 0: the call needs a backward / attention dropout, which only the
+    reference backend has: "auto" gives "reference", "triton" and "flashmla" raise.
     """
     if not isinstance(backend, str) or backend not in ("auto",) + BACKENDS:
         raise ValueError(f"backend: expected one of 'auto', {', '.join(map(repr, BACKENDS))}; got {backend!r}")
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    if needs_grad or dropout_p:
+        if backend in ("auto", "reference"):
+            return "reference"
+        if needs_grad:
+            why = "no backward, and this call needs a gradient (grad mode is on and q, kv or attn_sink requires grad)"
+            fix = "run it under torch.no_grad()"
+        else:
+            why = f"no attention dropout, and this call asks for dropout_p={dropout_p}"
+            fix = "use dropout 0 (e.g. model.eval())"
+        raise BackendUnavailableError(f"backend={backend!r} has {why}; use backend='reference' (or 'auto'), or {fix}")
     if backend == "auto":
         if q.device.type != "cuda":  # CPU: never the interpreter, it is for tests
             return "reference"
@@ -161,6 +199,23 @@ def _unavailable_for(name: str, q: torch.Tensor) -> str | None:
     if q.ndim != 3 or q.shape[-1] not in flashmla.FLASHMLA_HEAD_DIMS:
         return f"FlashMLA takes head dim D in {flashmla.FLASHMLA_HEAD_DIMS}, q has shape {tuple(q.shape)}"
     return flashmla.unavailable_reason(q.device)
+
+
+def gradient_required(*tensors) -> bool:
+    """Grad mode is on and one of the tensors (None allowed) requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def check_dropout(dropout_p) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
+    return float(dropout_p)
+
+
+def _dropout_seed() -> int:
+    # From torch's default CPU generator: a CPU read, never a device sync; torch.manual_seed and
+    # torch.utils.checkpoint's RNG-state restore make it reproducible.
+    return int(torch.randint(0, 1 << 62, (1,), dtype=torch.int64).item())
 
 
 def _triton_import_error() -> str | None:

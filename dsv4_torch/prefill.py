@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dsv4_torch import kvcache
-from dsv4_torch.attention import resolve_backend, sparse_attention
+from dsv4_torch.attention import check_dropout, gradient_required, resolve_backend, sparse_attention
 from dsv4_torch.prefill_metadata import (  # noqa: F401  (the metadata is part of this module's API)
     ChunkIndices,
     ChunkMeta,
@@ -269,9 +269,12 @@ GATHER_ROWS = 1 << 16  # rows per gather step (bf16/float rows): bounds the tran
 DEQUANT_ROWS = 1 << 13  # rows per dequantize step (fp8_ds_mla pages, device ops)
 
 
-def _gather(ws: torch.Tensor, src: _Rows, meta: KindMetadata, chunk: ChunkMeta) -> None:
+def _gather(ws: torch.Tensor, src: _Rows, meta: KindMetadata, chunk: ChunkMeta, in_place: bool = True) -> torch.Tensor:
     """One chunk's region of `src` into the workspace `ws` (chunk rows x D), from the per-request
     arrays on the device: vLLM's walk, `(seq_lens, gather_lens, block_table)` per request.
+    Returns ws; in_place=False (a gradient is needed): a new tensor per step, through
+    differentiable index ops (no kernel), so autograd sees every chunk's workspace and gradients
+    reach the caches' rows.
 
     On a GPU: one Triton kernel per region reads the block table (or offsets) and writes the
     rows (`dsv4_torch.kernels.triton_gather`; fp8 pages: `triton_kvcache.gather_dequant`, which
@@ -282,8 +285,8 @@ def _gather(ws: torch.Tensor, src: _Rows, meta: KindMetadata, chunk: ChunkMeta) 
     compressed = src.region == "compressed"
     n = chunk.compressed_rows if compressed else chunk.raw_rows
     if n == 0:
-        return
-    if src.kernel:
+        return ws
+    if src.kernel and in_place:
         s0, s1 = chunk.s0, chunk.s1
         R = s1 - s0
         out = ws[: R * chunk.M].view(R, chunk.M, ws.shape[1])
@@ -299,23 +302,25 @@ def _gather(ws: torch.Tensor, src: _Rows, meta: KindMetadata, chunk: ChunkMeta) 
         else:
             _triton_gather().gather_rows(out, src.pages if src.pages is not None else src.rows, seq, glen, idx,
                                          src.page_size, offset)  # fmt: skip
-        return
+        return ws
     step = DEQUANT_ROWS if src.fp8 else GATHER_ROWS
     for a in range(0, n, step):
         g = gather_map(meta, chunk, src.region, a, min(step, n - a))
         if src.page_size is None:
-            ws.index_copy_(0, g.dst, src.rows.index_select(0, src.index.long()[g.request] + g.entry))
-            continue
-        page = src.index[g.request, torch.div(g.entry, src.page_size, rounding_mode="floor")].long()
-        slot = g.entry % src.page_size
-        if not src.fp8:
-            ws.index_copy_(0, g.dst, src.rows.index_select(0, page * src.page_size + slot))
-            continue
-        data = src.data_rows.index_select(0, page * (src.pb // kvcache.SLOT_DATA_BYTES) + slot)
-        sc = src.scale_words.index_select(0, kvcache._scale_index(page, slot, src.pb, src.page_size))
-        rows = kvcache.decode_slots(data.view(torch.uint8).view(data.shape[0], -1),
-                                    sc.view(torch.uint8).view(sc.shape[0], -1), branch_free=True)  # fmt: skip
-        ws.index_copy_(0, g.dst, rows if rows.dtype == ws.dtype else rows.to(ws.dtype))
+            rows = src.rows.index_select(0, src.index.long()[g.request] + g.entry)
+        else:
+            page = src.index[g.request, torch.div(g.entry, src.page_size, rounding_mode="floor")].long()
+            slot = g.entry % src.page_size
+            if not src.fp8:
+                rows = src.rows.index_select(0, page * src.page_size + slot)
+            else:
+                data = src.data_rows.index_select(0, page * (src.pb // kvcache.SLOT_DATA_BYTES) + slot)
+                sc = src.scale_words.index_select(0, kvcache._scale_index(page, slot, src.pb, src.page_size))
+                rows = kvcache.decode_slots(data.view(torch.uint8).view(data.shape[0], -1),
+                                            sc.view(torch.uint8).view(sc.shape[0], -1), branch_free=True)  # fmt: skip
+                rows = rows if rows.dtype == ws.dtype else rows.to(ws.dtype)
+        ws = ws.index_copy_(0, g.dst, rows) if in_place else ws.index_copy(0, g.dst, rows)
+    return ws
 
 
 def gather_workspace(meta: KindMetadata, chunk, raw_kv: KVSource, compressed_kv: KVSource | None = None, *,
@@ -377,6 +382,7 @@ def prefill_attention(
     topk_indices: torch.Tensor | None = None,
     backend: str = "auto",
     out: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Sparse prefill attention of one layer for all prefill tokens of the step.
 
@@ -399,6 +405,11 @@ def prefill_attention(
         request-local top-k entries per token (the first min((p+1)//4, topk) are used).
       backend: passed to `sparse_attention`; the concrete one is recorded in `meta.last_backend`.
       out: optional (T, H, d_v) q.dtype output buffer.
+      dropout_p: attention dropout (`sparse_attention`'s; reference backend only).
+
+    Differentiable (reference backend) when grad mode is on and q, a cache or attn_sink requires
+    grad: each chunk then gathers into a fresh workspace instead of the step's shared one, and
+    gradients flow back through the gathers into the caches' rows.
 
     Returns:
       (T, H, d_v), q.dtype (d_v = 512 for D >= 512). Tokens of `query_len == 0` requests: none.
@@ -418,20 +429,22 @@ def prefill_attention(
         if compressed_kv is None:
             raise ValueError(f"compressed_kv: required for {kind.name} layers")
         comp = _Rows(compressed_kv, "compressed_kv", q, meta, "compressed")
-    name = resolve_backend(backend, q)
+    dropout_p = check_dropout(dropout_p)
+    grad = gradient_required(q, raw.rows, None if comp is None else comp.rows, attn_sink)
+    name = resolve_backend(backend, q, needs_grad=grad, dropout_p=dropout_p)
     meta.last_backend = name
-    ws_all = meta.step.workspace(D, q.dtype)
+    ws_all = None if grad else meta.step.workspace(D, q.dtype)
     for chunk in meta.chunks:
-        ws = ws_all[: chunk.rows]
+        ws = q.new_zeros((chunk.rows, D)) if grad else ws_all[: chunk.rows]
         if comp is not None:
-            _gather(ws, comp, meta, chunk)
-        _gather(ws, raw, meta, chunk)
+            ws = _gather(ws, comp, meta, chunk, not grad)
+        ws = _gather(ws, raw, meta, chunk, not grad)
         idx, length = build_indices(meta, chunk, topk_indices)
         if meta.tokens_in_batch_order:
             q_c = q[chunk.t0 : chunk.t1]
         else:
             q_c = q.index_select(0, meta.token_index[chunk.t0 : chunk.t1])
-        o, _, _ = sparse_attention(q_c, ws, idx, sm_scale, attn_sink, length, backend=name)
+        o, _, _ = sparse_attention(q_c, ws, idx, sm_scale, attn_sink, length, backend=name, dropout_p=dropout_p)
         if meta.tokens_in_batch_order:
             out[chunk.t0 : chunk.t1] = o
         else:
@@ -453,7 +466,7 @@ def _check_topk(topk_indices, meta: KindMetadata, q: torch.Tensor) -> None:
 
 def _check_topk_values(topk_indices: torch.Tensor, meta: KindMetadata) -> None:
     """CPU only (a host read): every used top-k entry is visible to its token."""
-    check_topk_rows(topk_indices.numpy(), meta.plan.token_index, meta.plan.token_position, 4, "topk_indices")
+    check_topk_rows(topk_indices.numpy(), meta.plan.token_index, meta.plan.token_position, meta.plan.compress_ratio, "topk_indices")
 
 
 def _check_q(q, meta: KindMetadata):

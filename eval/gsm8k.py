@@ -66,10 +66,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Sequence
 
-if __package__ in (None, ""):  # run as `python eval/gsm8k.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eval.generators import (  # noqa: E402
+from eval.generators import (
     BATCHING,
     DTYPES,
     JAX_BACKENDS,
@@ -555,15 +552,15 @@ def compare_runs(a: dict, b: dict) -> dict:
 
 
 def ensure_tiny_checkpoint(out_dir: Path = TINY_CHECKPOINT_DIR, seed: int = 0) -> Path:
-    """The tiny random checkpoint, written on first use by `dsv4_torch.hf.tiny_checkpoint`."""
+    """The tiny random checkpoint, written on first use by `tools.tiny_checkpoint`."""
     if all((out_dir / n).is_file() for n in ("config.json", "model.safetensors", "tokenizer.json")):
         return out_dir
     try:
-        from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint
+        from tools.tiny_checkpoint import write_tiny_checkpoint
     except ModuleNotFoundError as e:
         raise SetupError(
             f"no --checkpoint given and the tiny checkpoint writer is missing ({e.name}): it needs "
-            "dsv4_torch.hf.tiny_checkpoint (issue 6). Pass --checkpoint DIR with a DeepSeek-V4 checkpoint."
+            "tools.tiny_checkpoint (issue 6). Pass --checkpoint DIR with a DeepSeek-V4 checkpoint."
         ) from None
     print(f"writing the tiny random checkpoint to {out_dir}", file=sys.stderr)
     write_tiny_checkpoint(out_dir, seed=seed)

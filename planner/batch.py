@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -25,10 +26,6 @@ def _as_int_vector(x, name: str) -> np.ndarray:
     raise ValueError(f"{name}: expected integers, got dtype {a.dtype} ({a[:4].tolist()}...)")
 
 
-
-
-
-
 @dataclass(frozen=True)
 class PrefillBatch:
     """The prefill requests of one step, in batch order.
@@ -44,54 +41,71 @@ class PrefillBatch:
     query_lens: np.ndarray
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
-    query_start_loc: np.ndarray = field(init=False, repr=False)
-    token_request: np.ndarray = field(init=False, repr=False)
-    token_position: np.ndarray = field(init=False, repr=False)
-    token_arange: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self):
         seq = _as_int_vector(self.seq_lens, "seq_lens")
         qry = _as_int_vector(self.query_lens, "query_lens")
         if seq.shape != qry.shape:
             raise ValueError(f"seq_lens and query_lens: lengths differ ({seq.shape[0]} vs {qry.shape[0]})")
-        for name, a in (("seq_lens", seq), ("query_lens", qry)):
-            if a.size and a.min() < 0:
-                i = int(np.argmin(a))
-                raise ValueError(f"{name}: must be >= 0, got {name}[{i}] = {int(a[i])}")
-        bad = np.nonzero(qry > seq)[0]
-        if bad.size:
-            i = int(bad[0])
+        # One cheap pass for valid batches; the culprit is looked for only when a check fails.
+        qmin = int(qry.min()) if qry.size else 0
+        if seq.size and (qmin < 0 or (qry > seq).any()):
+            for name, a in (("seq_lens", seq), ("query_lens", qry)):
+                if a.min() < 0:
+                    i = int(np.argmin(a))
+                    raise ValueError(f"{name}: must be >= 0, got {name}[{i}] = {int(a[i])}")
+            i = int(np.argmax(qry > seq))
             raise ValueError(f"query_lens: query_lens[{i}] = {int(qry[i])} exceeds seq_lens[{i}] = {int(seq[i])}")
         if self.max_model_len is not None:
             mml = _as_int(self.max_model_len, "max_model_len", minimum=1)
-            bad = np.nonzero(seq > mml)[0]
-            if bad.size:
-                i = int(bad[0])
+            if seq.size and seq.max() > mml:
+                i = int(np.argmax(seq > mml))
                 raise ValueError(f"seq_lens: seq_lens[{i}] = {int(seq[i])} exceeds max_model_len = {mml}")
         if self.max_num_batched_tokens is not None:
             mnbt = _as_int(self.max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
-            bad = np.nonzero(qry > mnbt)[0]
-            if bad.size:
-                i = int(bad[0])
+            if qry.size and qry.max() > mnbt:
+                i = int(np.argmax(qry > mnbt))
                 raise ValueError(
                     f"query_lens: query_lens[{i}] = {int(qry[i])} exceeds max_num_batched_tokens = {mnbt}"
                 )
         seq.setflags(write=False)
         qry.setflags(write=False)
-        qsl = np.zeros(seq.shape[0] + 1, dtype=np.int64)
-        np.cumsum(qry, out=qsl[1:])
-        # Per-token arrays in int32, what device index builders take.
-        tok_req = np.repeat(np.arange(seq.shape[0], dtype=np.int32), qry)
-        tok_arange = np.arange(int(qsl[-1]), dtype=np.int32)
-        tok_pos = (tok_arange + (seq - qry - qsl[:-1]).astype(np.int32)[tok_req]).astype(np.int32)
-        for a in (qsl, tok_req, tok_pos, tok_arange):
-            a.setflags(write=False)
+        self.__dict__["_min_query_len"] = qmin  # planners ask whether any request has no queries
         object.__setattr__(self, "seq_lens", seq)
         object.__setattr__(self, "query_lens", qry)
-        object.__setattr__(self, "query_start_loc", qsl)
-        object.__setattr__(self, "token_request", tok_req)
-        object.__setattr__(self, "token_position", tok_pos)
-        object.__setattr__(self, "token_arange", tok_arange)
+
+    # Per-token arrays (int32, what device index builders take) are made on first use: a plan that
+    # only needs its chunks (vLLM's tuples) never pays for them. All read-only.
+
+    @cached_property
+    def query_start_loc(self) -> np.ndarray:
+        """(B+1,) int64: request i's query tokens are rows query_start_loc[i] .. [i+1] - 1."""
+        qsl = np.zeros(self.seq_lens.shape[0] + 1, dtype=np.int64)
+        np.cumsum(self.query_lens, out=qsl[1:])
+        qsl.setflags(write=False)
+        return qsl
+
+    @cached_property
+    def token_request(self) -> np.ndarray:
+        """(T,) int32: the request of each query token."""
+        t = np.repeat(np.arange(self.seq_lens.shape[0], dtype=np.int32), self.query_lens)
+        t.setflags(write=False)
+        return t
+
+    @cached_property
+    def token_arange(self) -> np.ndarray:
+        """(T,) int32: 0 .. T-1."""
+        t = np.arange(self.num_tokens, dtype=np.int32)
+        t.setflags(write=False)
+        return t
+
+    @cached_property
+    def token_position(self) -> np.ndarray:
+        """(T,) int32: the absolute position of each query token."""
+        base = (self.seq_lens - self.query_lens - self.query_start_loc[:-1]).astype(np.int32)
+        t = (self.token_arange + base[self.token_request]).astype(np.int32)
+        t.setflags(write=False)
+        return t
 
     @property
     def num_requests(self) -> int:

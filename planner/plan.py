@@ -49,6 +49,10 @@ class PlanConfig:
       cdiv term is 0 for layers without a compressed cache).
     order: "batch" (vLLM-compatible) or "length" (requests sorted by workspace width, which packs
       similar requests together and pads less; the permutation is `KindPlan.order`).
+    contiguous: chunks never reach across a `query_len == 0` request: every request of a chunk's
+      batch range `[start, end)` has queries. What vLLM's chunk loop needs (it gathers every
+      request of the range into workspace slot `request - start`); plans of batches without such
+      requests do not change. Batch order only.
     """
 
     window_size: int
@@ -58,6 +62,7 @@ class PlanConfig:
     policy: str = "adaptive"
     budget_rows: int | None = None
     order: str = "batch"
+    contiguous: bool = False
 
     def __post_init__(self):
         _as_int(self.window_size, "window_size", minimum=1)
@@ -72,6 +77,10 @@ class PlanConfig:
             _as_int(self.budget_rows, "budget_rows", minimum=1)
             if self.policy == "fixed":
                 raise ValueError("budget_rows: the fixed plan has its own workspace size; use policy='adaptive'")
+        if not isinstance(self.contiguous, (bool, np.bool_)):
+            raise ValueError(f"contiguous: expected True or False, got {self.contiguous!r}")
+        if self.contiguous and self.order != "batch":
+            raise ValueError(f"contiguous: batch ranges need order='batch', got order={self.order!r}")
 
     def max_compressed_len(self, layer: LayerSpec) -> int:
         """Upper bound of compressed rows per request: cdiv(max_model_len, r), 0 without a
@@ -86,7 +95,12 @@ class PlanConfig:
         return self.max_compressed_len(layer) + self.window_size + self.max_num_batched_tokens
 
     def budget(self, layer: LayerSpec) -> int:
-        return self.vllm_budget_rows(layer) if self.budget_rows is None else int(self.budget_rows)
+        """Rows one chunk may use: `budget_rows`, else vLLM's bound (`vllm_budget_rows`, inlined:
+        this runs once per kind per step)."""
+        if self.budget_rows is not None:
+            return int(self.budget_rows)
+        comp = -(-self.max_model_len // layer.compress_ratio) if layer.has_compressed else 0
+        return self.prefill_chunk_size * (comp + self.window_size + self.max_num_batched_tokens)
 
 
 class ChunkLayout:
@@ -159,25 +173,129 @@ class KindPlan:
     layer: LayerSpec  # the kind and compress ratio this plan serves
     config: PlanConfig
     budget_rows: int
+    batch: PrefillBatch = field(repr=False)
     order: np.ndarray  # request ids with queries, in the order the planner scanned them
     skipped: np.ndarray  # request ids with query_len == 0
     split_requests: np.ndarray  # request ids cut into several segments by budget_rows
-    seg_request: np.ndarray
-    seg_seq_len: np.ndarray
-    seg_query_len: np.ndarray
-    seg_query_offset: np.ndarray
-    seg_compressed_len: np.ndarray
-    seg_gather_len: np.ndarray
-    seg_gather_start: np.ndarray
-    seg_row_base: np.ndarray
-    chunk_starts: np.ndarray
-    chunk_N: np.ndarray
-    chunk_M: np.ndarray
-    chunk_token_starts: np.ndarray
-    token_index: np.ndarray
-    token_request: np.ndarray
-    token_position: np.ndarray
+    # Sources of the per-segment and per-chunk arrays, as the planner made them: segments
+    # (request, seq_len, query_len, query_offset, compressed_len, gather_len; None = all zero)
+    # and chunks (starts, N, M). The int32 arrays below are made from them on first use.
+    seg_source: tuple = field(repr=False)
+    chunk_source: tuple = field(repr=False)
     _chunks: list = field(default_factory=list, repr=False)
+
+    # Everything but the chunk boundaries is derived on first use: a plan read only for its chunks
+    # (vLLM's tuples) makes no per-segment or per-token array at all.
+
+    @cached_property
+    def _seg32(self):
+        req, seq, q, off, comp, gath = self.seg_source
+        zeros = np.zeros_like(q)
+        return _frozen32(req, seq, q, zeros if off is None else off, zeros if comp is None else comp, gath)
+
+    @property
+    def seg_request(self) -> np.ndarray:
+        return self._seg32[0]
+
+    @property
+    def seg_seq_len(self) -> np.ndarray:
+        return self._seg32[1]
+
+    @property
+    def seg_query_len(self) -> np.ndarray:
+        return self._seg32[2]
+
+    @property
+    def seg_query_offset(self) -> np.ndarray:
+        return self._seg32[3]
+
+    @property
+    def seg_compressed_len(self) -> np.ndarray:
+        return self._seg32[4]
+
+    @property
+    def seg_gather_len(self) -> np.ndarray:
+        return self._seg32[5]
+
+    @cached_property
+    def _chunk32(self):
+        starts, Ns, Ms = self.chunk_source
+        return (_ro32(starts),) + tuple(_frozen32(Ns, Ms))
+
+    @property
+    def chunk_starts(self) -> np.ndarray:
+        return self._chunk32[0]
+
+    @property
+    def chunk_N(self) -> np.ndarray:
+        return self._chunk32[1]
+
+    @property
+    def chunk_M(self) -> np.ndarray:
+        return self._chunk32[2]
+
+    @cached_property
+    def _segments(self):
+        counts = np.diff(self.chunk_starts)
+        seg_chunk = np.repeat(np.arange(counts.shape[0]), counts)
+        seg_slot = np.arange(self.seg_request.shape[0]) - self.chunk_starts[:-1][seg_chunk]
+        gather_start, row_base = _frozen32(self.seg_seq_len - self.seg_gather_len, seg_slot * self.chunk_M[seg_chunk])
+        return seg_slot, gather_start, row_base
+
+    @property
+    def seg_gather_start(self) -> np.ndarray:
+        """First raw token each segment gathers: seq_len - gather_len."""
+        return self._segments[1]
+
+    @property
+    def seg_row_base(self) -> np.ndarray:
+        """Each segment's first workspace row in its chunk: slot * M."""
+        return self._segments[2]
+
+    @cached_property
+    def _tokens(self):
+        batch, seg_req, chunk_starts = self.batch, self.seg_request, self.chunk_starts
+        seg_slot = self._segments[0]
+        if not self.split_requests.size and self.config.order == "batch":
+            # Segments are the requests with queries, in batch order: the planned tokens are the
+            # step's tokens in their own order, so the per-token arrays come from the batch.
+            token_index = batch.token_arange
+            token_position = batch.token_position
+            slot_of_request = np.zeros(batch.num_requests, dtype=np.int32)
+            slot_of_request[seg_req] = seg_slot
+            token_request = slot_of_request[batch.token_request]
+            chunk_token_starts = np.append(batch.query_start_loc[seg_req[chunk_starts[:-1]]], batch.num_tokens)
+        else:  # tokens in plan order: each segment's queries, segments in chunk order
+            n, seg_q = seg_req.shape[0], self.seg_query_len
+            seg_tok0 = batch.query_start_loc[seg_req] + self.seg_query_offset
+            seg_cum = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(seg_q, out=seg_cum[1:])
+            tok_seg = np.repeat(np.arange(n), seg_q)
+            token_index = seg_tok0[tok_seg] + (np.arange(int(seg_cum[-1])) - seg_cum[tok_seg])
+            token_position = batch.token_position[token_index]
+            token_request = seg_slot[tok_seg]
+            chunk_token_starts = seg_cum[chunk_starts]
+        return _ro32(chunk_token_starts), _ro32(token_index), _ro32(token_request), _ro32(token_position)
+
+    @property
+    def chunk_token_starts(self) -> np.ndarray:
+        """(num_chunks + 1,): chunk c's tokens are token_* entries chunk_token_starts[c] .. [c+1] - 1."""
+        return self._tokens[0]
+
+    @property
+    def token_index(self) -> np.ndarray:
+        """Per planned token: its row in the step's token array (request-major, batch order)."""
+        return self._tokens[1]
+
+    @property
+    def token_request(self) -> np.ndarray:
+        """Per planned token: its chunk-local request slot b."""
+        return self._tokens[2]
+
+    @property
+    def token_position(self) -> np.ndarray:
+        """Per planned token: its absolute position p."""
+        return self._tokens[3]
 
     @property
     def kind(self) -> LayerKind:
@@ -197,7 +315,7 @@ class KindPlan:
 
     @property
     def num_chunks(self) -> int:
-        return int(self.chunk_N.shape[0])
+        return len(self.chunk_source[1])
 
     @property
     def chunks(self) -> list[ChunkLayout]:
@@ -231,22 +349,31 @@ class KindPlan:
         """vLLM's `(start, end, N, M)` tuples; start/end are batch request indices.
 
         A chunk spans its first to its last request; `query_len == 0` requests inside that range
-        take no rows. Only defined for batch order without splits.
+        take no rows (a `contiguous` plan has none inside). Only defined for batch order without
+        splits.
         """
         if self.config.order != "batch" or self.split_requests.size:
             raise ValueError("as_tuples: only defined for order='batch' plans without split requests")
-        starts = self.seg_request[self.chunk_starts[:-1]].tolist()
-        ends = (self.seg_request[self.chunk_starts[1:] - 1] + 1).tolist()
-        return list(zip(starts, ends, self.chunk_N.tolist(), self.chunk_M.tolist()))
+        req, (cs, Ns, Ms) = self.seg_source[0].tolist(), self.chunk_source
+        if isinstance(cs, np.ndarray):  # fixed / per_request plans keep arrays
+            cs, Ns, Ms = cs.tolist(), Ns.tolist(), Ms.tolist()
+        return [(req[a], req[b - 1] + 1, n, m) for a, b, n, m in zip(cs, cs[1:], Ns, Ms)]
 
 
-def _greedy_chunks(comp: list[int], gath: list[int], area: int):
-    """vLLM's adaptive scan: grow a chunk while count * (max comp + max gather) <= area."""
+def _greedy_chunks(comp: list[int], gath: list[int], area: int, breaks=()):
+    """vLLM's adaptive scan: grow a chunk while count * (max comp + max gather) <= area.
+
+    breaks: segment indices where a chunk must start (contiguous plans: after a skipped request).
+    """
     starts, Ns, Ms = [], [], []
     n, s = len(comp), 0
+    bounds = iter(list(breaks) + [n])
+    stop = next(bounds)
     while s < n:
+        while stop <= s:
+            stop = next(bounds)
         cm, gm, e = comp[s], gath[s], s + 1
-        while e < n:
+        while e < stop:
             c, g = comp[e], gath[e]
             if c < cm:
                 c = cm
@@ -308,24 +435,56 @@ def _ro32(a) -> np.ndarray:
     return a
 
 
+_EMPTY32 = np.zeros(0, dtype=np.int32)
+_EMPTY32.setflags(write=False)
+
+
 def _active_requests(batch: PrefillBatch, config: PlanConfig):
-    """What every kind's plan shares: the checked requests with queries and their gather_lens."""
-    if batch.max_model_len is None and batch.seq_lens.size and int(batch.seq_lens.max()) > config.max_model_len:
-        i = int(np.argmax(batch.seq_lens))
-        raise ValueError(f"seq_lens: seq_lens[{i}] = {int(batch.seq_lens[i])} exceeds max_model_len = {config.max_model_len}")
-    if batch.query_lens.size and int(batch.query_lens.max()) > config.max_num_batched_tokens:
-        i = int(np.argmax(batch.query_lens))
+    """What every kind's plan shares: the checked requests with queries and their gather_lens.
+
+    Computed once per batch and engine limits (kept on the batch): every kind of a step shares it.
+    """
+    key = (config.window_size, config.max_model_len, config.max_num_batched_tokens)
+    memo = batch.__dict__.setdefault("_active_memo", {})
+    hit = memo.get(key)
+    if hit is not None:
+        return hit
+    seq, qry = batch.seq_lens, batch.query_lens
+    # (a batch built with these limits has checked them already)
+    if (batch.max_model_len is None or batch.max_model_len > config.max_model_len) and seq.size and int(seq.max()) > config.max_model_len:
+        i = int(np.argmax(seq))
+        raise ValueError(f"seq_lens: seq_lens[{i}] = {int(seq[i])} exceeds max_model_len = {config.max_model_len}")
+    checked = batch.max_num_batched_tokens is not None and batch.max_num_batched_tokens <= config.max_num_batched_tokens
+    if not checked and qry.size and int(qry.max()) > config.max_num_batched_tokens:
+        i = int(np.argmax(qry))
         raise ValueError(
-            f"query_lens: query_lens[{i}] = {int(batch.query_lens[i])} exceeds "
-            f"max_num_batched_tokens = {config.max_num_batched_tokens}"
+            f"query_lens: query_lens[{i}] = {int(qry[i])} exceeds max_num_batched_tokens = {config.max_num_batched_tokens}"
         )
-    has_queries = batch.query_lens > 0
-    active = np.flatnonzero(has_queries)
-    skipped = np.flatnonzero(~has_queries)
-    seq_a = batch.seq_lens[active]
-    qry_a = batch.query_lens[active]
+    if batch.__dict__.get("_min_query_len", 0) > 0 or not qry.size:  # the common case: all have queries
+        active, skipped, seq_a, qry_a = np.arange(qry.shape[0], dtype=np.int32), _EMPTY32, seq, qry
+    else:
+        has_queries = qry > 0
+        active = np.flatnonzero(has_queries).astype(np.int32)
+        skipped = np.flatnonzero(~has_queries).astype(np.int32)
+        seq_a, qry_a = seq[active], qry[active]
+        skipped.setflags(write=False)
+    active.setflags(write=False)
     gath_a = contract.gather_len(seq_a, qry_a, config.window_size)
-    return active, skipped, seq_a, qry_a, gath_a
+    memo[key] = hit = (active, skipped, seq_a, qry_a, gath_a)
+    return hit
+
+
+def _gather_list(batch: PrefillBatch, config: PlanConfig, gath: np.ndarray) -> list[int]:
+    """`gath.tolist()`, made once per batch when `gath` is the batch's shared gather_lens."""
+    memo = batch.__dict__.get("_active_memo", {})
+    key = (config.window_size, config.max_model_len, config.max_num_batched_tokens)
+    base = memo.get(key)
+    if base is None or base[4] is not gath:
+        return gath.tolist()
+    out = memo.get(("list",) + key)
+    if out is None:
+        out = memo[("list",) + key] = gath.tolist()
+    return out
 
 
 def plan_kind(batch: PrefillBatch, config: PlanConfig, layer, _shared=None) -> KindPlan:
@@ -334,17 +493,27 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, layer, _shared=None) -> K
     layer: a `LayerSpec` or `(kind, compress_ratio)` pair: any ratio >= 1 for CSA/HCA.
     """
     layer = LayerSpec.of(layer)
-    r = layer.compress_ratio if layer.has_compressed else 0  # 0: no compressed rows
+    hc = layer.has_compressed
+    r = layer.compress_ratio if hc else 0  # 0: no compressed rows
     W = config.window_size
-    active, skipped, seq_a, qry_a, gath_a = _shared or _active_requests(batch, config)
-    comp_a = contract.compressed_len(seq_a, r, layer.has_compressed)
+    shared = _shared or _active_requests(batch, config)
+    active, skipped, seq_a, qry_a, gath_a = shared
+    comp_a = contract.compressed_len(seq_a, r) if hc else None  # None: all zero (no compressed cache)
     if config.order == "length" and active.size:
+        if comp_a is None:
+            comp_a = np.zeros_like(seq_a)
         perm = np.lexsort((-gath_a, -comp_a), axis=0)  # widest first; stable for ties
         active, seq_a, qry_a, comp_a, gath_a = (x[perm] for x in (active, seq_a, qry_a, comp_a, gath_a))
 
     budget = config.budget(layer)
+    # vLLM's bound holds every request alone (_active_requests checked seq_len <= max_model_len and
+    # query_len <= max_num_batched_tokens), so only an explicit budget_rows can split one.
+    vllm_bound = config.budget_rows is None and (batch.max_model_len is None or batch.max_model_len <= config.max_model_len)
     split: list[int] = []
-    if config.policy != "fixed" and active.size and int((comp_a + gath_a).max()) > budget:
+    if (
+        config.policy != "fixed" and not vllm_bound and active.size
+        and int(((0 if comp_a is None else comp_a) + gath_a).max()) > budget
+    ):  # fmt: skip
         rows = []  # (request, seq_len, query_len, query_offset)
         for i, s, q in zip(active.tolist(), seq_a.tolist(), qry_a.tolist()):
             pieces = _split_request(s - q, q, r, W, budget, i)
@@ -353,59 +522,33 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, layer, _shared=None) -> K
             rows.extend((i, s - q + b, b - a, a) for a, b in pieces)
         seg = np.array(rows, dtype=np.int64).reshape(-1, 4)
         seg_req, seg_seq, seg_q, seg_off = seg.T
-        seg_comp = contract.compressed_len(seg_seq, r, layer.has_compressed)
+        seg_comp = contract.compressed_len(seg_seq, r, hc)
         seg_gath = contract.gather_len(seg_seq, seg_q, W)
     else:
         seg_req, seg_seq, seg_q = active, seq_a, qry_a
-        seg_off = np.zeros_like(seg_q)
+        seg_off = None  # every query offset is 0
         seg_comp, seg_gath = comp_a, gath_a
 
     n = int(seg_req.shape[0])
+    # Contiguous plans start a chunk after every skipped request (segment order is batch order).
+    breaks = np.flatnonzero(np.diff(seg_req) > 1) + 1 if config.contiguous and skipped.size and n > 1 else ()
     if config.policy == "adaptive":
-        starts, Ns, Ms = _greedy_chunks(seg_comp.tolist(), seg_gath.tolist(), budget)
-        chunk_starts = np.array(starts, dtype=np.int64)
-        chunk_N, chunk_M = np.array(Ns, dtype=np.int64), np.array(Ms, dtype=np.int64)
+        gath_list = _gather_list(batch, config, seg_gath)
+        comp_list = [0] * n if seg_comp is None else seg_comp.tolist()
+        chunks = _greedy_chunks(comp_list, gath_list, budget, list(breaks))
     elif config.policy == "fixed":
-        chunk_starts = np.append(np.arange(0, n, config.prefill_chunk_size), n)
-        nc = chunk_starts.shape[0] - 1
-        chunk_N = np.full(nc, config.max_compressed_len(layer), dtype=np.int64)
-        chunk_M = np.full(nc, config.fixed_M(layer), dtype=np.int64)
+        runs = np.concatenate([[0], breaks, [n]]).astype(np.int64)
+        starts = np.concatenate([np.arange(a, b, config.prefill_chunk_size) for a, b in zip(runs[:-1], runs[1:])] + [[n]])
+        nc = starts.shape[0] - 1
+        chunks = (starts, np.full(nc, config.max_compressed_len(layer)), np.full(nc, config.fixed_M(layer)))
     else:  # per_request
-        chunk_starts = np.arange(n + 1, dtype=np.int64)
-        chunk_N, chunk_M = seg_comp.astype(np.int64), (seg_comp + seg_gath).astype(np.int64)
-
-    counts = np.diff(chunk_starts)
-    seg_chunk = np.repeat(np.arange(counts.shape[0]), counts)
-    seg_slot = np.arange(n) - chunk_starts[:-1][seg_chunk]
-    seg_row_base = seg_slot * chunk_M[seg_chunk]
-    if not split and config.order == "batch":
-        # Segments are the requests with queries, in batch order: the planned tokens are the
-        # step's tokens in their own order, so the per-token arrays come from the batch.
-        token_index = batch.token_arange
-        token_position = batch.token_position
-        slot_of_request = np.zeros(batch.num_requests, dtype=np.int32)
-        slot_of_request[seg_req] = seg_slot
-        token_request = slot_of_request[batch.token_request]
-        chunk_token_starts = np.append(batch.query_start_loc[seg_req[chunk_starts[:-1]]], batch.num_tokens)
-    else:  # tokens in plan order: each segment's queries, segments in chunk order
-        seg_tok0 = batch.query_start_loc[seg_req] + seg_off
-        seg_cum = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(seg_q, out=seg_cum[1:])
-        tok_seg = np.repeat(np.arange(n), seg_q)
-        token_index = seg_tok0[tok_seg] + (np.arange(int(seg_cum[-1])) - seg_cum[tok_seg])
-        token_position = batch.token_position[token_index]
-        token_request = seg_slot[tok_seg]
-        chunk_token_starts = seg_cum[chunk_starts]
-    seg = _frozen32(seg_req, seg_seq, seg_q, seg_off, seg_comp, seg_gath, seg_seq - seg_gath, seg_row_base)
-    chunk_N, chunk_M = _frozen32(chunk_N, chunk_M)
-    chunk_starts, chunk_token_starts = _frozen32(chunk_starts, chunk_token_starts)
+        if seg_comp is None:
+            seg_comp = np.zeros_like(seg_seq)
+        chunks = (np.arange(n + 1), seg_comp, seg_comp + seg_gath)
     return KindPlan(
-        layer=layer, config=config, budget_rows=budget,
-        order=_ro32(active), skipped=_ro32(skipped), split_requests=_ro32(split),
-        seg_request=seg[0], seg_seq_len=seg[1], seg_query_len=seg[2], seg_query_offset=seg[3],
-        seg_compressed_len=seg[4], seg_gather_len=seg[5], seg_gather_start=seg[6], seg_row_base=seg[7],
-        chunk_starts=chunk_starts, chunk_N=chunk_N, chunk_M=chunk_M, chunk_token_starts=chunk_token_starts,
-        token_index=_ro32(token_index), token_request=_ro32(token_request), token_position=_ro32(token_position),
+        layer=layer, config=config, budget_rows=budget, batch=batch,
+        order=_ro32(active), skipped=_ro32(skipped), split_requests=_ro32(split) if split else _EMPTY32,
+        seg_source=(seg_req, seg_seq, seg_q, seg_off, seg_comp, seg_gath), chunk_source=chunks,
     )  # fmt: skip
 
 

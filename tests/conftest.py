@@ -6,15 +6,27 @@ tensors; no up-front JAX preallocation, so torch and JAX can share a GPU); the p
 which runs outside pytest, imports the same.
 """
 
+from pathlib import Path
+
 import pytest
 
 import tests.parity  # noqa: F401  (environment set-up, see above)
+
+_VLLM_TESTS = Path(__file__).parent / "vllm"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/vllm/ runs only when named (`make test-vllm`, its own venv with vLLM): never in `make test`."""
+    if Path(collection_path) == _VLLM_TESTS:
+        named = any(Path(str(a).split("::")[0]).resolve().is_relative_to(_VLLM_TESTS) for a in config.args)
+        return None if named else True
+    return None
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """The tiny random DeepSeek-V4 checkpoint (seed 0) in both name styles, written once per session."""
-    from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint
+    from tools.tiny_checkpoint import write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny-ckpt")
     return {names: write_tiny_checkpoint(root / names, seed=0, names=names) for names in ("hf", "deepseek")}
@@ -28,7 +40,7 @@ OTHER_COMPRESS_RATES = {"compressed_sparse_attention": 8, "heavily_compressed_at
 @pytest.fixture(scope="session")
 def tiny_checkpoint_other_ratios(tmp_path_factory):
     """The tiny checkpoint (transformers' names, seed 1) with CSA ratio 8 and HCA ratio 32."""
-    from dsv4_torch.hf.tiny_checkpoint import tiny_config, write_tiny_checkpoint
+    from tools.tiny_checkpoint import tiny_config, write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny-ckpt-8-32")
     return write_tiny_checkpoint(root, seed=1, config=tiny_config(compress_rates=dict(OTHER_COMPRESS_RATES)))

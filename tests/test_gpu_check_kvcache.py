@@ -1,4 +1,4 @@
-"""bench/gpu_check_kvcache.py runs end to end on CPU in its dry-run mode (tiny shapes, the Triton
+"""bench.gpu_check_kvcache runs end to end on CPU in its dry-run mode (tiny shapes, the Triton
 interpreter and Pallas interpret mode), so a GPU lease is never spent on a script error."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 def test_kvcache_check_dry_run():
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    p = subprocess.run([sys.executable, "bench/gpu_check_kvcache.py", "--dry-run", "--iters", "1"], cwd=ROOT, env=env,
+    p = subprocess.run([sys.executable, "-m", "bench.gpu_check_kvcache", "--dry-run", "--iters", "1"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     text = p.stdout + p.stderr
     assert p.returncode == 0, text[-4000:]

@@ -464,7 +464,7 @@ def test_missing_components_fail_clearly(tmp_path):
     if not has_module("dsv4_jax.model"):
         with pytest.raises(G.SetupError, match=r"JAX DeepSeek-V4 model \(issue 7\)"):
             G.load_generator(tmp_path, framework="jax", backend="auto")
-    if not has_module("dsv4_torch.hf.tiny_checkpoint"):
+    if not has_module("tools.tiny_checkpoint"):
         with pytest.raises(G.SetupError, match=r"tiny checkpoint writer"):
             E.ensure_tiny_checkpoint(tmp_path / "tiny")
     with pytest.raises(ValueError, match="backend: for framework='torch'"):

@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from dsv4_torch.hf.capture import capture_attention, capture_attention_layers  # noqa: E402
-from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 from planner import LayerKind  # noqa: E402
+from tools.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 from planner.oracle import prefill_attention  # noqa: E402
 
 LAYERS = {"SWA": 1, "CSA": 2, "HCA": 3}  # layer index of each kind in the tiny preset

@@ -382,12 +382,6 @@ def test_bad_inputs_fail_clearly(model):
             model(ids, attention_mask=torch.ones((1, 5)))
         with pytest.raises(ValueError, match="output_attentions"):
             model(ids, output_attentions=True)
-        model.train()
-        try:
-            with pytest.raises(ValueError, match="training mode"):
-                model(ids)
-        finally:
-            model.eval()
         cache = DynamicCache(config=model.config)
         model(ids, past_key_values=cache)
         with pytest.raises(ValueError, match="batch of 2 rows, but past_key_values holds 1"):

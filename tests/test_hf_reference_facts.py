@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from dsv4_torch.hf.tiny_checkpoint import tiny_config, write_tiny_checkpoint  # noqa: E402
+from tools.tiny_checkpoint import tiny_config, write_tiny_checkpoint  # noqa: E402
 
 PAD = 2
 

@@ -23,14 +23,14 @@ jax = pytest.importorskip("jax")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from dsv4_jax.model import DeepseekV4, ModelConfig  # noqa: E402
 from dsv4_jax.model.checkpoint import load_checkpoint, read_safetensors, to_transformers_names  # noqa: E402
 from dsv4_jax.model.generate import JaxGenerator  # noqa: E402
-from dsv4_jax.model import DeepseekV4, ModelConfig  # noqa: E402
 from dsv4_jax.model.layers import rope_inv_freq  # noqa: E402
-from dsv4_torch.hf.tiny_checkpoint import tiny_config  # noqa: E402
 from tests.jax_model_cases import (  # noqa: E402
     DECODE_A, MODEL_OPTIONS, PROMPT_A, PROMPT_B, PROMPT_C, chunked_then_decode,
 )
+from tools.tiny_checkpoint import tiny_config  # noqa: E402
 
 TOL = 1e-4
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,9 +16,9 @@ import pytest
 import planner as P
 import dsv4_jax.attention
 from planner import sizes as B
-from dsv4_jax.aot import lower_for_cuda
 from dsv4_jax import prefill as JP
 from tests.cases import PrefillCase, boundary_cases, make_case
+from tools.aot import lower_for_cuda
 
 POLICIES = ("adaptive", "fixed", "per_request")
 FAST = dict(token_tile=16, gather_tile=16, min_tokens=64, min_workspace_rows=1024)

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 import dsv4_jax
-from dsv4_jax.aot import lower_for_cuda
 from dsv4_jax.kernels.pallas_triton import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas
 from dsv4_jax.kernels.xla import sparse_attention_xla
 from planner import oracle
+from tools.aot import kernel_arg_specs, lower_for_cuda, triton_ir
 
 BACKENDS = ["xla", "pallas_interpret"]
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -293,8 +293,16 @@ def test_xla_plan_invariance():
 
 def test_backend_resolution_on_this_machine(caplog):
     available = dsv4_jax.available_backends()
-    assert set(available) == {"xla", "pallas_triton", "pallas_interpret"}
+    assert set(available) == {"xla", "pallas_triton", "pallas_interpret", "mosaic_gpu", "mosaic_interpret"}
     assert available["xla"] is None and available["pallas_interpret"] is None
+    if available["mosaic_interpret"] is not None:  # jax < 0.12: both Mosaic backends say why
+        assert "jax >= 0.12" in available["mosaic_interpret"] and "jax >= 0.12" in available["mosaic_gpu"]
+        with pytest.raises(dsv4_jax.BackendUnavailableError, match="mosaic.*jax >= 0.12"):
+            dsv4_jax.resolve_backend("mosaic")
+    elif jax.default_backend() == "cpu":
+        assert dsv4_jax.resolve_backend("mosaic") == "mosaic_interpret"
+        with pytest.raises(dsv4_jax.BackendUnavailableError, match="mosaic_gpu.*NVIDIA GPU"):
+            dsv4_jax.resolve_backend("mosaic_gpu")
     if jax.default_backend() == "cpu":
         assert "NVIDIA GPU" in available["pallas_triton"]
         assert dsv4_jax.resolve_backend("auto") == "xla"
@@ -403,8 +411,6 @@ def test_triton_lowering_for_cuda(name, H, D, K):
     def prefill_layer(q, kv, idx, sink, topk_length):
         return sparse_attention_pallas(q, kv, idx, D**-0.5, sink, topk_length, interpret=False)
 
-    from bench.triton_resources_jax import kernel_arg_specs
-
     text = lower_for_cuda(prefill_layer, *kernel_arg_specs(T, H, D, S, K)).as_text()
     calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
     assert len(calls) == 1, f"{name}: expected one Triton kernel, found {len(calls)}"
@@ -424,10 +430,10 @@ def test_default_gpu_tiling_fits_hopper(D):
     only a GPU would otherwise reveal: shared memory within Hopper's 227 KB and tensor-core
     (wgmma) dots. (The wheel's Triton is not jaxlib's, so this is a strong hint, not proof.)"""
     pytest.importorskip("triton")
-    from bench.triton_resources_jax import compile_resources, triton_ir
+    from tools.triton_compile import compile_ttir
 
     cfg = default_tuning(64, D, interpret=False)
-    res = compile_resources(triton_ir(4096, 64, D, 65536, 640, vars(cfg)), cfg.num_warps, cfg.num_stages, arch=90)
+    res = compile_ttir(triton_ir(4096, 64, D, 65536, 640, vars(cfg)), cfg.num_warps, cfg.num_stages, arch=90)
     assert res["ptxas_error"] is None, res
     assert res["shared_kb"] <= 227, res
     assert (res["wgmma"] or res["mma_sync"]) and res["cp_async"], res  # tensor-core dots, async copies
@@ -439,8 +445,6 @@ def test_default_gpu_tiling_fits_hopper(D):
 def test_alternative_tilings_gather_each_kv_column_once(tiling):
     """Every GPU tiling lowers to Triton IR whose loop gathers each KV column of a step exactly
     once: with d_v split over programs, V comes from the gathered K pieces, not a second load."""
-    from bench.triton_resources_jax import triton_ir
-
     block_h, block_k, block_dv, num_warps, num_stages = tiling
     cfg = dict(block_h=block_h, block_k=block_k, block_dv=block_dv, num_warps=num_warps, num_stages=num_stages)
     ir = triton_ir(64, 64, 576, 4096, 640, cfg)

@@ -225,6 +225,70 @@ def test_zero_query_requests_never_form_or_widen_a_chunk():
     assert P.get_fixed_chunk_plan([10, 20], [0, 0], compress_ratio=4, **KW) == []
 
 
+def _runs(qry):
+    """Maximal runs [a, b) of requests with queries."""
+    runs, a = [], None
+    for i, q in enumerate(list(qry) + [0]):
+        if q > 0 and a is None:
+            a = i
+        elif q == 0 and a is not None:
+            runs.append((a, i))
+            a = None
+    return runs
+
+
+@settings(max_examples=100, deadline=None)
+@given(batches(min_query=0), st.sampled_from(LAYERS), st.sampled_from([1, 8, 64]), st.integers(1, 6),
+       st.sampled_from(["adaptive", "fixed", "per_request"]))  # fmt: skip
+def test_contiguous_plans_never_reach_across_a_skipped_request(b, layer, W, pcs, policy):
+    """What vLLM's chunk loop needs: every request of a chunk's batch range has queries; each run
+    between skipped requests is planned as that run alone; without skipped requests nothing changes."""
+    seq, qry, mml, mnbt = b
+    limits = dict(window_size=W, max_model_len=mml, max_num_batched_tokens=mnbt, prefill_chunk_size=pcs, policy=policy)
+    plan = P.plan_kind(P.PrefillBatch(seq, qry), P.PlanConfig(contiguous=True, **limits), layer)
+    got = plan.as_tuples()
+    assert all(q > 0 for s, e, _, _ in got for q in qry[s:e])
+    assert [i for s, e, _, _ in got for i in range(s, e)] == [i for i, q in enumerate(qry) if q > 0]
+    want = []
+    for a, e in _runs(qry):
+        sub = P.plan_kind(P.PrefillBatch(seq[a:e], qry[a:e]), P.PlanConfig(**limits), layer).as_tuples()
+        want += [(s + a, t + a, n, m) for s, t, n, m in sub]
+    assert got == want
+    if all(q > 0 for q in qry):
+        assert got == P.plan_kind(P.PrefillBatch(seq, qry), P.PlanConfig(**limits), layer).as_tuples()
+    # its per-segment and per-token layout agrees with the chunks
+    assert plan.chunk_starts.tolist()[-1] == plan.seg_request.shape[0] == len([q for q in qry if q > 0])
+    assert sorted(plan.token_index.tolist()) == list(range(sum(qry)))
+
+
+def test_contiguous_example_and_bad_config():
+    seq, qry = [100, 5000, 100, 100, 6000], [10, 0, 10, 0, 0]
+    plan = P.plan_kind(P.PrefillBatch(seq, qry), P.PlanConfig(contiguous=True, **KW), (P.LayerKind.CSA, 4))
+    assert plan.as_tuples() == [(0, 1, 25, 25 + 73), (2, 3, 25, 25 + 73)]
+    with pytest.raises(ValueError, match="contiguous"):
+        P.PlanConfig(contiguous=True, order="length", **KW)
+    with pytest.raises(ValueError, match="contiguous"):
+        P.PlanConfig(contiguous="yes", **KW)
+
+
+def test_plan_arrays_are_int32_read_only_and_made_once():
+    batch = P.PrefillBatch([300, 40, 9, 700], [20, 40, 0, 7])
+    plan = P.plan_kind(batch, P.PlanConfig(**KW), (P.LayerKind.HCA, 128))
+    names = ["order", "skipped", "split_requests", "seg_request", "seg_seq_len", "seg_query_len", "seg_query_offset",
+             "seg_compressed_len", "seg_gather_len", "seg_gather_start", "seg_row_base", "chunk_starts", "chunk_N",
+             "chunk_M", "chunk_token_starts", "token_index", "token_request", "token_position"]  # fmt: skip
+    for name in names:
+        a = getattr(plan, name)
+        assert a.dtype == np.int32 and not a.flags.writeable, name
+        assert getattr(plan, name) is a, name  # derived once, then the same array
+    assert plan.seg_compressed_len.tolist() == [2, 0, 5]
+    assert plan.seg_query_offset.tolist() == [0, 0, 0]
+    for name in ("query_start_loc", "token_request", "token_position", "token_arange"):
+        a = getattr(batch, name)
+        assert not a.flags.writeable and getattr(batch, name) is a, name
+    assert batch.token_position.tolist() == list(range(280, 300)) + list(range(40)) + list(range(693, 700))
+
+
 def test_budget_rows_honoured_and_long_request_split():
     cfg = P.PlanConfig(window_size=8, max_model_len=4096, max_num_batched_tokens=2048, budget_rows=600)
     batch = P.PrefillBatch([40, 2000, 30], [40, 1000, 30])

@@ -1,5 +1,12 @@
-"""Tiny random DeepSeek-V4 checkpoints: determinism, both name styles, loadability, tokenizer."""
+"""Tiny random DeepSeek-V4 checkpoints: determinism, both name styles, loadability, tokenizer.
 
+The writer (`tools.tiny_checkpoint`) needs no torch: the file-level tests below read the
+safetensors back with NumPy; the tests that load the checkpoint into transformers' model need
+torch and transformers and skip without them.
+"""
+
+import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -7,18 +14,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from dsv4_torch.hf.tiny_checkpoint import (  # noqa: E402
+from tools.tiny_checkpoint import (
     TINY_COMPRESS_RATIOS,
     corpus,
     deepseek_config,
     init_tensors,
     parameter_shapes,
     tiny_config,
+    to_deepseek_names,
     write_tiny_checkpoint,
 )
+
+try:
+    import torch
+    import transformers
+except ImportError:
+    torch = transformers = None
+needs_torch = pytest.mark.skipif(transformers is None, reason="needs torch and transformers (loads the model)")
+ROOT = Path(__file__).resolve().parents[1]
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -30,6 +43,8 @@ def ckpt(tiny_checkpoints):
 
 @pytest.fixture(scope="module")
 def model(ckpt):
+    if transformers is None:
+        pytest.skip("needs torch and transformers (loads the model)")
     return transformers.DeepseekV4ForCausalLM.from_pretrained(ckpt["hf"]).eval()
 
 
@@ -45,13 +60,14 @@ def test_same_seed_same_bytes_other_seed_other_weights(ckpt, tmp_path):
 def test_command_line_writes_the_same_files(ckpt, tmp_path):
     out = tmp_path / "cli"
     subprocess.run(
-        [sys.executable, "-m", "dsv4_torch.hf.tiny_checkpoint", "--out", str(out), "--names", "deepseek"],
-        check=True, cwd=Path(__file__).resolve().parents[1], capture_output=True,
+        [sys.executable, "-m", "tools.tiny_checkpoint", "--out", str(out), "--names", "deepseek"],
+        check=True, cwd=ROOT, capture_output=True,
     )
     for f in FILES:
         assert (out / f).read_bytes() == (ckpt["deepseek"] / f).read_bytes(), f
 
 
+@needs_torch
 def test_both_name_styles_load_to_identical_models(ckpt):
     loaded = {}
     for style, path in ckpt.items():
@@ -104,6 +120,7 @@ def test_special_tensors_are_non_trivial(model):
             assert sd[f"model.layers.{i}.mlp.gate.e_score_correction_bias"].abs().max() > 0
 
 
+@needs_torch
 def test_fp32_forward_has_finite_varied_logits(ckpt, model):
     tok = transformers.AutoTokenizer.from_pretrained(ckpt["hf"])
     ids = tok("\n\n".join(corpus()[:3]), return_tensors="pt").input_ids
@@ -115,6 +132,7 @@ def test_fp32_forward_has_finite_varied_logits(ckpt, model):
     assert logits.argmax(-1).unique().numel() > ids.shape[1] // 4
 
 
+@needs_torch
 def test_greedy_generate(ckpt, model):
     tok = transformers.AutoTokenizer.from_pretrained(ckpt["hf"])
     ids = tok(corpus()[7], return_tensors="pt").input_ids
@@ -124,6 +142,7 @@ def test_greedy_generate(ckpt, model):
     assert torch.equal(out, model.generate(ids, max_new_tokens=8, do_sample=False))
 
 
+@needs_torch
 def test_tokenizer_round_trips_any_text(ckpt):
     tok = transformers.AutoTokenizer.from_pretrained(ckpt["deepseek"])
     assert len(tok) <= tiny_config()["vocab_size"]
@@ -137,6 +156,7 @@ def test_tokenizer_round_trips_any_text(ckpt):
     assert len(tok(text).input_ids) <= len(text) // 3
 
 
+@needs_torch
 def test_bfloat16_checkpoint_holds_rounded_weights(ckpt, tmp_path):
     path = write_tiny_checkpoint(tmp_path / "bf16", dtype="bfloat16")
     m = transformers.DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -164,9 +184,70 @@ def test_bad_preset_overrides_raise():
         tiny_config(hidden_sise=32)
 
 
+@needs_torch
 def test_package_import_is_light():
     # dsv4_torch itself imports torch; the hf subpackage must not pull in transformers
     code = "import sys, dsv4_torch.hf; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.split() == ["False"]
+
+
+# ----------------------------------------------------------------------------- torch-free checks
+
+
+def _read_safetensors(path: Path):
+    """(metadata, {name: array}) of a safetensors file, parsed here with NumPy alone.
+
+    bfloat16 tensors come back as their raw uint16 bit patterns (NumPy has no bfloat16)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    meta = header.pop("__metadata__")
+    types = {"F32": np.float32, "BF16": np.uint16, "I64": np.int64}
+    body = data[8 + n :]
+    out, end = {}, 0
+    for name, h in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"]):
+        a, b = h["data_offsets"]
+        assert a == end, f"{name}: data not packed ({a} != {end})"  # no gaps, no overlaps
+        out[name] = (h["dtype"], np.frombuffer(body[a:b], types[h["dtype"]]).reshape(h["shape"]))
+        end = b
+    assert end == len(body)
+    return meta, out
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, rounding to nearest even (finite inputs)."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("names", ["hf", "deepseek"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_file_holds_init_tensors(tmp_path, names, dtype):
+    """The safetensors file holds `init_tensors` exactly (bf16: rounded to nearest even), under
+    the chosen names, with the metadata transformers expects; checked without torch."""
+    path = write_tiny_checkpoint(tmp_path / "ckpt", seed=0, names=names, dtype=dtype)
+    meta, got = _read_safetensors(path / "model.safetensors")
+    assert meta == {"format": "pt"}
+    want = init_tensors(tiny_config(), seed=0)
+    if names == "deepseek":
+        want = to_deepseek_names(want)
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():
+        st_dtype, g = got[name]
+        assert g.shape == w.shape, name
+        if w.dtype == np.int64:
+            assert st_dtype == "I64" and np.array_equal(g, w), name
+        elif dtype == "float32":
+            assert st_dtype == "F32" and np.array_equal(g.view(np.uint32), w.view(np.uint32)), name
+        else:
+            assert st_dtype == "BF16" and np.array_equal(g, _bf16_bits(w)), name
+
+
+def test_writer_does_not_import_torch(tmp_path):
+    code = ("import sys; from tools.tiny_checkpoint import write_tiny_checkpoint; "
+            f"write_tiny_checkpoint({str(tmp_path / 'c')!r}, names='deepseek', dtype='bfloat16'); "
+            "print(sorted(m for m in ('torch', 'transformers', 'jax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.split() == ["[]"]

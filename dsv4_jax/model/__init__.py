@@ -4,12 +4,18 @@
 * `layers`: linear, RMSNorm, RoPE, mHC, MoE.
 * `attention`: one attention layer: caches, compressors, indexer, the sparse prefill call.
 * `model`: `DeepseekV4`, one ragged step at a time.
-* `checkpoint`: safetensors checkpoints into the parameter tree (NumPy only).
+* `checkpoint`: safetensors checkpoints (the official FP8/FP4 release, transformers' names) into
+  the parameter tree, streamed from memory-mapped files onto the devices (NumPy + ml_dtypes).
+* `names`: DeepSeek's and transformers' tensor names, mapped onto each other.
+* `safetensors_io`: the header parser and memory-mapped reader (no torch, no safetensors package).
+* `quant`: `QuantizedWeight` (FP8 / FP4 block-scaled weights on the device) and its dequantization.
+* `parallel`: where each weight lives on a mesh (tensor / expert / vocabulary / storage splits).
 * `generate`: `JaxGenerator`, continuous-batching greedy generation.
 """
 
 from dsv4_jax.model.config import ModelConfig, RopeConfig
 from dsv4_jax.model.generate import JaxGenerator
 from dsv4_jax.model.model import DeepseekV4, StepOutput, compile_counts
+from dsv4_jax.model.quant import QuantizedWeight
 
-__all__ = ["DeepseekV4", "JaxGenerator", "ModelConfig", "RopeConfig", "StepOutput", "compile_counts"]
+__all__ = ["DeepseekV4", "JaxGenerator", "ModelConfig", "QuantizedWeight", "RopeConfig", "StepOutput", "compile_counts"]

@@ -22,6 +22,7 @@ from dsv4_jax.model.layers import (
     rms_norm_unweighted,
     rope_cos_sin,
 )
+from dsv4_jax.model.quant import dense
 from dsv4_jax.prefill import LogicalKV, prefill_attention
 from planner import LayerKind
 
@@ -187,7 +188,7 @@ def _index_topk(p, x, q_residual, entries, step: StepInputs, cfg: ModelConfig):
     """Lightning Indexer scores and top-k (section 9): (T, index_topk) int32 entry ids, -1 = none.
 
     Scores each token against the first `step.index_entries` entries of its request; row t holds
-    its top min(visible, topk) visible entries first (visible = (p+1)//4).
+    its top min(visible, topk) visible entries first (visible = (p+1)//r, r = the CSA ratio).
     """
     T = x.shape[0]
     S = entries.shape[0]
@@ -197,7 +198,7 @@ def _index_topk(p, x, q_residual, entries, step: StepInputs, cfg: ModelConfig):
     q = apply_rope(linear(q_residual, p["wq_b"]).reshape(T, nh, dh), cos[:, None], sin[:, None]).astype(F32)
     head_w = linear(x, p["weights_proj"]).astype(F32) * nh**-0.5  # (T, nh)
     slot = jnp.minimum(step.slot[step.token_request], S - 1)
-    visible = (step.positions + 1) // 4
+    visible = (step.positions + 1) // cfg.compress_rate_csa
     k = min(cfg.index_topk, N)
     # Token tiles bound the gathered keys to tile * N * dh elements.
     tile = T
@@ -283,14 +284,16 @@ def attention(p, cache: dict, x, step: StepInputs, meta, cfg: ModelConfig, kind:
     if kind is LayerKind.CSA:
         ip = p["indexer"]
         cache["index_entries"], cache["index_ring_kv"], cache["index_ring_gate"] = _compress(
-            ip, x, cache["index_entries"], cache["index_ring_kv"], cache["index_ring_gate"], step, cfg, 4, True
+            ip, x, cache["index_entries"], cache["index_ring_kv"], cache["index_ring_gate"], step, cfg, r, True
         )
         topk = _index_topk(ip, x, q_residual, cache["index_entries"], step, cfg)
 
     out = _attend(q, meta, raw, comp, p["sink"].astype(F32), topk, sm_scale=D**-0.5, **opts)
     out = apply_rope(out, cos[:, None], -sin[:, None])  # undo V's RoPE at the query position
-    grouped = out.reshape(T, cfg.o_groups, H * D // cfg.o_groups)
-    y = jnp.einsum("tgi,goi->tgo", grouped, p["wo_a"].astype(out.dtype), precision=HIGHEST, preferred_element_type=F32)
+    G = cfg.o_groups
+    grouped = out.reshape(T, G, H * D // G)
+    wo_a = dense(p["wo_a"], out.dtype).reshape(G, -1, H * D // G)  # (G * o_lora, H*D/G) -> per group
+    y = jnp.einsum("tgi,goi->tgo", grouped, wo_a, precision=HIGHEST, preferred_element_type=F32)
     return linear(y.astype(x.dtype).reshape(T, -1), p["wo_b"]), cache
 
 

@@ -2,22 +2,31 @@
 
     from dsv4_jax.model.generate import JaxGenerator
 
-    gen = JaxGenerator("path/to/checkpoint", backend="auto", policy="adaptive", dtype="float32")
-    outputs = gen.generate([[0, 71, 5, ...], [0, 9, ...]], max_new_tokens=256, stop_token_ids=(1,))
+    gen = JaxGenerator("path/to/checkpoint", backend="auto", policy="adaptive", dtype="bfloat16")
+    gen.generate(["Question: 2 + 3?\nAnswer:"], max_new_tokens=64)          # text in, text out
+    gen.generate([[0, 71, 5, ...], [0, 9, ...]], max_new_tokens=256, stop_token_ids=(1,))  # ids
     gen.stats  # {"prefill_tokens": ..., "prefill_seconds": ..., "decode_tokens": ..., ...}
 
 `JaxGenerator(checkpoint_dir, backend="auto"|"xla"|"pallas", policy="adaptive"|"fixed"|
-"per_request", dtype="float32"|"bfloat16", *, max_batch_size=8, max_model_len=4096,
-max_num_batched_tokens=512, mesh=None, kv_cache_dtype="auto")`:
-  loads the checkpoint (transformers' or DeepSeek's names; NumPy + safetensors, no torch) and keeps
-  `max_batch_size` cache slots of `max_model_len` tokens. `mesh` (a `jax.sharding.Mesh`) splits
-  attention heads over its first axis. `kv_cache_dtype="fp8_ds_mla"` keeps the window and
-  compressed caches as vLLM's fp8 pages (`dsv4_jax.model.fp8_cache`). Other keywords go to `dsv4_jax.model.DeepseekV4` (bucket
-  and tile options); token_buckets defaults to "pow2" here (one padded tail step per prefill
-  phase, about 4x fewer programs to compile than the 1.25x ladder).
+"per_request", dtype="float32"|"bfloat16", *, weights="stored"|"dequantized", max_batch_size=8,
+max_model_len=4096, max_num_batched_tokens=512, mesh=None, axis=None, kv_cache_dtype="auto")`:
+  loads the checkpoint (the official FP8/FP4 release, transformers' or DeepSeek's names; NumPy +
+  ml_dtypes, no torch; `dsv4_jax.model.checkpoint`) and keeps `max_batch_size` cache slots of
+  `max_model_len` tokens. `weights="stored"` keeps FP8 / FP4 weights as shipped (dequantized
+  inside the matmuls), "dequantized" puts them in `dtype` at load. `mesh` (a
+  `jax.sharding.Mesh`) and `axis` split the model over that mesh axis (`dsv4_jax.model.parallel`):
+  the weights stream from the files onto their devices. `kv_cache_dtype="fp8_ds_mla"` keeps the
+  window and compressed caches as vLLM's fp8 pages (`dsv4_jax.model.fp8_cache`). Other keywords go to
+  `dsv4_jax.model.DeepseekV4` (bucket and tile options); token_buckets defaults to "pow2" here
+  (one padded tail step per prefill phase, about 4x fewer programs to compile than the 1.25x ladder).
+  The checkpoint's `tokenizer.json` (the `tokenizers` package, not transformers) turns text into
+  ids and back (`encode`, `decode`; `eos_token_ids` from generation_config.json / config.json).
 
-`generate(prompts, max_new_tokens, stop_token_ids=()) -> list[list[int]]`:
-  prompts are token-id lists (>= 1 token each; `len(prompt) + max_new_tokens - 1 <= max_model_len`).
+`generate(prompts, max_new_tokens, stop_token_ids=None) -> list[list[int]] | list[str]`:
+  prompts are strings (encoded with the tokenizer's defaults, so with its BOS; the outputs are the
+  continuations as text, special tokens skipped) or token-id lists (>= 1 token each; outputs are
+  token-id lists); `len(prompt) + max_new_tokens - 1 <= max_model_len`. `stop_token_ids`: None =
+  the checkpoint's EOS ids for text prompts and none for token-id prompts.
   Up to `max_batch_size` requests are in flight; the others wait for a free slot. Each step is
   either a prefill step (the pending prompts of the requests in flight, cut into chunks so a step
   holds at most `max_num_batched_tokens` new tokens, ragged: every request its own length) or a
@@ -38,9 +47,11 @@ max_num_batched_tokens=512, mesh=None, kv_cache_dtype="auto")`:
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -60,16 +71,21 @@ class JaxGenerator:
     """Greedy ragged-batch generation; see the module docstring."""
 
     def __init__(self, checkpoint_dir, backend: str = "auto", policy: str = "adaptive",
-                 dtype: str = "float32", *, max_batch_size: int = 8, max_model_len: int = 4096,
-                 max_num_batched_tokens: int = 512, mesh=None, kv_cache_dtype: str = "auto",
+                 dtype: str = "float32", *, weights: str = "stored", max_batch_size: int = 8,
+                 max_model_len: int = 4096, max_num_batched_tokens: int = 512, mesh=None, axis=None,
+                 kv_cache_dtype: str = "auto",
                  **model_kwargs):  # fmt: skip
         model_kwargs.setdefault("token_buckets", "pow2")  # prefill tails vary; few shapes beat tight padding
+        self.checkpoint_dir = Path(checkpoint_dir)
         self.model = DeepseekV4.from_checkpoint(
-            checkpoint_dir, dtype=dtype, max_batch_size=max_batch_size, max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens, backend=backend,
-            policy=policy, mesh=mesh, kv_cache_dtype=kv_cache_dtype, **model_kwargs,
+            checkpoint_dir, dtype=dtype, weights=weights, max_batch_size=max_batch_size,
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+            backend=backend, policy=policy, mesh=mesh, axis=axis, kv_cache_dtype=kv_cache_dtype,
+            **model_kwargs,
         )  # fmt: skip
         self.config = self.model.config
+        self._tokenizer = None
+        self.eos_token_ids = _eos_ids(self.checkpoint_dir, self.config.eos_token_id)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cache = self.model.init_cache()
         self.last_plan = None  # the planner.StepPlan of the last step
@@ -108,8 +124,39 @@ class JaxGenerator:
             raise TypeError(f"stop_token_ids: expected a sequence of ints, got {stop_token_ids!r}") from None
         return out, stops
 
-    def generate(self, prompts, max_new_tokens: int, stop_token_ids=()) -> list[list[int]]:
-        """Greedy continuations of `prompts` (module docstring)."""
+    @property
+    def tokenizer(self):
+        """The checkpoint's `tokenizers.Tokenizer` (tokenizer.json), loaded on first use."""
+        if self._tokenizer is None:
+            path = self.checkpoint_dir / "tokenizer.json"
+            if not path.is_file():
+                raise ValueError(f"prompts: text needs a tokenizer, and there is no tokenizer.json in {str(self.checkpoint_dir)!r}")
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(path))
+        return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` with the tokenizer's defaults (its BOS included, as transformers' does)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text: expected a str, got {type(text).__name__}")
+        return list(self.tokenizer.encode(text).ids)
+
+    def decode(self, token_ids) -> str:
+        """Text of `token_ids`, special tokens skipped."""
+        return self.tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True)
+
+    def generate(self, prompts, max_new_tokens: int, stop_token_ids=None):
+        """Greedy continuations of `prompts`: text for text prompts, ids for ids (module docstring)."""
+        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(p, str) for p in prompts):
+            ids = [self.encode(p) for p in prompts]
+            stops = self.eos_token_ids if stop_token_ids is None else stop_token_ids
+            return [self.decode(out) for out in self._generate_ids(ids, max_new_tokens, stops)]
+        if isinstance(prompts, (list, tuple)) and any(isinstance(p, str) for p in prompts):
+            raise TypeError("prompts: expected all strings or all token-id lists, got a mix")
+        return self._generate_ids(prompts, max_new_tokens, () if stop_token_ids is None else stop_token_ids)
+
+    def _generate_ids(self, prompts, max_new_tokens: int, stop_token_ids) -> list[list[int]]:
         prompts, stops = self._check(prompts, max_new_tokens, stop_token_ids)
         results: list[list[int] | None] = [None] * len(prompts)
         if max_new_tokens == 0:
@@ -189,6 +236,17 @@ class JaxGenerator:
             self._chunks[kind.name] = (total + kp.num_chunks, count + 1, max(most, kp.num_chunks))
         s["chunks_per_step"] = {k: {"mean": t / c, "max": m} for k, (t, c, m) in self._chunks.items()}
         return next_tokens
+
+
+def _eos_ids(ckpt: Path, default: int) -> tuple[int, ...]:
+    """EOS ids of a checkpoint: generation_config.json and config.json merged (else the config's)."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = ckpt / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids.update([value] if isinstance(value, int) else (value or []))
+    return tuple(sorted(ids)) or (int(default),)
 
 
 class GenerationSession:

@@ -1,4 +1,11 @@
-"""The model's small pieces: linear, RMSNorm, RoPE, mHC (Sinkhorn) and the MoE (notes sections 4, 11)."""
+"""The model's small pieces: linear, RMSNorm, RoPE, mHC (Sinkhorn), the MoE (notes sections 4, 11)
+and the vocabulary-parallel embedding.
+
+Weights are plain arrays or `dsv4_jax.model.quant.QuantizedWeight`s (FP8 / FP4 as shipped), which
+`linear` and the MoE dequantize inside the jitted program. With a mesh (`mesh`, `axis` arguments;
+`dsv4_jax.model.parallel` says what is split), the routed experts run expert-parallel and the
+embedding vocabulary-parallel in `shard_map`s; the dense matmuls are left to XLA's partitioner.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from dsv4_jax.model.config import ModelConfig, RopeConfig
+from dsv4_jax.model.quant import dense
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
@@ -18,9 +27,28 @@ HIGHEST = lax.Precision.HIGHEST
 
 
 def linear(x, w):
-    """x (..., in) @ w (out, in).T in x's dtype, float32 accumulation (torch's F.linear)."""
-    y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=HIGHEST, preferred_element_type=F32)
+    """x (..., in) @ w (out, in).T in x's dtype, float32 accumulation (torch's F.linear).
+
+    w: a plain array (cast to x's dtype) or a `QuantizedWeight` (dequantized blockwise to x's dtype
+    right here, inside the caller's jit: exact for E8M0 scales, so both give the same numbers)."""
+    y = jnp.einsum("...i,oi->...o", x, dense(w, x.dtype), precision=HIGHEST, preferred_element_type=F32)
     return y.astype(x.dtype)
+
+
+def embed_lookup(embed, token_ids, dtype, mesh=None, axis=None):
+    """Rows of the embedding (V, hidden) in `dtype`. With a mesh the table is split on V over
+    `axis`: each device gathers the ids it holds (zeros elsewhere) and a psum adds them (exact)."""
+    if mesh is None:
+        return embed[token_ids].astype(dtype)
+
+    def local(table, ids):
+        rows = table.shape[0]
+        i = ids - lax.axis_index(axis) * rows
+        mine = (i >= 0) & (i < rows)
+        x = table[jnp.clip(i, 0, rows - 1)].astype(dtype)
+        return lax.psum(jnp.where(mine[:, None], x, jnp.zeros((), dtype)), axis)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(axis), P()), out_specs=P(), check_vma=False)(embed, token_ids)
 
 
 def rms_norm(x, weight, eps):
@@ -136,32 +164,65 @@ def _swiglu(gate, up, limit):
     return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
 
 
-def moe(p, x, hash_experts, use_hash, cfg: ModelConfig):
+_EXPERT_DOT = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+def _grouped(x, w, sizes):
+    """Rows of x (m, in), grouped contiguously by `sizes`, times their group's w (g, out, in).T."""
+    return lax.ragged_dot_general(x, w, sizes, _EXPERT_DOT, precision=HIGHEST, preferred_element_type=F32)
+
+
+def routed_experts(x, experts, weights, w13, w2, limit, first=0):
+    """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) over the experts held here.
+
+    x (T, hidden); experts, weights (T, k); w13 (E_here, 2I, hidden), w2 (E_here, hidden, I), plain
+    or quantized, holding experts first .. first + E_here - 1 (all of them on one device). Pairs
+    with other experts contribute zero: with expert parallelism a psum over devices completes it.
+    """
+    k = experts.shape[1]
+    here = w13.shape[0]
+    local = experts - first
+    mine = (local >= 0) & (local < here)
+    # Sort the (token, expert) pairs by expert, pairs of other devices last: two grouped matmuls.
+    flat = jnp.where(mine, local, here).reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=here + 1)[:here].astype(jnp.int32)
+    h = _grouped(x[token], dense(w13, x.dtype), sizes)
+    inter = h.shape[-1] // 2
+    act = _swiglu(h[:, :inter], h[:, inter:], limit).astype(x.dtype)
+    out = _grouped(act, dense(w2, x.dtype), sizes).astype(x.dtype)
+    w = weights.reshape(-1)[order].astype(x.dtype)
+    out = jnp.where(mine.reshape(-1)[order][:, None], out * w[:, None], jnp.zeros((), x.dtype))
+    return jnp.zeros_like(x).at[token].add(out)
+
+
+def moe(p, x, hash_experts, use_hash, cfg: ModelConfig, mesh=None, axis=None):
     """Routed experts + the shared expert: x (T, hidden) -> (T, hidden).
 
     Hash layers (use_hash true) take their experts from hash_experts (T, k) = tid2eid[token_ids];
     the others route by top-k of score + bias. A traced flag, so both kinds share one program.
+    With a mesh the experts are split over `axis` (expert parallelism): each device runs its
+    experts on every token routed to them and a psum adds the devices' parts.
     """
-    E, k, limit = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.swiglu_limit
+    k, limit = cfg.num_experts_per_tok, cfg.swiglu_limit
     scores = _score(linear(x, p["gate"]), cfg.scoring_func)
     top = lax.top_k(scores.astype(F32) + p["bias"].astype(F32), k)[1]
     experts = jnp.where(use_hash, hash_experts, top)
     weights = jnp.take_along_axis(scores, experts, axis=1)
     weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
 
-    # Sort the (token, expert) pairs by expert: two grouped matmuls over contiguous groups.
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    h = lax.ragged_dot(x[token], p["w13"].astype(x.dtype), sizes, precision=HIGHEST, preferred_element_type=F32)
-    inter = h.shape[-1] // 2
-    act = _swiglu(h[:, :inter], h[:, inter:], limit).astype(x.dtype)
-    out = lax.ragged_dot(act, p["w2"].astype(x.dtype), sizes, precision=HIGHEST, preferred_element_type=F32)
-    out = out.astype(x.dtype) * weights.reshape(-1)[order][:, None].astype(x.dtype)
-    routed = jnp.zeros_like(x).at[token].add(out)
+    if mesh is None:
+        routed = routed_experts(x, experts, weights, p["w13"], p["w2"], limit)
+    else:
+
+        def per_device(x, experts, weights, w13, w2):
+            first = lax.axis_index(axis) * w13.shape[0]
+            return lax.psum(routed_experts(x, experts, weights, w13, w2, limit, first), axis)
+
+        routed = jax.shard_map(
+            per_device, mesh=mesh, in_specs=(P(), P(), P(), P(axis), P(axis)), out_specs=P(), check_vma=False
+        )(x, experts, weights, p["w13"], p["w2"])
 
     shared = _swiglu(linear(x, p["shared_w1"]), linear(x, p["shared_w3"]), limit)
     return routed + linear(shared, p["shared_w2"])
-
-

@@ -46,9 +46,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dsv4_jax.model.attention import StepInputs, attention, init_cache
-from dsv4_jax.model.checkpoint import load_checkpoint
+from dsv4_jax.model import parallel
+from dsv4_jax.model.checkpoint import DTYPES, load_checkpoint
 from dsv4_jax.model.config import ModelConfig
 from dsv4_jax.model.layers import (
+    embed_lookup,
     hyper_head,
     hyper_post,
     hyper_pre,
@@ -79,30 +81,38 @@ COMPILES: Counter = Counter()  # traces (= compilations) of each jitted function
 def _layer(p, cache, X, step, meta, hash_experts, use_hash, *, cfg: ModelConfig, kind: LayerKind, opts):
     """One decoder layer (section 4): X (T, n, hidden) -> X, cache."""
     COMPILES[f"layer[{kind.name}]"] += 1
+    opts = dict(opts)
+    mesh, axis = opts["mesh"], opts["axis"]
+    p = parallel.gather_for_use(p, mesh)  # storage-split weights whole (FSDP-style); TP/EP ones stay split
     post, comb, x = hyper_pre(p["attn_hc"], X, cfg)
-    y, cache = attention(p["attn"], cache, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), step, meta, cfg, kind, dict(opts))
+    y, cache = attention(p["attn"], cache, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), step, meta, cfg, kind, opts)
     X = hyper_post(X, y, post, comb)
     post, comb, x = hyper_pre(p["ffn_hc"], X, cfg)
-    y = moe(p["ffn"], rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), hash_experts, use_hash, cfg)
-    return hyper_post(X, y, post, comb), cache
+    y = moe(p["ffn"], rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), hash_experts, use_hash, cfg, mesh, axis)
+    X = hyper_post(X, y, post, comb)
+    if mesh is not None:  # the residual stream and the caches stay replicated between programs
+        X, cache = jax.lax.with_sharding_constraint((X, cache), NamedSharding(mesh, P()))
+    return X, cache
 
 
-@jax.jit
-def _hash_route(tid2eid, token_ids):
-    return tid2eid[token_ids]
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def _hash_route(tid2eid, token_ids, *, mesh):
+    routes = parallel.gather_for_use({"ffn": {"tid2eid": tid2eid}}, mesh)["ffn"]["tid2eid"][token_ids]
+    return routes if mesh is None else jax.lax.with_sharding_constraint(routes, NamedSharding(mesh, P()))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _embed(embed, token_ids, *, cfg: ModelConfig):
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "mesh", "axis"))
+def _embed(embed, token_ids, *, cfg: ModelConfig, dtype, mesh, axis):
     COMPILES["embed"] += 1
-    x = embed[token_ids]
+    x = embed_lookup(embed, token_ids, dtype, mesh, axis)
     return jnp.broadcast_to(x[:, None, :], (x.shape[0], cfg.hc_mult, x.shape[1]))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _head(p, X, rows, *, cfg: ModelConfig):
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
+def _head(p, X, rows, *, cfg: ModelConfig, mesh):
     """Logits (R, vocab) float32 of token rows `rows`, and their greedy next tokens (R,)."""
     COMPILES["head"] += 1
+    p = parallel.gather_for_use(p, mesh)
     h = rms_norm(hyper_head(p["hc_head"], X[rows], cfg), p["norm"], cfg.rms_norm_eps)
     logits = linear(h, p["head"]).astype(F32)
     return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -141,12 +151,16 @@ class DeepseekV4:
     """A DeepSeek-V4 model with per-request caches, run one ragged step at a time.
 
     Args:
-      config: `ModelConfig`. params: the tree of `dsv4_jax.model.checkpoint.load_params`.
+      config: `ModelConfig`. params: the tree of `dsv4_jax.model.checkpoint.load_params` (plain or
+        quantized weights; placed per `dsv4_jax.model.parallel` if a mesh is given and they are not).
+      dtype: the compute dtype ("float32", "bfloat16", "float16"; default: the embedding's dtype).
       max_batch_size: cache slots (requests in flight). max_model_len: tokens per request.
       max_num_batched_tokens: most new tokens of one request in one step (planner limit).
       backend: "auto", "xla" or "pallas" (see `dsv4_jax.sparse_attention`).
       policy: "adaptive", "fixed" or "per_request" (`planner.PlanConfig.policy`).
-      mesh, axis: optional; split attention heads over mesh axis `axis` (simulated or real devices).
+      mesh, axis: optional; split the model over mesh axis `axis` (default the mesh's first):
+        attention heads and the dense MLP tensor-parallel, routed experts expert-parallel,
+        embedding and head on the vocabulary (`dsv4_jax.model.parallel`); other axes replicate.
       min_tokens, min_workspace_rows, min_requests: the smallest token / workspace / request
         buckets (fewer compiles; requests are padded to a power of two, at most max_batch_size's).
       token_buckets: "fine" (`planner.sizes.bucket`: pads tokens at most 1.25x) or "pow2" (at
@@ -159,7 +173,7 @@ class DeepseekV4:
 
     def __init__(self, config: ModelConfig, params: dict, *, max_batch_size: int = 8, max_model_len: int = 4096,
                  max_num_batched_tokens: int = 512, backend: str = "auto", policy: str = "adaptive",
-                 mesh: Mesh | None = None, axis: str | None = None, min_tokens: int = 16,
+                 mesh: Mesh | None = None, axis: str | None = None, dtype=None, min_tokens: int = 16,
                  min_workspace_rows: int = 128, token_tile: int = 256, gather_tile: int = 4096,
                  min_requests: int = 8, token_buckets: str = "fine", kv_cache_dtype: str = "auto"):  # fmt: skip
         if not isinstance(config, ModelConfig):
@@ -178,22 +192,24 @@ class DeepseekV4:
             raise ValueError(f"params: expected the tree of dsv4_jax.model.checkpoint.load_params for {config.num_hidden_layers} layers")
         if backend != "auto" and backend not in BACKENDS["jax"]:
             raise ValueError(f"backend: expected 'auto' or one of {BACKENDS['jax']}, got {backend!r}")
+        mesh, axis = parallel.resolve_mesh(mesh, axis)
         if mesh is not None:
-            if not isinstance(mesh, Mesh):
-                raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
-            axis = axis or mesh.axis_names[0]
-            if axis not in mesh.axis_names:
-                raise ValueError(f"axis: {axis!r} is not an axis of the mesh {mesh.axis_names}")
-            if config.num_attention_heads % mesh.shape[axis]:
-                raise ValueError(f"mesh: {config.num_attention_heads} heads do not split over {mesh.shape[axis]} devices")
+            parallel.check_divisible(config, mesh, axis)
+        if dtype is None:
+            dtype = params["embed"].dtype
+        elif dtype in DTYPES:
+            dtype = DTYPES[dtype]
+        else:
+            raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
         # With a mesh every input lives replicated on it, so each layer program sees one input
         # sharding (else outputs of one call, placed by XLA, would retrace the next).
         self._placement = None if mesh is None else NamedSharding(mesh, P())
+        self.mesh, self.axis = mesh, axis
         self.config = config
-        self.params = params if mesh is None else jax.device_put(params, self._placement)
+        self.params = params if mesh is None else parallel.place(params, mesh, axis)
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
-        self.dtype = params["embed"].dtype
+        self.dtype = jnp.dtype(dtype)
         self.plan_config = PlanConfig(
             window_size=config.sliding_window,
             max_model_len=max_model_len,
@@ -214,17 +230,24 @@ class DeepseekV4:
         # Hash layers keep their tid2eid table out of the layer parameters (a zero bias stands
         # in), so hash and top-k layers of a kind have one parameter structure and one program.
         self._layer_params, self._hash_tables = [], []
+        bias_dtype = next((lp["ffn"]["bias"].dtype for lp in self.params["layers"] if "bias" in lp["ffn"]), F32)
         for lp in self.params["layers"]:
             ffn = dict(lp["ffn"])
             table = ffn.pop("tid2eid", None)
-            ffn.setdefault("bias", jax.device_put(jnp.zeros((config.n_routed_experts,), F32), self._placement))
+            if "bias" not in ffn:  # placed like a loaded bias, so both layer kinds share one program
+                where = parallel.sharding(mesh, axis, "ffn.bias", (config.n_routed_experts,))
+                ffn["bias"] = jax.device_put(jnp.zeros((config.n_routed_experts,), bias_dtype), where)
             self._layer_params.append({**lp, "ffn": ffn})
             self._hash_tables.append(table)
 
     @classmethod
-    def from_checkpoint(cls, path, dtype="float32", **kwargs) -> "DeepseekV4":
-        config, params = load_checkpoint(path, dtype=dtype)
-        return cls(config, params, **kwargs)
+    def from_checkpoint(cls, path, dtype="float32", *, weights: str = "stored", **kwargs) -> "DeepseekV4":
+        """Load `path` (`dsv4_jax.model.checkpoint.load_checkpoint`: weights "stored" keeps FP8 /
+        FP4 as shipped, "dequantized" puts every linear weight in `dtype`) straight onto the
+        devices of `mesh=` (if given), then build the model; `dtype` is the compute dtype."""
+        config, params = load_checkpoint(path, dtype=dtype, weights=weights, mesh=kwargs.get("mesh"),
+                                         axis=kwargs.get("axis"))  # fmt: skip
+        return cls(config, params, dtype=dtype, **kwargs)
 
     def init_cache(self) -> list[dict]:
         cache = init_cache(self.config, self.max_batch_size, self.max_model_len, self.dtype, self.kv_cache_dtype)
@@ -306,17 +329,17 @@ class DeepseekV4:
         """Run one ragged step; returns (new cache, StepOutput). The old cache may be donated."""
         step, rows, meta, plan = self.prepare_step(slots, prefix_lens, tokens, all_tokens)
         cfg = self.config
-        X = _embed(self.params["embed"], step.token_ids, cfg=cfg)
+        X = _embed(self.params["embed"], step.token_ids, cfg=cfg, dtype=self.dtype, mesh=self.mesh, axis=self.axis)
         cache = list(cache)
         no_route = jax.device_put(np.zeros((X.shape[0], cfg.num_experts_per_tok), np.int32), self._placement)
         flags = [jax.device_put(np.bool_(t is not None), self._placement) for t in self._hash_tables]
         for i, (kind, lp) in enumerate(zip(cfg.kinds, self._layer_params)):
             table = self._hash_tables[i]
-            route = no_route if table is None else _hash_route(table, step.token_ids)
+            route = no_route if table is None else _hash_route(table, step.token_ids, mesh=self.mesh)
             X, cache[i] = _layer(
                 lp, cache[i], X, step, meta[kind], route, flags[i], cfg=cfg, kind=kind, opts=self._opts
             )
         head = {k: self.params[k] for k in ("hc_head", "norm", "head")}
-        logits, next_tokens = _head(head, X, rows, cfg=cfg)
+        logits, next_tokens = _head(head, X, rows, cfg=cfg, mesh=self.mesh)
         q_lens = [len(t) for t in tokens]
         return cache, StepOutput(logits, next_tokens, all_tokens, q_lens, plan)

@@ -1,9 +1,9 @@
-"""transformers DeepSeek-V4 helpers: our sparse prefill inside the model, tiny checkpoints, capture.
+"""transformers DeepSeek-V4 helpers: our sparse prefill inside the model, capture.
 
 Nothing heavy is imported here (no transformers); the submodules load on first use:
-`dsv4_torch.hf.integration` (`enable_sparse_prefill` and friends; torch, transformers),
-`dsv4_torch.hf.tiny_checkpoint` (numpy, tokenizers, safetensors) and `dsv4_torch.hf.capture`
-(torch, transformers).
+`dsv4_torch.hf.integration` (`enable_sparse_prefill` and friends; torch, transformers) and
+`dsv4_torch.hf.capture` (torch, transformers). Tiny random checkpoints for tests and demos are
+written by `tools.tiny_checkpoint` (outside the library; no torch).
 """
 
 import importlib
@@ -15,8 +15,6 @@ _LAZY = {
     "last_step_plan": "integration",
     "last_forward": "integration",
     "ForwardRecord": "integration",
-    "write_tiny_checkpoint": "tiny_checkpoint",
-    "tiny_config": "tiny_checkpoint",
     "capture_attention": "capture",
     "capture_attention_layers": "capture",
     "AttentionCapture": "capture",

@@ -63,13 +63,17 @@ def raw_kv(lstate: ragged.LayerState, kv: torch.Tensor, dev: dict[str, torch.Ten
 
 
 def store_entries(cs: ragged.CompressorState, plan: ragged.CompressPlan, dev: dict[str, torch.Tensor],
-                  new_entries: torch.Tensor | None, device: torch.device) -> torch.Tensor:  # fmt: skip
-    """The compressor's entry pages after this call: moved when the layout grew, new entries quantized."""
+                  new_entries: torch.Tensor | None, device: torch.device, copy: bool = False) -> torch.Tensor:  # fmt: skip
+    """The compressor's entry pages after this call: moved when the layout grew, new entries
+    quantized. copy: write into a new tensor (a replayable forward keeps the old one as a layer's
+    input state), else in place."""
     if plan.relayout or cs.entries is None:
         grown = torch.zeros((plan.layout.total_rows // S, kvcache.page_bytes(S)), dtype=torch.uint8, device=device)
         if cs.entries is not None and plan.move_src.size:
             kvcache.copy_slots(cs.entries, dev["move_src"], grown, dev["move_dst"], S)
         cs.entries = grown
+    elif copy and new_entries is not None:
+        cs.entries = cs.entries.clone()
     if new_entries is not None:
         kvcache.quantize_and_insert_k_cache(new_entries.to(torch.bfloat16), cs.entries, dev["append_dst"], S,
                                             validate=False)  # fmt: skip

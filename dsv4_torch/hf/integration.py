@@ -49,11 +49,26 @@ user) keeps its layer objects unused apart from `cumulative_length` (padded colu
 `get_seq_length` and `generate` expect). The cache is tied to this path: its `update` refuses
 (so transformers' own attention cannot silently continue it), `reorder_cache` reorders our
 per-request state (beam search), `crop` refuses. A cache filled by transformers' attention is
-refused here. Forward only: training mode, `output_attentions` and 4-D masks are refused.
+refused here. `output_attentions` and 4-D masks are refused.
+
+Training. Everything stays on autograd's graph (the reference backend's kernel has a backward;
+`dsv4_torch.sparse_attention`), so every parameter gets the gradient transformers' eager attention
+gives it, and the same ones get none: the indexer's weights (its top-k is an integer selection,
+run here under `no_grad`), like eager. Backends without a backward ("triton", "flashmla") raise
+when a gradient is required; "auto" then runs "reference". In training mode the attention
+dropout is eager's (`config.attention_dropout` on the probabilities, the sink excluded;
+reference backend only). Gradient checkpointing: transformers drops the cache in checkpointed
+layers, and so does this path (a fresh per-forward state, the given cache left untouched; a cache
+that already holds tokens is refused); a layer's recomputation replays the state the layer first
+saw (`_Context.layer_inputs`), so the recomputed forward is the original one. The host planning
+(pre-hook, post-hook, the attention layer) is excluded from `torch.compile` tracing
+(`torch.compiler.disable`): a compiled model runs it eagerly between graphs. A model cast to
+float16 / bfloat16 passes its sinks to the kernel in float32.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -84,6 +99,7 @@ ATTN_IMPLEMENTATION = "dsv4_sparse_prefill"
 INDEXER_CHUNK_ELEMS = 1 << 24  # indexer scores (query x head x entry) computed at once per request
 _MODEL_ATTR = "_dsv4_sparse_prefill"
 _CACHE_ATTR = "_dsv4_sparse_state"
+_CONTEXT_ATTR = "_dsv4_sparse_context"  # on the forward's position_ids tensor: its _Context
 
 
 @dataclass
@@ -165,10 +181,10 @@ def enable_sparse_prefill(
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     for layer in base.layers:
         attn = layer.self_attn
-        attn.forward = functools.partial(_attention_forward, integ, attn)
+        attn.forward = torch.compiler.disable(functools.partial(_attention_forward, integ, attn))
     integ.handles = [
-        base.register_forward_pre_hook(integ.pre_forward, with_kwargs=True),
-        base.register_forward_hook(integ.post_forward, with_kwargs=True, always_call=True),
+        base.register_forward_pre_hook(torch.compiler.disable(integ.pre_forward), with_kwargs=True),
+        base.register_forward_hook(torch.compiler.disable(integ.post_forward), with_kwargs=True, always_call=True),
     ]
     integ.owner = model
     setattr(base, _MODEL_ATTR, integ)
@@ -268,6 +284,9 @@ class _Context:
     compress: dict[int, ragged.CompressPlan]
     dev: dict[str, torch.Tensor]  # device index tensors: "raw_src", ..., and per ratio "4.usable", ...
     real_index: torch.Tensor | None  # (Tr,) rows of the (B*T) flattening; None = every token is real
+    replayable: bool = False  # keep each layer's input state, so a checkpoint can recompute the layer
+    layer_inputs: dict = field(default_factory=dict)  # layer_idx -> copy of the LayerState it first saw
+    layers_done: set = field(default_factory=set)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         flat = t.reshape(self.B * self.T, *t.shape[2:])
@@ -314,8 +333,6 @@ class _Integration:
             kwargs[name] = value
         if len(args) > len(_FORWARD_ARGS):
             raise TypeError(f"forward: at most {len(_FORWARD_ARGS)} positional arguments, got {len(args)}")
-        if module.training:
-            raise ValueError("model: training mode is not supported by the sparse prefill path (forward only); call model.eval()")
         if kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False):
             raise ValueError("output_attentions: not available with the sparse prefill path (no dense attention weights)")
         ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
@@ -327,14 +344,25 @@ class _Integration:
         B, T = int(ref.shape[0]), int(ref.shape[1])
         cfg = module.config
         cache = kwargs.get("past_key_values")
-        use_cache = kwargs.get("use_cache")
-        use_cache = cfg.use_cache if use_cache is None else use_cache
-        if cache is None and use_cache:
-            cache = DynamicCache(config=cfg)
-            kwargs["past_key_values"] = cache
         if cache is not None and not isinstance(cache, DynamicCache):
             raise TypeError(f"past_key_values: expected a transformers DynamicCache (or None), got {type(cache).__name__}")
-        state = _state_for(cache, B, int(cfg.sliding_window))
+        # transformers' checkpointed layers run without the cache (past_key_values=None): so do we
+        checkpointing = module.training and any(getattr(layer, "gradient_checkpointing", False) for layer in module.layers)
+        if checkpointing:
+            if cache is not None and cache.get_seq_length():
+                raise ValueError(
+                    f"past_key_values: holds {cache.get_seq_length()} tokens, but with gradient checkpointing in "
+                    "training mode transformers' layers run without the cache; pass no cache (or an empty one)"
+                )
+            state = ragged.RaggedCacheState.fresh(B)
+            cache = None  # left as it is (empty), as transformers leaves it
+        else:
+            use_cache = kwargs.get("use_cache")
+            use_cache = cfg.use_cache if use_cache is None else use_cache
+            if cache is None and use_cache:
+                cache = DynamicCache(config=cfg)
+                kwargs["past_key_values"] = cache
+            state = _state_for(cache, B, int(cfg.sliding_window))
         real, positions = _real_tokens(kwargs.get("attention_mask"), kwargs.get("position_ids"), state, B, T)
 
         query = real.sum(axis=1).astype(np.int64)
@@ -364,13 +392,19 @@ class _Integration:
         if not all_real:
             arrays["real_index"] = np.flatnonzero(real.reshape(-1))
         dev = ragged.to_device(arrays, device)
+        position_ids = dev.pop("position_ids")
         qsl = np.concatenate([[0], np.cumsum(query)]).astype(np.int64)
-        self.current = _Context(
+        ctx = _Context(
             state=state, cache=cache, B=B, T=T, num_tokens=int(query.sum()), qsl=qsl, seq=seq, query=query,
             meta=meta, raw=raw, compress=compress, dev=dev, real_index=None if all_real else dev["real_index"],
+            replayable=checkpointing or torch.is_grad_enabled(),
         )  # fmt: skip
+        self.current = ctx
         state.in_forward = True
-        kwargs["position_ids"] = dev["position_ids"]
+        # The layers find their context on the tensor they are given (also when a checkpoint
+        # recomputes one during the backward, after this forward has ended).
+        setattr(position_ids, _CONTEXT_ATTR, ctx)
+        kwargs["position_ids"] = position_ids
         return (), kwargs
 
     def post_forward(self, module, args, kwargs, output):
@@ -482,7 +516,7 @@ def _shape(x):
 
 def _attention_forward(integ: _Integration, module, hidden_states, position_embeddings=None, position_ids=None,
                        attention_mask=None, past_key_values=None, **kwargs):  # fmt: skip
-    ctx = integ.current
+    ctx = getattr(position_ids, _CONTEXT_ATTR, None) or integ.current
     if ctx is None:
         raise RuntimeError(
             f"layer {module.layer_idx}: the sparse prefill attention runs only inside a DeepseekV4Model forward "
@@ -490,19 +524,36 @@ def _attention_forward(integ: _Integration, module, hidden_states, position_embe
         )
     if tuple(hidden_states.shape[:2]) != (ctx.B, ctx.T):
         raise RuntimeError(f"hidden_states: shape {tuple(hidden_states.shape)} differs from the forward's ({ctx.B}, {ctx.T})")
-    with torch.no_grad():
-        return _sparse_layer(integ, ctx, module, hidden_states, position_embeddings), None
+    idx = module.layer_idx
+    if idx in ctx.layer_inputs:  # a checkpoint recomputes this layer: replay it from its input state
+        lstate = _copy_layer_state(ctx.layer_inputs[idx])
+    elif idx in ctx.layers_done:
+        raise RuntimeError(
+            f"layer {idx}: called twice in one forward, and its input state was not kept (a reentrant "
+            "torch.utils.checkpoint around it under no_grad?); use transformers' gradient checkpointing "
+            "(model.activation_checkpointing_enable()) or use_reentrant=False"
+        )
+    else:
+        lstate = ctx.state.layer(idx)
+        if ctx.replayable:
+            ctx.layer_inputs[idx] = _copy_layer_state(lstate)
+        ctx.layers_done.add(idx)
+    return _sparse_layer(integ, ctx, module, lstate, hidden_states, position_embeddings), None
 
 
-def _sparse_layer(integ: _Integration, ctx: _Context, module, hidden_states, position_embeddings):
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
-        apply_rotary_pos_emb as rope,
-    )
+def _copy_layer_state(ls: ragged.LayerState) -> ragged.LayerState:
+    """A new LayerState holding the same tensors (in a replayable forward the layer code assigns
+    new tensors and never edits these in place)."""
+    return ragged.LayerState(ls.window, {n: dataclasses.replace(cs) for n, cs in ls.compressors.items()})
+
+
+def _sparse_layer(integ: _Integration, ctx: _Context, module, lstate: ragged.LayerState, hidden_states,
+                  position_embeddings):  # fmt: skip
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb as rope
 
     cfg = module.config
     if ctx.num_tokens == 0:  # only padding in this call
         return hidden_states.new_zeros((ctx.B, ctx.T, cfg.hidden_size))
-    lstate = ctx.state.layer(module.layer_idx)
     x = ctx.pack(hidden_states)  # (Tr, hidden): the real tokens, request-major
     cos, sin = (ctx.pack(t) for t in position_embeddings[module.rope_layer_type])  # (Tr, R/2)
     Tr, H, D = x.shape[0], module.num_heads, module.head_dim
@@ -512,6 +563,11 @@ def _sparse_layer(integ: _Integration, ctx: _Context, module, hidden_states, pos
     kv = rope(module.kv_norm(module.kv_proj(x))[:, None], cos, sin)[:, 0]  # (Tr, D)
 
     fp8 = integ.kv_cache_dtype == "fp8_ds_mla"
+    if fp8 and kv.requires_grad:
+        raise ValueError(
+            "kv_cache_dtype: the fp8_ds_mla caches hold bytes, so no gradient reaches the latents through "
+            "them; run the model under torch.no_grad() / torch.inference_mode(), or train with kv_cache_dtype='auto'"
+        )
     if fp8:
         raw = fp8_cache.raw_kv(lstate, kv, ctx.dev, int(np.minimum(ctx.state.seen, cfg.sliding_window - 1).sum()))
     else:
@@ -532,13 +588,17 @@ def _sparse_layer(integ: _Integration, ctx: _Context, module, hidden_states, pos
             compressed = fp8_cache.entries_kv(entries, ctx.dev[f"{ratio}.table"])
         else:
             compressed = PagedKV(entries.view(-1, ragged.ENTRY_PAGE, entries.shape[1]), ctx.dev[f"{ratio}.table"])
-        if csa:
-            index_entries = _compress(comp.indexer, x, lstate, "indexer", ctx, ratio, overlapped=True)
-            topk = _indexer_topk(comp.indexer, x, q_residual, index_entries, ctx, integ.indexer_chunk_elems)
+        if csa:  # the indexer's output is an integer selection: no gradient, as in eager
+            with torch.no_grad():
+                index_entries = _compress(comp.indexer, x, lstate, "indexer", ctx, ratio, overlapped=True)
+                topk = _indexer_topk(comp.indexer, x, q_residual, index_entries, ctx, integ.indexer_chunk_elems)
 
+    sink = module.sinks
+    if sink.dtype not in (torch.float32, torch.float64):  # a model cast to 16 bits: the kernel takes float32
+        sink = sink.float()
     out = prefill_attention(
-        q, ctx.meta[spec.kind], raw, compressed, sm_scale=module.scaling, attn_sink=module.sinks,
-        topk_indices=topk, backend=integ.backend,
+        q, ctx.meta[spec.kind], raw, compressed, sm_scale=module.scaling, attn_sink=sink,
+        topk_indices=topk, backend=integ.backend, dropout_p=float(module.attention_dropout) if module.training else 0.0,
     )  # fmt: skip
     out = rope(out, cos, -sin)  # undo the values' RoPE at the query position, as transformers does
     y = module.o_b_proj(module.o_a_proj(out.reshape(Tr, cfg.o_groups, -1)).flatten(1))
@@ -582,14 +642,17 @@ def _compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: _Context, r: i
         cos, sin = cmod.rotary_emb(pooled, position_ids=dev["positions"][None], layer_type=cmod.rope_layer_type)
         new_entries = rope(pooled[None, None], cos, sin)[0, 0]
     if fp8:  # the entries as fp8_ds_mla pages
-        return fp8_cache.store_entries(cs, plan, dev, new_entries, x.device)
+        return fp8_cache.store_entries(cs, plan, dev, new_entries, x.device, copy=ctx.replayable)
     if plan.relayout or cs.entries is None:
         grown = x.new_zeros((plan.layout.total_rows, cmod.head_dim))
         if cs.entries is not None and plan.move_src.size:
             grown[dev["move_dst"]] = cs.entries[dev["move_src"]]
         cs.entries = grown
     if n:
-        cs.entries[dev["append_dst"]] = new_entries
+        if ctx.replayable:  # a new tensor: the one before is kept as a layer's input state
+            cs.entries = cs.entries.index_put((dev["append_dst"],), new_entries)
+        else:
+            cs.entries[dev["append_dst"]] = new_entries
     return cs.entries
 
 

@@ -1,6 +1,6 @@
 """External reference: transformers 5.23.0's DeepSeek-V4 eager attention against our prefill path.
 
-A tiny random checkpoint (`dsv4_torch.hf.tiny_checkpoint`: 8 query heads of D = 512, 16 indexer
+A tiny random checkpoint (`tools.tiny_checkpoint`: 8 query heads of D = 512, 16 indexer
 heads, W = 8, index_topk 8) runs in float64 with eager attention. For one SWA, one CSA and one
 HCA layer, `dsv4_torch.hf.capture` records transformers' own query, raw KV, compressed KV, the
 indexer's top-k, the sink, and the eager attention output before the inverse RoPE (what our
@@ -61,7 +61,7 @@ def capture_calls(seed: int = 0) -> dict[str, dict[str, list[Call]]]:
     import transformers
 
     from dsv4_torch.hf.capture import capture_attention_layers
-    from dsv4_torch.hf.tiny_checkpoint import write_tiny_checkpoint
+    from tools.tiny_checkpoint import write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny_checkpoint(f"{tmp}/ckpt", seed=seed)

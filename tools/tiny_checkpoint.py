@@ -1,6 +1,6 @@
 """Tiny random DeepSeek-V4 checkpoints, written deterministically from a seed.
 
-    python -m dsv4_torch.hf.tiny_checkpoint --out DIR [--seed 0] [--names hf|deepseek] [--dtype float32|bfloat16]
+    python -m tools.tiny_checkpoint --out DIR [--seed 0] [--names hf|deepseek] [--dtype float32|bfloat16]
 
 writes `config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` and
 `generation_config.json` into DIR, loadable with `DeepseekV4ForCausalLM.from_pretrained(DIR)` and
@@ -19,7 +19,8 @@ keep activations O(1) through the layers (linear weights ~ N(0, 1/fan_in)); sink
 biases (`ape`), norm weights, mHC biases/scales, router correction biases and the hash-routing
 table `tid2eid` get non-trivial random values.
 
-Writing needs numpy, torch (only to store bfloat16), safetensors and tokenizers; not transformers.
+Writing needs numpy, safetensors and tokenizers (and ml_dtypes for bfloat16); not torch, not
+transformers. The files are byte-identical to what the earlier torch-based writer produced.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from planner.contract import preset
+
 # Layer kinds in the order of the preset: every kind at least twice, SWA first as in V4-Flash.
 TINY_COMPRESS_RATIOS = (0, 0, 4, 128, 4, 128)
 TINY_NUM_HASH_LAYERS = 3
@@ -42,80 +45,28 @@ DTYPES = ("float32", "bfloat16")
 
 
 def tiny_config(**overrides) -> dict:
-    """The tiny preset in transformers' field names (a plain dict, `config.json` content).
+    """The tiny preset in transformers' field names (a plain dict, `config.json` content):
+    `planner.contract.PRESETS["tiny"]`, the one preset table.
 
     Real head geometry (head_dim 512 with 64 RoPE dims, index_head_dim 128, hc_mult 4, Sinkhorn 20
     iterations, YaRN on the compressed layers) at toy width: hidden 64, 8 query heads, 16 indexer
     heads (fewer make top-k ties likely), index_topk 8, sliding_window 8, vocab 512, 8 experts.
-    Keyword overrides replace top-level fields; `compress_ratios=(...)` and `num_hash_layers=n`
-    are accepted as shortcuts for `layer_types` / `mlp_layer_types`.
+    Keyword overrides replace top-level fields (`compress_rates={...}` for other ratios);
+    `compress_ratios=(...)` (V4.0's 0 / 4 / 128 per layer) and `num_hash_layers=n` are accepted as
+    shortcuts for `layer_types` / `mlp_layer_types`.
     """
     ratios = tuple(overrides.pop("compress_ratios", TINY_COMPRESS_RATIOS))
     n_hash = int(overrides.pop("num_hash_layers", TINY_NUM_HASH_LAYERS))
     for r in ratios:
         if r not in _LAYER_TYPE_OF_RATIO:
-            raise ValueError(f"compress_ratios: each entry must be 0, 4 or 128, got {r}")
+            raise ValueError(f"compress_ratios: each entry must be 0, 4 or 128 (V4.0's kinds), got {r}")
     n = len(ratios)
     if not 0 <= n_hash <= n:
         raise ValueError(f"num_hash_layers: must be in 0..{n}, got {n_hash}")
-    head_dim, rope_dim = 512, 64
-    cfg = {
-        "architectures": ["DeepseekV4ForCausalLM"],
-        "model_type": "deepseek_v4",
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "moe_intermediate_size": 64,
-        "num_hidden_layers": n,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 1,
-        "head_dim": head_dim,
-        "q_lora_rank": 64,
-        "partial_rotary_factor": rope_dim / head_dim,
-        "o_groups": 2,
-        "o_lora_rank": 32,
-        "layer_types": [_LAYER_TYPE_OF_RATIO[r] for r in ratios],
-        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
-        "sliding_window": 8,
-        "index_n_heads": 16,
-        "index_head_dim": 128,
-        "index_topk": 8,
-        "rope_theta": 10000.0,
-        "compress_rope_theta": 160000.0,
-        "rope_parameters": {
-            "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rope_dim / head_dim},
-            "compress": {
-                "rope_type": "yarn",
-                "rope_theta": 160000.0,
-                "partial_rotary_factor": rope_dim / head_dim,
-                "factor": 16.0,
-                "original_max_position_embeddings": 65536,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "attention_factor": 1.0,
-            },
-        },
-        "max_position_embeddings": 1048576,
-        "hc_mult": 4,
-        "hc_sinkhorn_iters": 20,
-        "hc_eps": 1e-6,
-        "mlp_layer_types": ["hash_moe"] * n_hash + ["moe"] * (n - n_hash),
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
-        "n_shared_experts": 1,
-        "scoring_func": "sqrtsoftplus",
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 1.5,
-        "swiglu_limit": 10.0,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "num_nextn_predict_layers": 1,
-        "tie_word_embeddings": False,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "pad_token_id": 2,
-        "use_cache": True,
-        "dtype": "float32",
-    }
+    cfg = preset("tiny")
+    cfg["num_hidden_layers"] = n
+    cfg["layer_types"] = [_LAYER_TYPE_OF_RATIO[r] for r in ratios]
+    cfg["mlp_layer_types"] = ["hash_moe"] * n_hash + ["moe"] * (n - n_hash)
     unknown = set(overrides) - set(cfg)
     if unknown:
         raise ValueError(f"tiny_config: unknown fields {sorted(unknown)}")
@@ -415,6 +366,15 @@ def build_tokenizer(vocab_size: int = 512):
 # ----------------------------------------------------------------------------- writer
 
 
+def _bfloat16():
+    try:
+        import ml_dtypes
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("dtype='bfloat16': writing bfloat16 tensors needs ml_dtypes "
+                                  "(pip install ml_dtypes; jax installs it)") from None
+    return ml_dtypes.bfloat16
+
+
 def _dump_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
@@ -429,8 +389,7 @@ def write_tiny_checkpoint(out_dir, seed: int = 0, names: str = "hf", dtype: str 
       dtype: "float32" or "bfloat16" for floating tensors (tid2eid stays int64).
       config: optional dict from `tiny_config(...)`; default `tiny_config()`.
     """
-    import torch
-    from safetensors.torch import save_file
+    from safetensors.numpy import save_file
 
     if names not in NAME_STYLES:
         raise ValueError(f"names: expected one of {NAME_STYLES}, got {names!r}")
@@ -446,12 +405,12 @@ def write_tiny_checkpoint(out_dir, seed: int = 0, names: str = "hf", dtype: str 
     tensors = init_tensors(cfg, seed)
     if names == "deepseek":
         tensors = to_deepseek_names(tensors)
-    torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
-    state = {
-        k: (torch.from_numpy(v) if v.dtype.kind in "iu" else torch.from_numpy(v).to(torch_dtype))
-        for k, v in sorted(tensors.items())
-    }
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if dtype == "bfloat16":  # round to nearest even, as torch's .to(torch.bfloat16) does
+        bf16 = _bfloat16()
+        tensors = {k: v if v.dtype.kind in "iu" else v.astype(bf16) for k, v in tensors.items()}
+    # safetensors lays the data out by dtype alignment, then name; "format": "pt" is what
+    # transformers' loader expects of a checkpoint's metadata.
+    save_file(dict(sorted(tensors.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
 
     _dump_json(out / "config.json", cfg if names == "hf" else deepseek_config(cfg))
     tok = build_tokenizer(cfg["vocab_size"])

@@ -1,0 +1,140 @@
+"""The plan behind vLLM's `DeepseekSparseSWAMetadata.get_prefill_chunk_plan`, from our planner.
+
+vLLM 0.33.0 calls `swa_metadata.get_prefill_chunk_plan(compress_ratio, prefill_chunk_size,
+has_compressed=None)` inside every attention layer's `_forward_prefill`. This replacement plans
+once per step per `(compress_ratio, prefill_chunk_size, has_compressed)` and keeps the plans on
+the step's metadata object (vLLM builds a fresh one every step), so a 43-layer V4-Flash step plans
+each of its three kinds once and answers the other calls from that cache.
+
+The plan is `planner.plan_kind`'s adaptive plan in vLLM's tuple form `(start, end, N, M)`,
+identical to vLLM's own wherever every prefill request has query tokens. Requests with
+`query_len == 0` (KV-transfer loads, padded rows) never form or widen a chunk, and no chunk's
+range `[start, end)` contains one (`PlanConfig(contiguous=True)`): vLLM's chunk loop gathers every
+request of the range into workspace slot `request - start`, so a skipped request inside a range
+would still be gathered. A step whose prefill requests all have zero queries gets `[]`.
+
+Nothing here imports vLLM: it reads the metadata object's attributes only.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+import planner
+
+_CACHE_ATTR = "_dsv4_prefill_step_plans"
+
+
+@lru_cache(maxsize=64)
+def _config(window_size: int, max_model_len: int, max_num_batched_tokens: int, prefill_chunk_size: int):
+    return planner.PlanConfig(
+        window_size=window_size,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        prefill_chunk_size=prefill_chunk_size,
+        contiguous=True,
+    )
+
+
+@lru_cache(maxsize=64)
+def _layer(compress_ratio: int, has_compressed: bool):
+    """The layer spec to plan: vLLM's rows depend on the ratio and on whether a compressed cache is
+    gathered, not on which compressed kind (CSA and HCA layers of one ratio plan the same chunks),
+    so a compressed layer is planned as HCA at its ratio, a window-only one as SWA."""
+    if has_compressed:
+        return planner.LayerSpec(planner.LayerKind.HCA, compress_ratio)
+    return planner.LayerSpec(planner.LayerKind.SWA, 0)
+
+
+def _host_ints(t, name: str, n: int) -> np.ndarray:
+    """The first n entries of a CPU integer tensor (or array) as NumPy, without a copy."""
+    if t is None:
+        raise ValueError(f"{name}: None on a step with {n} prefill requests")
+    try:
+        a = t.numpy() if hasattr(t, "numpy") else np.asarray(t)
+    except TypeError as e:  # a tensor on a device: reading it would wait for the device
+        raise ValueError(f"{name}: expected a CPU tensor ({e})") from None
+    if a.ndim != 1 or a.shape[0] < n:
+        raise ValueError(f"{name}: expected at least {n} entries (num_prefills), got shape {tuple(a.shape)}")
+    return a[:n]
+
+
+class StepPlans:
+    """One step's prefill batch and the plans made from it so far, keyed by planning inputs."""
+
+    __slots__ = ("seq_lens_cpu", "query_lens_cpu", "limits", "batch", "plans", "planned")
+
+    def __init__(self, md):
+        n = md.num_prefills
+        self.seq_lens_cpu = md.prefill_seq_lens_cpu
+        self.query_lens_cpu = md.prefill_query_lens_cpu
+        self.limits = (n, md.prefill_window_size, md.prefill_max_model_len, md.prefill_max_num_batched_tokens)
+        seq = _host_ints(md.prefill_seq_lens_cpu, "prefill_seq_lens_cpu", n)
+        qry = _host_ints(md.prefill_query_lens_cpu, "prefill_query_lens_cpu", n)
+        self.batch = planner.PrefillBatch(seq, qry, md.prefill_max_model_len, md.prefill_max_num_batched_tokens)
+        self.plans: dict[tuple, list[tuple[int, int, int, int]]] = {}
+        self.planned = 0  # how many plans this step made (one per key)
+
+    def describes(self, md) -> bool:
+        """Whether `md` still holds the inputs this step planned from (fields reassigned: no)."""
+        return (
+            md.prefill_seq_lens_cpu is self.seq_lens_cpu
+            and md.prefill_query_lens_cpu is self.query_lens_cpu
+            and self.limits
+            == (md.num_prefills, md.prefill_window_size, md.prefill_max_model_len, md.prefill_max_num_batched_tokens)
+        )
+
+    def plan(self, compress_ratio: int, prefill_chunk_size: int, has_compressed: bool):
+        _, W, mml, mnbt = self.limits
+        config = _config(W, mml, mnbt, prefill_chunk_size)
+        kind_plan = planner.plan_kind(self.batch, config, _layer(compress_ratio, has_compressed))
+        self.planned += 1
+        return kind_plan.as_tuples()
+
+
+def step_plans(md) -> StepPlans | None:
+    """The plans cached on one step's metadata object (None before the first call)."""
+    return md.__dict__.get(_CACHE_ATTR)
+
+
+def get_prefill_chunk_plan(self, compress_ratio: int, prefill_chunk_size: int, has_compressed: bool | None = None):
+    """vLLM's `(start, end, N, M)` chunk plan of this step's prefill requests, planned once.
+
+    Installed as `DeepseekSparseSWAMetadata.get_prefill_chunk_plan` by the plugin. Same
+    arguments and result type as vLLM 0.33.0's method: `has_compressed=None` means
+    `compress_ratio > 1` (V4.0's layers); V4.1 passes it explicitly (its ratio-1 layers gather a
+    full-length compressed cache). The returned list is shared by every layer of the step that
+    asks with the same arguments; callers only iterate it.
+    """
+    # Every layer after the first of its kind lands here: a dict lookup, nothing more.
+    step = self.__dict__.get(_CACHE_ATTR)
+    if (
+        step is not None
+        and step.seq_lens_cpu is self.prefill_seq_lens_cpu
+        and step.query_lens_cpu is self.prefill_query_lens_cpu
+    ):
+        plan = step.plans.get((compress_ratio, prefill_chunk_size, has_compressed))
+        if plan is not None:
+            return plan
+    return _plan_first(self, compress_ratio, prefill_chunk_size, has_compressed)
+
+
+def _plan_first(md, compress_ratio, prefill_chunk_size, has_compressed):
+    """The first call of a step with these arguments: check them, plan (or reuse an equal key)."""
+    if md.num_prefills == 0:
+        return []
+    hc = planner.contract.has_compressed(compress_ratio, has_compressed)  # vLLM 0.33's rule, checked
+    if isinstance(prefill_chunk_size, bool) or not isinstance(prefill_chunk_size, (int, np.integer)):
+        raise ValueError(f"prefill_chunk_size: expected an integer, got {prefill_chunk_size!r}")
+    key = (int(compress_ratio), int(prefill_chunk_size), hc)
+    step = md.__dict__.get(_CACHE_ATTR)
+    if step is None or not step.describes(md):
+        step = StepPlans(md)
+        md.__dict__[_CACHE_ATTR] = step
+    plan = step.plans.get(key)
+    if plan is None:  # (4, 4, None) and (4, 4, True) are one plan
+        plan = step.plans[key] = step.plan(*key)
+    step.plans[(compress_ratio, prefill_chunk_size, has_compressed)] = plan
+    return plan

@@ -1,0 +1,168 @@
+"""vLLM general plugin: our chunk planner behind vLLM's DeepSeek-V4 sparse prefill.
+
+Registered under the `vllm.general_plugins` entry point group as `dsv4_prefill`; vLLM's own
+loader (`vllm.plugins.load_general_plugins`) calls `register()` in every vLLM process.
+`register()` checks the installed vLLM version and then arranges, when vLLM imports them:
+
+- `vllm.v1.attention.backends.mla.sparse_swa`: `DeepseekSparseSWAMetadata.get_prefill_chunk_plan`
+  becomes `dsv4_torch.vllm.chunk_plan.get_prefill_chunk_plan` (once per step per kind, requests
+  with zero query tokens skipped, plans otherwise identical to vLLM's);
+- the DeepSeek-V4 / V4.1 attention layers that call it: their prefill method returns at once when
+  the step's prefill requests have no query tokens at all (vLLM asserts a non-empty plan there,
+  and its own plan would hand FlashMLA an empty chunk: vLLM issue #51486).
+
+Nothing else of vLLM changes. On a vLLM version this plugin was not checked against it changes
+nothing and logs a warning naming both versions (`DSV4_PREFILL_VLLM_PLUGIN=require` makes that an
+`UnsupportedVLLMVersionError` instead; `=off` disables the plugin). This module imports no vLLM
+code at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+
+from dsv4_torch.vllm import _import_hooks
+
+# The vLLM releases this plugin was checked against (tests/vllm/, `make test-vllm`).
+SUPPORTED_VLLM_VERSIONS = ("0.33.0",)
+ENV_VAR = "DSV4_PREFILL_VLLM_PLUGIN"
+MODES = ("auto", "require", "off")
+
+# Under vLLM's logger tree, so vLLM's log configuration shows these lines.
+logger = logging.getLogger("vllm.dsv4_prefill")
+
+SPARSE_SWA_MODULE = "vllm.v1.attention.backends.mla.sparse_swa"
+# (module, class, method) of every vLLM 0.33.0 caller of get_prefill_chunk_plan.
+PREFILL_CONSUMERS = (
+    ("vllm.models.deepseek_v4.nvidia.flashmla", "DeepseekV4FlashMLAAttention", "_forward_prefill"),
+    ("vllm.models.deepseek_v4.amd.rocm", "DeepseekV4ROCMAiterMLAAttention", "_forward_prefill"),
+    ("vllm.models.deepseek_v41.nvidia.flashmla", "DeepseekV4FlashMLAAttention", "_forward_prefill"),
+    ("vllm.models.deepseek_v41.nvidia.flash_mla_mega_attn", "DeepseekV4MegaAttnAttention", "_forward_prefill_mega"),
+    ("vllm.models.deepseek_v41.amd.rocm", "DeepseekV41ROCMAiterMLAAttention", "_forward_prefill"),
+)
+_PLAN_PARAMS = ["self", "compress_ratio", "prefill_chunk_size", "has_compressed"]
+_PATCHED = "__dsv4_prefill_original__"  # attribute on our replacements: the function replaced
+
+_registered = False
+
+
+class UnsupportedVLLMVersionError(RuntimeError):
+    """The installed vLLM is not one this plugin was checked against (or its code differs)."""
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version, read from package metadata (imports nothing)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return None
+
+
+def is_supported(version: str | None) -> bool:
+    """A checked release, or a local build of one (`0.33.0+cu130`)."""
+    return version is not None and version.split("+", 1)[0] in SUPPORTED_VLLM_VERSIONS
+
+
+def _mode() -> str:
+    mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{ENV_VAR}: expected one of {MODES}, got {os.environ[ENV_VAR]!r}")
+    return mode
+
+
+def register() -> bool:
+    """vLLM's entry point. Returns whether the plugin is active in this process.
+
+    Idempotent (vLLM may call it several times per process). Raises
+    `UnsupportedVLLMVersionError` on an unchecked vLLM only with DSV4_PREFILL_VLLM_PLUGIN=require.
+    """
+    global _registered
+    mode = _mode()
+    if mode == "off":
+        logger.info("dsv4-prefill: vLLM plugin disabled (%s=off)", ENV_VAR)
+        return False
+    if _registered:
+        return True
+    found = vllm_version()
+    if not is_supported(found):
+        msg = (
+            f"dsv4-prefill: vLLM plugin checked against vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)} only, "
+            f"found vLLM {found}; it changes nothing here (vLLM's own prefill chunk planning stays). "
+            f"Install a checked vLLM with `pip install 'dsv4-prefill[vllm]'`."
+        )
+        if mode == "require":
+            raise UnsupportedVLLMVersionError(msg + f" ({ENV_VAR}=require)")
+        logger.warning(msg)
+        return False
+    _import_hooks.when_imported(SPARSE_SWA_MODULE, _patch_sparse_swa)
+    for module, cls, method in PREFILL_CONSUMERS:
+        _import_hooks.when_imported(module, functools.partial(_guard_consumer, cls=cls, method=method))
+    _registered = True
+    logger.info(
+        "dsv4-prefill: vLLM %s DeepSeek-V4 prefill chunks planned once per step per kind; "
+        "zero-query requests never form or widen a chunk", found,
+    )  # fmt: skip
+    return True
+
+
+def _patch_sparse_swa(module) -> None:
+    from dsv4_torch.vllm.chunk_plan import get_prefill_chunk_plan
+
+    cls = getattr(module, "DeepseekSparseSWAMetadata", None)
+    current = getattr(cls, "get_prefill_chunk_plan", None)
+    if current is None:
+        raise UnsupportedVLLMVersionError(
+            f"dsv4-prefill: {module.__name__} has no DeepseekSparseSWAMetadata.get_prefill_chunk_plan "
+            f"(vLLM {vllm_version()}); the plugin was checked against vLLM {SUPPORTED_VLLM_VERSIONS}"
+        )
+    if getattr(current, _PATCHED, None) is not None:
+        return
+    params = list(inspect.signature(current).parameters)
+    if params != _PLAN_PARAMS:
+        raise UnsupportedVLLMVersionError(
+            f"dsv4-prefill: DeepseekSparseSWAMetadata.get_prefill_chunk_plan takes {params} in vLLM "
+            f"{vllm_version()}, expected {_PLAN_PARAMS} (vLLM {SUPPORTED_VLLM_VERSIONS})"
+        )
+
+    # Installed as is (no wrapper: 43-61 calls a step, all but a few answered from the cache).
+    setattr(get_prefill_chunk_plan, _PATCHED, current)
+    cls.get_prefill_chunk_plan = get_prefill_chunk_plan
+    logger.debug("dsv4-prefill: patched %s.DeepseekSparseSWAMetadata.get_prefill_chunk_plan", module.__name__)
+
+
+def _guard_consumer(module, *, cls: str, method: str) -> None:
+    klass = getattr(module, cls, None)
+    current = klass.__dict__.get(method) if klass is not None else None
+    if current is None:
+        raise UnsupportedVLLMVersionError(
+            f"dsv4-prefill: {module.__name__}.{cls}.{method} not found (vLLM {vllm_version()}); "
+            f"the plugin was checked against vLLM {SUPPORTED_VLLM_VERSIONS}"
+        )
+    if getattr(current, _PATCHED, None) is not None:
+        return
+    sig = inspect.signature(current)
+    if "swa_metadata" not in sig.parameters:
+        raise UnsupportedVLLMVersionError(
+            f"dsv4-prefill: {module.__name__}.{cls}.{method} has no swa_metadata parameter (vLLM {vllm_version()})"
+        )
+
+    @functools.wraps(current)
+    def guarded(self, *args, **kwargs):
+        md = kwargs["swa_metadata"] if "swa_metadata" in kwargs else sig.bind(self, *args, **kwargs).arguments["swa_metadata"]
+        if md.num_prefill_tokens == 0:  # prefill requests, none with query tokens: nothing to compute
+            return None
+        return current(self, *args, **kwargs)
+
+    setattr(guarded, _PATCHED, current)
+    setattr(klass, method, guarded)
+    logger.debug("dsv4-prefill: guarded %s.%s.%s against steps with no prefill tokens", module.__name__, cls, method)
+
+
+def original(function):
+    """The vLLM function a plugin replacement stands in for (None if `function` is vLLM's own)."""
+    return getattr(function, _PATCHED, None)
