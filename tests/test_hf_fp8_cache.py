@@ -79,9 +79,14 @@ IDS = torch.randint(3, 512, (2, 150), generator=torch.Generator().manual_seed(0)
 BOUNDS = [0, 37, 130, 148, 149, 150]  # chunked prefill (HCA block 0 closes in the 2nd call), 2 decode steps
 
 
-def test_fp8_cache_is_the_model_on_fp8_rounded_latents(model, monkeypatch):
+@pytest.fixture(scope="module")
+def fp8_run(model):
     with sparse(model, kv_cache_dtype="fp8_ds_mla"):
-        fp8, cache = calls(model, IDS, BOUNDS)
+        return calls(model, IDS, BOUNDS)
+
+
+def test_fp8_cache_is_the_model_on_fp8_rounded_latents(model, fp8_run, monkeypatch):
+    fp8, cache = fp8_run
     state = cache._dsv4_sparse_state
     for idx, layer in state.layers.items():  # the caches are fp8_ds_mla pages (the indexer's keys are not)
         assert layer.window.dtype == torch.uint8 and layer.window.shape[1] == KV.page_bytes(64), idx
@@ -93,15 +98,14 @@ def test_fp8_cache_is_the_model_on_fp8_rounded_latents(model, monkeypatch):
     assert torch.equal(fp8, want)
 
 
-def test_fp8_cache_stays_close_to_the_float_cache(model):
+def test_fp8_cache_stays_close_to_the_float_cache(model, fp8_run):
     """Tolerance: e4m3 keeps 3 mantissa bits, so every cached latent moves by up to 2^-4 of its
     value (about 3% RMS over a 64-dim group); this random-weight tiny model amplifies that through
     its 6 layers to about 12% RMS of the logits (measured; a trained model is robust to it: fp8 KV
     is DeepSeek-V4's native cache). The bound is 2x the measured error; most greedy tokens agree."""
     with sparse(model):
         ref, _ = calls(model, IDS, BOUNDS)
-    with sparse(model, kv_cache_dtype="fp8_ds_mla"):
-        fp8, _ = calls(model, IDS, BOUNDS)
+    fp8 = fp8_run[0]
     rms = lambda t: t.pow(2).mean().sqrt().item()  # noqa: E731
     assert 1e-3 < rms(fp8 - ref) / rms(ref) < 0.25  # changed (the cache is fp8), but not by much
     assert (fp8.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.75
@@ -123,3 +127,6 @@ def test_fp8_cache_bad_settings(model):
     with pytest.raises(ValueError, match=r"kv_cache_dtype: expected one of \('auto', 'fp8_ds_mla'\), got 'fp8'"):
         I.enable_sparse_prefill(model, kv_cache_dtype="fp8")
     assert not I.is_sparse_prefill_enabled(model)
+    # bytes carry no gradient: a forward that could be differentiated is refused, not run half-way
+    with sparse(model, kv_cache_dtype="fp8_ds_mla"), pytest.raises(ValueError, match=r"kv_cache_dtype: the fp8_ds_mla caches hold bytes"):
+        model(IDS[:1, :9], use_cache=False)
