@@ -445,7 +445,8 @@ def _ptxas_available():
 def test_triton_kernels_compile_for_gpus():
     """Ahead-of-time compile for H100/H200 (sm_90) and A100 (sm_80), no GPU needed: what the
     interpreter cannot see. sm_90 converts e4m3 in hardware, sm_80 in integers; both move the
-    slot bytes and bf16 rows with 16-byte vector loads and stores."""
+    slot bytes and bf16 rows with 16-byte vector loads and stores (so does the prefill's gather
+    of bf16 caches, `triton_gather`)."""
     import os
     import re
     import subprocess
@@ -458,6 +459,10 @@ def test_triton_kernels_compile_for_gpus():
         "for arch in (90, 80):\n"
         "    for name, ptx in K.compile_for(arch).items():\n"
         "        out[f'{arch}-{name}'] = [len(re.findall(p, ptx)) for p in (r'ld\\.global(?:\\.\\w+)*\\.v4', r'st\\.global(?:\\.\\w+)*\\.v4', r'e4m3')]\n"
+        "from dsv4_torch.kernels import triton_gather as G\n"
+        "for arch in (90, 80):\n"
+        "    for name, ptx in G.compile_for(arch).items():\n"
+        "        out[f'{arch}-rows-{name}'] = [len(re.findall(p, ptx)) for p in (r'ld\\.global(?:\\.\\w+)*\\.v4', r'st\\.global(?:\\.\\w+)*\\.v4')]\n"
         "print('COUNTS', json.dumps(out))\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -473,6 +478,8 @@ def test_triton_kernels_compile_for_gpus():
     assert c["90-gather"][0] > 0 and c["90-gather"][1] > 0 and c["90-gather"][2] > 0
     assert c["90-insert"][2] > 0  # cvt ... e4m3x2
     assert c["80-gather"][2] == 0 and c["80-insert"][2] == 0 and c["80-gather"][1] > 0
+    # the prefill's gather of caches in q's dtype (dsv4_torch.kernels.triton_gather), paged and packed
+    assert all(c[f"{a}-rows-{n}"][0] > 0 and c[f"{a}-rows-{n}"][1] > 0 for a in (90, 80) for n in ("paged", "packed"))
 
 
 def test_torch_copy_and_gather_slots_move_bytes():

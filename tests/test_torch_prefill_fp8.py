@@ -55,8 +55,8 @@ def test_fp8_pages_match_oracle_and_bf16_pages(ratio):
         rk, ck = _fp8(raw), _fp8(comp) if comp else None
         out, _ = run(case, rk, ck)
         np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-        # fp8 pages and float pages of the very same values: the same bits, float32 and bf16 q
-        for dtype in (torch.float32, torch.bfloat16):
+        # fp8 pages and float pages of the very same values: the same bits (float32 q; bf16 q below)
+        for dtype in (torch.float32, torch.bfloat16) if case.name == "fp8-long-prefix" else (torch.float32,):
             fp8_out = out if dtype == torch.float32 else run(case, rk, ck, dtype=dtype)[0]
             same = run(case, _bf16_paged(case.raw, RAW_SLOTS, dtype),
                        _bf16_paged(case.comp, comp.block_size, dtype) if comp else None, dtype=dtype)[0]  # fmt: skip
@@ -65,7 +65,7 @@ def test_fp8_pages_match_oracle_and_bf16_pages(ratio):
             continue
         # any plan, vLLM's 3-D page view: the same bits
         tight = max(s // ratio if ratio else 0 for s in case.seq_lens) + case.window_size + 4
-        for kw in (dict(policy="fixed"), dict(policy="per_request"), dict(budget_rows=tight), dict(order="length")):
+        for kw in (dict(policy="per_request"), dict(budget_rows=tight, order="length")):
             assert torch.equal(run(case, rk, ck, **kw)[0], out), kw
         assert torch.equal(run(case, _fp8(raw, view=True), _fp8(comp, view=True) if comp else None)[0], out)
 
@@ -122,40 +122,6 @@ def test_triton_gather_path_for_float_caches(layout, monkeypatch):
     want = run(case, raw, comp, budget_rows=300)[0]
     monkeypatch.setattr(TP, "_use_gather_kernel", lambda t: True)
     assert torch.equal(run(case, raw, comp, budget_rows=300)[0], want)
-
-
-def _ptxas_available() -> bool:
-    import os
-
-    triton = pytest.importorskip("triton")
-    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
-
-
-@pytest.mark.skipif(not _ptxas_available(), reason="needs Triton's bundled ptxas (NVIDIA build of triton)")
-def test_triton_gather_compiles_for_gpus():
-    """Ahead-of-time compile of the float-cache gather for sm_90 and sm_80 (no GPU needed): what
-    the interpreter cannot see. Rows move with 16-byte vector loads and stores."""
-    import json
-    import os
-    import re
-    import subprocess
-    import sys
-
-    code = (
-        "import re, json\n"
-        "from dsv4_torch.kernels import triton_gather as K\n"
-        "print('COUNTS', json.dumps({f'{a}-{n}': [len(re.findall(p, ptx)) for p in (r'ld\\.global(?:\\.\\w+)*\\.v4', r'st\\.global(?:\\.\\w+)*\\.v4')]\n"
-        "                            for a in (90, 80) for n, ptx in K.compile_for(a).items()}))\n"
-    )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    m = re.search(r"COUNTS (.*)", res.stdout)
-    assert m, res.stdout + res.stderr[-3000:]
-    counts = json.loads(m.group(1))
-    assert set(counts) == {"90-paged", "90-packed", "80-paged", "80-packed"}
-    assert all(ld > 0 and st > 0 for ld, st in counts.values()), counts
 
 
 def test_fp8_layer_call_makes_no_host_sync(monkeypatch):
