@@ -34,7 +34,7 @@ JAX_NEW_PYTHON ?= $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/
 	$$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $$p && break; done)
 JAX_NEW_VENV := .venv-jax-new
 JAX_TESTS := tests/test_planner.py tests/test_layout_oracle.py tests/test_jax_sparse_attention.py tests/test_jax_mosaic.py \
-	tests/test_jax_sharding.py tests/test_jax_prefill.py
+	tests/test_jax_sharding.py tests/test_jax_prefill.py tests/test_jax_kvcache.py
 
 .PHONY: test-jax-new
 test-jax-new:
@@ -42,7 +42,7 @@ test-jax-new:
 	@# A registry that cannot serve the install skips this run with a message; failing tests fail it.
 	@if (test -x $(JAX_NEW_VENV)/bin/python || $(JAX_NEW_PYTHON) -m venv $(JAX_NEW_VENV)) && \
 	    $(JAX_NEW_VENV)/bin/python -m pip install -q --upgrade pip && \
-	    $(JAX_NEW_VENV)/bin/python -m pip install -q "jax>=0.11" numpy safetensors pytest hypothesis pytest-xdist; \
+	    $(JAX_NEW_VENV)/bin/python -m pip install -q "jax>=0.11" numpy "ml_dtypes>=0.5.1" safetensors pytest hypothesis pytest-xdist; \
 	then $(JAX_NEW_VENV)/bin/python -m pytest -q -n 2 -p no:cacheprovider $(JAX_TESTS); \
 	else echo "test-jax-new: could not install jax >= 0.11 with $(JAX_NEW_PYTHON): skipped"; fi
 

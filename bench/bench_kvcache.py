@@ -1,0 +1,132 @@
+"""CPU throughput of the fp8_ds_mla gather-dequantize, beside a plain copy of the same bytes.
+
+    python -m bench.bench_kvcache [--rows 65536] [--requests 4] [--block-size 64] [--reps 7]
+
+Each request holds `rows / requests` slots on pages in random order; one call gathers all of
+them (gather_lens = None, offset 0) into a bf16 workspace. Throughput is cache bytes read
+(584 per row: 576 data + 8 scale bytes) per second. The copy baseline copies the same number of
+bytes, one contiguous buffer to another (torch `copy_`, i.e. memcpy); its ratio is the figure
+the issue targets (>= 50%). A gather also writes 1024 bytes per row (the bf16 row), so moving
+bytes at the copy's speed would give 2 * 584 / (584 + 1024) = 73% of it.
+
+Timings interleave the contenders rep by rep and report the median and the best rep, so a
+shared machine's noise hits them alike. GPU figures: bench/gpu_check_kvcache.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from planner import kvcache as P
+
+SLOT_BYTES = P.SLOT_DATA_BYTES + P.SLOT_SCALE_BYTES
+
+
+def workload(rows: int, requests: int, S: int, seed: int = 0):
+    """Pages written by the reference from random bf16 rows; block tables in random page order."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    per = rows // requests
+    blocks = -(-per // S)
+    nb = blocks * requests
+    cache = np.zeros((nb, P.page_bytes(S)), np.uint8)
+    k = (rng.standard_normal((min(nb * S, 8192), 512)) * rng.choice([0.01, 1, 30], (min(nb * S, 8192), 1)))
+    k = k.astype(ml_dtypes.bfloat16).astype(np.float32)
+    for start in range(0, nb * S, k.shape[0]):  # the same rows over and over: realistic bytes, cheap to write
+        n = min(k.shape[0], nb * S - start)
+        P.quantize_and_insert_k_cache(k[:n], cache, np.arange(start, start + n), S)
+    perm = rng.permutation(nb).astype(np.int32)
+    block_table = perm.reshape(requests, blocks)
+    seq_lens = np.full(requests, per, np.int32)
+    return cache, seq_lens, block_table
+
+
+def _time(fns: dict, reps: int) -> tuple[dict, dict]:
+    """Wall and process-CPU seconds per rep (CPU time, all threads: what a shared machine's
+    waiting does not inflate)."""
+    wall = {name: [] for name in fns}
+    cpu = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up (and JAX compilation)
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    return wall, cpu
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=65536, help="rows gathered per call, all requests together")
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=64, help="slots per page S (64: window/CSA caches, 2: HCA)")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--frameworks", default="torch,jax")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    args = ap.parse_args(argv)
+    S, R = args.block_size, args.requests
+    cache, seq_lens, block_table = workload(args.rows, R, S)
+    per = int(seq_lens[0])
+    n_rows = per * R
+    read = n_rows * SLOT_BYTES
+    fns = {}
+    frameworks = [f for f in args.frameworks.split(",") if f]
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    src = torch.randint(0, 256, (read,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    fns["copy (torch copy_)"] = lambda: dst.copy_(src)
+
+    if "torch" in frameworks:
+        from dsv4_torch import kvcache as TK
+
+        t_cache, t_seq, t_bt = torch.from_numpy(cache), torch.from_numpy(seq_lens), torch.from_numpy(block_table)
+        t_out = torch.empty((R, per, 512), dtype=torch.bfloat16)
+        fns["torch reference"] = lambda: TK.dequantize_and_gather_k_cache(
+            t_out, t_cache, t_seq, None, t_bt, S, 0, backend="reference", validate=False
+        )
+    if "jax" in frameworks:
+        import jax
+        import jax.numpy as jnp
+
+        from dsv4_jax import kvcache as JK
+
+        j_cache, j_seq, j_bt = jnp.asarray(cache), jnp.asarray(seq_lens), jnp.asarray(block_table)
+        j_out = jnp.zeros((R, per, 512), jnp.bfloat16)
+        gather = jax.jit(
+            lambda o, c, s, b: JK.dequantize_and_gather_k_cache(o, c, s, None, b, S, 0, backend="xla"),
+            donate_argnums=0,
+        )
+        state = {"out": j_out}
+
+        def run_jax():
+            state["out"] = gather(state["out"], j_cache, j_seq, j_bt)
+            state["out"].block_until_ready()
+
+        fns["jax xla"] = run_jax
+
+    print(f"gather-dequantize {n_rows} rows ({R} requests x {per}, S = {S}): {read / 1e6:.1f} MB of cache read, "
+          f"{n_rows * 1024 / 1e6:.1f} MB of bf16 written; torch threads {torch.get_num_threads()}")  # fmt: skip
+    times, cpu = _time(fns, args.reps)
+    copy_med = statistics.median(times["copy (torch copy_)"])
+    copy_cpu = statistics.median(cpu["copy (torch copy_)"])
+    print(f"{'':24s} {'median ms':>10s} {'best ms':>9s} {'GB/s read':>10s} {'vs copy':>8s} {'cpu ms':>9s} {'cpu vs copy':>12s}")
+    for name, ts in times.items():
+        med, best, c = statistics.median(ts), min(ts), statistics.median(cpu[name])
+        print(f"{name:24s} {med * 1e3:10.2f} {best * 1e3:9.2f} {read / med / 1e9:10.2f} {copy_med / med:8.0%} "
+              f"{c * 1e3:9.2f} {copy_cpu / c:12.0%}")  # fmt: skip
+    return times
+
+
+if __name__ == "__main__":
+    main()
