@@ -372,7 +372,6 @@ def prefill_fp8_vs_bf16(args, ctx):
         print("budget spent: the JAX layers skipped")
         return
     try:
-        import jax
         import jax.numpy as jnp
 
         from dsv4_jax import prefill as JP
