@@ -187,7 +187,7 @@ def test_lowering_for_sm90a(name, H, D, K, monkeypatch):
     """The non-interpreted kernel goes through Mosaic GPU's whole lowering (layout inference,
     transfer planning, shared-memory allocation) for an H100 without a GPU. Mosaic refuses a
     kernel over sm_90a's 227 KB of shared memory there, and so does this test."""
-    from dsv4_jax.aot import lower_for_cuda
+    from tools.aot import lower_for_cuda
 
     smem = _smem_recorder(monkeypatch)
     T, S = 4096, 65536
