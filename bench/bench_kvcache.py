@@ -95,6 +95,12 @@ def main(argv=None):
         fns["torch reference"] = lambda: TK.dequantize_and_gather_k_cache(
             t_out, t_cache, t_seq, None, t_bt, S, 0, backend="reference", validate=False
         )
+        if TK.resolve_backend("auto", t_cache) == "cpu":
+            fns["torch cpu (C kernel)"] = lambda: TK.dequantize_and_gather_k_cache(
+                t_out, t_cache, t_seq, None, t_bt, S, 0, backend="cpu", validate=False
+            )
+        else:
+            print(f"torch cpu (C kernel): skipped, {TK.cpu_unavailable_reason()}")
     if "jax" in frameworks:
         import jax
         import jax.numpy as jnp

@@ -9,8 +9,12 @@ reference, whose bytes and values these match exactly):
 Backends (keyword `backend=`):
   "triton"     Triton kernels (`dsv4_torch/kernels/triton_kvcache.py`): CUDA/ROCm tensors, or CPU
                tensors under TRITON_INTERPRET=1 (slow; for tests).
+  "cpu"        the gather only: a C kernel for CPU tensors (`dsv4_torch/kernels/cpu_kvcache.py`,
+               compiled once per machine with the system C compiler), one pass over the rows.
   "reference"  vectorized torch, any device (on a GPU its gather syncs once for the row count).
-  "auto"       triton for CUDA tensors, reference elsewhere. `resolve_backend` says which runs.
+  "auto"       triton for CUDA tensors; on CPU tensors the gather runs "cpu" where a C compiler
+               built it (else "reference": the same bits) and the writer "reference".
+               `resolve_backend` says which runs.
 
 Checks (keyword `validate=True`): every shape, dtype, device and stride, then every value that
 could make a kernel read or write outside the pages (slots, block-table entries, lengths,
@@ -40,7 +44,8 @@ from planner.kvcache import (
     page_bytes,
 )
 
-BACKENDS = ("triton", "reference")
+BACKENDS = ("triton", "cpu", "reference")
+OPS = ("gather", "insert")
 _INT_DTYPES = (torch.int32, torch.int64)
 _LITTLE_ENDIAN = sys.byteorder == "little"
 CHUNK_ROWS = 2048  # reference gather: rows decoded per step (the intermediates stay in cache)
@@ -48,6 +53,7 @@ CHUNK_ROWS = 2048  # reference gather: rows decoded per step (the intermediates 
 __all__ = [
     "BACKENDS",
     "copy_slots",
+    "cpu_unavailable_reason",
     "dequantize_and_gather_k_cache",
     "gather_slots",
     "page_bytes",
@@ -56,24 +62,54 @@ __all__ = [
 ]
 
 
-def resolve_backend(backend: str = "auto", k_cache: torch.Tensor | None = None) -> str:
-    """The backend a call on pages `k_cache` runs: "triton" or "reference".
+def resolve_backend(backend: str = "auto", k_cache: torch.Tensor | None = None, op: str = "gather") -> str:
+    """The backend a call (`op`: "gather" or "insert") on pages `k_cache` runs: "triton",
+    "cpu" or "reference".
 
-    "auto": triton for CUDA/ROCm pages, reference elsewhere (CPU: the interpreter is for tests).
-    A named backend that cannot run raises BackendUnavailableError saying why.
+    "auto": triton for CUDA/ROCm pages; on CPU pages the C kernel for gathers where it builds,
+    else reference (the same bits; the interpreter is for tests). A named backend that cannot
+    run raises BackendUnavailableError saying why.
     """
     from dsv4_torch.attention import BackendUnavailableError
 
     if backend not in ("auto",) + BACKENDS:
         raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
+    if op not in OPS:
+        raise ValueError(f"op: expected one of {OPS}, got {op!r}")
     device = k_cache.device if isinstance(k_cache, torch.Tensor) else torch.device("cpu")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_reason(device) is None else "reference"
+        if device.type == "cuda" and _triton_reason(device) is None:
+            return "triton"
+        if op == "gather" and _cpu_reason(device) is None:
+            return "cpu"
+        return "reference"
     if backend == "triton":
         reason = _triton_reason(device)
         if reason is not None:
             raise BackendUnavailableError(f"backend='triton' cannot run here: {reason}")
+    if backend == "cpu":
+        if op != "gather":
+            raise BackendUnavailableError(
+                "backend='cpu' has the gather only (dequantize_and_gather_k_cache); "
+                "quantize_and_insert_k_cache on CPU tensors runs backend='reference'"
+            )
+        reason = _cpu_reason(device)
+        if reason is not None:
+            raise BackendUnavailableError(f"backend='cpu' cannot run here: {reason}")
     return backend
+
+
+def cpu_unavailable_reason() -> str | None:
+    """Why the C gather kernel cannot run on this machine (None: it can)."""
+    return _cpu_reason(torch.device("cpu"))
+
+
+def _cpu_reason(device: torch.device) -> str | None:
+    if device.type != "cpu":
+        return f"pages on {device}: the cpu backend reads CPU tensors"
+    from dsv4_torch.kernels import cpu_kvcache
+
+    return cpu_kvcache.unavailable_reason()
 
 
 def _triton_reason(device: torch.device) -> str | None:
@@ -129,7 +165,7 @@ def quantize_and_insert_k_cache(
     if slot_mapping.shape[0] > k.shape[0]:
         raise ValueError(f"slot_mapping: {slot_mapping.shape[0]} entries for {k.shape[0]} tokens of k (expected <= {k.shape[0]})")
     _same_device(k_cache, k=k, slot_mapping=slot_mapping)
-    name = resolve_backend(backend, k_cache)
+    name = resolve_backend(backend, k_cache, op="insert")
     if validate:
         n = slot_mapping.shape[0]
         bad = ~torch.isfinite(k[:n])
@@ -269,6 +305,11 @@ def dequantize_and_gather_k_cache(
         from dsv4_torch.kernels import triton_kvcache
 
         triton_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
+        return
+    if name == "cpu":
+        from dsv4_torch.kernels import cpu_kvcache
+
+        cpu_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
         return
     _gather_dequant_reference(out, k_cache, seq, glen, bt, S, offset)
 

@@ -7,6 +7,8 @@ on CPU) against the reference, byte for byte and value for value.
 
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -15,6 +17,9 @@ from planner import kvcache as P
 
 torch = pytest.importorskip("torch")
 TK = pytest.importorskip("dsv4_torch.kvcache")
+from planner.contract import BackendUnavailableError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Triton's interpreter multiplies with NumPy: scale byte 255 (2^128 = inf) warns there, as intended.
 pytestmark = pytest.mark.filterwarnings(
@@ -273,11 +278,21 @@ def _torch_backends():
 
 
 BACKENDS = pytest.mark.parametrize("backend", ["reference", "triton"])
+GATHER_BACKENDS = pytest.mark.parametrize("backend", ["reference", "triton", "cpu"])
 
 
 def _need(backend):
+    if backend == "cpu":
+        reason = TK.cpu_unavailable_reason()
+        if reason is not None:
+            pytest.skip(f"the cpu backend's C kernel cannot be built here: {reason}")
+        return
     if backend not in _torch_backends():
         pytest.skip("the triton backend needs a CUDA GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it on CPU)")
+
+
+def _writer(backend):
+    return "reference" if backend == "cpu" else backend  # the cpu backend has the gather only
 
 
 @BACKENDS
@@ -297,7 +312,7 @@ def test_torch_insert_bytes_equal_reference(backend, S):
     assert np.array_equal(got.numpy(), want)
 
 
-@BACKENDS
+@GATHER_BACKENDS
 @pytest.mark.parametrize("S", [64, 2])
 def test_torch_gather_equals_reference_on_any_bytes(backend, S):
     """Random page bytes (every e4m3 code incl. NaN and subnormals, every scale byte 0..255)."""
@@ -318,7 +333,7 @@ def test_torch_gather_equals_reference_on_any_bytes(backend, S):
     assert np.array_equal(got.float().numpy(), want, equal_nan=True)
 
 
-@BACKENDS
+@GATHER_BACKENDS
 def test_torch_round_trip_through_vllm_view(backend):
     """vLLM's nominal [num_blocks, S, 584] view with page stride page_bytes(S); gather_lens None."""
     _need(backend)
@@ -327,7 +342,7 @@ def test_torch_round_trip_through_vllm_view(backend):
     flat = torch.zeros(nb * P.page_bytes(S), dtype=torch.uint8)
     view = flat.as_strided((nb, S, 584), (P.page_bytes(S), 584, 1))
     k = random_tokens(rng, nb * S)
-    TK.quantize_and_insert_k_cache(torch.from_numpy(k).bfloat16(), view, torch.arange(nb * S), S, backend=backend)
+    TK.quantize_and_insert_k_cache(torch.from_numpy(k).bfloat16(), view, torch.arange(nb * S), S, backend=_writer(backend))
     want = np.zeros((nb, P.page_bytes(S)), np.uint8)
     P.quantize_and_insert_k_cache(k, want, np.arange(nb * S), S)
     assert np.array_equal(flat.numpy().reshape(nb, -1), want)
@@ -338,7 +353,7 @@ def test_torch_round_trip_through_vllm_view(backend):
     assert np.array_equal(out.float().numpy(), ref)
 
 
-@BACKENDS
+@GATHER_BACKENDS
 def test_torch_gather_into_strided_out(backend):
     """out whose rows are not contiguous (a slice of a wider buffer): every path writes in place."""
     _need(backend)
@@ -427,8 +442,76 @@ def test_torch_validate_and_types():
 
 def test_torch_resolve_backend():
     cache = torch.zeros((1, P.page_bytes(2)), dtype=torch.uint8)
-    assert TK.resolve_backend("auto", cache) == "reference"  # CPU: never the interpreter
+    cpu_ok = TK.cpu_unavailable_reason() is None
+    # CPU pages: never the interpreter; the C kernel for gathers where it builds
+    assert TK.resolve_backend("auto", cache) == ("cpu" if cpu_ok else "reference")
+    assert TK.resolve_backend("auto", cache, op="insert") == "reference"
     assert TK.resolve_backend("reference", cache) == "reference"
+    with pytest.raises(BackendUnavailableError, match="gather only"):
+        TK.resolve_backend("cpu", cache, op="insert")
+    with pytest.raises(BackendUnavailableError, match="gather only"):
+        TK.quantize_and_insert_k_cache(torch.zeros((1, 512), dtype=torch.bfloat16), cache, torch.tensor([0]), 2, backend="cpu")
+    with pytest.raises(ValueError, match="op"):
+        TK.resolve_backend("auto", cache, op="write")
+
+
+def test_cpu_backend_without_a_compiler(tmp_path):
+    """No C compiler: auto keeps the torch path (the same bits), backend='cpu' names the reason."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from dsv4_torch import kvcache as TK; from planner.contract import BackendUnavailableError\n"
+        "c = torch.zeros((1, TK.page_bytes(2)), dtype=torch.uint8)\n"
+        "assert TK.resolve_backend('auto', c) == 'reference'\n"
+        "try:\n    TK.resolve_backend('cpu', c)\nexcept BackendUnavailableError as e:\n    print(e)\n"
+    )
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), DSV4_PREFILL_CACHE=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "backend='cpu' cannot run here" in res.stdout and "no-such-cc" in res.stdout
+
+
+def test_cpu_kernel_fast_and_edge_paths():
+    """The C kernel's three group paths (normal codes only; subnormal or NaN codes present; scale
+    bytes outside 10..246) at their boundaries, and calls split across threads mid-request."""
+    _need("cpu")
+    from dsv4_torch.kernels import cpu_kvcache
+
+    rng = np.random.default_rng(21)
+    S, nb = 16, 9
+    cache = fresh_cache(rng, nb, S)
+    data = cache[:, : S * 576].reshape(nb, S, 576)[:, :, :448].reshape(nb, S, 7, 64)
+    code = data & 0x7F
+    plain = rng.random((nb, S, 7)) < 0.6  # these groups: normal and zero codes only
+    fixed = np.where(((code >= 1) & (code <= 7)) | (code == 0x7F), (data & 0x80) | 0x45, data)
+    data[plain] = fixed[plain]
+    data[..., 0] = np.where(plain, 0x80, data[..., 0])  # -0 in the fast path keeps its sign
+    special = lambda c: ((c >= 1) & (c <= 7)) | (c == 0x7F)
+    assert not special(data[plain] & 0x7F).any() and special(data[~plain] & 0x7F).any(axis=-1).mean() > 0.9
+    cache[:, : S * 576].reshape(nb, S, 576)[:, :, :448] = data.reshape(nb, S, 448)
+    scales = cache[:, S * 576 : S * 584].reshape(nb, S, 8)
+    scales[:, :, :7] = rng.choice(np.array([0, 1, 9, 10, 11, 127, 245, 246, 247, 254, 255], np.uint8), (nb, S, 7))
+    R = 4
+    seq = np.array([nb * S, 37, 5 * S + 3, 0], np.int32)
+    gl = np.array([nb * S - 1, 37, 2 * S + 5, 0], np.int32)
+    bt = np.stack([rng.permutation(nb) for _ in range(R)]).astype(np.int64)
+    want = np.zeros((R, nb * S, 512), np.float32)
+    P.dequantize_and_gather_k_cache(want, cache, seq, gl, bt, S, 0)
+    t = torch.from_numpy
+    for threads, parallel_rows in ((1, 4096), (3, 7), (5, 1)):
+        for dtype in (torch.bfloat16, torch.float32):
+            got = torch.zeros((R, nb * S, 512), dtype=dtype)
+            old = cpu_kvcache._PARALLEL_ROWS
+            cpu_kvcache._PARALLEL_ROWS = parallel_rows
+            try:
+                cpu_kvcache.gather_dequant(got, t(cache), t(seq), t(gl), t(bt), S, 0, threads=threads)
+            finally:
+                cpu_kvcache._PARALLEL_ROWS = old
+            g = got.float().numpy()
+            assert np.array_equal(g, want, equal_nan=True), (threads, dtype)
+            finite = ~np.isnan(want)
+            assert np.array_equal(np.signbit(g[finite]), np.signbit(want[finite]))
 
 
 def _ptxas_available():

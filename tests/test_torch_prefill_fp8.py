@@ -103,6 +103,24 @@ def test_triton_gather_path_equals_reference(monkeypatch):
         assert torch.equal(out, w), dt
 
 
+def test_cpu_gather_path_equals_device_op_path(monkeypatch):
+    """On CPU tensors the prefill gathers fp8 pages with the C kernel (auto, where it builds):
+    the same bits as the index-op path it replaces, in every chunk, fp32 and bf16 workspaces."""
+    if TK.cpu_unavailable_reason() is not None:
+        pytest.skip(f"the cpu backend's C kernel cannot be built here: {TK.cpu_unavailable_reason()}")
+    case, raw, comp = fp8_case("fp8-cpu", [70, 33, 5], [6, 33, 5], 4, seed=8, window_size=8, H=2)
+    assert TP._Rows(_fp8(raw), "raw_kv", torch.zeros(1, 1, 512), run_meta(case), "raw").kernel == "cpu"
+    got = {dt: run(case, _fp8(raw), _fp8(comp), dtype=dt, budget_rows=40)[0] for dt in (torch.float32, torch.bfloat16)}
+    monkeypatch.setattr(TK, "resolve_backend", lambda backend="auto", k_cache=None, op="gather": "reference")
+    for dt, g in got.items():
+        assert torch.equal(run(case, _fp8(raw), _fp8(comp), dtype=dt, budget_rows=40)[0], g), dt
+
+
+def run_meta(case):
+    step = P.plan_step(case.batch, case.plan_config(), [case.layer])
+    return TP.build_step_metadata(step, index_topk=case.topk)[case.kind]
+
+
 @pytest.mark.parametrize("layout", ["paged", "packed"])
 def test_triton_gather_path_for_float_caches(layout, monkeypatch):
     """The GPU gather of caches in q's dtype (`triton_gather`, here under the interpreter) == the
@@ -129,6 +147,9 @@ def test_fp8_layer_call_makes_no_host_sync(monkeypatch):
     from tests.no_host_sync import forbid_host_sync
 
     case, raw, comp = fp8_cases(4)[1]
+    # the device-op path (what non-CUDA devices run); the C kernel is a CPU-only path that reads
+    # its per-request arrays on the host by design, and CUDA runs the Triton kernel
+    monkeypatch.setattr(TK, "resolve_backend", lambda backend="auto", k_cache=None, op="gather": "reference")
     rk, ck = _fp8(raw), _fp8(comp)
     want, meta = run(case, rk, ck)
     monkeypatch.setattr(TP, "_check_source_values", lambda *a: None)  # CPU-only host reads
