@@ -477,6 +477,7 @@ def test_cpu_kernel_fast_and_edge_paths():
     bytes outside 10..246) at their boundaries, and calls split across threads mid-request."""
     _need("cpu")
     from dsv4_torch.kernels import cpu_kvcache
+    from planner import ckernel
 
     rng = np.random.default_rng(21)
     S, nb = 16, 9
@@ -502,12 +503,12 @@ def test_cpu_kernel_fast_and_edge_paths():
     for threads, parallel_rows in ((1, 4096), (3, 7), (5, 1)):
         for dtype in (torch.bfloat16, torch.float32):
             got = torch.zeros((R, nb * S, 512), dtype=dtype)
-            old = cpu_kvcache._PARALLEL_ROWS
-            cpu_kvcache._PARALLEL_ROWS = parallel_rows
+            old = ckernel.PARALLEL_ROWS
+            ckernel.PARALLEL_ROWS = parallel_rows
             try:
                 cpu_kvcache.gather_dequant(got, t(cache), t(seq), t(gl), t(bt), S, 0, threads=threads)
             finally:
-                cpu_kvcache._PARALLEL_ROWS = old
+                ckernel.PARALLEL_ROWS = old
             g = got.float().numpy()
             assert np.array_equal(g, want, equal_nan=True), (threads, dtype)
             finite = ~np.isnan(want)
@@ -592,3 +593,44 @@ def test_torch_copy_and_gather_slots_move_bytes():
         TK.copy_slots(src, torch.tensor([1, 2]), dst, torch.tensor([9]), S)
     with pytest.raises(TypeError, match=r"dst_cache: expected uint8 pages"):
         TK.copy_slots(src, torch.tensor([1]), dst.float(), torch.tensor([9]), S)
+
+
+def test_cpu_kernel_never_reads_or_writes_outside_and_ignores_ftz():
+    """Unvalidated calls (what a traced JAX call is): a block-table entry that is not a page, a
+    gather_len past seq_len, rows past out: NaN rows or no write, never a stray access. And a
+    thread that flushes float subnormals (torch.set_flush_denormal; XLA's CPU threads) gets the
+    same bits: the decode is integer math."""
+    _need("cpu")
+    rng = np.random.default_rng(22)
+    S, nb = 16, 4
+    cache = fresh_cache(rng, nb, S)
+    cache[:, S * 576 : S * 584].reshape(nb, S, 8)[:, :, :7] = rng.integers(0, 12, (nb, S, 7))  # subnormal products
+    seq = np.array([3 * S, 2 * S, 5, 40], np.int32)
+    gl = np.array([3 * S, 2 * S, 9, 40], np.int32)  # request 2: 9 rows of a 5-token request
+    bt = np.array([[0, 1, 2, 3], [3, nb + 5, 1, 0], [2, 0, 0, 0], [1, -7, 2, 3]], np.int32)
+    big = torch.full((4, 3 * S + 8, 512), 7.0, dtype=torch.bfloat16)
+    out = big[:, : 3 * S - 4]  # rows past 3S - 4 (offset 0): not written
+    t = torch.from_numpy
+    was = torch.set_flush_denormal(True)
+    try:
+        TK.dequantize_and_gather_k_cache(out, t(cache), t(seq), t(gl), t(bt), S, 0, backend="cpu", validate=False)
+    finally:
+        torch.set_flush_denormal(False)
+    assert was  # flushing is supported on this CPU (x86 SSE3 / ARM), so it was really on
+    got = big.float().numpy()
+    assert (got[:, 3 * S - 4 :] == 7).all()
+    want = np.zeros((1, 3 * S, 512), np.float32)
+    P.dequantize_and_gather_k_cache(want, cache, seq[:1], None, bt[:1], S, 0)
+    assert np.array_equal(got[0, : 3 * S - 4], want[0, : 3 * S - 4], equal_nan=True)  # subnormals kept
+    def rows(b, page_ids, positions):  # the reference's rows of those positions on those pages
+        bt1 = np.array([page_ids], np.int32)
+        w = np.zeros((1, len(positions), 512), np.float32)
+        P.dequantize_and_gather_k_cache(w, cache, np.array([positions[-1] + 1], np.int32),
+                                        np.array([len(positions)], np.int32), bt1, S, 0)  # fmt: skip
+        return w[0]
+
+    same = lambda a, b: np.array_equal(a, b, equal_nan=True)  # noqa: E731
+    assert same(got[1, :S], rows(1, [3], list(range(S)))) and np.isnan(got[1, S : 2 * S]).all()  # page nb + 5
+    assert np.isnan(got[2, :4]).all()  # positions -4 .. -1
+    assert same(got[2, 4:9], rows(2, [2], list(range(5)))) and (got[2, 9:] == 7).all()
+    assert same(got[3, :S], rows(3, [1], list(range(S)))) and np.isnan(got[3, S : 2 * S]).all()  # page -7

@@ -1,0 +1,403 @@
+"""The C kernel of the `fp8_ds_mla` gather-dequantize for CPUs, shared by both frameworks.
+
+vLLM's reader, `dequantize_and_gather_k_cache` (layout: `planner/kvcache.py`), as one pass over
+the rows: each row's page comes from the block table, its 448 e4m3 bytes become the bf16
+`e4m3 * 2^(byte - 127)` (the NumPy reference's values bit for bit: float32 product, then
+round to nearest even), its 128 RoPE bytes are copied. No per-row metadata, no intermediates:
+every row is read once and written once. Framework-free (plain pointers): `dsv4_torch` calls it
+through ctypes (`dsv4_torch/kernels/cpu_kvcache.py`), `dsv4_jax` as an XLA FFI custom call
+(`dsv4_jax/kernels/cpu_kvcache.py`). `python -m bench.bench_kvcache` measures it beside a copy.
+
+Decode, per 64-dim group, all integer math (so a thread that flushes float subnormals, as XLA's
+CPU threads do, gets the same bits):
+- scale bytes 10..246 (every product is a normal bf16 or zero, exact): 16-lane vector code
+  (GCC/Clang vector types; AVX2 / NEON, nothing machine-specific in the source); groups with no
+  subnormal or NaN code take a shorter form;
+- other scale bytes (never written by vLLM's writer, which stores 105..247): a scalar exact
+  rounding, subnormal bf16 results and 2^128 = inf (byte 255) included.
+
+Bounds: every read and write is checked against the sizes passed in: a row whose position or
+block-table entry is not a page of the cache comes out NaN, rows past `out_rows` are not
+written. So a traced (unvalidated) call can never touch memory outside its arrays.
+
+Build: once per machine with the system C compiler (`$CC`, else `cc`; `-O3 -march=native`) into
+`$DSV4_PREFILL_CACHE` (default `~/.cache/dsv4_prefill`), keyed by the sources, flags, compiler
+version and the CPU's feature flags. No compiler or a failed build: `unavailable_reason()` says
+why, and both frameworks keep their array-op paths (the same bits).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+
+from planner.kvcache import HEAD_DIM, NOPE_DIM, SLOT_DATA_BYTES, SLOT_SCALE_BYTES
+
+C_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+
+#define NAN_BITS 0x7FC0u
+
+/* e4m3 byte b times 2^(byte - 127) as bf16 bits, exactly as float32 math then RTNE gives it
+   (the float32 product is exact for every scale byte <= 254), any scale byte. Integer only. */
+static uint16_t exact_bits(uint32_t b, int byte) {
+    uint32_t code = b & 0x7Fu, sign = (b & 0x80u) << 8;
+    if (code == 0x7Fu) return NAN_BITS;
+    if (byte == 255) return code == 0 ? NAN_BITS : (uint16_t)(sign | 0x7F80u); /* x * inf */
+    if (code == 0) return (uint16_t)sign;
+    int e = (int)(code >> 3);
+    int M = e ? 8 + (int)(code & 7u) : (int)(code & 7u);
+    int E = (e ? e : 1) - 10 + (byte - 127); /* value = M * 2^E */
+    while (M < 8) { M <<= 1; E -= 1; }
+    int x = E + 3; /* value = (M / 8) * 2^x, M in 8..15 */
+    if (x > 127) return (uint16_t)(sign | 0x7F80u);
+    if (x >= -126) return (uint16_t)(sign | ((uint32_t)(x + 127) << 7) | ((uint32_t)(M - 8) << 4));
+    /* a bf16 subnormal f * 2^-133: f = M * 2^(x + 130), rounded to nearest even */
+    int sh = x + 130, f;
+    if (sh >= 0) f = M << sh;
+    else if (-sh > 5) f = 0;
+    else {
+        int s = -sh, q = M >> s, rem = M & ((1 << s) - 1), half = 1 << (s - 1);
+        f = q + (rem > half || (rem == half && (q & 1)));
+    }
+    return (uint16_t)(sign | (uint32_t)f);
+}
+
+static void decode_group_exact(const uint8_t *restrict d, uint16_t *restrict o, int byte) {
+    for (int j = 0; j < 64; j++) o[j] = exact_bits(d[j], byte);
+}
+
+/* Whether a group of 64 e4m3 bytes holds a subnormal (1..7) or NaN (0x7F) code. */
+static inline int group_has_special(const uint8_t *restrict d) {
+    u8x16 acc = {0};
+    for (int j = 0; j < 64; j += 16) {
+        u8x16 xb;
+        memcpy(&xb, d + j, 16);
+        u8x16 c = xb & 0x7F;
+        acc |= (u8x16)((u8x16)(c - 1) < 7) | (u8x16)(c == 0x7F);
+    }
+    uint64_t w[2];
+    memcpy(w, &acc, 16);
+    return (w[0] | w[1]) != 0;
+}
+
+/* Scale bytes 10..246 (k = byte - 127 in [-117, 119]), normal and zero codes only:
+   sign | (code ? (code << 4) + (120 + k) << 7 : 0). */
+static void decode_group_normal(const uint8_t *restrict d, uint16_t *restrict o, int k) {
+    const u16x16 cn = (u16x16){0} + (uint16_t)((120 + k) << 7);
+    for (int j = 0; j < 64; j += 16) {
+        u8x16 xb;
+        memcpy(&xb, d + j, 16);
+        u16x16 x = __builtin_convertvector(xb, u16x16);
+        u16x16 code = x & 0x7F;
+        u16x16 nz = (u16x16)((i16x16)code != 0);
+        u16x16 r = (nz & ((code << 4) + cn)) | ((x << 8) & 0x8000);
+        memcpy(o + j, &r, 32);
+    }
+}
+
+/* Scale bytes 10..246, any code: subnormal codes m = 1..7 (m * 2^-9) get exponent
+   118 + k + h (h = 0, 1, 2 for m in 1, 2..3, 4..7) and fraction (m << (7 - h)) & 0x7F;
+   NaN codes 0x7FC0. */
+static void decode_group_vector(const uint8_t *restrict d, uint16_t *restrict o, int k) {
+    const u16x16 cn = (u16x16){0} + (uint16_t)((120 + k) << 7);
+    const u16x16 cs = (u16x16){0} + (uint16_t)((118 + k) << 7);
+    for (int j = 0; j < 64; j += 16) {
+        u8x16 xb;
+        memcpy(&xb, d + j, 16);
+        u16x16 x = __builtin_convertvector(xb, u16x16);
+        u16x16 code = x & 0x7F;
+        u16x16 sign = (x << 8) & 0x8000;
+        u16x16 norm = (code << 4) + cn;
+        i16x16 c = (i16x16)code;
+        u16x16 ge2 = (u16x16)(c > 1), ge4 = (u16x16)(c > 3), issub = (u16x16)(c < 8);
+        u16x16 nz = (u16x16)(c != 0), nan = (u16x16)(c == 0x7F);
+        u16x16 mul = 128 - (ge2 & 64) - (ge4 & 32);
+        u16x16 sub = (cs + ((ge2 & 128) + (ge4 & 128))) | ((code * mul) & 0x7F);
+        u16x16 v = (issub & nz & sub) | (~issub & norm);
+        u16x16 r = (nan & NAN_BITS) | (~nan & (v | sign));
+        memcpy(o + j, &r, 32);
+    }
+}
+
+static void decode_row_bf16(const uint8_t *restrict d, const uint8_t *restrict sc, uint16_t *restrict o) {
+    for (int g = 0; g < 7; g++) {
+        int byte = sc[g];
+        if (byte < 10 || byte > 246) decode_group_exact(d + 64 * g, o + 64 * g, byte);
+        else if (group_has_special(d + 64 * g)) decode_group_vector(d + 64 * g, o + 64 * g, byte - 127);
+        else decode_group_normal(d + 64 * g, o + 64 * g, byte - 127);
+    }
+    memcpy(o + 448, d + 448, 128); /* RoPE dims: little-endian bf16 bytes */
+}
+
+static void write_row(void *out, int64_t o, int out_f32, const uint16_t *row) {
+    if (out_f32) {
+        uint32_t *p = (uint32_t *)out + o;
+        for (int j = 0; j < 512; j++) p[j] = (uint32_t)row[j] << 16;
+    } else {
+        memcpy((uint16_t *)out + o, row, 1024);
+    }
+}
+
+static void decode_to(void *out, int64_t o, int out_f32, const uint8_t *d, const uint8_t *sc) {
+    if (out_f32) {
+        uint16_t t[512];
+        decode_row_bf16(d, sc, t);
+        write_row(out, o, 1, t);
+    } else {
+        decode_row_bf16(d, sc, (uint16_t *)out + o);
+    }
+}
+
+static void nan_row(void *out, int64_t o, int out_f32) {
+    uint16_t t[512];
+    for (int j = 0; j < 512; j++) t[j] = NAN_BITS;
+    write_row(out, o, out_f32, t);
+}
+
+static inline int64_t page_of(const void *bt, int bt_int64, int64_t i) {
+    return bt_int64 ? ((const int64_t *)bt)[i] : (int64_t)((const int32_t *)bt)[i];
+}
+
+#define AHEAD 8 /* rows prefetched ahead: pages in block-table order are scattered */
+
+/* Rows [row0, row1) of the requests' rows laid back to back (cum: [R + 1] prefix sums of the
+   gather lengths). Row i of request b is position seq[b] - (cum[b+1] - cum[b]) + i, read from
+   page bt[b * bt_s0 + pos / S] slot pos % S, written at element out + b * out_s0 +
+   (offset + i) * out_s1 (bf16, or float32 holding the bf16 values) when offset + i < out_rows. */
+void dsv4_gather_dequant(void *out, int64_t out_s0, int64_t out_s1, int64_t out_rows, int out_f32,
+                         const uint8_t *cache, int64_t page_stride, int64_t num_blocks, int64_t S,
+                         const int64_t *seq, const int64_t *cum,
+                         const void *bt, int bt_int64, int64_t bt_s0, int64_t bt_w,
+                         int64_t offset, int64_t R, int64_t row0, int64_t row1) {
+    int64_t lo = 0, hi = R; /* the request holding row0: cum[b] <= row0 < cum[b + 1] */
+    while (hi - lo > 1) {
+        int64_t mid = (lo + hi) / 2;
+        if (cum[mid] <= row0) lo = mid; else hi = mid;
+    }
+    for (int64_t b = lo, r = row0; r < row1 && b < R; b++) {
+        int64_t g = cum[b + 1] - cum[b];
+        if (g <= 0) continue;
+        int64_t i0 = r - cum[b];
+        int64_t i1 = (row1 < cum[b + 1] ? row1 : cum[b + 1]) - cum[b];
+        r = cum[b] + i1;
+        if (offset + i1 > out_rows) i1 = out_rows - offset; /* rows past out: not written */
+        if (i1 <= i0) continue;
+        int64_t pos = seq[b] - g + i0;
+        int64_t blk = pos >= 0 ? pos / S : -1, p = pos >= 0 ? pos - blk * S : 0;
+        int64_t ia = i0 + AHEAD < i1 ? i0 + AHEAD : i1;
+        int64_t pa_pos = seq[b] - g + ia;
+        int64_t blka = pa_pos >= 0 ? pa_pos / S : -1, pa = pa_pos >= 0 ? pa_pos - blka * S : 0;
+        const uint8_t *base = 0;
+        for (int64_t i = i0; i < i1; i++) {
+            int64_t o = b * out_s0 + (offset + i) * out_s1;
+            if (i == i0 || p == 0) {
+                int64_t page = (blk >= 0 && blk < bt_w) ? page_of(bt, bt_int64, b * bt_s0 + blk) : -1;
+                base = (page >= 0 && page < num_blocks) ? cache + page * page_stride : 0;
+            }
+            if (ia < i1) {
+                if (blka >= 0 && blka < bt_w) {
+                    int64_t pg = page_of(bt, bt_int64, b * bt_s0 + blka);
+                    if (pg >= 0 && pg < num_blocks) {
+                        const uint8_t *ba = cache + pg * page_stride;
+                        for (int l = 0; l < 576; l += 64) __builtin_prefetch(ba + pa * 576 + l, 0, 3);
+                        __builtin_prefetch(ba + S * 576 + pa * 8, 0, 3);
+                    }
+                }
+                ia++;
+                if (blka < 0) { if (++pa_pos >= 0) { blka = 0; pa = 0; } }
+                else if (++pa == S) { pa = 0; blka++; }
+            }
+            if (base) decode_to(out, o, out_f32, base + p * 576, base + S * 576 + p * 8);
+            else nan_row(out, o, out_f32);
+            if (blk < 0) { if (++pos >= 0) { blk = 0; p = 0; base = 0; } }
+            else if (++p == S) { p = 0; blk++; }
+        }
+    }
+}
+"""
+
+FLAGS = ("-O3", "-march=native", "-fPIC", "-std=c11", "-fno-math-errno")
+PARALLEL_ROWS = (
+    4096  # a call is split across threads only with at least this many rows per thread
+)
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def compiler(var: str = "CC", default: str = "cc") -> str | None:
+    return shutil.which(os.environ.get(var) or default)
+
+
+def cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def cache_dir() -> str:
+    d = os.environ.get("DSV4_PREFILL_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "dsv4_prefill"
+    )
+    try:
+        os.makedirs(d, exist_ok=True)
+        if os.access(d, os.W_OK):
+            return d
+    except OSError:
+        pass
+    d = os.path.join(
+        tempfile.gettempdir(),
+        f"dsv4_prefill_{os.getuid() if hasattr(os, 'getuid') else 'user'}",
+    )
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def _version(cc: str) -> str:
+    res = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
+    return (res.stdout.splitlines() or [""])[0]
+
+
+def build_library(
+    name: str, cxx_source: str | None = None, include_dirs: tuple[str, ...] = ()
+) -> str:
+    """Compile C_SOURCE (and a C++ wrapper calling it, for JAX's FFI) into a shared library in
+    the cache directory; returns its path. Raises RuntimeError saying why when it cannot."""
+    if sys.byteorder != "little":
+        raise RuntimeError(
+            "the C kernel reads the RoPE dims as little-endian bf16; this host is big-endian"
+        )
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError(
+            f"no C compiler found ({os.environ.get('CC') or 'cc'!r} is not on PATH; set CC)"
+        )
+    cxx = None
+    if cxx_source is not None:
+        cxx = compiler("CXX", "c++")
+        if cxx is None:
+            raise RuntimeError(
+                f"no C++ compiler found ({os.environ.get('CXX') or 'c++'!r} is not on PATH; set CXX)"
+            )
+    parts = [C_SOURCE, cxx_source or "", " ".join(FLAGS), cc, _version(cc), cxx or "", _version(cxx) if cxx else "",
+             cpu_flags(), *include_dirs]  # fmt: skip
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    d = cache_dir()
+    lib = os.path.join(d, f"{name}_{key}.so")
+    if os.path.exists(lib):
+        return lib
+    stem = os.path.join(d, f"{name}_{key}.{os.getpid()}.{threading.get_ident()}")
+    files = [stem + ".c", stem + ".o", stem + ".cc", stem + ".so"]
+    try:
+        with open(files[0], "w") as f:
+            f.write(C_SOURCE)
+        _run([cc, *FLAGS, "-c", files[0], "-o", files[1]])
+        if cxx_source is None:
+            _run([cc, "-shared", files[1], "-o", files[3]])
+        else:
+            with open(files[2], "w") as f:
+                f.write(cxx_source)
+            incs = [f"-I{p}" for p in include_dirs]
+            _run(
+                [
+                    cxx,
+                    "-O3",
+                    "-march=native",
+                    "-fPIC",
+                    "-std=c++17",
+                    *incs,
+                    "-shared",
+                    files[2],
+                    files[1],
+                    "-o",
+                    files[3],
+                ]
+            )
+        os.replace(files[3], lib)  # atomic: concurrent builders agree on the file
+    finally:
+        for p in files:
+            if os.path.exists(p):
+                os.unlink(p)
+    return lib
+
+
+def _run(cmd: list[str]) -> None:
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(
+            f"{os.path.basename(cmd[0])} failed ({res.returncode}): {res.stderr.strip()[-800:]}"
+        )
+
+
+def gather_function():
+    """The ctypes function `dsv4_gather_dequant` (signature in C_SOURCE), built on first use;
+    None when it cannot be built (`unavailable_reason()` says why)."""
+    with _lock:
+        if "fn" not in _state and "error" not in _state:
+            try:
+                fn = ctypes.CDLL(build_library("dsv4_kvcache")).dsv4_gather_dequant
+                i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+                fn.argtypes = [
+                    ptr,
+                    i64,
+                    i64,
+                    i64,
+                    i32,
+                    ptr,
+                    i64,
+                    i64,
+                    i64,
+                    ptr,
+                    ptr,
+                    ptr,
+                    i32,
+                    i64,
+                    i64,
+                    i64,
+                    i64,
+                    i64,
+                    i64,
+                ]
+                fn.restype = None
+                _state["fn"] = fn
+            except Exception as e:  # noqa: BLE001 - any build failure is the reason
+                _state["error"] = f"{type(e).__name__}: {e}"
+        return _state.get("fn")
+
+
+def unavailable_reason() -> str | None:
+    """None when the C kernel is built (or builds now); else why it cannot run here."""
+    gather_function()
+    return _state.get("error")
+
+
+def row_ranges(n: int, threads: int) -> list[tuple[int, int]]:
+    """Split n rows into contiguous ranges for `threads` threads (fewer for small calls)."""
+    t = max(1, min(threads, n // PARALLEL_ROWS))
+    return [(n * k // t, n * (k + 1) // t) for k in range(t)]
+
+
+assert (
+    NOPE_DIM == 448
+    and HEAD_DIM == 512
+    and SLOT_DATA_BYTES == 576
+    and SLOT_SCALE_BYTES == 8
+)  # the C constants
