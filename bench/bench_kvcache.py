@@ -9,8 +9,9 @@ bytes, one contiguous buffer to another (torch `copy_`, i.e. memcpy); its ratio 
 the issue targets (>= 50%). A gather also writes 1024 bytes per row (the bf16 row), so moving
 bytes at the copy's speed would give 2 * 584 / (584 + 1024) = 73% of it.
 
-Timings interleave the contenders rep by rep and report the median and the best rep, so a
-shared machine's noise hits them alike. GPU figures: bench/gpu_check_kvcache.py.
+Timings interleave the contenders rep by rep (each after a 10 ms pause, so the previous one's
+spinning worker threads are idle) and report the median and the best rep, so a shared
+machine's noise hits them alike. `cpu` columns: process CPU time, all threads. GPU figures: bench/gpu_check_kvcache.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import numpy as np
 from planner import kvcache as P
 
 SLOT_BYTES = P.SLOT_DATA_BYTES + P.SLOT_SCALE_BYTES
+# idle time before each timed call: the previous contender's worker threads (OpenMP's, XLA's)
+# spin for a while after their work ends and would steal the cores from the next one
+SETTLE_S = 0.01
 
 
 def workload(rows: int, requests: int, S: int, seed: int = 0):
@@ -55,6 +59,7 @@ def _time(fns: dict, reps: int) -> tuple[dict, dict]:
         fn()  # warm-up (and JAX compilation)
     for _ in range(reps):
         for name, fn in fns.items():
+            time.sleep(SETTLE_S)
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
             wall[name].append(time.perf_counter() - t0)
@@ -120,16 +125,32 @@ def main(argv=None):
             state["out"].block_until_ready()
 
         fns["jax xla"] = run_jax
+        if JK.resolve_backend("auto", j_cache) == "cpu":
+            gather_c = jax.jit(
+                lambda o, c, s, b: JK.dequantize_and_gather_k_cache(o, c, s, None, b, S, 0, backend="cpu"),
+                donate_argnums=0,
+            )
+            state_c = {"out": jnp.zeros((R, per, 512), jnp.bfloat16)}
+
+            def run_jax_c():
+                state_c["out"] = gather_c(state_c["out"], j_cache, j_seq, j_bt)
+                state_c["out"].block_until_ready()
+
+            fns["jax cpu (C kernel, FFI)"] = run_jax_c
+        else:
+            from dsv4_jax.kernels import cpu_kvcache as JC
+
+            print(f"jax cpu (C kernel, FFI): skipped, {JC.unavailable_reason()}")
 
     print(f"gather-dequantize {n_rows} rows ({R} requests x {per}, S = {S}): {read / 1e6:.1f} MB of cache read, "
           f"{n_rows * 1024 / 1e6:.1f} MB of bf16 written; torch threads {torch.get_num_threads()}")  # fmt: skip
     times, cpu = _time(fns, args.reps)
     copy_med = statistics.median(times["copy (torch copy_)"])
     copy_cpu = statistics.median(cpu["copy (torch copy_)"])
-    print(f"{'':24s} {'median ms':>10s} {'best ms':>9s} {'GB/s read':>10s} {'vs copy':>8s} {'cpu ms':>9s} {'cpu vs copy':>12s}")
+    print(f"{'':26s} {'median ms':>10s} {'best ms':>9s} {'GB/s read':>10s} {'vs copy':>8s} {'cpu ms':>9s} {'cpu vs copy':>12s}")
     for name, ts in times.items():
         med, best, c = statistics.median(ts), min(ts), statistics.median(cpu[name])
-        print(f"{name:24s} {med * 1e3:10.2f} {best * 1e3:9.2f} {read / med / 1e9:10.2f} {copy_med / med:8.0%} "
+        print(f"{name:26s} {med * 1e3:10.2f} {best * 1e3:9.2f} {read / med / 1e9:10.2f} {copy_med / med:8.0%} "
               f"{c * 1e3:9.2f} {copy_cpu / c:12.0%}")  # fmt: skip
     return times
 

@@ -11,7 +11,10 @@ update them in place). Backends (keyword `backend=`, names as `dsv4_jax.sparse_a
   "xla"               plain jnp / lax (gathers and scatters of whole slots), any platform;
   "pallas_triton"     Pallas kernels lowered through Triton, NVIDIA GPUs;
   "pallas_interpret"  the same kernels under Pallas' interpreter (any platform; for tests);
-  "auto" = pallas_triton on an NVIDIA GPU, else xla; "pallas" = pallas_triton, else pallas_interpret.
+  "cpu"               the gather only: `planner.ckernel`'s C kernel as an XLA FFI call on CPU
+                      (`dsv4_jax/kernels/cpu_kvcache.py`, built once per machine), one pass per row;
+  "auto" = pallas_triton on an NVIDIA GPU; on CPU the gather runs "cpu" where it builds (else
+  xla: the same bits) and the writer xla; "pallas" = pallas_triton, else pallas_interpret.
 
 Checks: shapes and dtypes always. Values (`validate=True`, the default) when the arrays are
 concrete: slots, block-table entries and lengths against the pages and `out`, finiteness of k
@@ -56,15 +59,44 @@ __all__ = [
 _INT_DTYPES = (jnp.dtype(jnp.int32), jnp.dtype(jnp.int64), jnp.dtype(jnp.uint32))
 
 
-def resolve_backend(backend: str = "auto", *arrays) -> str:
-    """The concrete backend a call runs: "xla", "pallas_triton" or "pallas_interpret".
+OPS = ("gather", "insert")
+
+
+def resolve_backend(backend: str = "auto", *arrays, op: str = "gather") -> str:
+    """The concrete backend a call (`op`: "gather" or "insert") runs: "xla", "pallas_triton",
+    "pallas_interpret" or "cpu".
 
     Same rule as `dsv4_jax.attention.resolve_backend` (the devices of committed `arrays`, else
-    JAX's default device); a named backend that cannot run raises, saying why.
+    JAX's default device), plus the C kernel for gathers on CPU; a named backend that cannot
+    run raises BackendUnavailableError, saying why.
     """
+    from dsv4_jax.attention import BackendUnavailableError, _committed_devices
     from dsv4_jax.attention import resolve_backend as resolve
 
-    return resolve(backend, *arrays)
+    if op not in OPS:
+        raise ValueError(f"op: expected one of {OPS}, got {op!r}")
+    devices = _committed_devices(arrays)
+    platforms = {d.platform for d in devices} if devices else {jax.default_backend()}
+    if backend == "cpu":
+        if op != "gather":
+            raise BackendUnavailableError(
+                "backend 'cpu' has the gather only (dequantize_and_gather_k_cache); "
+                "quantize_and_insert_k_cache on CPU runs backend='xla'"
+            )
+        if platforms != {"cpu"}:
+            raise BackendUnavailableError(f"backend 'cpu' cannot run here: the arrays are on {sorted(platforms)}, not the CPU")
+        from dsv4_jax.kernels import cpu_kvcache
+
+        if (reason := cpu_kvcache.unavailable_reason()) is not None:
+            raise BackendUnavailableError(f"backend 'cpu' cannot run here: {reason}")
+        return "cpu"
+    name = resolve(backend, *arrays)
+    if backend == "auto" and op == "gather" and name == "xla" and platforms == {"cpu"}:
+        from dsv4_jax.kernels import cpu_kvcache
+
+        if cpu_kvcache.unavailable_reason() is None:
+            return "cpu"
+    return name
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,7 +202,7 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size=64, *, back
     n = slot_mapping.shape[0]
     if n > k.shape[0]:
         raise ValueError(f"slot_mapping: {n} entries for {k.shape[0]} tokens of k (expected <= {k.shape[0]})")
-    name = resolve_backend(backend, k, k_cache, slot_mapping)
+    name = resolve_backend(backend, k, k_cache, slot_mapping, op="insert")
     if validate and _concrete(k, slot_mapping):
         kk = np.asarray(jnp.asarray(k[:n], jnp.float32))
         bad = ~np.isfinite(kk)
@@ -325,6 +357,10 @@ def dequantize_and_gather_k_cache(
     bt = block_table[:R].astype(jnp.int32)
     if name == "xla":
         return _gather_xla(out, k_cache, seq, glen, bt, S, offset)
+    if name == "cpu":
+        from dsv4_jax.kernels import cpu_kvcache
+
+        return cpu_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
     return _gather_pallas(out, k_cache, seq, glen, bt, S, offset, interpret=name == "pallas_interpret")
 
 

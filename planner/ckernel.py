@@ -43,6 +43,7 @@ from planner.kvcache import HEAD_DIM, NOPE_DIM, SLOT_DATA_BYTES, SLOT_SCALE_BYTE
 C_SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
+#include <stddef.h>
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
@@ -79,33 +80,27 @@ static void decode_group_exact(const uint8_t *restrict d, uint16_t *restrict o, 
     for (int j = 0; j < 64; j++) o[j] = exact_bits(d[j], byte);
 }
 
-/* Whether a group of 64 e4m3 bytes holds a subnormal (1..7) or NaN (0x7F) code. */
-static inline int group_has_special(const uint8_t *restrict d) {
-    u8x16 acc = {0};
-    for (int j = 0; j < 64; j += 16) {
-        u8x16 xb;
-        memcpy(&xb, d + j, 16);
-        u8x16 c = xb & 0x7F;
-        acc |= (u8x16)((u8x16)(c - 1) < 7) | (u8x16)(c == 0x7F);
-    }
-    uint64_t w[2];
-    memcpy(w, &acc, 16);
-    return (w[0] | w[1]) != 0;
-}
-
-/* Scale bytes 10..246 (k = byte - 127 in [-117, 119]), normal and zero codes only:
-   sign | (code ? (code << 4) + (120 + k) << 7 : 0). */
-static void decode_group_normal(const uint8_t *restrict d, uint16_t *restrict o, int k) {
+/* Scale bytes 10..246 (k = byte - 127 in [-117, 119]), the common case first: for normal and
+   zero codes the bits are sign | (code ? (code << 4) + (120 + k) << 7 : 0). Returns nonzero when
+   the group held a subnormal (1..7) or NaN (0x7F) code, whose lanes this form gets wrong: the
+   caller then redoes the group with decode_group_vector. */
+static int decode_group_normal(const uint8_t *restrict d, uint16_t *restrict o, int k) {
     const u16x16 cn = (u16x16){0} + (uint16_t)((120 + k) << 7);
+    u8x16 special = {0};
     for (int j = 0; j < 64; j += 16) {
         u8x16 xb;
         memcpy(&xb, d + j, 16);
+        u8x16 cb = xb & 0x7F;
+        special |= (u8x16)((u8x16)(cb - 1) < 7) | (u8x16)(cb == 0x7F);
         u16x16 x = __builtin_convertvector(xb, u16x16);
         u16x16 code = x & 0x7F;
         u16x16 nz = (u16x16)((i16x16)code != 0);
         u16x16 r = (nz & ((code << 4) + cn)) | ((x << 8) & 0x8000);
         memcpy(o + j, &r, 32);
     }
+    uint64_t w[2];
+    memcpy(w, &special, 16);
+    return (w[0] | w[1]) != 0;
 }
 
 /* Scale bytes 10..246, any code: subnormal codes m = 1..7 (m * 2^-9) get exponent
@@ -136,48 +131,79 @@ static void decode_row_bf16(const uint8_t *restrict d, const uint8_t *restrict s
     for (int g = 0; g < 7; g++) {
         int byte = sc[g];
         if (byte < 10 || byte > 246) decode_group_exact(d + 64 * g, o + 64 * g, byte);
-        else if (group_has_special(d + 64 * g)) decode_group_vector(d + 64 * g, o + 64 * g, byte - 127);
-        else decode_group_normal(d + 64 * g, o + 64 * g, byte - 127);
+        else if (decode_group_normal(d + 64 * g, o + 64 * g, byte - 127))
+            decode_group_vector(d + 64 * g, o + 64 * g, byte - 127);
     }
     memcpy(o + 448, d + 448, 128); /* RoPE dims: little-endian bf16 bytes */
 }
 
-static void write_row(void *out, int64_t o, int out_f32, const uint16_t *row) {
+#if defined(__SSE2__)
+#include <immintrin.h>
+#define HAVE_STREAM 1
+/* Non-temporal stores of n bytes (a multiple of 64) from an aligned buffer: a large gather's
+   output is not read back before it leaves the caches, so this skips reading every written line
+   first (the write-allocate), about a third of the memory traffic. */
+static inline void stream_bytes(void *dst, const void *src, int n) {
+#if defined(__AVX__)
+    if (((uintptr_t)dst & 31) == 0) {
+        for (int j = 0; j < n; j += 32)
+            _mm256_stream_si256((__m256i *)((char *)dst + j), _mm256_load_si256((const __m256i *)((const char *)src + j)));
+        return;
+    }
+#endif
+    if (((uintptr_t)dst & 15) == 0) {
+        for (int j = 0; j < n; j += 16)
+            _mm_stream_si128((__m128i *)((char *)dst + j), _mm_load_si128((const __m128i *)((const char *)src + j)));
+        return;
+    }
+    memcpy(dst, src, n);
+}
+#else
+#define HAVE_STREAM 0
+static inline void stream_bytes(void *dst, const void *src, int n) { memcpy(dst, src, n); }
+#endif
+
+static void write_row(void *out, int64_t o, int out_f32, const uint16_t *row, int stream) {
     if (out_f32) {
-        uint32_t *p = (uint32_t *)out + o;
-        for (int j = 0; j < 512; j++) p[j] = (uint32_t)row[j] << 16;
+        uint32_t t[512] __attribute__((aligned(64)));
+        for (int j = 0; j < 512; j++) t[j] = (uint32_t)row[j] << 16;
+        if (stream) stream_bytes((uint32_t *)out + o, t, 2048);
+        else memcpy((uint32_t *)out + o, t, 2048);
+    } else if (stream) {
+        stream_bytes((uint16_t *)out + o, row, 1024);
     } else {
         memcpy((uint16_t *)out + o, row, 1024);
     }
 }
 
-static void decode_to(void *out, int64_t o, int out_f32, const uint8_t *d, const uint8_t *sc) {
-    if (out_f32) {
-        uint16_t t[512];
+static void decode_to(void *out, int64_t o, int out_f32, const uint8_t *d, const uint8_t *sc, int stream) {
+    if (out_f32 || stream) {
+        uint16_t t[512] __attribute__((aligned(64)));
         decode_row_bf16(d, sc, t);
-        write_row(out, o, 1, t);
+        write_row(out, o, out_f32, t, stream);
     } else {
         decode_row_bf16(d, sc, (uint16_t *)out + o);
     }
 }
 
 static void nan_row(void *out, int64_t o, int out_f32) {
-    uint16_t t[512];
+    uint16_t t[512] __attribute__((aligned(64)));
     for (int j = 0; j < 512; j++) t[j] = NAN_BITS;
-    write_row(out, o, out_f32, t);
+    write_row(out, o, out_f32, t, 0);
 }
 
 static inline int64_t page_of(const void *bt, int bt_int64, int64_t i) {
     return bt_int64 ? ((const int64_t *)bt)[i] : (int64_t)((const int32_t *)bt)[i];
 }
 
-#define AHEAD 8 /* rows prefetched ahead: pages in block-table order are scattered */
+#define AHEAD 32 /* rows prefetched ahead: pages in block-table order are scattered */
 
 /* Rows [row0, row1) of the requests' rows laid back to back (cum: [R + 1] prefix sums of the
    gather lengths). Row i of request b is position seq[b] - (cum[b+1] - cum[b]) + i, read from
    page bt[b * bt_s0 + pos / S] slot pos % S, written at element out + b * out_s0 +
-   (offset + i) * out_s1 (bf16, or float32 holding the bf16 values) when offset + i < out_rows. */
-void dsv4_gather_dequant(void *out, int64_t out_s0, int64_t out_s1, int64_t out_rows, int out_f32,
+   (offset + i) * out_s1 (bf16, or float32 holding the bf16 values) when offset + i < out_rows.
+   stream: write with non-temporal stores (calls whose output is larger than the caches). */
+void dsv4_gather_dequant(void *out, int64_t out_s0, int64_t out_s1, int64_t out_rows, int out_f32, int stream,
                          const uint8_t *cache, int64_t page_stride, int64_t num_blocks, int64_t S,
                          const int64_t *seq, const int64_t *cum,
                          const void *bt, int bt_int64, int64_t bt_s0, int64_t bt_w,
@@ -220,19 +246,23 @@ void dsv4_gather_dequant(void *out, int64_t out_s0, int64_t out_s1, int64_t out_
                 if (blka < 0) { if (++pa_pos >= 0) { blka = 0; pa = 0; } }
                 else if (++pa == S) { pa = 0; blka++; }
             }
-            if (base) decode_to(out, o, out_f32, base + p * 576, base + S * 576 + p * 8);
+            if (base) decode_to(out, o, out_f32, base + p * 576, base + S * 576 + p * 8, stream);
             else nan_row(out, o, out_f32);
             if (blk < 0) { if (++pos >= 0) { blk = 0; p = 0; base = 0; } }
             else if (++p == S) { p = 0; blk++; }
         }
     }
+#if HAVE_STREAM
+    if (stream) _mm_sfence(); /* the streamed rows are visible before the call returns */
+#endif
 }
 """
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-std=c11", "-fno-math-errno")
-PARALLEL_ROWS = (
-    4096  # a call is split across threads only with at least this many rows per thread
-)
+# a call is split across threads only with at least this many rows per thread
+PARALLEL_ROWS = 4096
+# calls writing more than this many bytes use non-temporal stores (their output leaves the caches)
+STREAM_BYTES = 8 << 20
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -355,27 +385,10 @@ def gather_function():
             try:
                 fn = ctypes.CDLL(build_library("dsv4_kvcache")).dsv4_gather_dequant
                 i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-                fn.argtypes = [
-                    ptr,
-                    i64,
-                    i64,
-                    i64,
-                    i32,
-                    ptr,
-                    i64,
-                    i64,
-                    i64,
-                    ptr,
-                    ptr,
-                    ptr,
-                    i32,
-                    i64,
-                    i64,
-                    i64,
-                    i64,
-                    i64,
-                    i64,
-                ]
+                # out, out_s0, out_s1, out_rows, out_f32, stream, cache, page_stride, num_blocks, S,
+                # seq, cum, bt, bt_int64, bt_s0, bt_w, offset, R, row0, row1
+                fn.argtypes = [ptr, i64, i64, i64, i32, i32, ptr, i64, i64, i64,
+                               ptr, ptr, ptr, i32, i64, i64, i64, i64, i64, i64]  # fmt: skip
                 fn.restype = None
                 _state["fn"] = fn
             except Exception as e:  # noqa: BLE001 - any build failure is the reason

@@ -54,10 +54,19 @@ def test_insert_bytes_equal_reference(backend, S):
     assert got.dtype == jnp.uint8 and np.array_equal(np.asarray(got), want)
 
 
-@pytest.mark.parametrize("backend, S, offset", [("xla", 64, 3), ("pallas_interpret", 2, 0)])
+def _need(backend):
+    if backend == "cpu":
+        from dsv4_jax.kernels import cpu_kvcache
+
+        if (reason := cpu_kvcache.unavailable_reason()) is not None:
+            pytest.skip(f"the cpu backend's FFI kernel cannot be built here: {reason}")
+
+
+@pytest.mark.parametrize("backend, S, offset", [("xla", 64, 3), ("pallas_interpret", 2, 0), ("cpu", 64, 3), ("cpu", 2, 0)])
 def test_gather_equals_reference_on_any_bytes(backend, S, offset):
     """Random page bytes: every e4m3 code (NaN, subnormal) and scale byte 0..255; shuffled block
     tables. (Offset 0 with fewer rows than a kernel block: masked lanes must not clobber row 0.)"""
+    _need(backend)
     rng = np.random.default_rng(20 + S)
     nb = NB
     cache = rng.integers(0, 256, (nb, P.page_bytes(S)), dtype=np.uint8)
@@ -124,8 +133,10 @@ def test_torch_jax_numpy_agree():
     assert np.array_equal(to.float().numpy(), want, equal_nan=True)
 
 
-def test_under_jit_and_untrusted_values():
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
+def test_under_jit_and_untrusted_values(backend):
     """Under jit: same bytes; a slot outside the pages is dropped, a page outside k_cache reads NaN."""
+    _need(backend)
     S, nb = 2, 4
     rng = np.random.default_rng(9)
     k = jnp.asarray(tokens(rng, 6), jnp.bfloat16)
@@ -136,7 +147,7 @@ def test_under_jit_and_untrusted_values():
     want = np.zeros((nb, P.page_bytes(S)), np.uint8)
     P.quantize_and_insert_k_cache(np.asarray(k.astype(jnp.float32)), want, np.array([0, 1, 2, -1, -1, 7]), S)
     assert np.array_equal(got, want)
-    gather = jax.jit(functools.partial(JK.dequantize_and_gather_k_cache, block_size=S, offset=1, backend="xla"))
+    gather = jax.jit(functools.partial(JK.dequantize_and_gather_k_cache, block_size=S, offset=1, backend=backend))
     out = gather(jnp.zeros((1, 5, 512), jnp.bfloat16), jnp.asarray(got), jnp.asarray([4], jnp.int32), None,
                  jnp.asarray([[1, 50]], jnp.int32))  # fmt: skip
     o = as_np(out)
@@ -179,3 +190,34 @@ def test_rejects():
         jax.jit(lambda o, off: JK.dequantize_and_gather_k_cache(o, cache, seq, None, bt, S, off))(out, 0)
     with pytest.raises(ValueError, match="backend"):
         JK.dequantize_and_gather_k_cache(out, cache, seq, None, bt, S, 0, backend="cuda")
+
+
+def test_cpu_backend_is_auto_on_cpu_equals_xla_and_donates():
+    """auto on CPU = the C kernel for gathers (xla for the writer); its bits equal the xla path's
+    on written pages and on any bytes, traced lengths included; a donated out is reused."""
+    _need("cpu")
+    from dsv4_jax.attention import BackendUnavailableError
+
+    S, nb = 16, 6
+    cache = jnp.zeros((nb, P.page_bytes(S)), jnp.uint8)
+    assert JK.resolve_backend("auto", cache) == "cpu"
+    assert JK.resolve_backend("auto", cache, op="insert") == "xla"
+    with pytest.raises(BackendUnavailableError, match="gather only"):
+        JK.quantize_and_insert_k_cache(jnp.zeros((1, 512), jnp.bfloat16), cache, jnp.asarray([0]), S, backend="cpu")
+    with pytest.raises(ValueError, match="op"):
+        JK.resolve_backend("auto", cache, op="write")
+    rng = np.random.default_rng(31)
+    written = JK.quantize_and_insert_k_cache(jnp.asarray(tokens(rng, nb * S), jnp.bfloat16), cache, jnp.arange(nb * S), S)
+    random = jnp.asarray(rng.integers(0, 256, (nb, P.page_bytes(S)), dtype=np.uint8))
+    seq, gl = jnp.asarray([nb * S, 7, 3 * S], jnp.int32), jnp.asarray([nb * S - 2, 7, S + 3], jnp.int32)
+    bt = jnp.asarray(np.stack([rng.permutation(nb) for _ in range(3)]).astype(np.int32))
+    shape = (3, nb * S + 1, 512)
+    for pages in (written, random):
+        outs = {}
+        for backend in ("xla", "cpu"):
+            f = jax.jit(lambda o, c, s, g, b, backend=backend: JK.dequantize_and_gather_k_cache(o, c, s, g, b, S, 1, backend=backend),
+                        donate_argnums=0)  # fmt: skip
+            outs[backend] = f(jnp.full(shape, 5.0, jnp.bfloat16), pages, seq, gl, bt)
+        a, b = (np.asarray(jax.lax.bitcast_convert_type(outs[k], jnp.uint16)) for k in ("xla", "cpu"))
+        nan = np.isnan(as_np(outs["xla"]))
+        assert np.array_equal(a[~nan], b[~nan]) and np.array_equal(nan, np.isnan(as_np(outs["cpu"])))

@@ -67,11 +67,15 @@ def gather_dequant(out: torch.Tensor, k_cache: torch.Tensor, seq: torch.Tensor, 
     n = int(cum[-1])
     if n == 0:
         return
-    args = (out.data_ptr(), out.stride(0), out.stride(1), out.shape[1], int(out.dtype == torch.float32),
+    stream = int(n * out.shape[2] * out.element_size() > ckernel.STREAM_BYTES)
+    args = (out.data_ptr(), out.stride(0), out.stride(1), out.shape[1], int(out.dtype == torch.float32), stream,
             k_cache.data_ptr(), k_cache.stride(0), k_cache.shape[0], S, seq64.ctypes.data, cum.ctypes.data,
             bt.data_ptr(), int(bt.dtype == torch.int64), bt.stride(0), bt.shape[1], offset, R)  # fmt: skip
     ranges = ckernel.row_ranges(n, threads or torch.get_num_threads())
     if len(ranges) == 1:
         fn(*args, 0, n)
         return
-    list(_executor(len(ranges)).map(lambda r: fn(*args, *r), ranges))
+    rest = [_executor(len(ranges) - 1).submit(fn, *args, *r) for r in ranges[1:]]
+    fn(*args, *ranges[0])  # the calling thread takes the first range
+    for f in rest:
+        f.result()

@@ -1,0 +1,142 @@
+"""The `fp8_ds_mla` gather-dequantize on CPU arrays: `planner.ckernel`'s C kernel as an XLA FFI call.
+
+The same kernel the torch package calls through ctypes, here a custom call XLA runs on the
+host: usable under `jax.jit` (the per-request arrays can be traced), `out` aliased to the result
+(donate it to update in place). The handler splits large calls into row ranges on `threads`
+std::threads. Built once per machine with the system C and C++ compilers against jaxlib's
+FFI headers (`jax.ffi.include_dir()`); where that cannot be done, `unavailable_reason()` says
+why and `dsv4_jax.kvcache` keeps its xla path (the same bits).
+
+Bounds: the kernel checks every page id and position against the arrays' sizes, so traced
+values that validation could not see give NaN rows, never a stray read or write.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from planner import ckernel
+
+TARGET = "dsv4_gather_dequant"
+
+CXX_SOURCE = r"""
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+extern "C" void dsv4_gather_dequant(void *out, int64_t out_s0, int64_t out_s1, int64_t out_rows, int out_f32, int stream,
+                                    const uint8_t *cache, int64_t page_stride, int64_t num_blocks, int64_t S,
+                                    const int64_t *seq, const int64_t *cum, const void *bt, int bt_int64,
+                                    int64_t bt_s0, int64_t bt_w, int64_t offset, int64_t R, int64_t row0,
+                                    int64_t row1);
+
+// out_in bf16 [R', rows, 512] (aliased to out), cache u8 [num_blocks, page_bytes], seq / glen
+// s32 [R], bt s32 [R, B]: vLLM's dequantize_and_gather_k_cache.
+static ffi::Error Gather(ffi::Buffer<ffi::BF16> out_in, ffi::Buffer<ffi::U8> cache, ffi::Buffer<ffi::S32> seq,
+                         ffi::Buffer<ffi::S32> glen, ffi::Buffer<ffi::S32> bt, ffi::ResultBuffer<ffi::BF16> out,
+                         int64_t block_size, int64_t offset, int64_t threads, int64_t min_rows,
+                         int64_t stream_bytes) {
+    void *o = out->untyped_data();
+    if (o != out_in.untyped_data()) std::memcpy(o, out_in.untyped_data(), out_in.size_bytes());
+    auto od = out_in.dimensions();
+    auto cd = cache.dimensions();
+    auto bd = bt.dimensions();
+    if (od.size() != 3 || od[2] != 512 || cd.size() != 2 || bd.size() != 2)
+        return ffi::Error::InvalidArgument("dsv4_gather_dequant: expected out [R, rows, 512], 2-D pages and block table");
+    const int64_t R = static_cast<int64_t>(seq.element_count());
+    if (static_cast<int64_t>(glen.element_count()) != R || bd[0] < R || od[0] < R)
+        return ffi::Error::InvalidArgument("dsv4_gather_dequant: seq_lens, gather_lens, block_table, out disagree on R");
+    std::vector<int64_t> s64(R), cum(R + 1, 0);
+    const int32_t *sp = seq.typed_data(), *gp = glen.typed_data();
+    for (int64_t i = 0; i < R; i++) {
+        s64[i] = sp[i];
+        cum[i + 1] = cum[i] + std::max<int64_t>(gp[i], 0);
+    }
+    const int64_t n = cum[R];
+    if (n == 0) return ffi::Error::Success();
+    const int stream = n * 1024 > stream_bytes;
+    auto run = [&](int64_t a, int64_t b) {
+        dsv4_gather_dequant(o, od[1] * 512, 512, od[1], 0, stream, cache.typed_data(), cd[1], cd[0], block_size, s64.data(),
+                            cum.data(), bt.typed_data(), 0, bd[1], bd[1], offset, R, a, b);
+    };
+    int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, n / std::max<int64_t>(min_rows, 1)));
+    if (t == 1) {
+        run(0, n);
+        return ffi::Error::Success();
+    }
+    std::vector<std::thread> pool;
+    for (int64_t k = 1; k < t; k++) pool.emplace_back(run, n * k / t, n * (k + 1) / t);
+    run(0, n / t);
+    for (auto &th : pool) th.join();
+    return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4GatherDequant, Gather,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("min_rows")
+                                  .Attr<int64_t>("stream_bytes"));
+"""
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _register():
+    with _lock:
+        if "ok" in _state or "error" in _state:
+            return
+        try:
+            lib = ctypes.CDLL(ckernel.build_library("dsv4_kvcache_jax", CXX_SOURCE, (jax.ffi.include_dir(),)))
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Dsv4GatherDequant), platform="cpu")
+            _state["lib"] = lib  # keep the library loaded
+            _state["ok"] = True
+        except Exception as e:  # noqa: BLE001 - any build or registration failure is the reason
+            _state["error"] = f"{type(e).__name__}: {e}"
+
+
+def unavailable_reason() -> str | None:
+    """None when the FFI kernel is registered (or registers now); else why it cannot run here."""
+    _register()
+    return _state.get("error")
+
+
+def threads() -> int:
+    """Threads one call may use: the CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def gather_dequant(out, k_cache, seq, glen, bt, S: int, offset: int):
+    """out bf16 [R', rows, 512] with rows of the requests written (a new array; donate `out`
+    to reuse its buffer): seq / glen / bt int32 ([R], [R], [R, B]), k_cache uint8 2-D pages."""
+    if unavailable_reason() is not None:
+        from dsv4_jax.attention import BackendUnavailableError
+
+        raise BackendUnavailableError(f"backend 'cpu' cannot run here: {_state['error']}")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(out.shape, out.dtype), input_output_aliases={0: 0})
+    return call(out, k_cache, seq.astype(jnp.int32), glen.astype(jnp.int32), bt.astype(jnp.int32),
+                block_size=np.int64(S), offset=np.int64(offset), threads=np.int64(threads()),
+                min_rows=np.int64(ckernel.PARALLEL_ROWS), stream_bytes=np.int64(ckernel.STREAM_BYTES))  # fmt: skip
