@@ -339,6 +339,11 @@ def _gather_region(ws, src, f: _Fields, region_start, s0, s1, dst_offset, src_st
     goes to workspace row seg_row_base[s] + dst_offset + j and comes from entry
     (src_start[s] if given else 0) + j of request seg_request[s].
     """
+    if isinstance(src, PagedKV) and src.fp8 and _cpu_gather():
+        from dsv4_jax.kernels import cpu_kvcache
+
+        return cpu_kvcache.gather_segments(ws, src.pages, src.block_table, region_start, f.seg_request,
+                                           f.seg_row_base, src_start, s0, s1, dst_offset, src.page_size)  # fmt: skip
     first = region_start[s0]
     count = region_start[s1] - first
 
@@ -354,6 +359,13 @@ def _gather_region(ws, src, f: _Fields, region_start, s0, s1, dst_offset, src_st
         return ws.at[dst].set(rows, mode="drop")
 
     return _run_ladder(count, ladder, tile, ws)
+
+
+def _cpu_gather() -> bool:
+    """Whether fp8_ds_mla pages are gathered by the C kernel (an XLA FFI call): on the CPU
+    platform (where a jitted call runs) when it builds; else by the tiles' exact decode (the
+    same bits)."""
+    return jax_kvcache.resolve_backend("auto") == "cpu"
 
 
 def _gather_chunk(ws, f: _Fields, c, raw, comp, shape: KindShape):

@@ -107,3 +107,35 @@ def test_fp8_bad_inputs():
     packed = JP.LogicalKV(raw.pages.reshape(-1)[: 10 * 512].reshape(10, 512), np.zeros(3, np.int32))
     with pytest.raises(TypeError, match=r"raw_kv: dtype uint8 differs from q's float32 \(fp8_ds_mla bytes come as PagedKV"):
         call(packed)
+
+
+def test_cpu_gather_path_equals_tile_decode(monkeypatch):
+    """On CPU the prefill gathers fp8 pages with the C kernel (an XLA FFI call, where it builds):
+    the same bits as the tiles' exact decode it replaces, workspace and layer output."""
+    import jax
+
+    from dsv4_jax.kernels import cpu_kvcache
+
+    if (reason := cpu_kvcache.unavailable_reason()) is not None:
+        pytest.skip(f"the cpu backend's FFI kernel cannot be built here: {reason}")
+    assert JP._cpu_gather()
+    case, raw, comp = fp8_cases(4)[1]
+    step, m = _meta(case, budget_rows=max(case.seq_lens) // 4 + case.window_size + 13)
+    meta = m[case.kind]
+    kw = dict(sm_scale=case.sm_scale, attn_sink=case.sink, topk_indices=m.pad_tokens(case.topk_rows), backend="xla")
+    q = jnp.asarray(m.pad_tokens(case.q))
+    calls = []
+    real = cpu_kvcache.gather_segments
+    monkeypatch.setattr(cpu_kvcache, "gather_segments", lambda *a: calls.append(1) or real(*a))
+    jax.clear_caches()  # the jitted layer call / gathers trace again, with and without the kernel
+    got = {dt: np.asarray(JP.prefill_attention(q.astype(dt), meta, _fp8(raw), _fp8(comp), **kw)) for dt in (jnp.float32, jnp.bfloat16)}
+    ws = [np.asarray(JP.gather_workspace(meta, c, _fp8(raw), _fp8(comp))) for c in range(step[case.kind].num_chunks)]
+    assert calls  # the kernel ran
+    monkeypatch.setattr(JP, "_cpu_gather", lambda: False)
+    jax.clear_caches()
+    for dt, g in got.items():
+        assert np.array_equal(np.asarray(JP.prefill_attention(q.astype(dt), meta, _fp8(raw), _fp8(comp), **kw)), g), dt
+    for c, w in enumerate(ws):
+        want = np.asarray(JP.gather_workspace(meta, c, _fp8(raw), _fp8(comp)))
+        assert np.array_equal(want.view(np.uint16), w.view(np.uint16)), c
+    jax.clear_caches()

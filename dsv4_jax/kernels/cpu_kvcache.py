@@ -24,6 +24,7 @@ import numpy as np
 from planner import ckernel
 
 TARGET = "dsv4_gather_dequant"
+SEGMENTS_TARGET = "dsv4_gather_segments"
 
 CXX_SOURCE = r"""
 #include <algorithm>
@@ -83,6 +84,73 @@ static ffi::Error Gather(ffi::Buffer<ffi::BF16> out_in, ffi::Buffer<ffi::U8> cac
     return ffi::Error::Success();
 }
 
+// The prefill's gather of one region of one chunk into the flat workspace (rows, 512), bf16
+// or float32: segment s in [s0, s1) owns region rows region_start[s] .. region_start[s + 1];
+// its row j is entry start[s] + j of request seg_request[s], written to workspace row
+// seg_row_base[s] + dst_offset + j. bounds = (s0, s1, dst_offset), traced.
+static ffi::Error GatherSegments(ffi::AnyBuffer ws_in, ffi::Buffer<ffi::U8> cache, ffi::Buffer<ffi::S32> bt,
+                                 ffi::Buffer<ffi::S32> region_start, ffi::Buffer<ffi::S32> seg_request,
+                                 ffi::Buffer<ffi::S32> seg_row_base, ffi::Buffer<ffi::S32> start,
+                                 ffi::Buffer<ffi::S32> bounds, ffi::Result<ffi::AnyBuffer> ws, int64_t block_size,
+                                 int64_t threads, int64_t min_rows, int64_t stream_bytes) {
+    void *o = ws->untyped_data();
+    if (o != ws_in.untyped_data()) std::memcpy(o, ws_in.untyped_data(), ws_in.size_bytes());
+    auto wd = ws_in.dimensions();
+    auto cd = cache.dimensions();
+    auto bd = bt.dimensions();
+    const bool f32 = ws_in.element_type() == ffi::DataType::F32;
+    if (!f32 && ws_in.element_type() != ffi::DataType::BF16)
+        return ffi::Error::InvalidArgument("dsv4_gather_segments: the workspace must be bfloat16 or float32");
+    if (wd.size() != 2 || wd[1] != 512 || cd.size() != 2 || bd.size() != 2 || bounds.element_count() != 3)
+        return ffi::Error::InvalidArgument("dsv4_gather_segments: expected ws [rows, 512], 2-D pages and block table");
+    const int64_t L = static_cast<int64_t>(seg_request.element_count());
+    const int64_t nrs = static_cast<int64_t>(region_start.element_count());
+    const int32_t *b = bounds.typed_data();
+    const int64_t s0 = std::max<int64_t>(b[0], 0), s1 = std::min<int64_t>({(int64_t)b[1], L, nrs - 1}), dst = b[2];
+    if (s1 <= s0) return ffi::Error::Success();
+    const int32_t *rs = region_start.typed_data(), *req = seg_request.typed_data(), *base = seg_row_base.typed_data();
+    const int32_t *st = start.typed_data();
+    const int64_t nst = static_cast<int64_t>(start.element_count());
+    const int64_t first = rs[s0], n = rs[s1] - first;
+    if (n <= 0) return ffi::Error::Success();
+    const int stream = n * 512 * (f32 ? 4 : 2) > stream_bytes;
+    const int64_t esize = f32 ? 4 : 2;
+    auto run = [&](int64_t a, int64_t e) {  // flat region rows [first + a, first + e)
+        for (int64_t s = s0; s < s1; s++) {
+            int64_t lo = std::max<int64_t>(rs[s] - first, a), hi = std::min<int64_t>(rs[s + 1] - first, e);
+            if (hi <= lo) continue;
+            int64_t r = req[s], g = rs[s + 1] - rs[s], row = (int64_t)base[s] + dst;
+            if (r < 0 || r >= bd[0] || row < 0 || row > wd[0]) continue;  // not in the arrays: nothing to do
+            int64_t seq1 = (s < nst ? st[s] : 0) + g, cum1[2] = {0, g};
+            dsv4_gather_dequant((char *)o + row * 512 * esize, 0, 512, wd[0] - row, f32, stream, cache.typed_data(),
+                                cd[1], cd[0], block_size, &seq1, cum1, bt.typed_data() + r * bd[1], 0, 0, bd[1], 0, 1,
+                                lo - (rs[s] - first), hi - (rs[s] - first));
+        }
+    };
+    int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, n / std::max<int64_t>(min_rows, 1)));
+    std::vector<std::thread> pool;
+    for (int64_t k = 1; k < t; k++) pool.emplace_back(run, n * k / t, n * (k + 1) / t);
+    run(0, n / t);
+    for (auto &th : pool) th.join();
+    return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4GatherSegments, GatherSegments,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("min_rows")
+                                  .Attr<int64_t>("stream_bytes"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4GatherDequant, Gather,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
@@ -109,6 +177,7 @@ def _register():
         try:
             lib = ctypes.CDLL(ckernel.build_library("dsv4_kvcache_jax", CXX_SOURCE, (jax.ffi.include_dir(),)))
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Dsv4GatherDequant), platform="cpu")
+            jax.ffi.register_ffi_target(SEGMENTS_TARGET, jax.ffi.pycapsule(lib.Dsv4GatherSegments), platform="cpu")
             _state["lib"] = lib  # keep the library loaded
             _state["ok"] = True
         except Exception as e:  # noqa: BLE001 - any build or registration failure is the reason
@@ -139,4 +208,23 @@ def gather_dequant(out, k_cache, seq, glen, bt, S: int, offset: int):
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(out.shape, out.dtype), input_output_aliases={0: 0})
     return call(out, k_cache, seq.astype(jnp.int32), glen.astype(jnp.int32), bt.astype(jnp.int32),
                 block_size=np.int64(S), offset=np.int64(offset), threads=np.int64(threads()),
+                min_rows=np.int64(ckernel.PARALLEL_ROWS), stream_bytes=np.int64(ckernel.STREAM_BYTES))  # fmt: skip
+
+
+def gather_segments(ws, k_cache, block_table, region_start, seg_request, seg_row_base, start, s0, s1, dst_offset, S: int):
+    """The prefill's gather of one region of one chunk into the workspace `ws` (rows, 512), bf16
+    or float32 (a new array, aliased): segment s in [s0, s1) owns region rows region_start[s] ..
+    region_start[s + 1] - 1; its row j is entry start[s] + j (start None: j) of request
+    seg_request[s], dequantized into ws row seg_row_base[s] + dst_offset + j. s0, s1,
+    dst_offset may be traced; nothing outside the arrays is read or written."""
+    if unavailable_reason() is not None:
+        from dsv4_jax.attention import BackendUnavailableError
+
+        raise BackendUnavailableError(f"backend 'cpu' cannot run here: {_state['error']}")
+    i32 = jnp.int32
+    start = jnp.zeros((1,), i32) if start is None else start.astype(i32)
+    bounds = jnp.stack([jnp.asarray(s0, i32), jnp.asarray(s1, i32), jnp.asarray(dst_offset, i32)])
+    call = jax.ffi.ffi_call(SEGMENTS_TARGET, jax.ShapeDtypeStruct(ws.shape, ws.dtype), input_output_aliases={0: 0})
+    return call(ws, k_cache, block_table.astype(i32), region_start.astype(i32), seg_request.astype(i32),
+                seg_row_base.astype(i32), start, bounds, block_size=np.int64(S), threads=np.int64(threads()),
                 min_rows=np.int64(ckernel.PARALLEL_ROWS), stream_bytes=np.int64(ckernel.STREAM_BYTES))  # fmt: skip
