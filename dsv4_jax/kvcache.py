@@ -49,7 +49,9 @@ from planner.kvcache import (
 )
 
 __all__ = [
+    "BACKENDS",
     "copy_slots",
+    "cpu_unavailable_reason",
     "dequantize_and_gather_k_cache",
     "page_bytes",
     "quantize_and_insert_k_cache",
@@ -59,7 +61,15 @@ __all__ = [
 _INT_DTYPES = (jnp.dtype(jnp.int32), jnp.dtype(jnp.int64), jnp.dtype(jnp.uint32))
 
 
+BACKENDS = ("xla", "pallas_triton", "pallas_interpret", "cpu")  # and "auto", "pallas"
 OPS = ("gather", "insert")
+
+
+def cpu_unavailable_reason() -> str | None:
+    """Why the C gather kernel (backend "cpu") cannot run on this machine (None: it can)."""
+    from dsv4_jax.kernels import cpu_kvcache
+
+    return cpu_kvcache.unavailable_reason()
 
 
 def resolve_backend(backend: str = "auto", *arrays, op: str = "gather") -> str:
