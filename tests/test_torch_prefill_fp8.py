@@ -97,7 +97,7 @@ def test_triton_gather_path_equals_reference(monkeypatch):
         pytest.skip("the triton backend needs a CUDA GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it on CPU)")
     case, raw, comp = fp8_case("fp8-triton", [70, 33, 5], [6, 33, 5], 4, seed=7, window_size=8, H=2)
     want = {dt: run(case, _fp8(raw), _fp8(comp), dtype=dt)[0] for dt in (torch.float32, torch.bfloat16)}
-    monkeypatch.setattr(TK, "resolve_backend", lambda backend="auto", k_cache=None: "triton")
+    monkeypatch.setattr(TK, "resolve_backend", lambda backend="auto", k_cache=None, op="gather": "triton")
     for dt, w in want.items():
         out, meta = run(case, _fp8(raw), _fp8(comp), dtype=dt)
         assert torch.equal(out, w), dt
