@@ -340,12 +340,7 @@ def dequantize_and_gather_k_cache(
         if x.ndim != ndim:
             raise ValueError(f"{name}: expected a {ndim}-D array, got shape {tuple(x.shape)}")
     R = seq_lens.shape[0]
-    if gather_lens is not None and gather_lens.shape[0] != R:
-        raise ValueError(f"gather_lens: expected {R} entries (one per request, as seq_lens), got {gather_lens.shape[0]}")
-    if block_table.shape[0] < R:
-        raise ValueError(f"block_table: expected >= {R} rows (one per request), got shape {tuple(block_table.shape)}")
-    if out.shape[0] < R:
-        raise ValueError(f"out: expected >= {R} requests in dim 0, got shape {tuple(out.shape)}")
+    ref.check_request_shapes(R, None if gather_lens is None else gather_lens.shape[0], block_table.shape, out.shape)
     try:
         offset = ref._int_scalar(offset, "offset", minimum=0)
     except ValueError:

@@ -280,12 +280,7 @@ def dequantize_and_gather_k_cache(
         if x.ndim != ndim:
             raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(x.shape)}")
     R = seq_lens.shape[0]
-    if gather_lens is not None and gather_lens.shape[0] != R:
-        raise ValueError(f"gather_lens: expected {R} entries (one per request, as seq_lens), got {gather_lens.shape[0]}")
-    if block_table.shape[0] < R:
-        raise ValueError(f"block_table: expected >= {R} rows (one per request), got shape {tuple(block_table.shape)}")
-    if out.shape[0] < R:
-        raise ValueError(f"out: expected >= {R} requests in dim 0, got shape {tuple(out.shape)}")
+    ref.check_request_shapes(R, None if gather_lens is None else gather_lens.shape[0], block_table.shape, out.shape)
     if isinstance(offset, bool) or not isinstance(offset, numbers.Integral) or offset < 0:
         raise ValueError(f"offset: expected an integer >= 0, got {offset!r}")
     offset = int(offset)

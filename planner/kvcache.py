@@ -174,6 +174,18 @@ def gather_positions(seq_lens, gather_lens, block_table, S, num_blocks, out_shap
     return req, (page, p % S, off + i)
 
 
+def check_request_shapes(R: int, gather_lens_len: int | None, block_table_shape, out_shape) -> None:
+    """The per-request arrays' shapes agree with each other and with out (no values read): R
+    requests in seq_lens, as many gather_lens (None: not given), >= R block-table rows and
+    >= R requests in out. Raises ValueError naming the argument."""
+    if gather_lens_len is not None and gather_lens_len != R:
+        raise ValueError(f"gather_lens: expected {R} entries (one per request, as seq_lens), got {gather_lens_len}")
+    if block_table_shape[0] < R:
+        raise ValueError(f"block_table: expected >= {R} rows (one per request), got shape {tuple(block_table_shape)}")
+    if out_shape[0] < R:
+        raise ValueError(f"out: expected >= {R} requests in dim 0, got shape {tuple(out_shape)}")
+
+
 def check_gather_args(seq_lens, gather_lens, block_table, S, num_blocks, out_shape, offset):
     """Check a gather's per-request arrays against the pages and `out`'s shape, O(R * max_blocks).
 
@@ -185,12 +197,10 @@ def check_gather_args(seq_lens, gather_lens, block_table, S, num_blocks, out_sha
     if np.any(seq < 0):
         b = int(np.flatnonzero(seq < 0)[0])
         raise ValueError(f"seq_lens: must be >= 0, got seq_lens[{b}] = {int(seq[b])}")
-    if gather_lens is None:
-        g = seq
-    else:
-        g = _int_vector(gather_lens, "gather_lens")
-        if g.shape[0] != R:
-            raise ValueError(f"gather_lens: expected {R} entries (one per request, as seq_lens), got {g.shape[0]}")
+    g = seq if gather_lens is None else _int_vector(gather_lens, "gather_lens")
+    bt = _int_matrix(block_table, "block_table")
+    check_request_shapes(R, None if gather_lens is None else g.shape[0], bt.shape, out_shape)
+    if gather_lens is not None:
         bad = np.flatnonzero((g < 0) | (g > seq))
         if bad.size:
             b = int(bad[0])
@@ -198,11 +208,6 @@ def check_gather_args(seq_lens, gather_lens, block_table, S, num_blocks, out_sha
                 f"gather_lens: must lie in [0, seq_lens[b]], got gather_lens[{b}] = {int(g[b])} "
                 f"with seq_lens[{b}] = {int(seq[b])}"
             )
-    bt = _int_matrix(block_table, "block_table")
-    if bt.shape[0] < R:
-        raise ValueError(f"block_table: expected >= {R} rows (one per request), got shape {bt.shape}")
-    if out_shape[0] < R:
-        raise ValueError(f"out: expected >= {R} requests in dim 0, got shape {tuple(out_shape)}")
     off = _int_scalar(offset, "offset", minimum=0)
     if R and int(g.max(initial=0)) + off > out_shape[1]:
         b = int(np.argmax(g))

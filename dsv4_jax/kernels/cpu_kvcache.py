@@ -37,6 +37,17 @@ CXX_SOURCE = r"""
 
 namespace ffi = xla::ffi;
 
+// Rows [0, n) in `t` contiguous ranges (t = threads, fewer for small calls), run(a, b) each:
+// t - 1 std::threads and the calling one.
+template <class F>
+static void parallel_rows(int64_t n, int64_t threads, int64_t min_rows, F run) {
+    const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, n / std::max<int64_t>(min_rows, 1)));
+    std::vector<std::thread> pool;
+    for (int64_t k = 1; k < t; k++) pool.emplace_back(run, n * k / t, n * (k + 1) / t);
+    run(0, n / t);
+    for (auto &th : pool) th.join();
+}
+
 extern "C" void dsv4_gather_dequant(void *out, int64_t out_s0, int64_t out_s1, int64_t out_rows, int out_f32, int stream,
                                     const uint8_t *cache, int64_t page_stride, int64_t num_blocks, int64_t S,
                                     const int64_t *seq, const int64_t *cum, const void *bt, int bt_int64,
@@ -72,15 +83,7 @@ static ffi::Error Gather(ffi::Buffer<ffi::BF16> out_in, ffi::Buffer<ffi::U8> cac
         dsv4_gather_dequant(o, od[1] * 512, 512, od[1], 0, stream, cache.typed_data(), cd[1], cd[0], block_size, s64.data(),
                             cum.data(), bt.typed_data(), 0, bd[1], bd[1], offset, R, a, b);
     };
-    int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, n / std::max<int64_t>(min_rows, 1)));
-    if (t == 1) {
-        run(0, n);
-        return ffi::Error::Success();
-    }
-    std::vector<std::thread> pool;
-    for (int64_t k = 1; k < t; k++) pool.emplace_back(run, n * k / t, n * (k + 1) / t);
-    run(0, n / t);
-    for (auto &th : pool) th.join();
+    parallel_rows(n, threads, min_rows, run);
     return ffi::Error::Success();
 }
 
@@ -127,11 +130,7 @@ static ffi::Error GatherSegments(ffi::AnyBuffer ws_in, ffi::Buffer<ffi::U8> cach
                                 lo - (rs[s] - first), hi - (rs[s] - first));
         }
     };
-    int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, n / std::max<int64_t>(min_rows, 1)));
-    std::vector<std::thread> pool;
-    for (int64_t k = 1; k < t; k++) pool.emplace_back(run, n * k / t, n * (k + 1) / t);
-    run(0, n / t);
-    for (auto &th : pool) th.join();
+    parallel_rows(n, threads, min_rows, run);
     return ffi::Error::Success();
 }
 
@@ -190,6 +189,13 @@ def unavailable_reason() -> str | None:
     return _state.get("error")
 
 
+def _require() -> None:
+    if unavailable_reason() is not None:
+        from dsv4_jax.attention import BackendUnavailableError
+
+        raise BackendUnavailableError(f"backend 'cpu' cannot run here: {_state['error']}")
+
+
 def threads() -> int:
     """Threads one call may use: the CPUs this process may run on."""
     try:
@@ -201,10 +207,7 @@ def threads() -> int:
 def gather_dequant(out, k_cache, seq, glen, bt, S: int, offset: int):
     """out bf16 [R', rows, 512] with rows of the requests written (a new array; donate `out`
     to reuse its buffer): seq / glen / bt int32 ([R], [R], [R, B]), k_cache uint8 2-D pages."""
-    if unavailable_reason() is not None:
-        from dsv4_jax.attention import BackendUnavailableError
-
-        raise BackendUnavailableError(f"backend 'cpu' cannot run here: {_state['error']}")
+    _require()
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(out.shape, out.dtype), input_output_aliases={0: 0})
     return call(out, k_cache, seq.astype(jnp.int32), glen.astype(jnp.int32), bt.astype(jnp.int32),
                 block_size=np.int64(S), offset=np.int64(offset), threads=np.int64(threads()),
@@ -217,10 +220,7 @@ def gather_segments(ws, k_cache, block_table, region_start, seg_request, seg_row
     region_start[s + 1] - 1; its row j is entry start[s] + j (start None: j) of request
     seg_request[s], dequantized into ws row seg_row_base[s] + dst_offset + j. s0, s1,
     dst_offset may be traced; nothing outside the arrays is read or written."""
-    if unavailable_reason() is not None:
-        from dsv4_jax.attention import BackendUnavailableError
-
-        raise BackendUnavailableError(f"backend 'cpu' cannot run here: {_state['error']}")
+    _require()
     i32 = jnp.int32
     start = jnp.zeros((1,), i32) if start is None else start.astype(i32)
     bounds = jnp.stack([jnp.asarray(s0, i32), jnp.asarray(s1, i32), jnp.asarray(dst_offset, i32)])
