@@ -1,29 +1,28 @@
-"""The C kernel of the `fp8_ds_mla` gather-dequantize for CPUs, shared by both frameworks.
+"""dsv4-prefill's CPU kernels (framework-free C/C++ in `planner/csrc/`), built once per machine.
 
-vLLM's reader, `dequantize_and_gather_k_cache` (layout: `planner/kvcache.py`), as one pass over
-the rows: each row's page comes from the block table, its 448 e4m3 bytes become the bf16
-`e4m3 * 2^(byte - 127)` (the NumPy reference's values bit for bit: float32 product, then
-round to nearest even), its 128 RoPE bytes are copied. No per-row metadata, no intermediates:
-every row is read once and written once. Framework-free (plain pointers): `dsv4_torch` calls it
-through ctypes (`dsv4_torch/kernels/cpu_kvcache.py`), `dsv4_jax` as an XLA FFI custom call
-(`dsv4_jax/kernels/cpu_kvcache.py`). `python -m bench.bench_kvcache` measures it beside a copy.
+Two kernels, one shared library, plain pointers (`planner/csrc/dsv4_cpu.h`), called by both
+frameworks: `dsv4_torch` through ctypes, `dsv4_jax` as XLA FFI custom calls
+(`dsv4_jax/kernels/csrc/cpu_ffi.cc`, built into its own copy of the library).
 
-Decode, per 64-dim group, all integer math (so a thread that flushes float subnormals, as XLA's
-CPU threads do, gets the same bits):
-- scale bytes 10..246 (every product is a normal bf16 or zero, exact): 16-lane vector code
-  (GCC/Clang vector types; AVX2 / NEON, nothing machine-specific in the source); groups with no
-  subnormal or NaN code take a shorter form;
-- other scale bytes (never written by vLLM's writer, which stores 105..247): a scalar exact
-  rounding, subnormal bf16 results and 2^128 = inf (byte 255) included.
+- `kvcache.c`: vLLM's `dequantize_and_gather_k_cache` for `fp8_ds_mla` pages (layout:
+  `planner/kvcache.py`) as one pass over the rows, the NumPy reference's bits. Each 64-dim group
+  is decoded with integer math only (a thread that flushes float subnormals, as XLA's CPU threads
+  do, gets the same bits): scale bytes 10..246 in 16-lane vector code (GCC/Clang vector types),
+  other scale bytes (never written by vLLM's writer) by an exact scalar rounding. Every read and
+  write is bounds-checked: a row whose position or block-table entry is not a page of the cache
+  comes out NaN, rows past `out_rows` are not written. `python -m bench.bench_kvcache`.
+- `attention.cc` + `attention_isa.cc`: the sparse-attention backend "cpu" (FlashMLA's contract),
+  on a flat workspace (`dsv4_sparse_attention`) or straight from the caches in a prefill
+  (`dsv4_prefill_attention`: bf16 / float32 rows or fp8_ds_mla pages, no workspace). The token
+  kernels are compiled once per instruction set (generic vector code, AVX2, AVX-512,
+  AVX512-BF16), each with its own flags, and chosen at run time from the CPU's features;
+  `DSV4_PREFILL_CPU_ISA=generic|avx2|avx512|avx512bf16` caps the choice (tests use it to run
+  every set the machine has).
 
-Bounds: every read and write is checked against the sizes passed in: a row whose position or
-block-table entry is not a page of the cache comes out NaN, rows past `out_rows` are not
-written. So a traced (unvalidated) call can never touch memory outside its arrays.
-
-Build: once per machine with the system C compiler (`$CC`, else `cc`; `-O3 -march=native`) into
-`$DSV4_PREFILL_CACHE` (default `~/.cache/dsv4_prefill`), keyed by the sources, flags, compiler
-version and the CPU's feature flags. No compiler or a failed build: `unavailable_reason()` says
-why, and both frameworks keep their array-op paths (the same bits).
+Build: with the system compilers (`$CC` / `$CXX`, else `cc` / `c++`) into `$DSV4_PREFILL_CACHE`
+(default `~/.cache/dsv4_prefill`), keyed by the sources, flags, compiler versions and the CPU's
+feature flags. No compiler or a failed build: `unavailable_reason()` says why, and "auto"
+keeps the array-op paths.
 """
 
 from __future__ import annotations
@@ -40,223 +39,6 @@ import threading
 
 from planner.kvcache import HEAD_DIM, NOPE_DIM, SLOT_DATA_BYTES, SLOT_SCALE_BYTES
 
-C_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-#include <stddef.h>
-
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef int16_t i16x16 __attribute__((vector_size(32)));
-
-#define NAN_BITS 0x7FC0u
-
-/* e4m3 byte b times 2^(byte - 127) as bf16 bits, exactly as float32 math then RTNE gives it
-   (the float32 product is exact for every scale byte <= 254), any scale byte. Integer only. */
-static uint16_t exact_bits(uint32_t b, int byte) {
-    uint32_t code = b & 0x7Fu, sign = (b & 0x80u) << 8;
-    if (code == 0x7Fu) return NAN_BITS;
-    if (byte == 255) return code == 0 ? NAN_BITS : (uint16_t)(sign | 0x7F80u); /* x * inf */
-    if (code == 0) return (uint16_t)sign;
-    int e = (int)(code >> 3);
-    int M = e ? 8 + (int)(code & 7u) : (int)(code & 7u);
-    int E = (e ? e : 1) - 10 + (byte - 127); /* value = M * 2^E */
-    while (M < 8) { M <<= 1; E -= 1; }
-    int x = E + 3; /* value = (M / 8) * 2^x, M in 8..15 */
-    if (x > 127) return (uint16_t)(sign | 0x7F80u);
-    if (x >= -126) return (uint16_t)(sign | ((uint32_t)(x + 127) << 7) | ((uint32_t)(M - 8) << 4));
-    /* a bf16 subnormal f * 2^-133: f = M * 2^(x + 130), rounded to nearest even */
-    int sh = x + 130, f;
-    if (sh >= 0) f = M << sh;
-    else if (-sh > 5) f = 0;
-    else {
-        int s = -sh, q = M >> s, rem = M & ((1 << s) - 1), half = 1 << (s - 1);
-        f = q + (rem > half || (rem == half && (q & 1)));
-    }
-    return (uint16_t)(sign | (uint32_t)f);
-}
-
-static void decode_group_exact(const uint8_t *restrict d, uint16_t *restrict o, int byte) {
-    for (int j = 0; j < 64; j++) o[j] = exact_bits(d[j], byte);
-}
-
-/* Scale bytes 10..246 (k = byte - 127 in [-117, 119]), the common case first: for normal and
-   zero codes the bits are sign | (code ? (code << 4) + (120 + k) << 7 : 0). Returns nonzero when
-   the group held a subnormal (1..7) or NaN (0x7F) code, whose lanes this form gets wrong: the
-   caller then redoes the group with decode_group_vector. */
-static int decode_group_normal(const uint8_t *restrict d, uint16_t *restrict o, int k) {
-    const u16x16 cn = (u16x16){0} + (uint16_t)((120 + k) << 7);
-    u8x16 special = {0};
-    for (int j = 0; j < 64; j += 16) {
-        u8x16 xb;
-        memcpy(&xb, d + j, 16);
-        u8x16 cb = xb & 0x7F;
-        special |= (u8x16)((u8x16)(cb - 1) < 7) | (u8x16)(cb == 0x7F);
-        u16x16 x = __builtin_convertvector(xb, u16x16);
-        u16x16 code = x & 0x7F;
-        u16x16 nz = (u16x16)((i16x16)code != 0);
-        u16x16 r = (nz & ((code << 4) + cn)) | ((x << 8) & 0x8000);
-        memcpy(o + j, &r, 32);
-    }
-    uint64_t w[2];
-    memcpy(w, &special, 16);
-    return (w[0] | w[1]) != 0;
-}
-
-/* Scale bytes 10..246, any code: subnormal codes m = 1..7 (m * 2^-9) get exponent
-   118 + k + h (h = 0, 1, 2 for m in 1, 2..3, 4..7) and fraction (m << (7 - h)) & 0x7F;
-   NaN codes 0x7FC0. */
-static void decode_group_vector(const uint8_t *restrict d, uint16_t *restrict o, int k) {
-    const u16x16 cn = (u16x16){0} + (uint16_t)((120 + k) << 7);
-    const u16x16 cs = (u16x16){0} + (uint16_t)((118 + k) << 7);
-    for (int j = 0; j < 64; j += 16) {
-        u8x16 xb;
-        memcpy(&xb, d + j, 16);
-        u16x16 x = __builtin_convertvector(xb, u16x16);
-        u16x16 code = x & 0x7F;
-        u16x16 sign = (x << 8) & 0x8000;
-        u16x16 norm = (code << 4) + cn;
-        i16x16 c = (i16x16)code;
-        u16x16 ge2 = (u16x16)(c > 1), ge4 = (u16x16)(c > 3), issub = (u16x16)(c < 8);
-        u16x16 nz = (u16x16)(c != 0), nan = (u16x16)(c == 0x7F);
-        u16x16 mul = 128 - (ge2 & 64) - (ge4 & 32);
-        u16x16 sub = (cs + ((ge2 & 128) + (ge4 & 128))) | ((code * mul) & 0x7F);
-        u16x16 v = (issub & nz & sub) | (~issub & norm);
-        u16x16 r = (nan & NAN_BITS) | (~nan & (v | sign));
-        memcpy(o + j, &r, 32);
-    }
-}
-
-static void decode_row_bf16(const uint8_t *restrict d, const uint8_t *restrict sc, uint16_t *restrict o) {
-    for (int g = 0; g < 7; g++) {
-        int byte = sc[g];
-        if (byte < 10 || byte > 246) decode_group_exact(d + 64 * g, o + 64 * g, byte);
-        else if (decode_group_normal(d + 64 * g, o + 64 * g, byte - 127))
-            decode_group_vector(d + 64 * g, o + 64 * g, byte - 127);
-    }
-    memcpy(o + 448, d + 448, 128); /* RoPE dims: little-endian bf16 bytes */
-}
-
-#if defined(__SSE2__)
-#include <immintrin.h>
-#define HAVE_STREAM 1
-/* Non-temporal stores of n bytes (a multiple of 64) from an aligned buffer: a large gather's
-   output is not read back before it leaves the caches, so this skips reading every written line
-   first (the write-allocate), about a third of the memory traffic. */
-static inline void stream_bytes(void *dst, const void *src, int n) {
-#if defined(__AVX__)
-    if (((uintptr_t)dst & 31) == 0) {
-        for (int j = 0; j < n; j += 32)
-            _mm256_stream_si256((__m256i *)((char *)dst + j), _mm256_load_si256((const __m256i *)((const char *)src + j)));
-        return;
-    }
-#endif
-    if (((uintptr_t)dst & 15) == 0) {
-        for (int j = 0; j < n; j += 16)
-            _mm_stream_si128((__m128i *)((char *)dst + j), _mm_load_si128((const __m128i *)((const char *)src + j)));
-        return;
-    }
-    memcpy(dst, src, n);
-}
-#else
-#define HAVE_STREAM 0
-static inline void stream_bytes(void *dst, const void *src, int n) { memcpy(dst, src, n); }
-#endif
-
-static void write_row(void *out, int64_t o, int out_f32, const uint16_t *row, int stream) {
-    if (out_f32) {
-        uint32_t t[512] __attribute__((aligned(64)));
-        for (int j = 0; j < 512; j++) t[j] = (uint32_t)row[j] << 16;
-        if (stream) stream_bytes((uint32_t *)out + o, t, 2048);
-        else memcpy((uint32_t *)out + o, t, 2048);
-    } else if (stream) {
-        stream_bytes((uint16_t *)out + o, row, 1024);
-    } else {
-        memcpy((uint16_t *)out + o, row, 1024);
-    }
-}
-
-static void decode_to(void *out, int64_t o, int out_f32, const uint8_t *d, const uint8_t *sc, int stream) {
-    if (out_f32 || stream) {
-        uint16_t t[512] __attribute__((aligned(64)));
-        decode_row_bf16(d, sc, t);
-        write_row(out, o, out_f32, t, stream);
-    } else {
-        decode_row_bf16(d, sc, (uint16_t *)out + o);
-    }
-}
-
-static void nan_row(void *out, int64_t o, int out_f32) {
-    uint16_t t[512] __attribute__((aligned(64)));
-    for (int j = 0; j < 512; j++) t[j] = NAN_BITS;
-    write_row(out, o, out_f32, t, 0);
-}
-
-static inline int64_t page_of(const void *bt, int bt_int64, int64_t i) {
-    return bt_int64 ? ((const int64_t *)bt)[i] : (int64_t)((const int32_t *)bt)[i];
-}
-
-#define AHEAD 32 /* rows prefetched ahead: pages in block-table order are scattered */
-
-/* Rows [row0, row1) of the requests' rows laid back to back (cum: [R + 1] prefix sums of the
-   gather lengths). Row i of request b is position seq[b] - (cum[b+1] - cum[b]) + i, read from
-   page bt[b * bt_s0 + pos / S] slot pos % S, written at element out + b * out_s0 +
-   (offset + i) * out_s1 (bf16, or float32 holding the bf16 values) when offset + i < out_rows.
-   stream: write with non-temporal stores (calls whose output is larger than the caches). */
-void dsv4_gather_dequant(void *out, int64_t out_s0, int64_t out_s1, int64_t out_rows, int out_f32, int stream,
-                         const uint8_t *cache, int64_t page_stride, int64_t num_blocks, int64_t S,
-                         const int64_t *seq, const int64_t *cum,
-                         const void *bt, int bt_int64, int64_t bt_s0, int64_t bt_w,
-                         int64_t offset, int64_t R, int64_t row0, int64_t row1) {
-    int64_t lo = 0, hi = R; /* the request holding row0: cum[b] <= row0 < cum[b + 1] */
-    while (hi - lo > 1) {
-        int64_t mid = (lo + hi) / 2;
-        if (cum[mid] <= row0) lo = mid; else hi = mid;
-    }
-    for (int64_t b = lo, r = row0; r < row1 && b < R; b++) {
-        int64_t g = cum[b + 1] - cum[b];
-        if (g <= 0) continue;
-        int64_t i0 = r - cum[b];
-        int64_t i1 = (row1 < cum[b + 1] ? row1 : cum[b + 1]) - cum[b];
-        r = cum[b] + i1;
-        if (offset + i1 > out_rows) i1 = out_rows - offset; /* rows past out: not written */
-        if (i1 <= i0) continue;
-        int64_t pos = seq[b] - g + i0;
-        int64_t blk = pos >= 0 ? pos / S : -1, p = pos >= 0 ? pos - blk * S : 0;
-        int64_t ia = i0 + AHEAD < i1 ? i0 + AHEAD : i1;
-        int64_t pa_pos = seq[b] - g + ia;
-        int64_t blka = pa_pos >= 0 ? pa_pos / S : -1, pa = pa_pos >= 0 ? pa_pos - blka * S : 0;
-        const uint8_t *base = 0;
-        for (int64_t i = i0; i < i1; i++) {
-            int64_t o = b * out_s0 + (offset + i) * out_s1;
-            if (i == i0 || p == 0) {
-                int64_t page = (blk >= 0 && blk < bt_w) ? page_of(bt, bt_int64, b * bt_s0 + blk) : -1;
-                base = (page >= 0 && page < num_blocks) ? cache + page * page_stride : 0;
-            }
-            if (ia < i1) {
-                if (blka >= 0 && blka < bt_w) {
-                    int64_t pg = page_of(bt, bt_int64, b * bt_s0 + blka);
-                    if (pg >= 0 && pg < num_blocks) {
-                        const uint8_t *ba = cache + pg * page_stride;
-                        for (int l = 0; l < 576; l += 64) __builtin_prefetch(ba + pa * 576 + l, 0, 3);
-                        __builtin_prefetch(ba + S * 576 + pa * 8, 0, 3);
-                    }
-                }
-                ia++;
-                if (blka < 0) { if (++pa_pos >= 0) { blka = 0; pa = 0; } }
-                else if (++pa == S) { pa = 0; blka++; }
-            }
-            if (base) decode_to(out, o, out_f32, base + p * 576, base + S * 576 + p * 8, stream);
-            else nan_row(out, o, out_f32);
-            if (blk < 0) { if (++pos >= 0) { blk = 0; p = 0; base = 0; } }
-            else if (++p == S) { p = 0; blk++; }
-        }
-    }
-#if HAVE_STREAM
-    if (stream) _mm_sfence(); /* the streamed rows are visible before the call returns */
-#endif
-}
-"""
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-std=c11", "-fno-math-errno")
 # a call is split across threads only with at least this many rows per thread
@@ -264,7 +46,7 @@ PARALLEL_ROWS = 4096
 # calls writing more than this many bytes use non-temporal stores (their output leaves the caches)
 STREAM_BYTES = 8 << 20
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _state: dict = {}
 
 
@@ -306,75 +88,197 @@ def _version(cc: str) -> str:
     return (res.stdout.splitlines() or [""])[0]
 
 
-def build_library(
-    name: str, cxx_source: str | None = None, include_dirs: tuple[str, ...] = ()
-) -> str:
-    """Compile C_SOURCE (and a C++ wrapper calling it, for JAX's FFI) into a shared library in
-    the cache directory; returns its path. Raises RuntimeError saying why when it cannot."""
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+C_SOURCES = ("kvcache.c",)
+CXX_SOURCES = ("attention.cc",)
+HEADERS = ("dsv4_cpu.h", "attention_impl.h")
+ISA_SOURCE = "attention_isa.cc"
+CXX_FLAGS = ("-O3", "-fPIC", "-std=gnu++17", "-fno-math-errno", "-ffp-contract=fast", "-pthread")
+# The token kernels per instruction set: (name, fp32 lanes, compiler flags). x86 only beyond generic.
+ISA_BUILDS = (
+    ("generic", 4, ()),
+    ("avx2", 8, ("-mavx2", "-mfma", "-mf16c")),
+    ("avx512", 16, ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")),
+    ("avx512bf16", 16, ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                        "-mavx512bf16", "-DDSV4_HAVE_BF16_KERNEL")),
+)
+# Instruction sets by number, as dsv4_cpu.h numbers them.
+ISAS = ("generic", "avx2", "avx512", "avx512bf16", "amx")
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _isa_builds() -> tuple:
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    return tuple(b for b in ISA_BUILDS if b[0] == "generic" or x86)
+
+
+def build_library(name: str, extra_sources: tuple[str, ...] = (), include_dirs: tuple[str, ...] = ()) -> str:
+    """Compile the kernels (and `extra_sources`, C++ files calling them, e.g. JAX's FFI handlers)
+    into a shared library in the cache directory; returns its path. An instruction set whose
+    token kernel the compiler cannot build is left out (the library then never chooses it).
+    Raises RuntimeError saying why when the library cannot be built."""
     if sys.byteorder != "little":
-        raise RuntimeError(
-            "the C kernel reads the RoPE dims as little-endian bf16; this host is big-endian"
-        )
+        raise RuntimeError("the kernels read bf16 and fp8_ds_mla bytes as little-endian; this host is big-endian")
     cc = compiler()
     if cc is None:
-        raise RuntimeError(
-            f"no C compiler found ({os.environ.get('CC') or 'cc'!r} is not on PATH; set CC)"
-        )
-    cxx = None
-    if cxx_source is not None:
-        cxx = compiler("CXX", "c++")
-        if cxx is None:
-            raise RuntimeError(
-                f"no C++ compiler found ({os.environ.get('CXX') or 'c++'!r} is not on PATH; set CXX)"
-            )
-    parts = [C_SOURCE, cxx_source or "", " ".join(FLAGS), cc, _version(cc), cxx or "", _version(cxx) if cxx else "",
-             cpu_flags(), *include_dirs]  # fmt: skip
+        raise RuntimeError(f"no C compiler found ({os.environ.get('CC') or 'cc'!r} is not on PATH; set CC)")
+    cxx = compiler("CXX", "c++")
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler found ({os.environ.get('CXX') or 'c++'!r} is not on PATH; set CXX)")
+    files = [os.path.join(CSRC, f) for f in C_SOURCES + CXX_SOURCES + HEADERS + (ISA_SOURCE,)] + list(extra_sources)
+    parts = [_read(f) for f in files] + [" ".join(FLAGS), " ".join(CXX_FLAGS), repr(_isa_builds()), cc, _version(cc),
+                                         cxx, _version(cxx), cpu_flags(), *include_dirs]  # fmt: skip
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     d = cache_dir()
     lib = os.path.join(d, f"{name}_{key}.so")
     if os.path.exists(lib):
         return lib
-    stem = os.path.join(d, f"{name}_{key}.{os.getpid()}.{threading.get_ident()}")
-    files = [stem + ".c", stem + ".o", stem + ".cc", stem + ".so"]
+    tmp = tempfile.mkdtemp(prefix=f"{name}_{key}.", dir=d)
     try:
-        with open(files[0], "w") as f:
-            f.write(C_SOURCE)
-        _run([cc, *FLAGS, "-c", files[0], "-o", files[1]])
-        if cxx_source is None:
-            _run([cc, "-shared", files[1], "-o", files[3]])
-        else:
-            with open(files[2], "w") as f:
-                f.write(cxx_source)
-            incs = [f"-I{p}" for p in include_dirs]
-            _run(
-                [
-                    cxx,
-                    "-O3",
-                    "-march=native",
-                    "-fPIC",
-                    "-std=c++17",
-                    *incs,
-                    "-shared",
-                    files[2],
-                    files[1],
-                    "-o",
-                    files[3],
-                ]
-            )
-        os.replace(files[3], lib)  # atomic: concurrent builders agree on the file
+        objs = []
+        incs = [f"-I{CSRC}", *(f"-I{p}" for p in include_dirs)]
+        for f in C_SOURCES:
+            objs.append(os.path.join(tmp, f + ".o"))
+            _run([cc, *FLAGS, f"-I{CSRC}", "-c", os.path.join(CSRC, f), "-o", objs[-1]])
+        built = []
+        for isa, lanes, flags in _isa_builds():
+            obj = os.path.join(tmp, f"attention_{isa}.o")
+            try:
+                _run([cxx, *CXX_FLAGS, *incs, f"-DDSV4_ISA={isa}", f"-DDSV4_WIDTH={lanes}", *flags, "-c",
+                      os.path.join(CSRC, ISA_SOURCE), "-o", obj])  # fmt: skip
+            except RuntimeError:
+                if isa == "generic":
+                    raise
+                continue  # this compiler cannot target the set: the library runs without it
+            objs.append(obj)
+            built.append(isa)
+        defs = [f"-DDSV4_BUILT_{isa.upper()}" for isa in built if isa != "generic"]
+        for f in CXX_SOURCES:
+            objs.append(os.path.join(tmp, f + ".o"))
+            _run([cxx, *CXX_FLAGS, *incs, *defs, "-c", os.path.join(CSRC, f), "-o", objs[-1]])
+        for f in extra_sources:
+            objs.append(os.path.join(tmp, os.path.basename(f) + ".o"))
+            _run([cxx, *CXX_FLAGS, *incs, "-c", f, "-o", objs[-1]])
+        out = os.path.join(tmp, "lib.so")
+        _run([cxx, "-shared", "-pthread", *objs, "-o", out])
+        os.replace(out, lib)  # atomic: concurrent builders agree on the file
     finally:
-        for p in files:
-            if os.path.exists(p):
-                os.unlink(p)
+        shutil.rmtree(tmp, ignore_errors=True)
     return lib
 
 
 def _run(cmd: list[str]) -> None:
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:
-        raise RuntimeError(
-            f"{os.path.basename(cmd[0])} failed ({res.returncode}): {res.stderr.strip()[-800:]}"
-        )
+        raise RuntimeError(f"{os.path.basename(cmd[0])} failed ({res.returncode}): {res.stderr.strip()[-800:]}")
+
+
+class KVSource(ctypes.Structure):
+    """`dsv4_kv_source` (dsv4_cpu.h): where a prefill's key rows come from."""
+
+    _fields_ = [("format", ctypes.c_int32), ("dtype", ctypes.c_int32), ("data", ctypes.c_void_p),
+                ("row_stride", ctypes.c_int64), ("num_rows", ctypes.c_int64), ("page_stride", ctypes.c_int64),
+                ("num_pages", ctypes.c_int64), ("page_size", ctypes.c_int64), ("table", ctypes.c_void_p),
+                ("table_int64", ctypes.c_int32), ("table_stride", ctypes.c_int64), ("table_width", ctypes.c_int64),
+                ("table_rows", ctypes.c_int64)]  # fmt: skip
+
+
+class Outputs(ctypes.Structure):
+    """`dsv4_outputs`: out [T, H, d_v] (element strides), max_logits / lse [T, H] float32 or NULL."""
+
+    _fields_ = [("out", ctypes.c_void_p), ("out_s0", ctypes.c_int64), ("out_s1", ctypes.c_int64),
+                ("max_logits", ctypes.c_void_p), ("lse", ctypes.c_void_p), ("stat_s0", ctypes.c_int64)]  # fmt: skip
+
+
+class PrefillTokens(ctypes.Structure):
+    """`dsv4_prefill_tokens`: one layer's prefill tokens and the rule of their key sets."""
+
+    _fields_ = [("kind", ctypes.c_int32), ("window", ctypes.c_int32), ("compress_ratio", ctypes.c_int32),
+                ("num_tokens", ctypes.c_int64), ("token_row", ctypes.c_void_p), ("token_request", ctypes.c_void_p),
+                ("token_position", ctypes.c_void_p), ("topk", ctypes.c_void_p), ("topk_int64", ctypes.c_int32),
+                ("topk_stride", ctypes.c_int64), ("topk_width", ctypes.c_int64)]  # fmt: skip
+
+
+BF16, F32 = 0, 1  # dsv4_cpu.h's dtype codes
+KIND_CODES = {"SWA": 0, "CSA": 1, "HCA": 2}
+
+
+def library():
+    """The kernels' shared library (ctypes), built on first use. Raises RuntimeError when it
+    cannot be built here; `unavailable_reason()` is the non-raising check."""
+    with _lock:
+        if "lib" not in _state:
+            if "lib_error" in _state:
+                raise RuntimeError(_state["lib_error"])
+            try:
+                lib = ctypes.CDLL(build_library("dsv4_cpu"))
+            except Exception as e:  # noqa: BLE001 - any build failure is the reason
+                _state["lib_error"] = f"{type(e).__name__}: {e}"
+                raise RuntimeError(_state["lib_error"]) from None
+            i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
+            lib.dsv4_sparse_attention.argtypes = [ptr, i64, i64, i32, i64, i64, i64, ptr, i64, i64, ptr, i64, i64,
+                                                  ptr, f32, ptr, ctypes.POINTER(Outputs), i32, i32]  # fmt: skip
+            lib.dsv4_sparse_attention.restype = ctypes.c_int
+            lib.dsv4_prefill_attention.argtypes = [ptr, i64, i64, i32, i64, i64, ctypes.POINTER(PrefillTokens),
+                                                   ctypes.POINTER(KVSource), ctypes.POINTER(KVSource), f32, ptr,
+                                                   ctypes.POINTER(Outputs), i32, i32]  # fmt: skip
+            lib.dsv4_prefill_attention.restype = ctypes.c_int
+            lib.dsv4_cpu_last_error.restype = ctypes.c_char_p
+            lib.dsv4_cpu_isa_name.restype = ctypes.c_char_p
+            lib.dsv4_cpu_isa_name.argtypes = [i32]
+            lib.dsv4_cpu_isa_supported.argtypes = [i32]
+            lib.dsv4_cpu_best_isa.argtypes = [i32]
+            _state["lib"] = lib
+        return _state["lib"]
+
+
+def attention_unavailable_reason() -> str | None:
+    """None when the attention kernels are built (or build now); else why they cannot run here."""
+    try:
+        library()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def isa_supported() -> dict[str, bool]:
+    """Each instruction set -> whether this machine runs its kernels (built and supported)."""
+    lib = library()
+    return {name: bool(lib.dsv4_cpu_isa_supported(i)) for i, name in enumerate(ISAS)}
+
+
+def best_isa(dtype: int = BF16) -> str:
+    """The instruction set a call of this dtype runs (the highest the machine has, capped by
+    DSV4_PREFILL_CPU_ISA). Raises ValueError for an unknown DSV4_PREFILL_CPU_ISA name."""
+    cap = os.environ.get("DSV4_PREFILL_CPU_ISA")
+    if cap and cap not in ISAS:
+        raise ValueError(f"DSV4_PREFILL_CPU_ISA: expected one of {', '.join(ISAS)}, got {cap!r}")
+    return ISAS[library().dsv4_cpu_best_isa(dtype)]
+
+
+def isa_code(isa: str | None) -> int:
+    """dsv4_cpu.h's number of an instruction set name (None: -1, the best allowed)."""
+    if isa is None:
+        return -1
+    if isa not in ISAS:
+        raise ValueError(f"isa: expected one of {', '.join(ISAS)} or None, got {isa!r}")
+    return ISAS.index(isa)
+
+
+def check(rc: int) -> None:
+    """Raise for a non-zero return code of a kernel call, with the kernel's message."""
+    if rc == 0:
+        return
+    msg = library().dsv4_cpu_last_error().decode(errors="replace")
+    if rc == 2:
+        raise RuntimeError(f"instruction set unavailable: {msg}")
+    if rc == 3:
+        raise MemoryError(msg)
+    raise ValueError(msg)
 
 
 def gather_function():
@@ -383,7 +287,7 @@ def gather_function():
     with _lock:
         if "fn" not in _state and "error" not in _state:
             try:
-                fn = ctypes.CDLL(build_library("dsv4_kvcache")).dsv4_gather_dequant
+                fn = library().dsv4_gather_dequant
                 i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
                 # out, out_s0, out_s1, out_rows, out_f32, stream, cache, page_stride, num_blocks, S,
                 # seq, cum, bt, bt_int64, bt_s0, bt_w, offset, R, row0, row1

@@ -1,0 +1,466 @@
+// One token's sparse attention (all heads at once), compiled once per instruction set.
+//
+// Build: planner/ckernel.py compiles this file once per instruction set with
+//   -DDSV4_ISA=<name> -DDSV4_WIDTH=<fp32 lanes> and that set's -m flags:
+//   generic (4 lanes of GCC/Clang vector code, any CPU), avx2 (8), avx512 (16), avx512bf16 (16 +
+//   the bf16 dot-product kernel). Nothing here is chosen at build time by the machine: the
+//   dispatcher (attention.cc) picks a set at run time.
+//
+// Layout of one token's work: the H heads are the rows of a small GEMM against the token's keys,
+// taken in blocks of KB keys with an online softmax between blocks (FlashAttention-2 on a CPU):
+//   S[k][h]  = <key_k, q_h>            (QK: keys x heads, heads in vector lanes)
+//   P[k][h]  = exp(scale S - m_h)      (the block's probabilities; m, l, alpha per head)
+//   O[h][:] = alpha_h O[h][:] + sum_k P[k][h] V_k   (PV: heads x value dims, dims in lanes)
+// fp32 path (any instruction set): q transposed once per token (Qt [D][Hp]), each key block
+// converted to float rows (Kf [KB][Dp]); broadcast-FMA micro-kernels.
+// bf16 path (avx512bf16): vdpbf16ps. q packed once per token as dword pairs of dims per head
+// (Qp [Hp/16][D/2][16]); QK broadcasts a dword (2 dims) of each key row straight from the cache
+// or staging rows; the block's values are packed as pairs of keys (Vp [KB/2][dv]) and the
+// probabilities as bf16 pairs (Pp [KB/2][Hp]), so PV is vdpbf16ps too.
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "attention_impl.h"
+
+#if defined(DSV4_HAVE_BF16_KERNEL)
+#include <immintrin.h>
+#endif
+
+#ifndef DSV4_ISA
+#error "compile with -DDSV4_ISA=<name> -DDSV4_WIDTH=<lanes>"
+#endif
+
+#define DSV4_CAT2(a, b) a##b
+#define DSV4_CAT(a, b) DSV4_CAT2(a, b)
+
+namespace dsv4 {
+namespace DSV4_CAT(isa_, DSV4_ISA) {
+
+constexpr int W = DSV4_WIDTH;
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
+typedef float vf_u __attribute__((vector_size(4 * W), aligned(4)));
+
+// Register blocking of the fp32 micro-kernels: QK keeps NB keys x RB head vectors of
+// accumulators, PV R heads x NZ dim vectors. Sized for the register file of each set.
+#if DSV4_WIDTH >= 16
+constexpr int QK_RB = 4, QK_NB = 6, PV_R = 6, PV_NZ = 4;
+#elif DSV4_WIDTH == 8
+constexpr int QK_RB = 2, QK_NB = 6, PV_R = 4, PV_NZ = 3;
+#else
+constexpr int QK_RB = 2, QK_NB = 6, PV_R = 3, PV_NZ = 3;
+#endif
+static_assert(KB % QK_NB == 0, "QK micro-tiles must tile a key block");
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr float POS_INF = std::numeric_limits<float>::infinity();
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+static inline vf load(const float *p) { return *reinterpret_cast<const vf_u *>(p); }
+static inline void store(float *p, vf v) { *reinterpret_cast<vf_u *>(p) = v; }
+static inline vf splat(float x) { return vf{} + x; }
+
+// exp(x) per lane, Cephes' single-precision polynomial (about 1 ulp): -inf and anything below
+// -87.34 give 0, above 88.38 +inf, NaN stays NaN.
+static inline vf vexp(vf x0) {
+    const vf lo = splat(-87.3365447504f), hi = splat(88.3762626647949f);
+    vi nan = x0 != x0, under = x0 < lo, over = x0 > hi;
+    vf x = x0 < lo ? lo : x0;
+    x = x > hi ? hi : x;
+    x = nan ? lo : x;
+    vf fx = x * 1.44269504088896341f + 0.5f;
+    vi n = __builtin_convertvector(fx, vi);
+    vf fn = __builtin_convertvector(n, vf);
+    n = n + (fn > fx);  // truncation -> floor
+    fn = __builtin_convertvector(n, vf);
+    x = x - fn * 0.693359375f;
+    x = x - fn * -2.12194440e-4f;
+    vf z = x * x;
+    vf y = splat(1.9875691500E-4f);
+    y = y * x + 1.3981999507E-3f;
+    y = y * x + 8.3334519073E-3f;
+    y = y * x + 4.1665795894E-2f;
+    y = y * x + 1.6666665459E-1f;
+    y = y * x + 5.0000001201E-1f;
+    y = y * z + x + 1.0f;
+    vf r = y * (vf)((n + 127) << 23);
+    r = under ? splat(0.0f) : r;
+    r = over ? splat(POS_INF) : r;
+    return nan ? x0 : r;
+}
+
+// Round to the nearest bf16 (ties to even), kept as float; NaN stays NaN.
+static inline vf round_bf16(vf x) {
+    vi b = (vi)x;
+    vi r = (b + 0x7FFF + ((b >> 16) & 1)) & (int32_t)0xFFFF0000u;
+    return (vf)((x != x) ? b : r);
+}
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);  // quiet NaN
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The online-softmax step of one key block, heads in lanes. S [KB][Hp] holds the block's raw
+// dot products for its first nk keys; on return rows k < nk hold the probabilities
+// exp(scale S - m_new) (rounded to bf16 when round_p, as FlashMLA feeds them to PV) and rows
+// nk .. round_up(nk, 2) - 1 hold 0. m (running max of the scaled logits), l (running sum of the
+// unrounded probabilities) are updated, alpha receives each head's rescale factor for O. NaN
+// logits propagate (to m, l and the output), as in the float64 oracle.
+static void softmax_block(float *S, int nk, int64_t Hp, float scale, float *m, float *l, float *alpha, bool round_p) {
+    for (int64_t h = 0; h < Hp; h += W) {
+        vf mx = splat(NEG_INF);
+        for (int k = 0; k < nk; k++) {
+            vf s = load(S + k * Hp + h) * scale;
+            store(S + k * Hp + h, s);
+            mx = (s > mx || s != s) ? s : mx;
+        }
+        vf mo = load(m + h);
+        vf mn = (mx > mo || mx != mx) ? mx : mo;
+        vf mref = (mn == splat(NEG_INF)) ? splat(0.0f) : mn;  // rows whose logits are all -inf keep 0
+        vf a = vexp(mo - mref);
+        vf sum = splat(0.0f);
+        for (int k = 0; k < nk; k++) {
+            vf p = vexp(load(S + k * Hp + h) - mref);
+            sum += p;
+            store(S + k * Hp + h, round_p ? round_bf16(p) : p);
+        }
+        for (int k = nk; k < (nk + 1) / 2 * 2; k++) store(S + k * Hp + h, splat(0.0f));
+        store(l + h, load(l + h) * a + sum);
+        store(m + h, mn);
+        store(alpha + h, a);
+    }
+}
+
+// out[h] = O[h] / l_h / (1 + exp(sink_h - lse_h)); lse_h = m_h + ln l_h. n == 0: out 0,
+// lse +inf, max -inf. O rows have stride dvp.
+template <class T>
+static void finish(const TokenJob &j, const float *O, int64_t dvp, const float *m, const float *l) {
+    for (int64_t h = 0; h < j.H; h++) {
+        T *o = reinterpret_cast<T *>(j.out) + h * j.out_hs;
+        float lse, mx, f;
+        if (j.n == 0) {
+            lse = POS_INF;
+            mx = NEG_INF;
+            f = 0.0f;
+        } else {
+            mx = m[h];
+            lse = m[h] + std::log(l[h]);
+            float sink = j.sink ? j.sink[h] : NEG_INF;
+            f = 1.0f / (l[h] * (1.0f + std::exp(sink - lse)));
+        }
+        if (j.max_logits) j.max_logits[h] = mx;
+        if (j.lse) j.lse[h] = lse;
+        const float *src = O + h * dvp;
+        if (f == 0.0f && j.n == 0) {
+            std::memset(o, 0, sizeof(T) * j.dv);
+            continue;
+        }
+        if constexpr (sizeof(T) == 4) {
+            for (int64_t d = 0; d < j.dv; d++) o[d] = src[d] * f;
+        } else {
+            for (int64_t d = 0; d < j.dv; d++) o[d] = f32_to_bf16(src[d] * f);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- fp32 path (every set)
+
+template <int RB, int NB>
+static inline void qk_f32(const float *__restrict Qt, int64_t Hp, int64_t D, const float *__restrict Kf, int64_t Dp,
+                          float *__restrict S) {
+    vf acc[NB][RB];
+    for (int n = 0; n < NB; n++)
+        for (int r = 0; r < RB; r++) acc[n][r] = splat(0.0f);
+    for (int64_t d = 0; d < D; d++) {
+        vf q[RB];
+        for (int r = 0; r < RB; r++) q[r] = load(Qt + d * Hp + r * W);
+        for (int n = 0; n < NB; n++) {
+            vf k = splat(Kf[n * Dp + d]);
+            for (int r = 0; r < RB; r++) acc[n][r] += k * q[r];
+        }
+    }
+    for (int n = 0; n < NB; n++)
+        for (int r = 0; r < RB; r++) store(S + n * Hp + r * W, acc[n][r]);
+}
+
+template <int R, int NZ>
+static inline void pv_f32(float *__restrict O, int64_t dvp, const float *__restrict alpha, const float *__restrict P,
+                          int64_t Hp, const float *__restrict Kf, int64_t Dp, int nk) {
+    vf acc[R][NZ];
+    for (int r = 0; r < R; r++)
+        for (int z = 0; z < NZ; z++) acc[r][z] = load(O + r * dvp + z * W) * alpha[r];
+    for (int k = 0; k < nk; k++) {
+        vf v[NZ];
+        for (int z = 0; z < NZ; z++) v[z] = load(Kf + k * Dp + z * W);
+        for (int r = 0; r < R; r++) {
+            vf p = splat(P[k * Hp + r]);
+            for (int z = 0; z < NZ; z++) acc[r][z] += p * v[z];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int z = 0; z < NZ; z++) store(O + r * dvp + z * W, acc[r][z]);
+}
+
+template <int RB>
+static void qk_f32_rows(const float *Qt, int64_t Hp, int64_t D, const float *Kf, int64_t Dp, float *S, int nk) {
+    for (int k = 0; k < nk; k += QK_NB) qk_f32<RB, QK_NB>(Qt, Hp, D, Kf + k * Dp, Dp, S + k * Hp);
+}
+
+template <int R>
+static void pv_f32_dims(float *O, int64_t dvp, const float *alpha, const float *P, int64_t Hp, const float *Kf, int64_t Dp,
+                        int nk) {
+    const int64_t nz = dvp / W;
+    int64_t z = 0;
+    for (; z + PV_NZ <= nz; z += PV_NZ) pv_f32<R, PV_NZ>(O + z * W, dvp, alpha, P, Hp, Kf + z * W, Dp, nk);
+    for (; z < nz; z++) pv_f32<R, 1>(O + z * W, dvp, alpha, P, Hp, Kf + z * W, Dp, nk);
+}
+
+template <int N, class F>
+static inline void dispatch_count(int n, F &&f) {  // f(std::integral_constant) for n in 1..N
+    if constexpr (N >= 1) {
+        if (n == N) {
+            f(std::integral_constant<int, N>{});
+            return;
+        }
+        dispatch_count<N - 1>(n, f);
+    }
+}
+
+template <class T>
+static void token_f32(const TokenJob &j, Scratch &sc) {
+    const int64_t H = j.H, D = j.D, dv = j.dv;
+    const int64_t Hp = round_up(H, W), Dp = round_up(D, W), dvp = round_up(dv, W);
+    float *Qt = sc.q.as<float>(D * Hp);
+    float *Kf = sc.v.as<float>(KB * Dp);
+    float *S = sc.s.as<float>(KB * Hp);
+    float *O = sc.o.as<float>(Hp * dvp);
+    float *m = sc.stat.as<float>(3 * Hp), *l = m + Hp, *alpha = l + Hp;
+    const T *q = reinterpret_cast<const T *>(j.q);
+    for (int64_t h = 0; h < Hp; h++) {
+        if (h < H) {
+            const T *row = q + h * j.q_hs;
+            for (int64_t d = 0; d < D; d++) {
+                if constexpr (sizeof(T) == 4) Qt[d * Hp + h] = row[d];
+                else Qt[d * Hp + h] = bf16_to_f32(row[d]);
+            }
+        } else {
+            for (int64_t d = 0; d < D; d++) Qt[d * Hp + h] = 0.0f;
+        }
+    }
+    for (int64_t h = 0; h < Hp; h++) {
+        m[h] = NEG_INF;
+        l[h] = 0.0f;
+    }
+    std::memset(O, 0, sizeof(float) * Hp * dvp);
+    const bool round_p = sizeof(T) == 2;
+    for (int64_t k0 = 0; k0 < j.n; k0 += KB) {
+        const int nk = (int)(j.n - k0 < KB ? j.n - k0 : KB);
+        const int nk6 = (int)round_up(nk, QK_NB);
+        for (int k = 0; k < nk6; k++) {
+            float *dst = Kf + k * Dp;
+            if (k < nk) {
+                const T *src = reinterpret_cast<const T *>(j.keys[k0 + k]);
+                if constexpr (sizeof(T) == 4) std::memcpy(dst, src, sizeof(float) * D);
+                else
+                    for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(src[d]);
+                for (int64_t d = D; d < Dp; d++) dst[d] = 0.0f;
+            } else {
+                std::memset(dst, 0, sizeof(float) * Dp);
+            }
+        }
+        const int64_t hv = Hp / W;
+        for (int64_t v = 0; v < hv; v += QK_RB) {
+            const int rb = (int)(hv - v < QK_RB ? hv - v : QK_RB);
+            dispatch_count<QK_RB>(rb, [&](auto c) { qk_f32_rows<decltype(c)::value>(Qt + v * W, Hp, D, Kf, Dp, S + v * W, nk6); });
+        }
+        softmax_block(S, nk, Hp, j.scale, m, l, alpha, round_p);
+        for (int64_t r = 0; r < H; r += PV_R) {
+            const int rr = (int)(H - r < PV_R ? H - r : PV_R);
+            dispatch_count<PV_R>(rr, [&](auto c) {
+                pv_f32_dims<decltype(c)::value>(O + r * dvp, dvp, alpha + r, S + r, Hp, Kf, Dp, nk);
+            });
+        }
+    }
+    finish<T>(j, O, dvp, m, l);
+}
+
+// ---------------------------------------------------------------- bf16 path (avx512bf16)
+
+#if defined(DSV4_HAVE_BF16_KERNEL)
+
+static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+template <int RB, int NB>
+static inline void qk_bf16(const uint32_t *__restrict Qp, int64_t D2, const void *const *keys, float *__restrict S,
+                           int64_t Hp) {
+    __m512 acc[NB][RB];
+    const char *kr[NB];
+    for (int n = 0; n < NB; n++) {
+        kr[n] = static_cast<const char *>(keys[n]);
+        for (int r = 0; r < RB; r++) acc[n][r] = _mm512_setzero_ps();
+    }
+    for (int64_t d = 0; d < D2; d++) {
+        __m512bh q[RB];
+        for (int r = 0; r < RB; r++) q[r] = as_bh(_mm512_load_si512(Qp + (r * D2 + d) * 16));
+        for (int n = 0; n < NB; n++) {
+            int32_t pair;
+            std::memcpy(&pair, kr[n] + 4 * d, 4);
+            __m512bh k = as_bh(_mm512_set1_epi32(pair));
+            for (int r = 0; r < RB; r++) acc[n][r] = _mm512_dpbf16_ps(acc[n][r], q[r], k);
+        }
+    }
+    for (int n = 0; n < NB; n++)
+        for (int r = 0; r < RB; r++) _mm512_store_ps(S + n * Hp + r * 16, acc[n][r]);
+}
+
+template <int R, int NZ>
+static inline void pv_bf16(float *__restrict O, int64_t dvp, const float *__restrict alpha,
+                           const uint32_t *__restrict Pp, int64_t Hp, const uint32_t *__restrict Vp, int64_t npairs) {
+    __m512 acc[R][NZ];
+    for (int r = 0; r < R; r++) {
+        __m512 a = _mm512_set1_ps(alpha[r]);
+        for (int z = 0; z < NZ; z++) acc[r][z] = _mm512_mul_ps(_mm512_load_ps(O + r * dvp + z * 16), a);
+    }
+    for (int64_t p = 0; p < npairs; p++) {
+        __m512bh v[NZ];
+        for (int z = 0; z < NZ; z++) v[z] = as_bh(_mm512_load_si512(Vp + p * dvp + z * 16));
+        for (int r = 0; r < R; r++) {
+            __m512bh pr = as_bh(_mm512_set1_epi32((int32_t)Pp[p * Hp + r]));
+            for (int z = 0; z < NZ; z++) acc[r][z] = _mm512_dpbf16_ps(acc[r][z], v[z], pr);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int z = 0; z < NZ; z++) _mm512_store_ps(O + r * dvp + z * 16, acc[r][z]);
+}
+
+constexpr int BQK_RB = 4, BQK_NB = 6, BPV_R = 4, BPV_NZ = 4;
+static_assert(KB % BQK_NB == 0 && KB % 2 == 0, "bf16 micro-tiles must tile a key block");
+
+template <int RB>
+static void qk_bf16_rows(const uint32_t *Qp, int64_t D2, const void *const *keys, float *S, int64_t Hp, int nk) {
+    for (int k = 0; k < nk; k += BQK_NB) qk_bf16<RB, BQK_NB>(Qp, D2, keys + k, S + k * Hp, Hp);
+}
+
+template <int R>
+static void pv_bf16_dims(float *O, int64_t dvp, const float *alpha, const uint32_t *Pp, int64_t Hp, const uint32_t *Vp,
+                         int64_t npairs) {
+    const int64_t nz = dvp / 16;
+    int64_t z = 0;
+    for (; z + BPV_NZ <= nz; z += BPV_NZ) pv_bf16<R, BPV_NZ>(O + z * 16, dvp, alpha, Pp, Hp, Vp + z * 16, npairs);
+    for (; z < nz; z++) pv_bf16<R, 1>(O + z * 16, dvp, alpha, Pp, Hp, Vp + z * 16, npairs);
+}
+
+// The value rows of key pair p as dword pairs: Vp[p][d] = V[2p][d] | V[2p+1][d] << 16.
+static void pack_values(const void *const *keys, int npairs, int64_t dv, uint32_t *Vp) {
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
+                                        36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int p = 0; p < npairs; p++) {
+        const char *a = static_cast<const char *>(keys[2 * p]);
+        const char *b = static_cast<const char *>(keys[2 * p + 1]);
+        uint32_t *dst = Vp + p * dv;
+        for (int64_t d = 0; d < dv; d += 32) {
+            __m512i va = _mm512_loadu_si512(a + 2 * d), vb = _mm512_loadu_si512(b + 2 * d);
+            _mm512_store_si512(dst + d, _mm512_permutex2var_epi16(va, lo, vb));
+            _mm512_store_si512(dst + d + 16, _mm512_permutex2var_epi16(va, hi, vb));
+        }
+    }
+}
+
+// The block's probabilities (S rows, float, heads in lanes) as bf16 pairs of keys:
+// Pp[p][h] = bf16(P[2p][h]) | bf16(P[2p+1][h]) << 16.
+static void pack_probs(const float *S, int npairs, int64_t Hp, uint32_t *Pp) {
+    const __m512i il = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
+                                        20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int p = 0; p < npairs; p++)
+        for (int64_t h = 0; h < Hp; h += 16) {
+            __m512bh two = _mm512_cvtne2ps_pbh(_mm512_load_ps(S + (2 * p + 1) * Hp + h), _mm512_load_ps(S + 2 * p * Hp + h));
+            _mm512_store_si512(Pp + p * Hp + h, _mm512_permutexvar_epi16(il, (__m512i)two));
+        }
+}
+
+static void token_bf16(const TokenJob &j, Scratch &sc) {
+    const int64_t H = j.H, D = j.D, dv = j.dv, D2 = D / 2;
+    const int64_t Hp = round_up(H, 16);
+    uint32_t *Qp = sc.q.as<uint32_t>(Hp * D2);
+    float *S = sc.s.as<float>(KB * Hp);
+    uint32_t *Pp = sc.p.as<uint32_t>(KB / 2 * Hp);
+    uint32_t *Vp = sc.v.as<uint32_t>(KB / 2 * dv);
+    float *O = sc.o.as<float>(Hp * dv);
+    float *m = sc.stat.as<float>(3 * Hp), *l = m + Hp, *alpha = l + Hp;
+    const void **blk = sc.keys.as<const void *>(KB);
+    const uint16_t *q = reinterpret_cast<const uint16_t *>(j.q);
+    for (int64_t h = 0; h < Hp; h++) {  // Qp[h / 16][d][h % 16] = dims 2d, 2d + 1 of head h
+        uint32_t *dst = Qp + (h / 16) * D2 * 16 + (h % 16);
+        if (h < H) {
+            const uint16_t *row = q + h * j.q_hs;
+            for (int64_t d = 0; d < D2; d++) {
+                uint32_t pair;
+                std::memcpy(&pair, row + 2 * d, 4);
+                dst[d * 16] = pair;
+            }
+        } else {
+            for (int64_t d = 0; d < D2; d++) dst[d * 16] = 0;
+        }
+    }
+    for (int64_t h = 0; h < Hp; h++) {
+        m[h] = NEG_INF;
+        l[h] = 0.0f;
+    }
+    std::memset(O, 0, sizeof(float) * Hp * dv);
+    for (int64_t k0 = 0; k0 < j.n; k0 += KB) {
+        const int nk = (int)(j.n - k0 < KB ? j.n - k0 : KB);
+        const int nk6 = (int)round_up(nk, BQK_NB);
+        for (int k = 0; k < nk6; k++) blk[k] = k < nk ? j.keys[k0 + k] : j.zero_row;
+        const int64_t hv = Hp / 16;
+        for (int64_t v = 0; v < hv; v += BQK_RB) {
+            const int rb = (int)(hv - v < BQK_RB ? hv - v : BQK_RB);
+            dispatch_count<BQK_RB>(rb, [&](auto c) {
+                qk_bf16_rows<decltype(c)::value>(Qp + v * D2 * 16, D2, blk, S + v * 16, Hp, nk6);
+            });
+        }
+        softmax_block(S, nk, Hp, j.scale, m, l, alpha, false);
+        const int npairs = (nk + 1) / 2;
+        pack_probs(S, npairs, Hp, Pp);
+        pack_values(blk, npairs, dv, Vp);
+        for (int64_t r = 0; r < H; r += BPV_R) {
+            const int rr = (int)(H - r < BPV_R ? H - r : BPV_R);
+            dispatch_count<BPV_R>(rr, [&](auto c) {
+                pv_bf16_dims<decltype(c)::value>(O + r * dv, dv, alpha + r, Pp + r, Hp, Vp, npairs);
+            });
+        }
+    }
+    finish<uint16_t>(j, O, dv, m, l);
+}
+
+#endif  // DSV4_HAVE_BF16_KERNEL
+
+}  // namespace isa_<name>
+
+TokenFn DSV4_CAT(token_kernel_, DSV4_ISA)(int dtype, int64_t D, int64_t dv) {
+    namespace k = DSV4_CAT(isa_, DSV4_ISA);
+    if (D < 1 || dv < 1 || dv > D) return nullptr;
+#if defined(DSV4_HAVE_BF16_KERNEL)
+    if (dtype == 1) return nullptr;  // the avx512 set's fp32 kernel serves float32
+    if (D % 32 == 0 && dv % 32 == 0) return &k::token_bf16;
+    return nullptr;
+#else
+    if (dtype == 1) return &k::token_f32<float>;
+    return &k::token_f32<uint16_t>;
+#endif
+}
+
+}  // namespace dsv4
