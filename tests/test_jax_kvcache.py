@@ -17,6 +17,7 @@ from planner import kvcache as P
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 JK = pytest.importorskip("dsv4_jax.kvcache")
+from dsv4_jax.kernels import pallas_kvcache, xla_kvcache  # noqa: E402
 
 
 def bf16(x) -> np.ndarray:
@@ -95,9 +96,9 @@ def test_pallas_float_path_on_written_pages():
     bt = rng.permutation(nb).astype(np.int32)[None]
     P.dequantize_and_gather_k_cache(want, cache, np.array([nb * S]), None, bt, S, 0)
     a = (jnp.zeros((1, nb * S, 512), jnp.bfloat16), jnp.asarray(cache), jnp.asarray([nb * S], jnp.int32))
-    got = JK._gather_pallas(a[0], a[1], a[2], a[2], jnp.asarray(bt), S, 0, interpret=True, exact=False)
+    got = pallas_kvcache.gather_dequant(a[0], a[1], a[2], a[2], jnp.asarray(bt), S, 0, interpret=True, exact=False)
     assert np.array_equal(as_np(got), want, equal_nan=True)
-    got = JK._gather_xla(a[0], a[1], a[2], a[2], jnp.asarray(bt), S, 0, exact=False)  # xla's fast branch
+    got = xla_kvcache.gather_dequant(a[0], a[1], a[2], a[2], jnp.asarray(bt), S, 0, exact=False)  # xla's fast branch
     assert np.array_equal(as_np(got), want, equal_nan=True)
 
 
