@@ -82,14 +82,3 @@ def store_entries(cs: ragged.CompressorState, plan: ragged.CompressPlan, dev: di
 
 def entries_kv(entries: torch.Tensor, table: torch.Tensor) -> PagedKV:
     return PagedKV(entries, table, kv_cache_dtype=FORMAT, block_size=S)
-
-
-def select_window(window: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Beam-search reorder: new window pages holding window rows `rows` (device tensor)."""
-    return kvcache.gather_slots(window, rows, S)
-
-
-def select_entries(entries: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, total_rows: int) -> torch.Tensor:
-    out = torch.zeros((total_rows // S, kvcache.page_bytes(S)), dtype=torch.uint8, device=entries.device)
-    kvcache.copy_slots(entries, src, out, dst, S)
-    return out

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dsv4_torch import kvcache
+
 RAW_PAGE = 64  # rows per page of the per-call raw array
 ENTRY_PAGE = 64  # rows per page of the compressed-entry regions
 
@@ -263,9 +265,7 @@ class RaggedCacheState:
             if ls.window is not None:
                 idx = torch.from_numpy(win_idx).to(ls.window.device)
                 if ls.window.dtype == torch.uint8:  # fp8_ds_mla pages (dsv4_torch.hf.fp8_cache)
-                    from dsv4_torch.hf import fp8_cache
-
-                    new.window = fp8_cache.select_window(ls.window, idx)
+                    new.window = select_window(ls.window, idx)
                 else:
                     new.window = ls.window[idx]
             for name, cs in ls.compressors.items():
@@ -279,11 +279,9 @@ class RaggedCacheState:
                 if cs.overlap_kv is not None:
                     ns.overlap_kv, ns.overlap_gate = (t[sel.to(t.device)] for t in (cs.overlap_kv, cs.overlap_gate))
                 if cs.entries is not None and cs.entries.dtype == torch.uint8:  # fp8_ds_mla pages
-                    from dsv4_torch.hf import fp8_cache
-
                     src, dst, total = (torch.from_numpy(a).to(cs.entries.device) if isinstance(a, np.ndarray) else a
                                        for a in entry_idx[r])  # fmt: skip
-                    ns.entries = fp8_cache.select_entries(cs.entries, src, dst, total)
+                    ns.entries = select_entries(cs.entries, src, dst, total)
                 elif cs.entries is not None:
                     src, dst, total = entry_idx[r]
                     ns.entries = cs.entries.new_zeros((total, cs.entries.shape[1]))
@@ -291,3 +289,17 @@ class RaggedCacheState:
                 new.compressors[name] = ns
         return out
 
+
+# fp8_ds_mla pages (dsv4_torch.hf.fp8_cache) of ENTRY_PAGE slots, reordered by the beam search
+
+
+def select_window(window: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Beam-search reorder: new window pages holding window rows `rows` (device tensor)."""
+    return kvcache.gather_slots(window, rows, ENTRY_PAGE)
+
+
+def select_entries(entries: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, total_rows: int) -> torch.Tensor:
+    """New entry pages of `total_rows` slots: slot dst[i] holds slot src[i] of `entries`."""
+    out = torch.zeros((total_rows // ENTRY_PAGE, kvcache.page_bytes(ENTRY_PAGE)), dtype=torch.uint8, device=entries.device)
+    kvcache.copy_slots(entries, src, out, dst, ENTRY_PAGE)
+    return out
