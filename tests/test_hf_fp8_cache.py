@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 from dsv4_torch.hf import integration as I  # noqa: E402
+from dsv4_torch.hf import layer as L  # noqa: E402
 from planner import kvcache as KV  # noqa: E402
 
 
@@ -54,15 +55,15 @@ def _fp8_rounded(t: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def float_path_on_fp8_rounded_rows(model, monkeypatch):
     """The default cache, but every page the prefill reads holds fp8-rounded rows."""
-    real = I.prefill_attention
+    real = L.prefill_attention
 
     def rounded(q, meta, raw, comp=None, **kw):
-        raw = I.PagedKV(_fp8_rounded(raw.pages), raw.block_table)
-        comp = None if comp is None else I.PagedKV(_fp8_rounded(comp.pages), comp.block_table)
+        raw = L.PagedKV(_fp8_rounded(raw.pages), raw.block_table)
+        comp = None if comp is None else L.PagedKV(_fp8_rounded(comp.pages), comp.block_table)
         return real(q, meta, raw, comp, **kw)
 
     with monkeypatch.context() as m:
-        m.setattr(I, "prefill_attention", rounded)
+        m.setattr(L, "prefill_attention", rounded)
         with sparse(model):
             yield
 

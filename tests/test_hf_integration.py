@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 from dsv4_torch.hf import integration as I  # noqa: E402
+from dsv4_torch.hf import layer as L  # noqa: E402
 from planner import LayerKind, StepPlan  # noqa: E402
 
 TOL = 1e-5  # float32 logits (std ~1); eager itself is ~5e-6 away from a float64 run
@@ -321,7 +322,7 @@ def test_layer_code_never_reads_the_device(model, monkeypatch):
     def trap(*a, **k):
         raise AssertionError("host read of a tensor inside the layer loop")
 
-    real_layer = I._sparse_layer
+    real_layer = L.sparse_layer
 
     def guarded(*args):
         with monkeypatch.context() as m:
@@ -331,8 +332,8 @@ def test_layer_code_never_reads_the_device(model, monkeypatch):
                 bool(torch.ones(1))  # the trap is armed
             return real_layer(*args)
 
-    monkeypatch.setattr(I, "prefill_attention", stub)
-    monkeypatch.setattr(I, "_sparse_layer", guarded)
+    monkeypatch.setattr(L, "prefill_attention", stub)
+    monkeypatch.setattr(L, "sparse_layer", guarded)
     with sparse(model), torch.no_grad():
         cache = DynamicCache(config=model.config)
         model(ids, attention_mask=mask, past_key_values=cache)

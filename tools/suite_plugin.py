@@ -30,6 +30,7 @@ def pytest_configure(config):
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
 
     from dsv4_torch.hf import integration
+    from dsv4_torch.hf import layer as hf_layer
 
     backend = os.environ.get("DSV4_SUITE_BACKEND", "reference")
     call = m.DeepseekV4PreTrainedModel.__call__
@@ -40,14 +41,14 @@ def pytest_configure(config):
             _counts["models_enabled"] += 1
         return call(self, *args, **kwargs)
 
-    layer = integration._sparse_layer
+    layer = hf_layer.sparse_layer
 
     def counted(*args, **kwargs):
         _counts["sparse_layer_calls"] += 1
         return layer(*args, **kwargs)
 
     m.DeepseekV4PreTrainedModel.__call__ = __call__
-    integration._sparse_layer = counted
+    hf_layer.sparse_layer = counted
 
 
 def _first_line(report) -> str:

@@ -1,0 +1,164 @@
+"""The patched DeepSeek-V4 attention layer of `dsv4_torch.hf.integration`, one call per layer.
+
+`sparse_layer` is transformers' `DeepseekV4Attention.forward` on a ragged batch: projections and
+RoPE as transformers computes them, the raw window and compressed entries kept per request
+(`dsv4_torch.hf.ragged`, or fp8_ds_mla pages: `dsv4_torch.hf.fp8_cache`), the indexer's top-k per
+request, and the attention by `dsv4_torch.prefill.prefill_attention` from the step's metadata.
+`compress` and `indexer_topk` are transformers' compressor and indexer math, ragged. Device ops
+only: the host planning happened once per forward (`integration._Integration.pre_forward`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from dsv4_torch.hf import fp8_cache, ragged
+from dsv4_torch.prefill import PagedKV, prefill_attention
+from planner import LayerKind
+
+if TYPE_CHECKING:
+    from dsv4_torch.hf.integration import _Context, _Integration
+
+
+def sparse_layer(integ: _Integration, ctx: _Context, module, lstate: ragged.LayerState, hidden_states,
+                 position_embeddings):  # fmt: skip
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb as rope
+
+    cfg = module.config
+    if ctx.num_tokens == 0:  # only padding in this call
+        return hidden_states.new_zeros((ctx.B, ctx.T, cfg.hidden_size))
+    x = ctx.pack(hidden_states)  # (Tr, hidden): the real tokens, request-major
+    cos, sin = (ctx.pack(t) for t in position_embeddings[module.rope_layer_type])  # (Tr, R/2)
+    Tr, H, D = x.shape[0], module.num_heads, module.head_dim
+
+    q_residual = module.q_a_norm(module.q_a_proj(x))
+    q = rope(module.q_b_norm(module.q_b_proj(q_residual).view(Tr, H, D)), cos, sin)  # (Tr, H, D)
+    kv = rope(module.kv_norm(module.kv_proj(x))[:, None], cos, sin)[:, 0]  # (Tr, D)
+
+    fp8 = integ.kv_cache_dtype == "fp8_ds_mla"
+    if fp8 and kv.requires_grad:
+        raise ValueError(
+            "kv_cache_dtype: the fp8_ds_mla caches hold bytes, so no gradient reaches the latents through "
+            "them; run the model under torch.no_grad() / torch.inference_mode(), or train with kv_cache_dtype='auto'"
+        )
+    if fp8:
+        raw = fp8_cache.raw_kv(lstate, kv, ctx.dev, int(np.minimum(ctx.state.seen, cfg.sliding_window - 1).sum()))
+    else:
+        stream = kv if lstate.window is None else torch.cat([lstate.window, kv])  # old windows, then new tokens
+        raw = PagedKV(stream[ctx.dev["raw_src"]].view(-1, ragged.RAW_PAGE, D), ctx.dev["raw_table"])
+        lstate.window = stream[ctx.dev["raw_keep"]]
+
+    compressed = topk = None
+    comp = module.compressor
+    spec = integ.layers[module.layer_idx]
+    ratio = spec.compress_ratio
+    if spec.has_compressed:
+        if comp is None or int(comp.compress_rate) != ratio:
+            raise RuntimeError(f"layer {module.layer_idx}: a {spec.kind.name} layer of ratio {ratio} without that compressor")
+        csa = spec.kind is LayerKind.CSA
+        entries = compress(comp, x, lstate, "compressor", ctx, ratio, overlapped=csa, fp8=fp8)
+        if fp8:
+            compressed = fp8_cache.entries_kv(entries, ctx.dev[f"{ratio}.table"])
+        else:
+            compressed = PagedKV(entries.view(-1, ragged.ENTRY_PAGE, entries.shape[1]), ctx.dev[f"{ratio}.table"])
+        if csa:  # the indexer's output is an integer selection: no gradient, as in eager
+            with torch.no_grad():
+                index_entries = compress(comp.indexer, x, lstate, "indexer", ctx, ratio, overlapped=True)
+                topk = indexer_topk(comp.indexer, x, q_residual, index_entries, ctx, integ.indexer_chunk_elems)
+
+    sink = module.sinks
+    if sink.dtype not in (torch.float32, torch.float64):  # a model cast to 16 bits: the kernel takes float32
+        sink = sink.float()
+    out = prefill_attention(
+        q, ctx.meta[spec.kind], raw, compressed, sm_scale=module.scaling, attn_sink=sink,
+        topk_indices=topk, backend=integ.backend, dropout_p=float(module.attention_dropout) if module.training else 0.0,
+    )  # fmt: skip
+    out = rope(out, cos, -sin)  # undo the values' RoPE at the query position, as transformers does
+    y = module.o_b_proj(module.o_a_proj(out.reshape(Tr, cfg.o_groups, -1)).flatten(1))
+    return ctx.unpack(y)
+
+
+def compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: _Context, r: int, overlapped: bool, fp8=False):
+    """Pool every request's newly completed blocks (transformers' compressor math, ragged) and
+    append the entries to the request's region; returns the layer's entry rows."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        apply_rotary_pos_emb as rope,
+    )
+
+    plan = ctx.compress[r]
+    dev = {k: ctx.dev[f"{r}.{k}"] for k in ("usable", "leftover", "prev", "overlap", "positions", "move_src",
+                                            "move_dst", "append_dst")}  # fmt: skip
+    cs = lstate.compressors.setdefault(name, ragged.CompressorState(r))
+    kv, gate = cmod.kv_proj(x), cmod.gate_proj(x)  # (Tr, C), without the position bias
+    stream_kv = kv if cs.buf_kv is None else torch.cat([cs.buf_kv, kv])
+    stream_gate = gate if cs.buf_gate is None else torch.cat([cs.buf_gate, gate])
+    cs.buf_kv, cs.buf_gate = stream_kv[dev["leftover"]], stream_gate[dev["leftover"]]
+    n, C = plan.n_windows, kv.shape[1]
+    new_entries = None
+    if n:
+        chunk_kv = stream_kv[dev["usable"]].view(n, r, C)
+        chunk_gate = stream_gate[dev["usable"]].view(n, r, C) + cmod.position_bias
+        if overlapped:  # entry w pools the Ca half of block w-1 and the Cb half of block w
+            half = cmod.head_dim
+            ca_kv, ca_gate = chunk_kv[..., :half], chunk_gate[..., :half]
+            if cs.overlap_kv is None:
+                cs.overlap_kv = ca_kv.new_zeros((ctx.B, r, half))
+                cs.overlap_gate = ca_gate.new_zeros((ctx.B, r, half))
+            prev_kv = torch.cat([ca_kv, cs.overlap_kv, ca_kv.new_zeros((1, r, half))])[dev["prev"]]
+            prev_gate = torch.cat([ca_gate, cs.overlap_gate, ca_gate.new_full((1, r, half), float("-inf"))])[dev["prev"]]
+            cs.overlap_kv = torch.cat([ca_kv, cs.overlap_kv])[dev["overlap"]]
+            cs.overlap_gate = torch.cat([ca_gate, cs.overlap_gate])[dev["overlap"]]
+            chunk_kv = torch.cat([prev_kv, chunk_kv[..., half:]], dim=1)  # (n, 2r, half)
+            chunk_gate = torch.cat([prev_gate, chunk_gate[..., half:]], dim=1)
+        weights = chunk_gate.softmax(dim=1, dtype=torch.float32).to(chunk_kv.dtype)
+        pooled = cmod.kv_norm((chunk_kv * weights).sum(dim=1))  # (n, head_dim)
+        cos, sin = cmod.rotary_emb(pooled, position_ids=dev["positions"][None], layer_type=cmod.rope_layer_type)
+        new_entries = rope(pooled[None, None], cos, sin)[0, 0]
+    if fp8:  # the entries as fp8_ds_mla pages
+        return fp8_cache.store_entries(cs, plan, dev, new_entries, x.device, copy=ctx.replayable)
+    if plan.relayout or cs.entries is None:
+        grown = x.new_zeros((plan.layout.total_rows, cmod.head_dim))
+        if cs.entries is not None and plan.move_src.size:
+            grown[dev["move_dst"]] = cs.entries[dev["move_src"]]
+        cs.entries = grown
+    if n:
+        if ctx.replayable:  # a new tensor: the one before is kept as a layer's input state
+            cs.entries = cs.entries.index_put((dev["append_dst"],), new_entries)
+        else:
+            cs.entries[dev["append_dst"]] = new_entries
+    return cs.entries
+
+
+def indexer_topk(ind, x, q_residual, entries, ctx: _Context, chunk_elems: int):
+    """(Tr, index_topk) request-local top-k entry ids per token, -1 = none (transformers' indexer,
+    each request against its own entries only)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        apply_rotary_pos_emb as rope,
+    )
+
+    Tr = x.shape[0]
+    positions = ctx.dev["token_positions"]
+    cos, sin = ind.rotary_emb(x, position_ids=positions[None], layer_type=ind.rope_layer_type)
+    q = ind.q_b_proj(q_residual).view(1, Tr, -1, ind.head_dim).transpose(1, 2)
+    q = rope(q, cos, sin).transpose(1, 2)  # (1, Tr, index_n_heads, index_head_dim)
+    out = torch.full((Tr, ind.index_topk), -1, dtype=torch.int64, device=x.device)
+    layout = ctx.compress[ind.compress_rate].layout
+    for b in range(ctx.B):
+        t0, t1, n = int(ctx.qsl[b]), int(ctx.qsl[b + 1]), int(layout.count[b])
+        if t1 == t0 or n == 0:
+            continue
+        keys = entries[int(layout.start[b]) : int(layout.start[b]) + n][None]  # (1, n, index_head_dim)
+        k = min(ind.index_topk, n)
+        ids = torch.arange(n, device=x.device)
+        step = max(1, chunk_elems // (ind.num_heads * n))
+        for a in range(t0, t1, step):
+            e = min(t1, a + step)
+            scores = ind.scorer(q[:, a:e], keys, x[None, a:e])  # (1, e - a, n), float32
+            visible = (positions[a:e] + 1) // ind.compress_rate
+            scores = scores.masked_fill(ids[None, None, :] >= visible[None, :, None], float("-inf"))
+            top = scores.topk(k, dim=-1).indices[0]
+            out[a:e, :k] = torch.where(top >= visible[:, None], -1, top)
+    return out
