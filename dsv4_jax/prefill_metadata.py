@@ -21,8 +21,9 @@ from jax.tree_util import register_pytree_node_class
 
 from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch, StepPlan, contract
 from planner.contract import INDEX_ALIGN, SIZES
+from planner.kind_plan import KindPlan
 from planner.layout import index_width
-from planner.plan import KindPlan, as_step_plan
+from planner.plan import as_step_plan
 from planner.sizes import MIN_TILE, bucket, pow2_bucket, tile_ladder, tiled_items
 
 MIN_WORKSPACE_ROWS = 128

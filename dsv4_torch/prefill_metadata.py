@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch, StepPlan
+from planner.kind_plan import KindPlan
 from planner.layout import index_width
-from planner.plan import KindPlan, as_step_plan
+from planner.plan import as_step_plan
 
 
 def _shape(x):

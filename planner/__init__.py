@@ -18,6 +18,7 @@ from planner.contract import (
     cdiv,
     layer_specs,
 )
+from planner.kind_plan import ChunkLayout, KindPlan
 from planner.layout import (
     build_chunk_indices,
     check_topk_rows,
@@ -26,8 +27,6 @@ from planner.layout import (
     index_width,
 )
 from planner.plan import (
-    ChunkLayout,
-    KindPlan,
     PlanConfig,
     StepPlan,
     as_step_plan,

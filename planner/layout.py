@@ -11,7 +11,7 @@ import numpy as np
 
 from planner import contract
 from planner.contract import INDEX_ALIGN, LayerKind, round_up  # noqa: F401  (part of this module's API)
-from planner.plan import ChunkLayout, KindPlan
+from planner.kind_plan import ChunkLayout, KindPlan
 
 
 def compressed_width(plan: KindPlan, topk: int | None = None) -> int:
