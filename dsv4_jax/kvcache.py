@@ -7,7 +7,7 @@ and values these match exactly), functional: each returns the new array.
     dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset) -> out
 
 Both work under `jax.jit` (block_size and offset are static Python ints; donate k_cache / out to
-update them in place). Backends (keyword `backend=`, names as `dsv4_jax.sparse_attention`'s):
+update them in place). Backends (keyword `backend=`; `planner.contract.CACHE_BACKENDS["jax"]`):
   "xla"               plain jnp / lax (gathers and scatters of whole slots), any platform
                       (`dsv4_jax/kernels/xla_kvcache.py`, with the codec the kernels share);
   "pallas_triton"     Pallas kernels lowered through Triton, NVIDIA GPUs
@@ -37,8 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv4_jax import devices
 from dsv4_jax.kernels import pallas_kvcache, xla_kvcache
 from planner import kvcache as ref
+from planner.checks import as_int
+from planner.contract import CACHE_BACKENDS, backend_unavailable
 from planner.kvcache import HEAD_DIM, SLOT_DATA_BYTES, SLOT_SCALE_BYTES, page_bytes
 
 __all__ = [
@@ -54,7 +57,8 @@ __all__ = [
 _INT_DTYPES = (jnp.dtype(jnp.int32), jnp.dtype(jnp.int64), jnp.dtype(jnp.uint32))
 
 
-BACKENDS = ("xla", "pallas_triton", "pallas_interpret", "cpu")  # and "auto", "pallas"
+BACKENDS = CACHE_BACKENDS["jax"]  # and "auto"; "pallas" resolves to pallas_triton or pallas_interpret
+CONCRETE_BACKENDS = tuple(b for b in BACKENDS if b != "pallas")
 OPS = ("gather", "insert")
 
 
@@ -66,40 +70,40 @@ def cpu_unavailable_reason() -> str | None:
 
 
 def resolve_backend(backend: str = "auto", *arrays, op: str = "gather") -> str:
-    """The concrete backend a call (`op`: "gather" or "insert") runs: "xla", "pallas_triton",
-    "pallas_interpret" or "cpu".
+    """The concrete cache backend (one of `CONCRETE_BACKENDS`) a call (`op`: "gather" or "insert")
+    on `arrays` runs.
 
-    Same rule as `dsv4_jax.attention.resolve_backend` (the devices of committed `arrays`, else
-    JAX's default device), plus the C kernel for gathers on CPU; a named backend that cannot
-    run raises BackendUnavailableError, saying why.
+    Where it runs: the devices of the committed `arrays`, else JAX's default device
+    (`dsv4_jax.devices`). "auto": pallas_triton on NVIDIA GPUs; elsewhere the C kernel for gathers
+    on CPU where it builds, else xla. "pallas": pallas_triton on NVIDIA GPUs, else
+    pallas_interpret. A named backend that cannot run raises BackendUnavailableError saying why.
     """
-    from dsv4_jax.attention import BackendUnavailableError, _committed_devices
-    from dsv4_jax.attention import resolve_backend as resolve
-
+    if not isinstance(backend, str) or backend not in ("auto",) + BACKENDS:
+        raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
     if op not in OPS:
         raise ValueError(f"op: expected one of {OPS}, got {op!r}")
-    devices = _committed_devices(arrays)
-    platforms = {d.platform for d in devices} if devices else {jax.default_backend()}
+    gpu_missing = devices.pallas_triton_unavailable(arrays)
+    if backend == "auto":
+        if gpu_missing is None:
+            return "pallas_triton"
+        if op == "gather" and devices.platforms(arrays) == {"cpu"} and cpu_unavailable_reason() is None:
+            return "cpu"
+        return "xla"
+    if backend == "pallas":
+        return "pallas_interpret" if gpu_missing else "pallas_triton"
+    if backend == "pallas_triton" and gpu_missing:
+        raise backend_unavailable(backend, gpu_missing)
     if backend == "cpu":
         if op != "gather":
-            raise BackendUnavailableError(
-                "backend 'cpu' has the gather only (dequantize_and_gather_k_cache); "
-                "quantize_and_insert_k_cache on CPU runs backend='xla'"
+            raise backend_unavailable(
+                "cpu", "it has the gather only (dequantize_and_gather_k_cache); quantize_and_insert_k_cache on CPU "
+                "runs backend='xla'"
             )
-        if platforms != {"cpu"}:
-            raise BackendUnavailableError(f"backend 'cpu' cannot run here: the arrays are on {sorted(platforms)}, not the CPU")
-        from dsv4_jax.kernels import cpu_kvcache
-
-        if (reason := cpu_kvcache.unavailable_reason()) is not None:
-            raise BackendUnavailableError(f"backend 'cpu' cannot run here: {reason}")
-        return "cpu"
-    name = resolve(backend, *arrays)
-    if backend == "auto" and op == "gather" and name == "xla" and platforms == {"cpu"}:
-        from dsv4_jax.kernels import cpu_kvcache
-
-        if cpu_kvcache.unavailable_reason() is None:
-            return "cpu"
-    return name
+        if (where := devices.platforms(arrays)) != {"cpu"}:
+            raise backend_unavailable("cpu", f"the arrays are on {sorted(where)}, not the CPU")
+        if (reason := cpu_unavailable_reason()) is not None:
+            raise backend_unavailable("cpu", reason)
+    return backend
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,7 +121,7 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size=64, *, back
       block_size: slots per page S (a Python int).
       backend, validate: module doc.
     """
-    S = ref._check_block_size(block_size, "block_size")
+    S = ref.check_block_size(block_size, "block_size")
     num_blocks = _check_pages(k_cache, S)
     _check_dtype(k, "k", (jnp.dtype(jnp.bfloat16),), "bfloat16")
     if k.ndim != 2 or k.shape[1] != HEAD_DIM:
@@ -135,7 +139,7 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size=64, *, back
         if bad.any():
             t, d = (int(v) for v in np.argwhere(bad)[0])
             raise ValueError(f"k: must be finite, got k[{t}, {d}] = {float(kk[t, d])}")
-        ref._check_slot_mapping(np.asarray(slot_mapping), k.shape[0], num_blocks * S)
+        ref.check_slot_mapping(np.asarray(slot_mapping), k.shape[0], num_blocks * S)
     if n == 0:
         return k_cache
     if name == "xla":
@@ -165,7 +169,7 @@ def dequantize_and_gather_k_cache(
       block_size: slots per page S; offset: first row written (Python ints, static under jit).
       backend, validate: module doc.
     """
-    S = ref._check_block_size(block_size, "block_size")
+    S = ref.check_block_size(block_size, "block_size")
     num_blocks = _check_pages(k_cache, S)
     _check_dtype(out, "out", (jnp.dtype(jnp.bfloat16),), "bfloat16")
     if out.ndim != 3 or out.shape[2] != HEAD_DIM:
@@ -179,7 +183,7 @@ def dequantize_and_gather_k_cache(
     R = seq_lens.shape[0]
     ref.check_request_shapes(R, None if gather_lens is None else gather_lens.shape[0], block_table.shape, out.shape)
     try:
-        offset = ref._int_scalar(offset, "offset", minimum=0)
+        offset = as_int(offset, "offset", minimum=0)
     except ValueError:
         if isinstance(offset, jax.core.Tracer):
             raise TypeError("offset: must be a Python int (static under jit), got a traced value") from None
@@ -222,7 +226,7 @@ def copy_slots(dst_cache, dst_slots, src_cache, src_slots, block_size):
     of one length (slot s = page s // S, position s % S). A destination outside dst_cache (e.g. -1)
     is dropped; each destination at most once.
     """
-    S = ref._check_block_size(block_size, "block_size")
+    S = ref.check_block_size(block_size, "block_size")
     _check_pages(src_cache, S)
     _check_pages(dst_cache, S)
     pb = page_bytes(S)

@@ -33,7 +33,9 @@ import sys
 
 import torch
 
+from dsv4_torch import devices
 from planner import kvcache as ref
+from planner.contract import CACHE_BACKENDS, backend_unavailable
 from planner.kvcache import (
     HEAD_DIM,
     N_GROUPS,
@@ -44,7 +46,7 @@ from planner.kvcache import (
     page_bytes,
 )
 
-BACKENDS = ("triton", "cpu", "reference")
+BACKENDS = CACHE_BACKENDS["torch"]
 OPS = ("gather", "insert")
 _INT_DTYPES = (torch.int32, torch.int64)
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -64,15 +66,13 @@ __all__ = [
 
 def resolve_backend(backend: str = "auto", k_cache: torch.Tensor | None = None, op: str = "gather") -> str:
     """The backend a call (`op`: "gather" or "insert") on pages `k_cache` runs: "triton",
-    "cpu" or "reference".
+    "cpu" or "reference" (`planner.contract.CACHE_BACKENDS["torch"]`).
 
     "auto": triton for CUDA/ROCm pages; on CPU pages the C kernel for gathers where it builds,
     else reference (the same bits; the interpreter is for tests). A named backend that cannot
     run raises BackendUnavailableError saying why.
     """
-    from dsv4_torch.attention import BackendUnavailableError
-
-    if backend not in ("auto",) + BACKENDS:
+    if not isinstance(backend, str) or backend not in ("auto",) + BACKENDS:
         raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
     if op not in OPS:
         raise ValueError(f"op: expected one of {OPS}, got {op!r}")
@@ -83,19 +83,14 @@ def resolve_backend(backend: str = "auto", k_cache: torch.Tensor | None = None, 
         if op == "gather" and _cpu_reason(device) is None:
             return "cpu"
         return "reference"
-    if backend == "triton":
-        reason = _triton_reason(device)
-        if reason is not None:
-            raise BackendUnavailableError(f"backend='triton' cannot run here: {reason}")
-    if backend == "cpu":
-        if op != "gather":
-            raise BackendUnavailableError(
-                "backend='cpu' has the gather only (dequantize_and_gather_k_cache); "
-                "quantize_and_insert_k_cache on CPU tensors runs backend='reference'"
-            )
-        reason = _cpu_reason(device)
-        if reason is not None:
-            raise BackendUnavailableError(f"backend='cpu' cannot run here: {reason}")
+    if backend == "cpu" and op != "gather":
+        raise backend_unavailable(
+            "cpu", "it has the gather only (dequantize_and_gather_k_cache); quantize_and_insert_k_cache on CPU "
+            "tensors runs backend='reference'"
+        )
+    reason = {"triton": _triton_reason, "cpu": _cpu_reason}.get(backend, lambda d: None)(device)
+    if reason is not None:
+        raise backend_unavailable(backend, reason)
     return backend
 
 
@@ -105,26 +100,22 @@ def cpu_unavailable_reason() -> str | None:
 
 
 def _cpu_reason(device: torch.device) -> str | None:
-    if device.type != "cpu":
-        return f"pages on {device}: the cpu backend reads CPU tensors"
-    from dsv4_torch.kernels import cpu_kvcache
+    def built():
+        from dsv4_torch.kernels import cpu_kvcache
 
-    return cpu_kvcache.unavailable_reason()
+        return cpu_kvcache.unavailable_reason()
+
+    return devices.cpu_unavailable(device, built)
 
 
 def _triton_reason(device: torch.device) -> str | None:
+    if (err := devices.triton_import_error()) is not None:
+        return err
     try:
         from dsv4_torch.kernels import triton_kvcache
-    except Exception as e:  # noqa: BLE001 - any import failure is a reason
-        return f"cannot import triton ({type(e).__name__}: {e})"
-    if device.type == "cuda":
-        return None
-    if device.type == "cpu" and triton_kvcache.INTERPRETED:
-        return None
-    return (
-        f"pages on {device}: the triton backend needs CUDA/ROCm tensors, or CPU tensors with "
-        "TRITON_INTERPRET=1 set before dsv4_torch.kernels.triton_kvcache is first imported"
-    )
+    except Exception as e:  # noqa: BLE001 - any import failure is the reason
+        return f"cannot import dsv4_torch.kernels.triton_kvcache ({type(e).__name__}: {e})"
+    return devices.triton_unavailable(device, interpreted=triton_kvcache.INTERPRETED, module=triton_kvcache.__name__)
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,7 +163,7 @@ def quantize_and_insert_k_cache(
         if bool(bad.any()):
             t, d = (int(v) for v in bad.nonzero()[0])
             raise ValueError(f"k: must be finite, got k[{t}, {d}] = {float(k[t, d])}")
-        ref._check_slot_mapping(slot_mapping.cpu().numpy(), k.shape[0], num_blocks * S)
+        ref.check_slot_mapping(slot_mapping.cpu().numpy(), k.shape[0], num_blocks * S)
     if k.stride(1) != 1:
         k = k.contiguous()
     slots = slot_mapping.contiguous()
@@ -550,7 +541,7 @@ def _check_pages_named(k_cache, S: int) -> int:
 
 
 def _block_size(block_size) -> int:
-    return ref._check_block_size(block_size, "block_size")
+    return ref.check_block_size(block_size, "block_size")
 
 
 def _need_tensor(x, name: str) -> None:

@@ -7,14 +7,16 @@ fact has one home:
   kind plus its own compress ratio (`LayerSpec`), any integer >= 1 for a compressed kind.
   `layer_specs` reads a model config (transformers' `layer_types` + `compress_rates`, or
   DeepSeek's per-layer `compress_ratios`).
-* `POLICIES`, `ORDERS`, `SIZES`: the planning choices; `BACKENDS`: kernel names per framework.
+* `POLICIES`, `ORDERS`, `SIZES`: the planning choices; `BACKENDS`: the sparse-attention kernels
+  per framework, `CACHE_BACKENDS`: the fp8_ds_mla cache writer/reader kernels per framework.
 * FlashMLA's kernel constants (`D_V`, `INDEX_ALIGN`, `FLASHMLA_HEADS`, `FLASHMLA_HEAD_DIMS`).
 * The per-request formulas (`has_compressed`, `compressed_len`, `gather_len`,
-  `max_compressed_len`, `compressed_index_width`): vectorized, for ints and NumPy arrays alike.
+  `max_compressed_len`, `compressed_index_width`, `index_width_for`): vectorized, for ints and NumPy arrays alike.
 * `PRESETS`: V4-Flash, V4-Pro and the tiny test model as config.json dicts (transformers' field
   names). The planner's `ModelShape`, the JAX `ModelConfig` presets and the tiny checkpoint
   writer all derive from this one table.
-* `BackendUnavailableError`: raised by both frameworks when a named backend cannot run.
+* `BackendUnavailableError`: raised by both frameworks when a named backend cannot run
+  (`backend_unavailable(name, reason)` words it).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
+
+from planner.checks import INT32_MAX, as_int
 
 # ----------------------------------------------------------------------------- kinds
 
@@ -76,15 +80,6 @@ V4_RATIOS = {LayerKind.SWA: 0, LayerKind.CSA: 4, LayerKind.HCA: 128}
 _V4_KIND_OF_RATIO = {0: LayerKind.SWA, 4: LayerKind.CSA, 128: LayerKind.HCA}
 
 
-def _as_int(x, name: str, *, minimum: int | None = None) -> int:
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
-        raise ValueError(f"{name}: expected an integer, got {x!r}")
-    v = int(x)
-    if minimum is not None and v < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {v}")
-    return v
-
-
 @dataclass(frozen=True)
 class LayerSpec:
     """One attention layer's kind and compress ratio (what a plan depends on).
@@ -98,7 +93,7 @@ class LayerSpec:
 
     def __post_init__(self):
         kind = LayerKind.of(self.kind)
-        r = _as_int(self.compress_ratio, "compress_ratio", minimum=0)
+        r = as_int(self.compress_ratio, "compress_ratio", minimum=0, maximum=INT32_MAX)
         if kind.has_compressed and r < 1:
             raise ValueError(f"compress_ratio: {kind.name} layers need a ratio >= 1, got {r}")
         object.__setattr__(self, "kind", kind)
@@ -207,10 +202,22 @@ BACKENDS = {  # `backend=`: the sparse-attention kernel, per framework ("auto" p
     "torch": ("flashmla", "triton", "reference"),
     "jax": ("xla", "pallas", "pallas_triton", "pallas_interpret", "mosaic", "mosaic_gpu", "mosaic_interpret"),
 }
+# `backend=` of the fp8_ds_mla cache functions (`quantize_and_insert_k_cache`,
+# `dequantize_and_gather_k_cache`), per framework ("auto" picks one; JAX's "pallas" resolves to
+# pallas_triton or pallas_interpret). "cpu" is the C gather (`planner.ckernel`): gathers only.
+CACHE_BACKENDS = {
+    "torch": ("triton", "cpu", "reference"),
+    "jax": ("xla", "pallas", "pallas_triton", "pallas_interpret", "cpu"),
+}
 
 
 class BackendUnavailableError(RuntimeError):
     """A backend asked for by name cannot run here (the message says why)."""
+
+
+def backend_unavailable(backend: str, reason: str) -> BackendUnavailableError:
+    """The error for a named backend that cannot run: "backend='name' cannot run here: reason"."""
+    return BackendUnavailableError(f"backend={backend!r} cannot run here: {reason}")
 
 
 # ----------------------------------------------------------------------------- FlashMLA
@@ -226,11 +233,13 @@ def value_dim(d_qk: int) -> int:
     return min(int(d_qk), D_V)
 
 
-def round_up(x: int, m: int) -> int:
-    return -(-int(x) // int(m)) * int(m)
+def round_up(x, m: int):
+    """The smallest multiple of `m` >= `x` (ints, or NumPy integer arrays elementwise)."""
+    return -(-x // m) * m
 
 
-def cdiv(a: int, b: int) -> int:
+def cdiv(a, b: int):
+    """ceil(a / b) in integer math (ints, or NumPy / JAX integer arrays elementwise)."""
     return -(-a // b)
 
 
@@ -242,7 +251,7 @@ def has_compressed(compress_ratio: int, has_compressed: bool | None = None) -> b
 
     `has_compressed=True` with ratio 1 is DeepSeek-V4.1's full-length compressed cache.
     """
-    r = _as_int(compress_ratio, "compress_ratio", minimum=0)
+    r = as_int(compress_ratio, "compress_ratio", minimum=0, maximum=INT32_MAX)
     if has_compressed is None:
         return r > 1
     if not isinstance(has_compressed, (bool, np.bool_)):
@@ -289,8 +298,11 @@ def compressed_index_width(kind: LayerKind, max_seq_len: int, compress_ratio: in
     return int(max_seq_len) // int(compress_ratio)
 
 
-def index_width(kind: LayerKind, max_seq_len: int, compress_ratio: int, window_size: int, topk: int | None = None) -> int:
-    """One index width: compressed part + W, rounded up to `INDEX_ALIGN`."""
+def index_width_for(
+    kind: LayerKind, max_seq_len: int, compress_ratio: int, window_size: int, topk: int | None = None
+) -> int:
+    """The index width for requests of up to `max_seq_len` tokens: compressed part + W, rounded up
+    to `INDEX_ALIGN` (`planner.layout.index_width(plan)` is this for a plan's longest request)."""
     return round_up(compressed_index_width(kind, max_seq_len, compress_ratio, topk) + int(window_size), INDEX_ALIGN)
 
 
@@ -393,6 +405,6 @@ class ModelShape:
         return {k: counts.get(k, 0) for k in LayerKind}
 
     @property
-    def layer_specs(self) -> tuple[LayerSpec, ...]:
-        """One spec per kind (what `plan_step` takes)."""
+    def kind_specs(self) -> tuple[LayerSpec, ...]:
+        """One spec per kind (what `plan_step` takes); `layers` has one per decoder layer."""
         return as_layer_specs(self.layers)

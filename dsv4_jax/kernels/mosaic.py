@@ -82,6 +82,7 @@ from jax import lax
 from dsv4_jax.kernels.xla import no_key_result
 from planner.contract import D_V  # FlashMLA's value dim
 from planner.contract import FLASHMLA_HEAD_DIMS as HEAD_DIMS
+from planner.contract import backend_unavailable
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -433,9 +434,7 @@ def sparse_attention_mosaic(
     """
     reason = unavailable_reason()
     if reason:
-        from dsv4_jax.attention import BackendUnavailableError
-
-        raise BackendUnavailableError(f"backend 'mosaic' cannot run here: {reason}")
+        raise backend_unavailable("mosaic", reason)
     if jnp.ndim(q) != 3 or jnp.ndim(kv) != 2 or jnp.ndim(indices) != 2:
         raise ValueError(
             f"q, kv, indices: expected (T, H, D), (S, D), (T, K), got shapes {tuple(q.shape)}, "

@@ -1,0 +1,70 @@
+"""The library's import graph: no module imports one that (directly or not) imports it back, at
+module level or inside a function (a function-level import that climbs back up is the same loop,
+deferred). Read statically from the sources, so it covers code paths no other test runs."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("planner", "dsv4_torch", "dsv4_jax")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Project modules `name` imports anywhere in its source (TYPE_CHECKING-only blocks excluded)."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = set()
+    for node in ast.walk(tree):  # `if TYPE_CHECKING:` bodies never run
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for a in node.names:  # `from pkg import mod` imports the module pkg.mod
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
+    return {m for m in found if m in modules and m != name}
+
+
+def test_no_import_loops():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    loops, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                loops.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not loops, "import loops:\n" + "\n".join(loops)
+
+
+def test_the_graph_is_read():
+    """The reader sees function-level imports (the loops this test is about hide there)."""
+    modules = _modules()
+    assert "planner.contract" in _imports("dsv4_jax.kernels.mosaic", modules["dsv4_jax.kernels.mosaic"], modules)
+    assert "dsv4_torch.kernels.cpu_kvcache" in _imports("dsv4_torch.kvcache", modules["dsv4_torch.kvcache"], modules)
