@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +30,7 @@ from dsv4_jax.kernels import mosaic as mosaic_kernel
 from dsv4_jax.kernels.pallas_triton import sparse_attention_pallas
 from dsv4_jax.kernels.xla import sparse_attention_xla
 from planner.contract import BACKENDS as CONTRACT_BACKENDS  # noqa: F401  (re-exported)
+from planner.checks import sm_scale_value, sparse_attention_shapes
 from planner.contract import BackendUnavailableError
 
 logger = logging.getLogger("dsv4_jax")
@@ -196,65 +196,44 @@ def _dtype_of(x, name: str) -> np.dtype:
 
 
 def _check_static_float(sm_scale) -> float:
-    try:
-        value = float(sm_scale)
-    except jax.errors.ConcretizationTypeError:
-        raise TypeError("sm_scale: must be a concrete Python float (a compile-time constant), got a traced value") from None
-    except (TypeError, ValueError):
-        raise TypeError(f"sm_scale: expected a float, got {sm_scale!r}") from None
-    if not math.isfinite(value):
-        raise ValueError(f"sm_scale: must be finite, got {value}")
-    return value
+    if isinstance(sm_scale, jax.core.Tracer):
+        raise TypeError("sm_scale: must be a concrete Python float (a compile-time constant), got a traced value")
+    if isinstance(sm_scale, (jax.Array, np.ndarray)) and sm_scale.ndim == 0:
+        sm_scale = sm_scale.item()  # a concrete 0-d array: its value
+    return sm_scale_value(sm_scale)
 
 
 def check_inputs(q, kv, indices, sm_scale, attn_sink=None, topk_length=None):
     """Validate static shapes and dtypes; return the inputs in canonical form.
 
     Canonical form: q (T, H, D), kv (S, D), indices (T, K) int32, sm_scale a Python float,
-    attn_sink (H,) float32 or None, topk_length (T,) int32 or None. Works on tracers.
+    attn_sink (H,) float32 or None, topk_length (T,) int32 or None. Works on tracers. Dtypes
+    here; shapes and sm_scale's value by `planner.checks` (the rules and wording torch, JAX and
+    the oracle share).
     """
     for name, x in (("q", q), ("kv", kv)):
         if _dtype_of(x, name) not in FLOAT_DTYPES:
             raise TypeError(f"{name}: expected bfloat16, float16 or float32, got {jnp.dtype(x.dtype)}")
     if jnp.dtype(kv.dtype) != jnp.dtype(q.dtype):
-        raise TypeError(f"kv: dtype {jnp.dtype(kv.dtype)} differs from q's {jnp.dtype(q.dtype)}")
-    if jnp.ndim(q) != 3:
-        raise ValueError(f"q: expected (T, H, D), got shape {tuple(q.shape)}")
-    T, H, D = q.shape
-    if D < 1:
-        raise ValueError(f"q: head dim must be >= 1, got shape {tuple(q.shape)}")
-    if jnp.ndim(kv) == 3:
-        if kv.shape[1] != 1:
-            raise ValueError(f"kv: expected (S, 1, D) (one KV head), got shape {tuple(kv.shape)}")
-        kv = jnp.reshape(kv, (kv.shape[0], kv.shape[2]))
-    elif jnp.ndim(kv) != 2:
-        raise ValueError(f"kv: expected (S, D) or (S, 1, D), got shape {tuple(kv.shape)}")
-    if kv.shape[1] != D:
-        raise ValueError(f"kv: last dim {kv.shape[1]} does not match q's head dim {D}")
-
+        raise TypeError(f"kv: dtype {jnp.dtype(kv.dtype)} does not match q's dtype {jnp.dtype(q.dtype)}")
     if _dtype_of(indices, "indices") != jnp.int32:
         raise TypeError(f"indices: expected int32, got {jnp.dtype(indices.dtype)} (cast with .astype(jnp.int32))")
-    if jnp.ndim(indices) == 3:
-        if indices.shape[1] != 1:
-            raise ValueError(f"indices: expected (T, 1, K), got shape {tuple(indices.shape)}")
-        indices = jnp.reshape(indices, (indices.shape[0], indices.shape[2]))
-    elif jnp.ndim(indices) != 2:
-        raise ValueError(f"indices: expected (T, K) or (T, 1, K), got shape {tuple(indices.shape)}")
-    if indices.shape[0] != T:
-        raise ValueError(f"indices: {indices.shape[0]} rows for {T} query tokens")
-
+    if attn_sink is not None and _dtype_of(attn_sink, "attn_sink").kind != "f":
+        raise TypeError(f"attn_sink: expected a float array, got {jnp.dtype(attn_sink.dtype)}")
+    if topk_length is not None and _dtype_of(topk_length, "topk_length") != jnp.int32:
+        raise TypeError(f"topk_length: expected int32, got {jnp.dtype(topk_length.dtype)}")
+    sink_shape = None if attn_sink is None else attn_sink.shape
+    shapes = sparse_attention_shapes(
+        q.shape, kv.shape, indices.shape, sink_shape, None if topk_length is None else topk_length.shape
+    )
+    if shapes.squeeze_kv:
+        kv = jnp.reshape(kv, (shapes.S, shapes.D))
+    if shapes.squeeze_indices:
+        indices = jnp.reshape(indices, (shapes.T, shapes.K))
     sm_scale = _check_static_float(sm_scale)
     if attn_sink is not None:
-        if _dtype_of(attn_sink, "attn_sink").kind != "f":
-            raise TypeError(f"attn_sink: expected a float array, got {jnp.dtype(attn_sink.dtype)}")
-        if tuple(attn_sink.shape) != (H,):
-            raise ValueError(f"attn_sink: expected shape ({H},) (one logit per head), got {tuple(attn_sink.shape)}")
         attn_sink = jnp.asarray(attn_sink, jnp.float32)
     if topk_length is not None:
-        if _dtype_of(topk_length, "topk_length") != jnp.int32:
-            raise TypeError(f"topk_length: expected int32, got {jnp.dtype(topk_length.dtype)}")
-        if tuple(topk_length.shape) != (T,):
-            raise ValueError(f"topk_length: expected shape ({T},) (one per query token), got {tuple(topk_length.shape)}")
         topk_length = jnp.asarray(topk_length)
     return jnp.asarray(q), jnp.asarray(kv), jnp.asarray(indices), sm_scale, attn_sink, topk_length
 

@@ -20,6 +20,7 @@ import numpy as np
 from jax.tree_util import register_pytree_node_class
 
 from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch, StepPlan, contract
+from planner.checks import INT32_MAX, as_int
 from planner.contract import INDEX_ALIGN, SIZES
 from planner.kind_plan import KindPlan
 from planner.layout import index_width
@@ -35,14 +36,17 @@ TOK_REQUEST = 1  # planned token -> chunk-local request b (its segment is chunk_
 TOK_POSITION = 2  # planned token -> absolute position p
 SEG_REQUEST = 3  # segment -> batch request (row of the block table / logical offsets)
 SEG_ROW_BASE = 4  # segment -> b * M
-SEG_GATHER_START = 5  # segment -> first raw position gathered
-SEG_COMP_START = 6  # exclusive prefix sum of compressed_len over segments; entries >= n_seg: total
-SEG_RAW_START = 7  # exclusive prefix sum of gather_len over segments; entries >= n_seg: total
+SEG_GATHER_START_POSITION = 5  # segment -> first raw position gathered (a token position)
+# Row offsets into a kind's gathered rows: exclusive prefix sums over segments (entries >= n_seg: total)
+SEG_COMP_ROW_OFFSET = 6  # of compressed_len: the segment's first row among all compressed rows
+SEG_RAW_ROW_OFFSET = 7  # of gather_len: the segment's first row among all raw rows
 CHUNK_SEG_START = 8  # chunk -> first segment; entries >= num_chunks: n_seg
 CHUNK_TOKEN_START = 9  # chunk -> first planned token; entries >= num_chunks: T
 CHUNK_N = 10  # chunk -> N
 SCALARS = 11  # [num_chunks, T, n_seg]
 NUM_FIELDS = 12
+# The names dsv4_jax.prefill imported before the unit went into them (to drop once it uses the new ones).
+SEG_GATHER_START, SEG_COMP_START, SEG_RAW_START = SEG_GATHER_START_POSITION, SEG_COMP_ROW_OFFSET, SEG_RAW_ROW_OFFSET
 
 
 
@@ -112,7 +116,7 @@ class KindMetadata:
         needed_width / index_width: the planner's index width for this step (HCA's grows with
         the longest context; CSA's and SWA's are fixed by topk and W) and the bucketed one.
         """
-        kp = _host_plan(self, "padding")
+        kp = host_plan(self, "padding")
         s = self.shape
         tok = np.diff(kp.chunk_token_starts.astype(np.int64))
         comp = np.add.reduceat(kp.seg_compressed_len.astype(np.int64), kp.chunk_starts[:-1]) if kp.num_chunks else tok
@@ -212,8 +216,8 @@ def build_step_metadata(
     for name, v in (("min_tokens", min_tokens), ("min_workspace_rows", min_workspace_rows)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
-    if index_topk is not None and (isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1):
-        raise ValueError(f"index_topk: expected a positive int, got {index_topk!r}")
+    if index_topk is not None:
+        index_topk = as_int(index_topk, "index_topk", minimum=1, maximum=INT32_MAX)
     if sizes not in SIZES:
         raise ValueError(f"sizes: expected one of {SIZES}, got {sizes!r}")
     T = step.batch.num_tokens
@@ -243,8 +247,8 @@ def _kind_table(kp: KindPlan, padded: int, index_topk, sizes: str, token_tile: i
     table[TOK_POSITION, :T] = kp.token_position
     table[SEG_REQUEST, :n_seg] = kp.seg_request
     table[SEG_ROW_BASE, :n_seg] = kp.seg_row_base
-    table[SEG_GATHER_START, :n_seg] = kp.seg_gather_start
-    for row, lens in ((SEG_COMP_START, kp.seg_compressed_len), (SEG_RAW_START, kp.seg_gather_len)):
+    table[SEG_GATHER_START_POSITION, :n_seg] = kp.seg_gather_start
+    for row, lens in ((SEG_COMP_ROW_OFFSET, kp.seg_compressed_len), (SEG_RAW_ROW_OFFSET, kp.seg_gather_len)):
         cum = np.cumsum(lens, dtype=np.int64)
         table[row, 1 : n_seg + 1] = cum
         table[row, n_seg + 1 :] = cum[-1] if n_seg else 0
@@ -258,7 +262,7 @@ def _kind_table(kp: KindPlan, padded: int, index_topk, sizes: str, token_tile: i
     width = index_width(kp, index_topk if kp.kind is LayerKind.CSA else None)
     if sizes == "server":
         if kp.kind is LayerKind.HCA:  # the most entries any context up to max_model_len sees
-            width = contract.index_width(kp.kind, kp.config.max_model_len, kp.compress_ratio, kp.window_size)
+            width = contract.index_width_for(kp.kind, kp.config.max_model_len, kp.compress_ratio, kp.window_size)
         rows = max(kp.budget_rows, min_rows)
         if kp.max_workspace_rows > rows:  # the planner keeps every chunk within its budget
             raise AssertionError(f"a chunk needs {kp.max_workspace_rows} rows, over the budget {rows}")
@@ -280,9 +284,14 @@ def _kind_table(kp: KindPlan, padded: int, index_topk, sizes: str, token_tile: i
     return shape, table
 
 
-def _host_plan(meta: KindMetadata, what: str) -> KindPlan:
+def host_plan(meta: KindMetadata, what: str) -> KindPlan:
+    """The host plan `meta` carries (refused for a copy JAX rebuilt inside a trace); `what` needs it."""
     if not isinstance(meta, KindMetadata):
         raise TypeError(f"meta: expected a KindMetadata (build_step_metadata(...)[kind]), got {type(meta).__name__}")
     if meta.plan is None:
         raise ValueError(f"meta: {what} needs the host plan, which a copy rebuilt inside jax.jit does not carry")
     return meta.plan
+
+
+# dsv4_jax/prefill.py's name for host_plan (until it imports the public one)
+_host_plan = host_plan

@@ -17,12 +17,12 @@ This module validates arguments, resolves the backend and dispatches; the kernel
 from __future__ import annotations
 
 import logging
-import math
 import numbers
 
 import torch
 
 from planner.contract import BACKENDS as CONTRACT_BACKENDS  # noqa: F401  (re-exported)
+from planner.checks import sm_scale_value, sparse_attention_shapes
 from planner.contract import BackendUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def sparse_attention(
     Args:
       q: (T, H, D), bfloat16 / float16 / float32 / float64.
       kv: (S, D) or (S, 1, D), q.dtype. K = V = the row; V is its first d_v dims
-        (d_v = 512 if D >= 512 else D, `planner.oracle.value_dim`).
+        (d_v = 512 if D >= 512 else D, `planner.contract.value_dim`).
       indices: (T, K) or (T, 1, K), int32. An entry is invalid if it is negative, >= S, or at a
         column >= topk_length[t]. Duplicated indices count once per occurrence.
       sm_scale: float (or a 0-d CPU tensor), finite: the logit is sm_scale * <q[t, h], kv[i]>.
@@ -227,39 +227,29 @@ def _triton_import_error() -> str | None:
 
 
 def _validate(q, kv, indices, sm_scale, attn_sink, topk_length):
-    """Check every argument; return (q, kv (S, D), indices (T, K), float scale, sink, topk_length)."""
-    _need_tensor(q, "q")
+    """Check every argument; return (q, kv (S, D), indices (T, K), float scale, sink, topk_length).
+
+    Types, dtypes and devices here; shapes and sm_scale's value by `planner.checks` (the rules and
+    wording torch, JAX and the oracle share)."""
+    for name, t in (("q", q), ("kv", kv), ("indices", indices), ("attn_sink", attn_sink), ("topk_length", topk_length)):
+        if t is not None or name not in ("attn_sink", "topk_length"):
+            _need_tensor(t, name)
     if q.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"q: expected bfloat16, float16, float32 or float64, got {q.dtype}")
-    if q.ndim != 3:
-        raise ValueError(f"q: expected shape (T, H, D), got {tuple(q.shape)}")
-    T, H, D = q.shape
-    if D == 0:
-        raise ValueError(f"q: head dim D must be >= 1, got shape {tuple(q.shape)}")
-
-    _need_tensor(kv, "kv")
     if kv.dtype != q.dtype:
         raise TypeError(f"kv: dtype {kv.dtype} does not match q's dtype {q.dtype}")
-    if kv.ndim == 3:
-        if kv.shape[1] != 1:
-            raise ValueError(f"kv: expected shape (S, 1, D) (one KV head), got {tuple(kv.shape)}")
-        kv = kv[:, 0]
-    if kv.ndim != 2:
-        raise ValueError(f"kv: expected shape (S, D) or (S, 1, D), got {tuple(kv.shape)}")
-    if kv.shape[1] != D:
-        raise ValueError(f"kv: last dim {kv.shape[1]} does not match q's head dim D={D}")
-
-    _need_tensor(indices, "indices")
     if indices.dtype != torch.int32:
         raise TypeError(f"indices: expected int32, got {indices.dtype}")
-    if indices.ndim == 3:
-        if indices.shape[1] != 1:
-            raise ValueError(f"indices: expected shape (T, 1, K), got {tuple(indices.shape)}")
-        indices = indices[:, 0]
-    if indices.ndim != 2:
-        raise ValueError(f"indices: expected shape (T, K) or (T, 1, K), got {tuple(indices.shape)}")
-    if indices.shape[0] != T:
-        raise ValueError(f"indices: {indices.shape[0]} rows for {T} query tokens")
+    if attn_sink is not None and attn_sink.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"attn_sink: expected float32 (or float64), got {attn_sink.dtype}")
+    if topk_length is not None and topk_length.dtype != torch.int32:
+        raise TypeError(f"topk_length: expected int32, got {topk_length.dtype}")
+    sink_shape = None if attn_sink is None else attn_sink.shape
+    shapes = sparse_attention_shapes(
+        q.shape, kv.shape, indices.shape, sink_shape, None if topk_length is None else topk_length.shape
+    )
+    kv = kv[:, 0] if shapes.squeeze_kv else kv
+    indices = indices[:, 0] if shapes.squeeze_indices else indices
 
     if isinstance(sm_scale, torch.Tensor):
         # Reading a device tensor on the host would wait for the GPU on every call.
@@ -269,24 +259,7 @@ def _validate(q, kv, indices, sm_scale, attn_sink, topk_length):
                 f"on {sm_scale.device}"
             )
         sm_scale = sm_scale.item()
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
-        raise TypeError(f"sm_scale: expected a real number, got {type(sm_scale).__name__} {sm_scale!r}")
-    sm_scale = float(sm_scale)
-    if not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale: must be finite, got {sm_scale}")
-
-    if attn_sink is not None:
-        _need_tensor(attn_sink, "attn_sink")
-        if attn_sink.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"attn_sink: expected float32 (or float64), got {attn_sink.dtype}")
-        if tuple(attn_sink.shape) != (H,):
-            raise ValueError(f"attn_sink: expected shape ({H},) (one logit per head), got {tuple(attn_sink.shape)}")
-    if topk_length is not None:
-        _need_tensor(topk_length, "topk_length")
-        if topk_length.dtype != torch.int32:
-            raise TypeError(f"topk_length: expected int32, got {topk_length.dtype}")
-        if tuple(topk_length.shape) != (T,):
-            raise ValueError(f"topk_length: expected shape ({T},) (one per query token), got {tuple(topk_length.shape)}")
+    sm_scale = sm_scale_value(sm_scale)
 
     for name, t in (("kv", kv), ("indices", indices), ("attn_sink", attn_sink), ("topk_length", topk_length)):
         if t is not None and t.device != q.device:

@@ -19,13 +19,10 @@ import numpy as np
 import torch
 
 from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch, StepPlan
+from planner.checks import INT32_MAX, as_int, shape_of
 from planner.kind_plan import KindPlan
 from planner.layout import index_width
 from planner.plan import as_step_plan
-
-
-def _shape(x):
-    return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 class ChunkMeta(NamedTuple):
@@ -66,7 +63,8 @@ class ChunkIndices:
       the columns the top-k entries fill per layer.
     topk_length: (T_chunk,) int32.
     CSA only: topk_limit (T_chunk, index_topk) int32: a top-k value v in column j is used iff
-      0 <= v < topk_limit[t, j] ((p+1)//4 when j < min((p+1)//4, topk), else 0);
+      0 <= v < topk_limit[t, j] ((p+1)//r, r the layer's compress ratio, when j < min((p+1)//r, topk),
+      else 0);
       row_base (T_chunk, 1) int32: b * M of each token.
     """
 
@@ -120,7 +118,7 @@ class KindMetadata:
     def chunk_indices(self) -> list["ChunkIndices"]:
         """Per chunk, the top-k-independent index rows (device), formed on first use, then kept."""
         if self._index_rows is None:
-            self._index_rows = _index_rows(self)
+            self._index_rows = chunk_index_rows(self)
         return self._index_rows
 
 
@@ -173,6 +171,8 @@ def build_step_metadata(
       policy: "adaptive", "fixed" or "per_request": overrides `config.policy`.
     """
     step = as_step_plan(plan_or_batch, config, layers, policy)
+    if index_topk is not None:
+        index_topk = as_int(index_topk, "index_topk", minimum=1, maximum=INT32_MAX)
     device = torch.device(device)
     meta = StepMetadata(step_plan=step, device=device, kinds={}, max_workspace_rows=step.max_workspace_rows)
     for kind, kp in step.kinds.items():
@@ -223,7 +223,7 @@ def _kind_metadata(kp: KindPlan, step: StepMetadata, device: torch.device, index
     )  # fmt: skip
 
 
-def _index_rows(meta: KindMetadata) -> list[ChunkIndices]:
+def chunk_index_rows(meta: KindMetadata) -> list[ChunkIndices]:
     """The top-k-independent index rows of every chunk (device ops, once per step and kind).
 
     For all planned tokens at once (int64, then int32 for the (T, width) work): compressed part
@@ -286,3 +286,7 @@ def gather_map(meta: KindMetadata, chunk: ChunkMeta, region: str, start: int = 0
         dst = dst + chunk.N
         entry = meta.seg_gather_start[s0:s1][owner] + j
     return GatherMap(dst, meta.seg_request[s0:s1][owner], entry)
+
+
+# dsv4_torch/prefill.py's names for these (until it imports chunk_index_rows / planner.checks.shape_of)
+_index_rows, _shape = chunk_index_rows, shape_of

@@ -8,22 +8,7 @@ from functools import cached_property
 import numpy as np
 
 from planner import contract
-from planner.contract import _as_int, cdiv  # noqa: F401  (cdiv: part of this module's API)
-
-
-def _as_int_vector(x, name: str) -> np.ndarray:
-    """A 1-D int64 copy of a list, NumPy array or anything with `__array__` (torch CPU tensors)."""
-    try:
-        a = np.asarray(x)
-    except Exception as e:
-        raise ValueError(f"{name}: cannot be read as a 1-D integer array ({e})") from None
-    if a.ndim != 1:
-        raise ValueError(f"{name}: expected a 1-D array, got shape {a.shape}")
-    if a.dtype.kind in "iu":
-        return a.astype(np.int64)
-    if a.size == 0 and a.dtype.kind == "f":  # np.asarray([]) is float64
-        return a.astype(np.int64)
-    raise ValueError(f"{name}: expected integers, got dtype {a.dtype} ({a[:4].tolist()}...)")
+from planner.checks import INT32_MAX, as_int, as_int_vector, check_at_most
 
 
 @dataclass(frozen=True)
@@ -34,7 +19,9 @@ class PrefillBatch:
     (the query tokens, positions prefix_i .. seq_len_i - 1). Requests with `query_len == 0`
     (KV-transfer loads, for instance) are allowed; plans skip them.
 
-    `max_model_len` and `max_num_batched_tokens`, when given, are checked here too.
+    `max_model_len` and `max_num_batched_tokens`, when given, are checked here too. Lengths, their
+    total (the step's tokens) and the limits must fit int32 (`planner.checks.INT32_MAX`): the
+    per-token arrays and plans are int32.
     """
 
     seq_lens: np.ndarray
@@ -43,8 +30,8 @@ class PrefillBatch:
     max_num_batched_tokens: int | None = None
 
     def __post_init__(self):
-        seq = _as_int_vector(self.seq_lens, "seq_lens")
-        qry = _as_int_vector(self.query_lens, "query_lens")
+        seq = as_int_vector(self.seq_lens, "seq_lens")
+        qry = as_int_vector(self.query_lens, "query_lens")
         if seq.shape != qry.shape:
             raise ValueError(f"seq_lens and query_lens: lengths differ ({seq.shape[0]} vs {qry.shape[0]})")
         # One cheap pass for valid batches; the culprit is looked for only when a check fails.
@@ -56,13 +43,18 @@ class PrefillBatch:
                     raise ValueError(f"{name}: must be >= 0, got {name}[{i}] = {int(a[i])}")
             i = int(np.argmax(qry > seq))
             raise ValueError(f"query_lens: query_lens[{i}] = {int(qry[i])} exceeds seq_lens[{i}] = {int(seq[i])}")
+        check_at_most(seq, "seq_lens", INT32_MAX)  # query_lens <= seq_lens
+        if qry.size and int(qry.sum()) > INT32_MAX:
+            raise ValueError(
+                f"query_lens: {int(qry.sum())} query tokens in all exceed {INT32_MAX} (the int32 range of token arrays)"
+            )
         if self.max_model_len is not None:
-            mml = _as_int(self.max_model_len, "max_model_len", minimum=1)
+            mml = as_int(self.max_model_len, "max_model_len", minimum=1, maximum=INT32_MAX)
             if seq.size and seq.max() > mml:
                 i = int(np.argmax(seq > mml))
                 raise ValueError(f"seq_lens: seq_lens[{i}] = {int(seq[i])} exceeds max_model_len = {mml}")
         if self.max_num_batched_tokens is not None:
-            mnbt = _as_int(self.max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
+            mnbt = as_int(self.max_num_batched_tokens, "max_num_batched_tokens", minimum=1, maximum=INT32_MAX)
             if qry.size and qry.max() > mnbt:
                 i = int(np.argmax(qry > mnbt))
                 raise ValueError(
@@ -132,5 +124,5 @@ class PrefillBatch:
 
     def gather_lens(self, window_size: int) -> np.ndarray:
         """Raw rows each request gathers: its new tokens plus up to W-1 tokens of history."""
-        w = _as_int(window_size, "window_size", minimum=1)
+        w = as_int(window_size, "window_size", minimum=1, maximum=INT32_MAX)
         return contract.gather_len(self.seq_lens, self.query_lens, w)

@@ -32,6 +32,8 @@ import numbers
 import ml_dtypes
 import numpy as np
 
+from planner.checks import as_int
+
 HEAD_DIM = 512  # dims per slot
 NOPE_DIM = 448  # e4m3 dims
 ROPE_DIM = 64  # bf16 dims
@@ -58,7 +60,7 @@ __all__ = [
 
 def page_bytes(slots_per_page) -> int:
     """Bytes of one page of `slots_per_page` slots: round_up(S * 584, 576) (S=64: 37440, S=2: 1728)."""
-    S = _check_block_size(slots_per_page, "slots_per_page")
+    S = check_block_size(slots_per_page, "slots_per_page")
     return -(-S * SLOT_BYTES // SLOT_DATA_BYTES) * SLOT_DATA_BYTES
 
 
@@ -90,10 +92,10 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size) -> None:
       block_size: slots per page S (>= 1).
     Bytes of a page that no written slot owns (other slots, the tail padding) stay as they were.
     """
-    S = _check_block_size(block_size, "block_size")
+    S = check_block_size(block_size, "block_size")
     num_blocks = _check_cache(k_cache, S, writable=True)
     k32 = _check_k(k)
-    slots = _check_slot_mapping(slot_mapping, k32.shape[0], num_blocks * S)
+    slots = check_slot_mapping(slot_mapping, k32.shape[0], num_blocks * S)
     live = np.flatnonzero(slots >= 0)
     if live.size == 0:
         return
@@ -142,7 +144,7 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
       block_size: slots per page S.
       offset: first row of out written, >= 0, offset + gather_lens[b] <= rows.
     """
-    S = _check_block_size(block_size, "block_size")
+    S = check_block_size(block_size, "block_size")
     num_blocks = _check_cache(k_cache, S, writable=False)
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out: expected a numpy.ndarray, got {type(out).__name__}")
@@ -208,7 +210,7 @@ def check_gather_args(seq_lens, gather_lens, block_table, S, num_blocks, out_sha
                 f"gather_lens: must lie in [0, seq_lens[b]], got gather_lens[{b}] = {int(g[b])} "
                 f"with seq_lens[{b}] = {int(seq[b])}"
             )
-    off = _int_scalar(offset, "offset", minimum=0)
+    off = as_int(offset, "offset", minimum=0)
     if R and int(g.max(initial=0)) + off > out_shape[1]:
         b = int(np.argmax(g))
         raise ValueError(
@@ -261,7 +263,7 @@ def decode_slots(k_cache: np.ndarray, S: int, page: np.ndarray, slot: np.ndarray
 # checks
 
 
-def _check_block_size(block_size, name: str) -> int:
+def check_block_size(block_size, name: str) -> int:
     if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, numbers.Integral):
         raise ValueError(f"{name}: expected a positive integer (slots per page), got {block_size!r}")
     S = int(block_size)
@@ -314,7 +316,7 @@ def _check_k(k) -> np.ndarray:
     return k32
 
 
-def _check_slot_mapping(slot_mapping, T: int, num_slots: int) -> np.ndarray:
+def check_slot_mapping(slot_mapping, T: int, num_slots: int) -> np.ndarray:
     s = _int_vector(slot_mapping, "slot_mapping")
     if s.shape[0] > T:
         raise ValueError(f"slot_mapping: {s.shape[0]} entries for {T} tokens of k (expected <= {T})")
@@ -348,12 +350,3 @@ def _int_matrix(x, name: str) -> np.ndarray:
     if a.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D array [requests, max_blocks], got shape {a.shape}")
     return a.astype(np.int64)
-
-
-def _int_scalar(x, name: str, *, minimum: int) -> int:
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
-        raise ValueError(f"{name}: expected an integer, got {x!r}")
-    v = int(x)
-    if v < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {v}")
-    return v

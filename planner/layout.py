@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner import contract
-from planner.contract import INDEX_ALIGN, LayerKind, round_up  # noqa: F401  (part of this module's API)
+from planner.contract import LayerKind
 from planner.kind_plan import ChunkLayout, KindPlan
 
 
@@ -24,9 +24,11 @@ def compressed_width(plan: KindPlan, topk: int | None = None) -> int:
 
 
 def index_width(plan: KindPlan, topk: int | None = None) -> int:
-    """One index width for every chunk of this kind in the step: compressed part + W, to 128."""
-    return contract.index_width(plan.kind, int(plan.seg_seq_len.max(initial=0)), plan.compress_ratio,
-                                plan.window_size, topk)
+    """One index width for every chunk of this kind in the step: compressed part + W, to 128
+    (`planner.contract.index_width_for` at the step's longest request)."""
+    return contract.index_width_for(
+        plan.kind, int(plan.seg_seq_len.max(initial=0)), plan.compress_ratio, plan.window_size, topk
+    )
 
 
 def check_topk_rows(topk_rows, token_index, token_position, compress_ratio: int, name: str = "topk_rows"):

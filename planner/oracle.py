@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.batch import _as_int_vector
-from planner.contract import LayerKind, LayerSpec, value_dim  # noqa: F401  (value_dim: part of this module's API)
+from planner.checks import as_int, as_int_vector, sm_scale_value, sparse_attention_shapes
+from planner.contract import LayerKind, LayerSpec, value_dim
 
 
-def _as_float_array(x, name: str, ndim: tuple[int, ...]) -> np.ndarray:
+def _as_float_array(x, name: str, ndim: tuple[int, ...] | None = None) -> np.ndarray:
     try:
         a = np.asarray(x)
     except Exception as e:  # pragma: no cover - exotic inputs
         raise TypeError(f"{name}: cannot be converted to an array ({e})") from None
     if a.dtype.kind not in "fiu" and str(a.dtype) != "bfloat16":
         raise TypeError(f"{name}: expected a numeric array, got dtype {a.dtype}")
-    if a.ndim not in ndim:
+    if ndim is not None and a.ndim not in ndim:
         raise ValueError(f"{name}: expected {' or '.join(map(str, ndim))} dims, got shape {a.shape}")
     return a.astype(np.float64)
 
@@ -47,41 +47,22 @@ def sparse_attention(q, kv, indices, sm_scale, attn_sink=None, topk_length=None)
       max_logits: (T, H) float64, max of sm_scale * <q, k> over valid keys; -inf if none.
       lse: (T, H) float64, natural-log sum-exp of the same logits (sink excluded); +inf if none.
     """
-    q = _as_float_array(q, "q", (3,))
-    kv = _as_float_array(kv, "kv", (2, 3))
-    if kv.ndim == 3:
-        if kv.shape[1] != 1:
-            raise ValueError(f"kv: expected shape (S, 1, D), got {kv.shape}")
-        kv = kv[:, 0]
+    q = _as_float_array(q, "q")
+    kv = _as_float_array(kv, "kv")
     idx = np.asarray(indices)
     if idx.dtype.kind not in "iu":
         raise TypeError(f"indices: expected an integer array, got dtype {idx.dtype}")
-    if idx.ndim == 3:
-        if idx.shape[1] != 1:
-            raise ValueError(f"indices: expected shape (T, 1, K), got {idx.shape}")
-        idx = idx[:, 0]
-    if idx.ndim != 2:
-        raise ValueError(f"indices: expected (T, K) or (T, 1, K), got shape {idx.shape}")
-    T, H, D = q.shape
-    S = kv.shape[0]
-    if kv.shape[1] != D:
-        raise ValueError(f"kv: last dim {kv.shape[1]} does not match q's head dim {D}")
-    if idx.shape[0] != T:
-        raise ValueError(f"indices: {idx.shape[0]} rows for {T} query tokens")
-    K = idx.shape[1]
-    idx = idx.astype(np.int64)
+    sink = None if attn_sink is None else _as_float_array(attn_sink, "attn_sink")
+    tl = None if topk_length is None else np.asarray(topk_length)
+    T, H, D, S, K, squeeze_kv, squeeze_idx = sparse_attention_shapes(
+        q.shape, kv.shape, idx.shape, None if sink is None else sink.shape, None if tl is None else tl.shape
+    )
+    sm_scale = sm_scale_value(sm_scale)
+    kv = kv[:, 0] if squeeze_kv else kv
+    idx = (idx[:, 0] if squeeze_idx else idx).astype(np.int64)
     valid = (idx >= 0) & (idx < S)
-    if topk_length is not None:
-        tl = _as_int_vector(topk_length, "topk_length")
-        if tl.shape[0] != T:
-            raise ValueError(f"topk_length: {tl.shape[0]} entries for {T} query tokens")
-        valid &= np.arange(K)[None, :] < tl[:, None]
-    sink = None
-    if attn_sink is not None:
-        sink = _as_float_array(attn_sink, "attn_sink", (1,))
-        if sink.shape[0] != H:
-            raise ValueError(f"attn_sink: {sink.shape[0]} entries for {H} heads")
-    sm_scale = float(sm_scale)
+    if tl is not None:
+        valid &= np.arange(K)[None, :] < as_int_vector(tl, "topk_length")[:, None]
     d_v = value_dim(D)
 
     out = np.zeros((T, H, d_v))
@@ -152,9 +133,7 @@ def prefill_attention(
         raise ValueError(f"raw_kv: {len(raw_kv)} requests, expected {batch.num_requests}")
     if kind is not LayerKind.SWA and (compressed_kv is None or len(compressed_kv) != batch.num_requests):
         raise ValueError(f"compressed_kv: expected {batch.num_requests} per-request arrays for a {kind.name} layer")
-    if int(window_size) < 1:
-        raise ValueError(f"window_size: must be >= 1, got {window_size}")
-    W, r = int(window_size), layer.compress_ratio
+    W, r = as_int(window_size, "window_size", minimum=1), layer.compress_ratio
     if kind is LayerKind.CSA:
         if topk_rows is None:
             raise ValueError("topk_rows: required for CSA layers")

@@ -22,13 +22,13 @@ import numpy as np
 
 from planner import contract
 from planner.batch import PrefillBatch
+from planner.checks import INT32_MAX, as_int
 from planner.contract import (
     ORDERS,
     POLICIES,
     V4_LAYERS,
     LayerKind,
     LayerSpec,
-    _as_int,
     as_layer_specs,
 )
 from planner.kind_plan import EMPTY_INT32, KindPlan, readonly_int32
@@ -65,16 +65,14 @@ class PlanConfig:
     contiguous: bool = False
 
     def __post_init__(self):
-        _as_int(self.window_size, "window_size", minimum=1)
-        _as_int(self.max_model_len, "max_model_len", minimum=1)
-        _as_int(self.max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
-        _as_int(self.prefill_chunk_size, "prefill_chunk_size", minimum=1)
+        for name in ("window_size", "max_model_len", "max_num_batched_tokens", "prefill_chunk_size"):
+            as_int(getattr(self, name), name, minimum=1, maximum=INT32_MAX)
         if self.policy not in POLICIES:
             raise ValueError(f"policy: expected one of {POLICIES}, got {self.policy!r}")
         if self.order not in ORDERS:
             raise ValueError(f"order: expected one of {ORDERS}, got {self.order!r}")
         if self.budget_rows is not None:
-            _as_int(self.budget_rows, "budget_rows", minimum=1)
+            as_int(self.budget_rows, "budget_rows", minimum=1, maximum=INT32_MAX)
             if self.policy == "fixed":
                 raise ValueError("budget_rows: the fixed plan has its own workspace size; use policy='adaptive'")
         if not isinstance(self.contiguous, (bool, np.bool_)):
@@ -212,11 +210,21 @@ def _gather_list(batch: PrefillBatch, config: PlanConfig, gath: np.ndarray) -> l
     return out
 
 
+def _check_inputs(batch, config) -> None:
+    if not isinstance(batch, PrefillBatch):
+        raise TypeError(
+            f"batch: expected a planner.PrefillBatch (PrefillBatch(seq_lens, query_lens)), got {type(batch).__name__}"
+        )
+    if not isinstance(config, PlanConfig):
+        raise TypeError(f"config: expected a planner.PlanConfig, got {type(config).__name__}")
+
+
 def plan_kind(batch: PrefillBatch, config: PlanConfig, layer, _shared=None) -> KindPlan:
     """Plan one layer kind for one step.
 
     layer: a `LayerSpec` or `(kind, compress_ratio)` pair: any ratio >= 1 for CSA/HCA.
     """
+    _check_inputs(batch, config)
     layer = LayerSpec.of(layer)
     hc = layer.has_compressed
     r = layer.compress_ratio if hc else 0  # 0: no compressed rows
@@ -231,6 +239,12 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, layer, _shared=None) -> K
         active, seq_a, qry_a, comp_a, gath_a = (x[perm] for x in (active, seq_a, qry_a, comp_a, gath_a))
 
     budget = config.budget(layer)
+    if budget > INT32_MAX:  # workspace rows are int32 (row bases, indices into the workspace)
+        raise ValueError(
+            f"max_model_len: vLLM's workspace bound for {layer.kind.name} ratio {layer.compress_ratio} is {budget} "
+            f"rows, beyond {INT32_MAX} (the int32 range of workspace rows); lower max_model_len, "
+            "max_num_batched_tokens or prefill_chunk_size, or give budget_rows"
+        )
     # vLLM's bound holds every request alone (_active_requests checked seq_len <= max_model_len and
     # query_len <= max_num_batched_tokens), so only an explicit budget_rows can split one.
     vllm_bound = config.budget_rows is None and (batch.max_model_len is None or batch.max_model_len <= config.max_model_len)
@@ -306,6 +320,7 @@ def plan_step(batch: PrefillBatch, config: PlanConfig, layers=V4_LAYERS) -> Step
       per-layer list is fine; `planner.layer_specs(config_json)` reads one). Default: the three
       kinds at V4.0's ratios (SWA, CSA 4, HCA 128).
     """
+    _check_inputs(batch, config)
     shared = _active_requests(batch, config)
     kinds = {spec.kind: plan_kind(batch, config, spec, shared) for spec in as_layer_specs(layers)}
     return StepPlan(batch=batch, config=config, kinds=kinds)

@@ -5,7 +5,7 @@ import pytest
 
 import planner as P
 from planner import oracle
-from planner.layout import round_up
+from planner.contract import round_up
 
 
 def random_step(rng, seq, qry, layer, D=16, H=4, topk=6):

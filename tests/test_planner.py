@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import planner as P
-from planner.batch import cdiv
+from planner.contract import cdiv
 
 KW = dict(window_size=64, max_model_len=16384, max_num_batched_tokens=4096)
 SPEC_SEQ = [256, 320, 448, 640, 1024, 1536, 3072, 4096, 6144, 8192]

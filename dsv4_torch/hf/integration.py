@@ -88,6 +88,7 @@ from planner import (
     StepPlan,
     layer_specs,
 )
+from planner.checks import shape_of
 from planner.kvcache import KV_CACHE_DTYPES
 
 ATTN_IMPLEMENTATION = "dsv4_sparse_prefill"
@@ -484,7 +485,7 @@ def _real_tokens(mask, position_ids, state, B: int, T: int):
     if position_ids is not None:
         if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[1] != T \
                 or position_ids.shape[0] not in (1, B):  # fmt: skip
-            raise ValueError(f"position_ids: expected ({B}, {T}) or (1, {T}), got {_shape(position_ids)}")
+            raise ValueError(f"position_ids: expected ({B}, {T}) or (1, {T}), got {shape_of(position_ids)}")
         parts.append(position_ids.to(torch.int64).expand(B, T))
     host = torch.stack([p.to(parts[0].device) for p in parts]).cpu().numpy() if parts else None
     real = np.ones((B, T), dtype=bool) if mask is None else host[0] != 0
@@ -500,10 +501,6 @@ def _real_tokens(mask, position_ids, state, B: int, T: int):
                 "cumsum(attention_mask) - 1)"
             )
     return real, positions.astype(np.int64)
-
-
-def _shape(x):
-    return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 # ----------------------------------------------------------------------------- the attention layer

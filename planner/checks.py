@@ -1,0 +1,132 @@
+"""Argument checks shared by the planner and both framework packages (no framework imports).
+
+* `as_int`, `as_int_vector`: integers and 1-D integer arrays, with their bounds; plan sizes end up
+  in int32 arrays (what device kernels index with), so lengths and limits are checked against
+  `INT32_MAX` where they are taken.
+* `sparse_attention_shapes`, `sm_scale_value`: `sparse_attention`'s shape and value rules (FlashMLA's
+  `flash_mla_sparse_fwd` contract, spec section 2), one wording for `dsv4_torch`, `dsv4_jax` and
+  the float64 oracle (`planner.oracle`). Each framework checks its own types and dtypes first.
+
+Every error is a ValueError or TypeError whose message starts with the argument's name.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple
+
+import numpy as np
+
+INT32_MAX = 2**31 - 1  # the largest length, position, row or limit a plan holds (int32 arrays)
+
+
+def as_int(x, name: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """`x` as a Python int: an integer (not a bool) within [minimum, maximum] when given."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Integral, np.integer)):
+        raise ValueError(f"{name}: expected an integer, got {x!r}")
+    v = int(x)
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise ValueError(f"{name}: must be <= {maximum}{_int32_note(maximum)}, got {v}")
+    return v
+
+
+def as_int_vector(x, name: str) -> np.ndarray:
+    """A 1-D int64 copy of a list, NumPy array or anything with `__array__` (torch CPU tensors)."""
+    try:
+        a = np.asarray(x)
+    except Exception as e:
+        raise ValueError(f"{name}: cannot be read as a 1-D integer array ({e})") from None
+    if a.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D array, got shape {a.shape}")
+    if a.dtype.kind in "iu":
+        if a.dtype == np.uint64 and a.size and int(a.max()) > np.iinfo(np.int64).max:
+            i = int(np.argmax(a))
+            raise ValueError(f"{name}: {name}[{i}] = {int(a[i])} does not fit int64")
+        return a.astype(np.int64)
+    if a.size == 0 and a.dtype.kind == "f":  # np.asarray([]) is float64
+        return a.astype(np.int64)
+    raise ValueError(f"{name}: expected integers, got dtype {a.dtype} ({a[:4].tolist()}...)")
+
+
+def check_at_most(a: np.ndarray, name: str, maximum: int, why: str = "") -> None:
+    """Refuse an entry of the int vector `a` above `maximum`, naming the first one."""
+    if a.size and int(a.max()) > maximum:
+        i = int(np.argmax(a > maximum))
+        raise ValueError(f"{name}: {name}[{i}] = {int(a[i])} exceeds {why or maximum}{_int32_note(maximum)}")
+
+
+def shape_of(x):
+    """For error messages: an array's shape as a tuple, else the object's type name."""
+    shape = getattr(x, "shape", None)
+    return tuple(shape) if shape is not None and not isinstance(x, type) else type(x).__name__
+
+
+def _int32_note(maximum: int) -> str:
+    return " (the int32 range of plan arrays)" if maximum == INT32_MAX else ""
+
+
+# ----------------------------------------------------------------------------- sparse_attention
+
+
+class SparseShapes(NamedTuple):
+    """The sizes of one `sparse_attention` call; `squeeze_kv` / `squeeze_indices`: the argument
+    came with its one-head axis ((S, 1, D) / (T, 1, K)), to drop before the kernel."""
+
+    T: int
+    H: int
+    D: int
+    S: int
+    K: int
+    squeeze_kv: bool
+    squeeze_indices: bool
+
+
+def sparse_attention_shapes(
+    q_shape, kv_shape, indices_shape, attn_sink_shape=None, topk_length_shape=None
+) -> SparseShapes:
+    """Check the shapes of `sparse_attention(q, kv, indices, sm_scale, attn_sink, topk_length)`.
+
+    q (T, H, D) with D >= 1; kv (S, D) or (S, 1, D); indices (T, K) or (T, 1, K); attn_sink (H,);
+    topk_length (T,) (None: argument not given). Shapes are tuples of ints (torch.Size, a NumPy
+    or JAX shape). Raises ValueError naming the argument.
+    """
+    q_shape, kv_shape, indices_shape = tuple(q_shape), tuple(kv_shape), tuple(indices_shape)
+    if len(q_shape) != 3:
+        raise ValueError(f"q: expected shape (T, H, D), got {q_shape}")
+    T, H, D = (int(n) for n in q_shape)
+    if D < 1:
+        raise ValueError(f"q: head dim D must be >= 1, got shape {q_shape}")
+    squeeze_kv = len(kv_shape) == 3
+    if squeeze_kv and kv_shape[1] != 1:
+        raise ValueError(f"kv: expected shape (S, 1, D) (one KV head), got {kv_shape}")
+    if len(kv_shape) not in (2, 3):
+        raise ValueError(f"kv: expected shape (S, D) or (S, 1, D), got {kv_shape}")
+    if kv_shape[-1] != D:
+        raise ValueError(f"kv: last dim {kv_shape[-1]} does not match q's head dim D={D}")
+    squeeze_indices = len(indices_shape) == 3
+    if squeeze_indices and indices_shape[1] != 1:
+        raise ValueError(f"indices: expected shape (T, 1, K), got {indices_shape}")
+    if len(indices_shape) not in (2, 3):
+        raise ValueError(f"indices: expected shape (T, K) or (T, 1, K), got {indices_shape}")
+    if indices_shape[0] != T:
+        raise ValueError(f"indices: {indices_shape[0]} rows for {T} query tokens")
+    if attn_sink_shape is not None and tuple(attn_sink_shape) != (H,):
+        raise ValueError(f"attn_sink: expected shape ({H},) (one logit per head), got {tuple(attn_sink_shape)}")
+    if topk_length_shape is not None and tuple(topk_length_shape) != (T,):
+        raise ValueError(
+            f"topk_length: expected shape ({T},) (one per query token), got {tuple(topk_length_shape)}"
+        )
+    return SparseShapes(T, H, D, int(kv_shape[0]), int(indices_shape[-1]), squeeze_kv, squeeze_indices)
+
+
+def sm_scale_value(sm_scale) -> float:
+    """`sm_scale` as a finite Python float (a real number, not a bool); TypeError / ValueError."""
+    if isinstance(sm_scale, (bool, np.bool_)) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale: expected a real number, got {type(sm_scale).__name__} {sm_scale!r}")
+    value = float(sm_scale)
+    if not math.isfinite(value):
+        raise ValueError(f"sm_scale: must be finite, got {value}")
+    return value
