@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dsv4_jax.kernels.xla import no_key_result
-from planner.contract import value_dim
+from planner.contract import round_up, value_dim
 
 MIN_BLOCK = 16  # Triton's smallest dot dimension.
 LOG2_E = math.log2(math.e)
@@ -42,10 +42,6 @@ LN_2 = math.log(2.0)
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def padded_dims(d_qk: int) -> tuple[int, int]:
@@ -291,8 +287,8 @@ def sparse_attention_pallas(
     )
     _check_tuning(cfg, d_main)
 
-    H_pad = _round_up(max(H, MIN_BLOCK), cfg.block_h)
-    K_pad = _round_up(K, cfg.block_k)
+    H_pad = round_up(max(H, MIN_BLOCK), cfg.block_h)
+    K_pad = round_up(K, cfg.block_k)
     q = jnp.pad(_pad_columns(q, d_v, d_main, d_tail), ((0, 0), (0, H_pad - H), (0, 0)))
     kv = _pad_columns(kv, d_v, d_main, d_tail)
     indices = jnp.pad(indices, ((0, 0), (0, K_pad - K)), constant_values=-1)

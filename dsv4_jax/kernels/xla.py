@@ -24,16 +24,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from planner.contract import value_dim
+from planner.contract import cdiv, value_dim
 
 # Chunk of the index row folded per step. Fixed (not derived from K) so that rows of different
 # widths accumulate in the same groups; the spec pads rows to multiples of 128 anyway.
 REFERENCE_BLOCK_K = 128
 REFERENCE_BLOCK_T = 16
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def no_key_result(num_tokens: int, num_heads: int, d_v: int, dtype):
@@ -77,8 +73,8 @@ def sparse_attention_xla(
     if T == 0 or H == 0 or S == 0 or K == 0:
         return no_key_result(T, H, d_v, q.dtype)
 
-    n_t = _cdiv(T, block_t)
-    T_pad, K_pad = n_t * block_t, _cdiv(K, block_k) * block_k
+    n_t = cdiv(T, block_t)
+    T_pad, K_pad = n_t * block_t, cdiv(K, block_k) * block_k
     q_blocks = jnp.pad(q, ((0, T_pad - T), (0, 0), (0, 0))).reshape(n_t, block_t, H, D)
     idx_blocks = jnp.pad(indices, ((0, T_pad - T), (0, K_pad - K)), constant_values=-1)
     idx_blocks = idx_blocks.reshape(n_t, block_t, K_pad)

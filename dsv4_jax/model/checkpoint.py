@@ -61,7 +61,7 @@ import numpy as np
 
 from dsv4_jax.model import parallel
 from dsv4_jax.model.config import ModelConfig
-from dsv4_jax.model.names import _Part, _Source, _sources, to_transformers_names, transformers_name  # noqa: F401  (re-exported)
+from dsv4_jax.model.names import Part, Source, to_transformers_names, weight_sources
 from dsv4_jax.model.quant import FP4_BLOCK, FP8_BLOCK, QuantizedWeight, dequantize, device_scale, expected_scale_shape
 from dsv4_jax.model.safetensors_io import ST_NAMES, CheckpointFiles, TensorInfo, read_safetensors
 from planner import LayerKind
@@ -134,14 +134,14 @@ class _Entry:
     quantization format and block."""
 
     role: str
-    source: _Source
+    source: Source
     shape: tuple[int, ...]
     kind: str
     fmt: str | None = None
     block: tuple[int, int] | None = None
 
 
-def _check_part(files, part: _Part, shape, kind: str, block) -> tuple[str | None, tuple | None]:
+def _check_part(files, part: Part, shape, kind: str, block) -> tuple[str | None, tuple | None]:
     """Validate one part against its logical `shape`; return its (format, block) if quantized."""
     info = files.info(part.name)
     if part.scale is None:
@@ -177,7 +177,7 @@ def _check_part(files, part: _Part, shape, kind: str, block) -> tuple[str | None
     return fmt, blk
 
 
-def _check(files, role, src: _Source, hf: str, shape, kind: str, block) -> _Entry:
+def _check(files, role, src: Source, hf: str, shape, kind: str, block) -> _Entry:
     if src.part is not None:
         fmt, blk = _check_part(files, src.part, shape, kind, block)
         return _Entry(role, src, tuple(shape), kind, fmt, blk)
@@ -348,7 +348,7 @@ def plan_params(cfg: ModelConfig, files, block_size: tuple[int, int] = FP8_BLOCK
     """The parameter tree with an `_Entry` (role, source, logical shape, format) per tensor, every
     name, dtype and shape checked against `cfg` from the headers alone; and whether the head is
     the tied embedding. `files`: anything with `names()` and `info(name)` (`CheckpointFiles`)."""
-    sources, _mtp = _sources(files.names())
+    sources, _mtp = weight_sources(files.names())
     used: set[str] = set()
     H, D, G = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
     hid, n, E = cfg.hidden_size, cfg.hc_mult, cfg.n_routed_experts

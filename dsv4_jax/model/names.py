@@ -68,7 +68,7 @@ def _is_mtp(name: str) -> bool:
 
 
 @dataclass(frozen=True)
-class _Part:
+class Part:
     """One checkpoint tensor of a model tensor, with its scale tensor if it is quantized."""
 
     name: str
@@ -76,12 +76,12 @@ class _Part:
 
 
 @dataclass(frozen=True)
-class _Source:
+class Source:
     """Where one model tensor (transformers' name) comes from: one part, or routed experts stacked
     from per-expert parts (`experts[e]` = the parts concatenated on rows: [w1, w3] or [w2])."""
 
-    part: _Part | None = None
-    experts: tuple[tuple[_Part, ...], ...] | None = None
+    part: Part | None = None
+    experts: tuple[tuple[Part, ...], ...] | None = None
 
 
 def _scale_pairs(names) -> dict[str, str]:
@@ -112,21 +112,21 @@ def transformers_name(name: str) -> str | None:
     return name
 
 
-def _sources(names) -> tuple[dict[str, _Source], list[str]]:
-    """transformers name -> _Source for every checkpoint tensor, and the MTP names (unused)."""
+def weight_sources(names) -> tuple[dict[str, Source], list[str]]:
+    """transformers name -> Source for every checkpoint tensor, and the MTP names (unused)."""
     names = list(names)
     scales = _scale_pairs(names)
     scale_names = set(scales.values())
-    out: dict[str, _Source] = {}
+    out: dict[str, Source] = {}
     mtp: list[str] = []
-    experts: dict[int, dict[str, dict[int, _Part]]] = {}
+    experts: dict[int, dict[str, dict[int, Part]]] = {}
     for name in names:
         if _is_mtp(name):
             mtp.append(name)
             continue
         if name in scale_names:
             continue
-        part = _Part(name, scales.get(name))
+        part = Part(name, scales.get(name))
         key = name[len("model.") :] if name.startswith("model.layers.") else name
         m = _EXPERT.match(key)
         if m:
@@ -135,14 +135,14 @@ def _sources(names) -> tuple[dict[str, _Source], list[str]]:
         hf = transformers_name(name)
         if hf in out:
             raise ValueError(f"tensors: {name!r} and {out[hf].part.name!r} are the same model tensor {hf!r}")
-        out[hf] = _Source(part=part)
+        out[hf] = Source(part=part)
     for i, ws in experts.items():
         ids = sorted(ws.get("w1", {}))
         for w in ("w1", "w2", "w3"):
             if sorted(ws.get(w, {})) != ids or ids != list(range(len(ids))):
                 raise ValueError(f"tensors: layer {i} has experts {ids} for w1 but {sorted(ws.get(w, {}))} for {w}")
-        out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = _Source(experts=tuple((ws["w1"][e], ws["w3"][e]) for e in ids))
-        out[f"model.layers.{i}.mlp.experts.down_proj"] = _Source(experts=tuple((ws["w2"][e],) for e in ids))
+        out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = Source(experts=tuple((ws["w1"][e], ws["w3"][e]) for e in ids))
+        out[f"model.layers.{i}.mlp.experts.down_proj"] = Source(experts=tuple((ws["w2"][e],) for e in ids))
     return out, mtp
 
 
@@ -151,7 +151,7 @@ def to_transformers_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarra
     unquantized tensors in memory. Per-expert w1/w3 are stacked and concatenated into
     `gate_up_proj` (E, 2I, hidden), w2 into `down_proj` (E, hidden, I); `mtp.*` is dropped.
     Quantized tensors (with a scale) raise: `load_params` reads them."""
-    sources, _ = _sources(tensors)
+    sources, _ = weight_sources(tensors)
     out = {}
     for hf, src in sources.items():
         parts = [src.part] if src.part else [p for ps in src.experts for p in ps]

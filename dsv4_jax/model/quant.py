@@ -25,15 +25,13 @@ import numpy as np
 from jax import lax
 from jax.tree_util import register_pytree_node_class
 
+from planner.contract import cdiv
+
 F32 = jnp.float32
 FORMATS = ("fp8", "fp4")
 FP8_BLOCK = (128, 128)
 FP4_BLOCK = (1, 32)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @register_pytree_node_class

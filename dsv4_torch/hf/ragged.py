@@ -27,13 +27,10 @@ import numpy as np
 import torch
 
 from dsv4_torch import kvcache
+from planner.contract import round_up
 
 RAW_PAGE = 64  # rows per page of the per-call raw array
 ENTRY_PAGE = 64  # rows per page of the compressed-entry regions
-
-
-def _round_up(x, m):
-    return -(-x // m) * m
 
 
 def _excl_cumsum(a: np.ndarray) -> np.ndarray:
@@ -169,7 +166,7 @@ def plan_compress(prefix: np.ndarray, query: np.ndarray, r: int, old: EntryLayou
     overlap = np.where(nw > 0, win_off + nw - 1, n_windows + np.arange(B))
 
     grow = count_new > old.cap
-    cap = np.where(grow, _round_up(np.maximum(count_new, 2 * old.cap), ENTRY_PAGE), old.cap)
+    cap = np.where(grow, round_up(np.maximum(count_new, 2 * old.cap), ENTRY_PAGE), old.cap)
     relayout = bool(grow.any())
     start = _excl_cumsum(cap) if relayout else old.start
     move_src = _ranges(old.start, count_old) if relayout else np.zeros(0, np.int64)
@@ -255,7 +252,7 @@ class RaggedCacheState:
         new_layouts, entry_idx = {}, {}
         for r, lay in self.layouts.items():
             count = lay.count[rows]
-            cap = _round_up(count, ENTRY_PAGE)
+            cap = round_up(count, ENTRY_PAGE)
             start = _excl_cumsum(cap)
             new_layouts[r] = EntryLayout(start, cap, count)
             entry_idx[r] = (_ranges(lay.start[rows], count), _ranges(start, count), max(int(cap.sum()), ENTRY_PAGE))

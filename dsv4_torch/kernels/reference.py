@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from planner.contract import value_dim
+from planner.contract import round_up, value_dim
 
 KEY_BLOCK = 64  # index columns per step of the online softmax
 MAX_TOKEN_TILE = 64
@@ -40,7 +40,7 @@ def token_tile(num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
 
     Keeping it independent of the call is what makes results tile invariant.
     """
-    heads = _round_up(num_heads, _HEAD_ALIGN)
+    heads = round_up(num_heads, _HEAD_ALIGN)
     d_v = value_dim(head_dim)
     elems = heads * head_dim + 2 * KEY_BLOCK * head_dim + 4 * heads * KEY_BLOCK + 3 * heads * d_v
     per_token = elems * _accum_dtype(dtype).itemsize
@@ -88,7 +88,7 @@ def sparse_attention_reference(
     lse = torch.empty((T, H), dtype=acc_dtype, device=dev)
 
     tile = token_tile(H, D, q.dtype)
-    heads = _round_up(H, _HEAD_ALIGN)
+    heads = round_up(H, _HEAD_ALIGN)
     sink = torch.full((heads,), -math.inf, dtype=acc_dtype, device=dev)
     if attn_sink is not None:
         sink[:H] = attn_sink.to(acc_dtype)
@@ -211,7 +211,7 @@ def sparse_attention_reference_backward(q, kv, indices, sm_scale, attn_sink, top
     acc_dtype = _accum_dtype(q.dtype)
     dev = q.device
     tile = token_tile(H, D, q.dtype)
-    heads = _round_up(H, _HEAD_ALIGN)
+    heads = round_up(H, _HEAD_ALIGN)
     dq = torch.empty((T, H, D), dtype=q.dtype, device=dev)
     dkv = torch.zeros((S, D), dtype=acc_dtype, device=dev)
     sink = torch.full((heads,), -math.inf, dtype=acc_dtype, device=dev)
@@ -328,7 +328,3 @@ def sparse_attention_reference_autograd(q, kv, indices, sm_scale, attn_sink=None
 
 def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
