@@ -12,11 +12,10 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
+import torch
 
+from dsv4_torch import kvcache as TK
 from planner import kvcache as P
-
-torch = pytest.importorskip("torch")
-TK = pytest.importorskip("dsv4_torch.kvcache")
 from planner.contract import BackendUnavailableError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
