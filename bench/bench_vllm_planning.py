@@ -8,7 +8,7 @@ per attention layer, as `_forward_prefill` does (44 calls a step on V4-Flash, 62
 included; SWA layers ask with ratio 1); "plugin" makes the same calls on the method the plugin
 installed (loaded by vLLM's loader), which plans each kind once per step (3 plans) and answers the
 other calls from the step's cache. Each step gets a fresh metadata object (vLLM builds one per
-step), made before the clock starts. Batches: `bench.workloads.scaling_batch` (contexts up to 1M
+step), made before the clock starts. Batches: `bench.common.scaling_batch` (contexts up to 1M
 tokens, 8192 batched tokens shared by the requests). The two sides run in alternating blocks in
 one process; medians over blocks; read the ratio, the machine may be shared.
 """
@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from bench.workloads import scaling_batch
+from bench.common import scaling_batch
 from planner import ModelShape
 from planner.report import table
 

@@ -2,12 +2,14 @@
 
     python -m bench.gpu_check [--budget 270] [--model-seconds 90] [--kvcache-seconds 60]
 
-The default budget keeps the first three checks under five minutes on an H200 (each script stops
-starting new measurements at its share and prints every row as it is measured, so a cap loses
-nothing done); the model and KV-cache checks have their own caps on top (`--model-seconds`,
-`--kvcache-seconds`).
+The default budget keeps the GPU tests and the first three checks under five minutes on an H200
+(each script stops starting new measurements at its share and prints every row as it is
+measured, so a cap loses nothing done); the model and KV-cache checks have their own caps on top
+(`--model-seconds`, `--kvcache-seconds`).
 
 Runs, each in its own process with its own time cap, and prints their tables:
+  0. pytest -m gpu            the test suite's GPU-only tests (marked `gpu`: FlashMLA against the
+                              oracle, Triton grids past CUDA's limits, ...); without a GPU they skip
   1. bench.gpu_check_torch    FlashMLA (where its wheel imports) and our Triton kernel vs the
                               reference; TFLOPS vs FlashMLA's published 640
   2. bench.gpu_check_jax      Mosaic GPU and Pallas-Triton kernels vs xla; TFLOPS vs 640
@@ -31,6 +33,18 @@ import time
 from bench.common import ROOT, child_env, module_command
 
 
+def gpu_test_files() -> list[str]:
+    """The test files that hold tests marked `gpu` (found by their marker, so new ones run too)."""
+    tests = os.path.join(ROOT, "tests")
+    found = []
+    for folder, _, files in sorted(os.walk(tests)):
+        for name in sorted(files):
+            path = os.path.join(folder, name)
+            if name.startswith("test_") and name.endswith(".py") and "mark.gpu" in open(path).read():
+                found.append(os.path.relpath(path, ROOT))
+    return found
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget", type=float, default=270, help="seconds for checks 1-3 together")
@@ -42,10 +56,12 @@ def main(argv=None):
     b = args.budget
     # module, its arguments, share of the budget: each script's own budget leaves ~25% of its share
     # for the measurement it has started and its summary (a kill at the cap loses only the summary).
+    # The GPU tests take 15% of the budget, checks 1-3 the rest, as before in proportion.
     checks = [
-        ("bench.gpu_check_torch", ["--budget", f"{0.26 * b:.0f}", "--sweep-seconds", f"{0.08 * b:.0f}"], 0.35),
-        ("bench.gpu_check_jax", ["--budget", f"{0.22 * b:.0f}"], 0.3),
-        ("bench.gpu_check_prefill", ["--seconds", f"{0.25 * b:.0f}"], 0.35),
+        ("pytest", ["-m", "gpu", "-v", "-rs", "-p", "no:cacheprovider", *gpu_test_files()], 0.15),
+        ("bench.gpu_check_torch", ["--budget", f"{0.22 * b:.0f}", "--sweep-seconds", f"{0.07 * b:.0f}"], 0.3),
+        ("bench.gpu_check_jax", ["--budget", f"{0.19 * b:.0f}"], 0.25),
+        ("bench.gpu_check_prefill", ["--seconds", f"{0.21 * b:.0f}"], 0.3),
         ("bench.gpu_check_model", [], args.model_seconds / b),
         # its own budget leaves ~25% of the cap for the measurement it has started
         ("bench.gpu_check_kvcache", ["--budget", f"{0.75 * args.kvcache_seconds:.0f}"], args.kvcache_seconds / b),

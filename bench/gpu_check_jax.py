@@ -13,12 +13,13 @@ Every section is guarded: a failure prints and the script carries on. Without an
 says so and exits 0. The summary prints each kernel's TFLOPS beside FlashMLA's published 640.
 
   python -m bench.gpu_check_jax [--budget 80]
-  DSV4_GPU_CHECK_DRY_RUN=1 python -m bench.gpu_check_jax   # the same steps on CPU: T=8, interpret
-                                                          # (the Mosaic kernel: 1 token, jax >= 0.12)
+  python -m bench.gpu_check_jax --dry-run   # the same steps on CPU: T=8, interpret (the Mosaic
+                                            # kernel: 1 token, jax >= 0.12); or DSV4_GPU_CHECK_DRY_RUN=1
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -28,13 +29,20 @@ from bench.common import FLASHMLA_PUBLISHED_TFLOPS, TFLOPS_CONVENTION, median_se
 
 START = time.time()
 # Stop starting new timings after this many seconds (`--budget N`; bench.gpu_check passes its share).
-BUDGET_S = float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 80.0
+BUDGET_S = 80.0
 
 SHAPES = [("V4-Flash", 4096, 64, 512, 65536, 640), ("V4-Pro", 4096, 128, 512, 65536, 1152)]
 # Dry run: every step on CPU with the Pallas interpreter and 8 tokens, to test this script.
 DRY_RUN = bool(os.environ.get("DSV4_GPU_CHECK_DRY_RUN"))
-if DRY_RUN:
+
+
+def _dry_run_shapes():
+    global SHAPES
     SHAPES = [(name, 8, H, D, 4096, K) for name, _, H, D, _, K in SHAPES]
+
+
+if DRY_RUN:
+    _dry_run_shapes()
 # The tilings timed: dsv4_jax.kernels.pallas_triton.ALTERNATIVE_TILINGS ((block_h, block_k, block_dv,
 # num_warps, num_stages); None = default_tuning's GPU tiling, used explicitly so a dry run on CPU
 # exercises the very tiling a GPU runs).
@@ -54,7 +62,16 @@ def guarded(fn):
         return None
 
 
-def main():
+def main(argv=None):
+    global BUDGET_S, DRY_RUN
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget", type=float, default=BUDGET_S, help="stop starting new timings after this many seconds")
+    ap.add_argument("--dry-run", action="store_true", help="every step on CPU: Pallas interpreter, 8 tokens")
+    args = ap.parse_args(argv)
+    BUDGET_S = args.budget
+    if args.dry_run and not DRY_RUN:
+        DRY_RUN = True
+        _dry_run_shapes()
     try:
         import jax
         import jax.numpy as jnp

@@ -16,6 +16,7 @@ script exits 0. Without a GPU (and without --dry-run) it says so and exits.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
@@ -85,9 +86,12 @@ def check_flash_layer(dry_run: bool = False, tokens: int = 4096) -> dict:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    dry = "--dry-run" in argv or bool(os.environ.get("DSV4_GPU_CHECK_DRY_RUN"))
-    tokens = int(argv[argv.index("--tokens") + 1]) if "--tokens" in argv else 4096
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="the same steps on CPU with a tiny layer (or DSV4_GPU_CHECK_DRY_RUN=1)")
+    ap.add_argument("--tokens", type=int, default=4096, help="prefill tokens per step")
+    args = ap.parse_args(argv)
+    dry = args.dry_run or bool(os.environ.get("DSV4_GPU_CHECK_DRY_RUN"))
+    tokens = args.tokens
     if not dry:
         try:
             import jax

@@ -61,6 +61,11 @@ def test_gpu_check_runs_its_modules(tmp_path):
         assert f"##### bench.{module}: exit 0," in text, text[-4000:]
         assert (tmp_path / f"{module}.log").read_text().strip(), module
     assert "Traceback" not in text, text[-4000:]
+    # the suite's GPU tests: found by their marker, collected, skipped here with the reason
+    assert "##### pytest: exit 0," in text, text[-4000:]
+    log = (tmp_path / "pytest.log").read_text()
+    assert "test_flashmla_matches_oracle" in log and "SKIPPED" in log and "needs an SM90/SM100 GPU" in log, log[-3000:]
+    assert "passed" not in log.splitlines()[-1] and "skipped" in log.splitlines()[-1], log[-3000:]
 
 
 def test_model_check_dry_run():

@@ -198,6 +198,7 @@ def test_flashmla_wrapper_inspects_the_signature_once(monkeypatch):
 
 
 @pytest.mark.skipif(not GPU, reason="needs an SM90/SM100 GPU")
+@pytest.mark.gpu
 def test_auto_prefers_flashmla_on_sm90_sm100():
     q = torch.zeros(1, 64, 576, dtype=torch.bfloat16, device="cuda")
     want = "flashmla" if AVAILABLE["flashmla"] is None else "triton"
