@@ -43,9 +43,15 @@ def positive_int(text: str) -> int:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-lens", type=int_list, default=list(SPEC_SEQ_LENS), help="context length of each request after this step")
-    p.add_argument("--query-lens", type=int_list, default=list(SPEC_QUERY_LENS), help="new tokens of each request this step")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--seq-lens", type=int_list, default=list(SPEC_SEQ_LENS), help="context length of each request after this step"
+    )
+    p.add_argument(
+        "--query-lens", type=int_list, default=list(SPEC_QUERY_LENS), help="new tokens of each request this step"
+    )
     p.add_argument("--window-size", type=int, default=SPEC_LIMITS["window_size"])
     p.add_argument("--max-model-len", type=int, default=SPEC_LIMITS["max_model_len"])
     p.add_argument("--max-num-batched-tokens", type=int, default=SPEC_LIMITS["max_num_batched_tokens"])
@@ -64,7 +70,9 @@ def random_layer(batch: PrefillBatch, spec: LayerSpec, H: int, D: int, topk: int
     only, else None), sink."""
     r = spec.compress_ratio
     raw = [rng.standard_normal((int(s), D), dtype=np.float32) for s in batch.seq_lens]
-    comp = [rng.standard_normal((int(s) // r if spec.has_compressed else 0, D), dtype=np.float32) for s in batch.seq_lens]
+    comp = [
+        rng.standard_normal((int(s) // r if spec.has_compressed else 0, D), dtype=np.float32) for s in batch.seq_lens
+    ]
     q = rng.standard_normal((batch.num_tokens, H, D), dtype=np.float32)
     rows = None
     if spec.kind is LayerKind.CSA:
@@ -79,15 +87,24 @@ def random_layer(batch: PrefillBatch, spec: LayerSpec, H: int, D: int, topk: int
 
 def run_torch(step, spec, layer, topk, scale, backend):
     import torch
+
     from dsv4_torch import prefill as TP
 
     raw, comp, q, rows, sink = layer
     meta = TP.build_step_metadata(step, index_topk=topk)[spec.kind]
-    args = dict(sm_scale=scale, attn_sink=torch.from_numpy(sink), backend=backend,
-                topk_indices=None if rows is None else torch.from_numpy(rows))  # fmt: skip
-    call = lambda: TP.prefill_attention(torch.from_numpy(q), meta, [torch.from_numpy(x) for x in raw],
-                                        [torch.from_numpy(x) for x in comp] if spec.has_compressed else None,
-                                        **args)  # fmt: skip
+    args = dict(
+        sm_scale=scale,
+        attn_sink=torch.from_numpy(sink),
+        backend=backend,
+        topk_indices=None if rows is None else torch.from_numpy(rows),
+    )
+    call = lambda: TP.prefill_attention(
+        torch.from_numpy(q),
+        meta,
+        [torch.from_numpy(x) for x in raw],
+        [torch.from_numpy(x) for x in comp] if spec.has_compressed else None,
+        **args,
+    )
     call()  # warm-up
     t0 = time.perf_counter()
     out = call()
@@ -103,8 +120,9 @@ def run_jax(step, spec, layer, topk, scale, backend):
     raw_kv = JP.LogicalKV.from_list(raw)
     comp_kv = JP.LogicalKV.from_list(comp) if spec.has_compressed else None
     q_pad, rows_pad = meta.pad_tokens(q), None if rows is None else meta.pad_tokens(rows)
-    call = lambda: JP.prefill_attention(q_pad, kmeta, raw_kv, comp_kv, sm_scale=scale, attn_sink=sink,
-                                        topk_indices=rows_pad, backend=backend).block_until_ready()  # fmt: skip
+    call = lambda: JP.prefill_attention(
+        q_pad, kmeta, raw_kv, comp_kv, sm_scale=scale, attn_sink=sink, topk_indices=rows_pad, backend=backend
+    ).block_until_ready()
     call()  # compiles
     t0 = time.perf_counter()
     out = call()
@@ -125,9 +143,19 @@ def attention_report(batch: PrefillBatch, limits: dict, args) -> str:
         kind = spec.kind
         layer = random_layer(batch, spec, args.heads, args.head_dim, args.index_topk, rng)
         raw, comp, q, topk_rows, sink = layer
-        want, _, _ = oracle.prefill_attention(q, raw, comp, batch.seq_lens, batch.query_lens, kind=kind,
-                                              compress_ratio=spec.compress_ratio, window_size=limits["window_size"],
-                                              sm_scale=scale, attn_sink=sink, topk_rows=topk_rows)  # fmt: skip
+        want, _, _ = oracle.prefill_attention(
+            q,
+            raw,
+            comp,
+            batch.seq_lens,
+            batch.query_lens,
+            kind=kind,
+            compress_ratio=spec.compress_ratio,
+            window_size=limits["window_size"],
+            sm_scale=scale,
+            attn_sink=sink,
+            topk_rows=topk_rows,
+        )
         results = {}
         for fw in frameworks:
             run = run_torch if fw == "torch" else run_jax
@@ -135,19 +163,40 @@ def attention_report(batch: PrefillBatch, limits: dict, args) -> str:
                 out, seconds, backend = run(steps[plan], spec, layer, args.index_topk, scale, args.backend)
                 results[fw, plan] = out
                 err = np.abs(out - want).max() / np.abs(want).max()
-                rows.append([kind.name, fw, backend, plan, steps[plan][kind].num_chunks, f"{seconds * 1e3:.1f}",
-                             f"{batch.num_tokens / seconds:.0f}", f"{err:.1e}"])  # fmt: skip
+                rows.append(
+                    [
+                        kind.name,
+                        fw,
+                        backend,
+                        plan,
+                        steps[plan][kind].num_chunks,
+                        f"{seconds * 1e3:.1f}",
+                        f"{batch.num_tokens / seconds:.0f}",
+                        f"{err:.1e}",
+                    ]
+                )
             rows[-1].append("yes" if np.array_equal(results[fw, "adaptive"], results[fw, "fixed"]) else "NO")
             rows[-2].append("")
         if len(frameworks) == 2:
             diff = np.abs(results["torch", "adaptive"] - results["jax", "adaptive"]).max() / np.abs(want).max()
             rows[-1].append(f"{diff:.1e}")
-    header = ["kind", "framework", "backend", "plan", "chunks", "ms", "tokens/s", "max rel err vs oracle",
-              "plans bitwise equal", "torch vs jax"][: max(len(r) for r in rows)]  # fmt: skip
+    header = [
+        "kind",
+        "framework",
+        "backend",
+        "plan",
+        "chunks",
+        "ms",
+        "tokens/s",
+        "max rel err vs oracle",
+        "plans bitwise equal",
+        "torch vs jax",
+    ][: max(len(r) for r in rows)]
     rows = [r + [""] * (len(header) - len(r)) for r in rows]
-    return (f"One attention layer per kind: {args.heads} heads, D={args.head_dim}, CSA top-k {args.index_topk}, "
-            f"float32, random latents; errors relative to the largest output of the float64 oracle.\n"
-            + table(rows, header))  # fmt: skip
+    return (
+        f"One attention layer per kind: {args.heads} heads, D={args.head_dim}, CSA top-k {args.index_topk}, "
+        f"float32, random latents; errors relative to the largest output of the float64 oracle.\n" + table(rows, header)
+    )
 
 
 def main(argv=None) -> int:

@@ -26,10 +26,14 @@ def jax_run(ckpt, prompts, new_tokens, args):
     from dsv4_jax.model.generate import JaxGenerator
 
     gen = JaxGenerator(
-        ckpt, backend=args.backend, policy=args.policy, dtype=args.dtype,
-        max_batch_size=len(prompts), max_model_len=args.prompt_len + new_tokens,
+        ckpt,
+        backend=args.backend,
+        policy=args.policy,
+        dtype=args.dtype,
+        max_batch_size=len(prompts),
+        max_model_len=args.prompt_len + new_tokens,
         max_num_batched_tokens=args.max_num_batched_tokens,
-    )  # fmt: skip
+    )
     t0 = time.perf_counter()
     gen.generate(prompts, new_tokens)  # warm-up: compiles every bucket the timed run uses
     warmup = time.perf_counter() - t0
@@ -95,8 +99,14 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--backend", default="auto", help="JAX attention backend: auto, xla, pallas")
-    ap.add_argument("--policy", "--planner", dest="policy", default="adaptive", choices=("adaptive", "fixed", "per_request"),
-                    help="the chunk plan (--planner: the same)")
+    ap.add_argument(
+        "--policy",
+        "--planner",
+        dest="policy",
+        default="adaptive",
+        choices=("adaptive", "fixed", "per_request"),
+        help="the chunk plan (--planner: the same)",
+    )
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the results here")
@@ -112,8 +122,9 @@ def run(ckpt: str, args) -> dict:
     rng = np.random.default_rng(args.seed)
     prompts = [[0] + rng.integers(3, 512, size=args.prompt_len - 1).tolist() for _ in range(args.batch)]
 
-    import dsv4_torch.hf as hf_helpers
     import jax
+
+    import dsv4_torch.hf as hf_helpers
 
     results = {"setup": {**vars(args), "checkpoint": ckpt, "jax_devices": str(jax.devices())}}
     jax_out, results["jax"] = jax_run(ckpt, prompts, args.new_tokens, args)
@@ -128,8 +139,10 @@ def run(ckpt: str, args) -> dict:
         results["torch_sparse_prefill"] = "not in this branch (dsv4_torch.hf.enable_sparse_prefill missing)"
 
     j = results["jax"]
-    print(f"batch {args.batch} x prompt {args.prompt_len} + {args.new_tokens} new tokens, {args.dtype}, "
-          f"JAX backend {args.backend}, policy {args.policy}")  # fmt: skip
+    print(
+        f"batch {args.batch} x prompt {args.prompt_len} + {args.new_tokens} new tokens, {args.dtype}, "
+        f"JAX backend {args.backend}, policy {args.policy}"
+    )
     print(f"{'':22s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
     print(f"{'jax':22s} {j['prefill_tokens_per_s']:14.1f} {j['decode_tokens_per_s']:13.1f}")
     for name in runs:
@@ -138,8 +151,10 @@ def run(ckpt: str, args) -> dict:
         ratio = {k: j[f"{k}_tokens_per_s"] / t[f"{k}_tokens_per_s"] for k in ("prefill", "decode")}
         results[f"ratio_jax_over_{name}"] = ratio
         print(f"{'  jax / ' + name:22s} {ratio['prefill']:13.2f}x {ratio['decode']:12.2f}x")
-    print(f"JAX warm-up (compilation) {j['warmup_seconds']:.1f} s, compiles {j['compiles']}; "
-          f"same greedy tokens as torch eager: {results['same_tokens_jax_vs_torch_eager']}")  # fmt: skip
+    print(
+        f"JAX warm-up (compilation) {j['warmup_seconds']:.1f} s, compiles {j['compiles']}; "
+        f"same greedy tokens as torch eager: {results['same_tokens_jax_vs_torch_eager']}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)

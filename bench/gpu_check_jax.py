@@ -140,14 +140,20 @@ def main(argv=None):
 
             pick = np.linspace(0, T - 1, 6).astype(int)
             ref = oracle.sparse_attention(
-                np.asarray(q[pick], np.float64), np.asarray(kv, np.float64), np.asarray(idx[pick]), scale,
-                np.asarray(sink, np.float64), np.asarray(tl[pick]),
+                np.asarray(q[pick], np.float64),
+                np.asarray(kv, np.float64),
+                np.asarray(idx[pick]),
+                scale,
+                np.asarray(sink, np.float64),
+                np.asarray(tl[pick]),
             )
             err = np.abs(np.asarray(got[0][pick], np.float64) - ref[0])
             ok = (err < FLASHMLA_TOL["abs"]) | (err / (np.abs(ref[0]) + 1e-6) < FLASHMLA_TOL["rel"])
             lse_err = np.max(np.abs(np.asarray(got[2][pick]) - ref[2]))
-            print(f"   pallas_triton vs float64 oracle on 6 tokens: {'PASS' if ok.all() and lse_err < 1e-3 else 'FAIL'}"
-                  f" (out max abs err {err.max():.2e}, lse max abs err {lse_err:.2e})")
+            print(
+                f"   pallas_triton vs float64 oracle on 6 tokens: {'PASS' if ok.all() and lse_err < 1e-3 else 'FAIL'}"
+                f" (out max abs err {err.max():.2e}, lse max abs err {lse_err:.2e})"
+            )
 
         if got is not None:
             guarded(check_against_oracle)
@@ -173,12 +179,17 @@ def main(argv=None):
             ok = (err < FLASHMLA_TOL["abs"]) | (err / (np.abs(r) + 1e-6) < FLASHMLA_TOL["rel"])
             lse_err = np.max(np.abs(np.asarray(lse) - np.asarray(ref[2])) / np.maximum(np.abs(np.asarray(ref[2])), 1))
             verdict = "PASS" if ok.all() and lse_err < 1e-4 else "FAIL"
-            print(f"   mosaic vs xla on {n} tokens: {verdict}; out max abs err {err.max():.2e}, {(~ok).sum()} outside "
-                  f"FlashMLA tolerance; lse max rel err {lse_err:.2e}")  # fmt: skip
+            print(
+                f"   mosaic vs xla on {n} tokens: {verdict}; out max abs err {err.max():.2e}, {(~ok).sum()} outside "
+                f"FlashMLA tolerance; lse max rel err {lse_err:.2e}"
+            )
             seconds = first_s if DRY_RUN else timed(compiled, *args)  # interpret mode: run once
             n_valid = int(np.asarray(tl[:n]).sum())
             rows.append((name, "mosaic", compile_s, seconds * 1e3, tflops(n_valid, H, seconds)))
-            print(f"   {'mosaic':30} compile {compile_s:5.1f}s  {seconds * 1e3:8.2f} ms  {rows[-1][4]:6.1f} TFLOPS", flush=True)
+            print(
+                f"   {'mosaic':30} compile {compile_s:5.1f}s  {seconds * 1e3:8.2f} ms  {rows[-1][4]:6.1f} TFLOPS",
+                flush=True,
+            )
 
         if mosaic_missing:
             print(f"   mosaic not run: {mosaic_missing}")
@@ -199,7 +210,10 @@ def main(argv=None):
                 seconds = timed(compiled, q, kv, idx, sink, tl)
                 label = "pallas default" if tiling is None else f"pallas {tiling}"
                 rows.append((name, label, compile_s, seconds * 1e3, tflops(valid, H, seconds)))
-                print(f"   {label:30} compile {compile_s:5.1f}s  {seconds * 1e3:8.2f} ms  {rows[-1][4]:6.1f} TFLOPS", flush=True)
+                print(
+                    f"   {label:30} compile {compile_s:5.1f}s  {seconds * 1e3:8.2f} ms  {rows[-1][4]:6.1f} TFLOPS",
+                    flush=True,
+                )
 
             guarded(time_tiling)
 

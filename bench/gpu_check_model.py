@@ -54,28 +54,41 @@ def check_flash_layer(dry_run: bool = False, tokens: int = 4096) -> dict:
         t0 = time.perf_counter()
         write_random_checkpoint(tmp, cfg_json)
         figures["checkpoint_bytes"] = file_bytes(tmp)
-        _say(f"wrote {figures['checkpoint_bytes'] / 1e9:.2f} GB (official format, random) in {time.perf_counter() - t0:.1f} s")
+        _say(
+            f"wrote {figures['checkpoint_bytes'] / 1e9:.2f} GB (official format, random) in {time.perf_counter() - t0:.1f} s"
+        )
         dev = jax.devices()[0]
         t0 = time.perf_counter()
         cfg, params = load_checkpoint(tmp, dtype="bfloat16")
         jax.block_until_ready(params)
         figures["load_seconds"] = time.perf_counter() - t0
         figures["device_bytes"] = sum(parallel.device_bytes(params).values())
-        _say(f"loaded onto {dev} in {figures['load_seconds']:.1f} s: {figures['device_bytes'] / 1e9:.2f} GB on the device "
-             f"(FP8 / FP4 as shipped; {cfg.n_routed_experts} experts)")  # fmt: skip
+        _say(
+            f"loaded onto {dev} in {figures['load_seconds']:.1f} s: {figures['device_bytes'] / 1e9:.2f} GB on the device "
+            f"(FP8 / FP4 as shipped; {cfg.n_routed_experts} experts)"
+        )
         assert cfg == ModelConfig.from_checkpoint(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    model = DeepseekV4(cfg, params, dtype="bfloat16", max_batch_size=1, max_model_len=tokens,
-                       max_num_batched_tokens=tokens, token_buckets="pow2")  # fmt: skip
+    model = DeepseekV4(
+        cfg,
+        params,
+        dtype="bfloat16",
+        max_batch_size=1,
+        max_model_len=tokens,
+        max_num_batched_tokens=tokens,
+        token_buckets="pow2",
+    )
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, tokens).tolist()
     for run in ("compile + run", "run"):
         t0 = time.perf_counter()
         _, out = model.step(model.init_cache(), [0], [0], [ids])
         logits = np.asarray(out.logits)
         seconds = time.perf_counter() - t0
-        _say(f"prefill step of {tokens} tokens ({run}): {seconds:.3f} s, {tokens / seconds:,.0f} tokens/s, "
-             f"logits finite: {bool(np.isfinite(logits).all())}")  # fmt: skip
+        _say(
+            f"prefill step of {tokens} tokens ({run}): {seconds:.3f} s, {tokens / seconds:,.0f} tokens/s, "
+            f"logits finite: {bool(np.isfinite(logits).all())}"
+        )
     figures["step_seconds"] = seconds
     figures["tokens_per_s"] = tokens / seconds
     stats = getattr(dev, "memory_stats", lambda: None)()
@@ -87,7 +100,9 @@ def check_flash_layer(dry_run: bool = False, tokens: int = 4096) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dry-run", action="store_true", help="the same steps on CPU with a tiny layer (or DSV4_GPU_CHECK_DRY_RUN=1)")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="the same steps on CPU with a tiny layer (or DSV4_GPU_CHECK_DRY_RUN=1)"
+    )
     ap.add_argument("--tokens", type=int, default=4096, help="prefill tokens per step")
     args = ap.parse_args(argv)
     dry = args.dry_run or bool(os.environ.get("DSV4_GPU_CHECK_DRY_RUN"))

@@ -96,8 +96,9 @@ def resolve_backend(backend: str = "auto", *arrays, op: str = "gather") -> str:
     if backend == "cpu":
         if op != "gather":
             raise backend_unavailable(
-                "cpu", "it has the gather only (dequantize_and_gather_k_cache); quantize_and_insert_k_cache on CPU "
-                "runs backend='xla'"
+                "cpu",
+                "it has the gather only (dequantize_and_gather_k_cache); quantize_and_insert_k_cache on CPU "
+                "runs backend='xla'",
             )
         if (where := devices.platforms(arrays)) != {"cpu"}:
             raise backend_unavailable("cpu", f"the arrays are on {sorted(where)}, not the CPU")
@@ -193,9 +194,14 @@ def dequantize_and_gather_k_cache(
     name = resolve_backend(backend, out, k_cache, seq_lens, block_table)
     if validate and _concrete(seq_lens, gather_lens, block_table):
         ref.check_gather_args(
-            np.asarray(seq_lens), None if gather_lens is None else np.asarray(gather_lens),
-            np.asarray(block_table[:R]), S, num_blocks, tuple(out.shape), offset,
-        )  # fmt: skip
+            np.asarray(seq_lens),
+            None if gather_lens is None else np.asarray(gather_lens),
+            np.asarray(block_table[:R]),
+            S,
+            num_blocks,
+            tuple(out.shape),
+            offset,
+        )
     if R == 0 or offset == out.shape[1]:
         return out
     seq = seq_lens.astype(jnp.int32)

@@ -49,7 +49,6 @@ NUM_FIELDS = 12
 SEG_GATHER_START, SEG_COMP_START, SEG_RAW_START = SEG_GATHER_START_POSITION, SEG_COMP_ROW_OFFSET, SEG_RAW_ROW_OFFSET
 
 
-
 @dataclass(frozen=True)
 class KindShape:
     """The static part of a kind's metadata: the jit cache key (with the input shapes)."""

@@ -85,8 +85,9 @@ def resolve_backend(backend: str = "auto", k_cache: torch.Tensor | None = None, 
         return "reference"
     if backend == "cpu" and op != "gather":
         raise backend_unavailable(
-            "cpu", "it has the gather only (dequantize_and_gather_k_cache); quantize_and_insert_k_cache on CPU "
-            "tensors runs backend='reference'"
+            "cpu",
+            "it has the gather only (dequantize_and_gather_k_cache); quantize_and_insert_k_cache on CPU "
+            "tensors runs backend='reference'",
         )
     reason = {"triton": _triton_reason, "cpu": _cpu_reason}.get(backend, lambda d: None)(device)
     if reason is not None:
@@ -154,7 +155,9 @@ def quantize_and_insert_k_cache(
     if slot_mapping.ndim != 1:
         raise ValueError(f"slot_mapping: expected a 1-D tensor, got shape {tuple(slot_mapping.shape)}")
     if slot_mapping.shape[0] > k.shape[0]:
-        raise ValueError(f"slot_mapping: {slot_mapping.shape[0]} entries for {k.shape[0]} tokens of k (expected <= {k.shape[0]})")
+        raise ValueError(
+            f"slot_mapping: {slot_mapping.shape[0]} entries for {k.shape[0]} tokens of k (expected <= {k.shape[0]})"
+        )
     _same_device(k_cache, k=k, slot_mapping=slot_mapping)
     name = resolve_backend(backend, k_cache, op="insert")
     if validate:
@@ -261,7 +264,9 @@ def dequantize_and_gather_k_cache(
     if out.ndim != 3 or out.shape[2] != HEAD_DIM:
         raise ValueError(f"out: expected shape [R, rows, {HEAD_DIM}], got {tuple(out.shape)}")
     if out.stride(2) != 1:
-        raise ValueError(f"out: expected unit stride in the last dim (it is written in place), got strides {out.stride()}")
+        raise ValueError(
+            f"out: expected unit stride in the last dim (it is written in place), got strides {out.stride()}"
+        )
     for name, x, ndim in (("seq_lens", seq_lens, 1), ("gather_lens", gather_lens, 1), ("block_table", block_table, 2)):
         if x is None and name == "gather_lens":
             continue
@@ -279,9 +284,14 @@ def dequantize_and_gather_k_cache(
     name = resolve_backend(backend, k_cache)
     if validate:
         ref.check_gather_args(
-            seq_lens.cpu().numpy(), None if gather_lens is None else gather_lens.cpu().numpy(),
-            block_table[:R].cpu().numpy(), S, num_blocks, tuple(out.shape), offset,
-        )  # fmt: skip
+            seq_lens.cpu().numpy(),
+            None if gather_lens is None else gather_lens.cpu().numpy(),
+            block_table[:R].cpu().numpy(),
+            S,
+            num_blocks,
+            tuple(out.shape),
+            offset,
+        )
     if R == 0:
         return
     seq = seq_lens.contiguous()
@@ -366,8 +376,9 @@ _NAN_CODE = 0x7F
 _BF16_SIGN_AND_CODE = 0x87F0 - 0x10000  # int16: the sign bit and bits 4..10
 
 
-def decode_slots(data: torch.Tensor, scales: torch.Tensor, buf: torch.Tensor | None = None, *,
-                 branch_free: bool = False) -> torch.Tensor:  # fmt: skip
+def decode_slots(
+    data: torch.Tensor, scales: torch.Tensor, buf: torch.Tensor | None = None, *, branch_free: bool = False
+) -> torch.Tensor:
     """Slot bytes (uint8 [N, 576] data, [N, 8] scales) -> bf16 [N, 512] (into `buf` when given).
 
     An e4m3 byte b is sign | code (7 bits); the bf16 with bits sign << 15 | code << 4 is exactly
@@ -431,8 +442,9 @@ def _bf16_from_le_bytes(b: torch.Tensor) -> torch.Tensor:
 # moving whole slots (bytes, no requantization)
 
 
-def copy_slots(src_cache: torch.Tensor, src_slots: torch.Tensor, dst_cache: torch.Tensor,
-               dst_slots: torch.Tensor, block_size: int) -> None:  # fmt: skip
+def copy_slots(
+    src_cache: torch.Tensor, src_slots: torch.Tensor, dst_cache: torch.Tensor, dst_slots: torch.Tensor, block_size: int
+) -> None:
     """dst slot dst_slots[i] = src slot src_slots[i] (its 576 data and 8 scale bytes), in place.
 
     Both caches hold pages of `block_size` slots (module doc), on one device; the slot tensors are
@@ -507,7 +519,7 @@ def _check_pages(k_cache, S: int, name: str = "k_cache") -> int:
     except (TypeError, ValueError) as e:
         if name == "k_cache":
             raise
-        raise type(e)(f"{name}" + str(e)[len("k_cache"):]) from None
+        raise type(e)(f"{name}" + str(e)[len("k_cache") :]) from None
 
 
 def _check_pages_named(k_cache, S: int) -> int:
@@ -533,10 +545,14 @@ def _check_pages_named(k_cache, S: int) -> int:
                 f"k_cache: page stride {k_cache.stride(0)} bytes is not round_up({S} * 584, 576) = {want} "
                 f"for block_size {S}"
             )
-        if k_cache.shape[0] >= 1 and k_cache.untyped_storage().nbytes() < (k_cache.storage_offset() + k_cache.shape[0] * want):
+        if k_cache.shape[0] >= 1 and k_cache.untyped_storage().nbytes() < (
+            k_cache.storage_offset() + k_cache.shape[0] * want
+        ):
             raise ValueError(f"k_cache: the storage holds fewer than {k_cache.shape[0]} whole pages of {want} bytes")
     else:
-        raise ValueError(f"k_cache: expected shape [num_blocks, {want}] (or [num_blocks, {S}, {SLOT_BYTES}]), got {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"k_cache: expected shape [num_blocks, {want}] (or [num_blocks, {S}, {SLOT_BYTES}]), got {tuple(k_cache.shape)}"
+        )
     return k_cache.shape[0]
 
 
@@ -553,5 +569,3 @@ def _same_device(k_cache: torch.Tensor, **tensors) -> None:
     for name, x in tensors.items():
         if x is not None and x.device != k_cache.device:
             raise ValueError(f"{name}: on {x.device}, but k_cache is on {k_cache.device}")
-
-

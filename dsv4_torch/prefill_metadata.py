@@ -106,7 +106,7 @@ class KindMetadata:
     raw_first: np.ndarray  # (B,) int64, host: the first raw entry read (seq_len for unplanned requests)
     compressed_needed: np.ndarray  # (B,) int64, host: compressed entries read per request
     index_topk: int | None  # CSA: columns of topk_indices
-    step: "StepMetadata" = field(repr=False)
+    step: StepMetadata = field(repr=False)
     last_backend: str | None = None  # the concrete backend the last call ran
     _index_rows: list | None = field(default=None, repr=False)
 
@@ -115,7 +115,7 @@ class KindMetadata:
         return self.plan.kind
 
     @property
-    def chunk_indices(self) -> list["ChunkIndices"]:
+    def chunk_indices(self) -> list[ChunkIndices]:
         """Per chunk, the top-k-independent index rows (device), formed on first use, then kept."""
         if self._index_rows is None:
             self._index_rows = chunk_index_rows(self)
@@ -186,9 +186,20 @@ def _kind_metadata(kp: KindPlan, step: StepMetadata, device: torch.device, index
     # One host buffer -> one transfer; the per-array tensors are views of it. Every array is per
     # token, per segment or per chunk: nothing here grows with the context lengths.
     cs, cts = kp.chunk_starts, kp.chunk_token_starts
-    parts = [kp.token_index, kp.token_request, kp.token_position, kp.seg_request, kp.seg_row_base,
-             kp.seg_compressed_len, kp.seg_gather_len, kp.seg_gather_start, kp.seg_seq_len,
-             cs[:-1], np.diff(cts), kp.chunk_N]  # fmt: skip
+    parts = [
+        kp.token_index,
+        kp.token_request,
+        kp.token_position,
+        kp.seg_request,
+        kp.seg_row_base,
+        kp.seg_compressed_len,
+        kp.seg_gather_len,
+        kp.seg_gather_start,
+        kp.seg_seq_len,
+        cs[:-1],
+        np.diff(cts),
+        kp.chunk_N,
+    ]
     host = torch.from_numpy(np.concatenate(parts).astype(np.int64))
     if device.type == "cuda":
         host = host.pin_memory()
@@ -199,11 +210,19 @@ def _kind_metadata(kp: KindPlan, step: StepMetadata, device: torch.device, index
     np.cumsum(kp.seg_gather_len, out=gath_cum[1:])
     chunks = [
         ChunkMeta(*v, c)
-        for c, v in enumerate(zip(cts[:-1].tolist(), cts[1:].tolist(), cs[:-1].tolist(), cs[1:].tolist(),
-                                  kp.chunk_N.tolist(), kp.chunk_M.tolist(),
-                                  (comp_cum[cs[1:]] - comp_cum[cs[:-1]]).tolist(),
-                                  (gath_cum[cs[1:]] - gath_cum[cs[:-1]]).tolist()))
-    ]  # fmt: skip
+        for c, v in enumerate(
+            zip(
+                cts[:-1].tolist(),
+                cts[1:].tolist(),
+                cs[:-1].tolist(),
+                cs[1:].tolist(),
+                kp.chunk_N.tolist(),
+                kp.chunk_M.tolist(),
+                (comp_cum[cs[1:]] - comp_cum[cs[:-1]]).tolist(),
+                (gath_cum[cs[1:]] - gath_cum[cs[:-1]]).tolist(),
+            )
+        )
+    ]
     # What each request's caches must hold (host numbers, for the per-call shape checks).
     B = step.step_plan.batch.num_requests
     req = kp.seg_request
@@ -217,10 +236,18 @@ def _kind_metadata(kp: KindPlan, step: StepMetadata, device: torch.device, index
     in_order = kp.config.order == "batch" and not kp.split_requests.size
     topk = index_topk if kp.kind is LayerKind.CSA else None
     return KindMetadata(
-        kp, index_width(kp, topk), chunks, in_order, *views,
-        num_requests=B, raw_needed=raw_needed, raw_first=raw_first, compressed_needed=compressed_needed,
-        index_topk=topk, step=step,
-    )  # fmt: skip
+        kp,
+        index_width(kp, topk),
+        chunks,
+        in_order,
+        *views,
+        num_requests=B,
+        raw_needed=raw_needed,
+        raw_first=raw_first,
+        compressed_needed=compressed_needed,
+        index_topk=topk,
+        step=step,
+    )
 
 
 def chunk_index_rows(meta: KindMetadata) -> list[ChunkIndices]:
@@ -240,7 +267,11 @@ def chunk_index_rows(meta: KindMetadata) -> list[ChunkIndices]:
     p = meta.token_position
     base = meta.seg_row_base[seg]
     gstart = meta.seg_gather_start[seg]
-    visible = torch.zeros_like(p) if kind is LayerKind.SWA else torch.div(p + 1, meta.plan.compress_ratio, rounding_mode="floor")
+    visible = (
+        torch.zeros_like(p)
+        if kind is LayerKind.SWA
+        else torch.div(p + 1, meta.plan.compress_ratio, rounding_mode="floor")
+    )
     ncomp = torch.clamp(visible, max=meta.index_topk) if kind is LayerKind.CSA else visible
     nwin = torch.clamp(p + 1, max=W)
     length = (ncomp + nwin).to(torch.int32)
@@ -258,7 +289,9 @@ def chunk_index_rows(meta: KindMetadata) -> list[ChunkIndices]:
     return [ChunkIndices(idx[a:b], length[a:b], limit[a:b], base32[a:b]) for a, b in bounds]
 
 
-def gather_map(meta: KindMetadata, chunk: ChunkMeta, region: str, start: int = 0, count: int | None = None) -> GatherMap:
+def gather_map(
+    meta: KindMetadata, chunk: ChunkMeta, region: str, start: int = 0, count: int | None = None
+) -> GatherMap:
     """Rows start .. start + count - 1 of one region ("compressed" or "raw") of a chunk, formed
     on the device from the per-segment arrays (no host sync; the sizes are host numbers).
 

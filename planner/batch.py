@@ -57,9 +57,7 @@ class PrefillBatch:
             mnbt = as_int(self.max_num_batched_tokens, "max_num_batched_tokens", minimum=1, maximum=INT32_MAX)
             if qry.size and qry.max() > mnbt:
                 i = int(np.argmax(qry > mnbt))
-                raise ValueError(
-                    f"query_lens: query_lens[{i}] = {int(qry[i])} exceeds max_num_batched_tokens = {mnbt}"
-                )
+                raise ValueError(f"query_lens: query_lens[{i}] = {int(qry[i])} exceeds max_num_batched_tokens = {mnbt}")
         seq.setflags(write=False)
         qry.setflags(write=False)
         self.__dict__["_min_query_len"] = qmin  # planners ask whether any request has no queries

@@ -116,9 +116,7 @@ def sparse_attention_shapes(
     if attn_sink_shape is not None and tuple(attn_sink_shape) != (H,):
         raise ValueError(f"attn_sink: expected shape ({H},) (one logit per head), got {tuple(attn_sink_shape)}")
     if topk_length_shape is not None and tuple(topk_length_shape) != (T,):
-        raise ValueError(
-            f"topk_length: expected shape ({T},) (one per query token), got {tuple(topk_length_shape)}"
-        )
+        raise ValueError(f"topk_length: expected shape ({T},) (one per query token), got {tuple(topk_length_shape)}")
     return SparseShapes(T, H, D, int(kv_shape[0]), int(indices_shape[-1]), squeeze_kv, squeeze_indices)
 
 

@@ -51,7 +51,7 @@ class LayerKind(enum.Enum):
         return _LAYER_TYPE_OF_KIND[self]
 
     @classmethod
-    def of(cls, kind) -> "LayerKind":
+    def of(cls, kind) -> LayerKind:
         """A `LayerKind` from itself, its name ("CSA", any case) or transformers' layer type."""
         if isinstance(kind, LayerKind):
             return kind
@@ -104,7 +104,7 @@ class LayerSpec:
         return self.kind.has_compressed
 
     @classmethod
-    def of(cls, spec) -> "LayerSpec":
+    def of(cls, spec) -> LayerSpec:
         """A `LayerSpec` from itself or a `(kind, compress_ratio)` pair."""
         if isinstance(spec, LayerSpec):
             return spec
@@ -159,7 +159,10 @@ def layer_specs(config: dict) -> tuple[LayerSpec, ...]:
     if not isinstance(config, dict):
         raise TypeError(f"config: expected a config.json dict, got {type(config).__name__}")
     n = config.get("num_hidden_layers")
-    rates = {"compressed_sparse_attention": V4_RATIOS[LayerKind.CSA], "heavily_compressed_attention": V4_RATIOS[LayerKind.HCA]}
+    rates = {
+        "compressed_sparse_attention": V4_RATIOS[LayerKind.CSA],
+        "heavily_compressed_attention": V4_RATIOS[LayerKind.HCA],
+    }
     rates.update(config.get("compress_rates") or {})
     if config.get("compress_rate_csa") is not None:
         rates["compressed_sparse_attention"] = config["compress_rate_csa"]
@@ -171,7 +174,9 @@ def layer_specs(config: dict) -> tuple[LayerSpec, ...]:
         for i, t in enumerate(types):
             kind = LayerKind.of(t) if t in _KIND_OF_LAYER_TYPE else None
             if kind is None:
-                raise ValueError(f"config.layer_types[{i}]: unknown layer type {t!r} (expected one of {list(LAYER_TYPES)})")
+                raise ValueError(
+                    f"config.layer_types[{i}]: unknown layer type {t!r} (expected one of {list(LAYER_TYPES)})"
+                )
             r = 0 if kind is LayerKind.SWA else rates.get(kind.layer_type)
             try:
                 specs.append(LayerSpec(kind, r))
@@ -187,7 +192,9 @@ def layer_specs(config: dict) -> tuple[LayerSpec, ...]:
                 )
             specs.append(LayerSpec(_V4_KIND_OF_RATIO[r], r))
     else:
-        raise ValueError("config: needs `layer_types` (transformers) or `compress_ratios` (DeepSeek) to tell layer kinds")
+        raise ValueError(
+            "config: needs `layer_types` (transformers) or `compress_ratios` (DeepSeek) to tell layer kinds"
+        )
     if n is not None:
         specs = specs[: int(n)]
     return tuple(specs)
@@ -349,22 +356,46 @@ def _preset(**fields) -> dict:
 # Config dicts in transformers' field names (config.json content), keyed by preset name.
 PRESETS = {
     "V4-Flash": _preset(
-        num_hidden_layers=43, layer_types=_v4_layer_types((LayerKind.SWA, LayerKind.SWA), 43),
+        num_hidden_layers=43,
+        layer_types=_v4_layer_types((LayerKind.SWA, LayerKind.SWA), 43),
     ),  # fmt: skip
     "V4-Pro": _preset(  # index_topk 1024 as in the spec (section 1)
-        num_hidden_layers=61, layer_types=_v4_layer_types((LayerKind.HCA, LayerKind.HCA), 61), hidden_size=7168,
-        moe_intermediate_size=3072, num_attention_heads=128, q_lora_rank=1536, o_groups=16, index_topk=1024,
-        n_routed_experts=384, routed_scaling_factor=2.5,
+        num_hidden_layers=61,
+        layer_types=_v4_layer_types((LayerKind.HCA, LayerKind.HCA), 61),
+        hidden_size=7168,
+        moe_intermediate_size=3072,
+        num_attention_heads=128,
+        q_lora_rank=1536,
+        o_groups=16,
+        index_topk=1024,
+        n_routed_experts=384,
+        routed_scaling_factor=2.5,
     ),  # fmt: skip
     # Real head geometry (head_dim 512 with 64 RoPE dims, index_head_dim 128, hc_mult 4, Sinkhorn 20
     # iterations, YaRN on the compressed layers) at toy width; every kind at least twice, SWA first.
     # Small ratios would let short prompts reach more entries; 4 / 128 keep V4.0's convention.
     "tiny": _preset(
-        num_hidden_layers=6, layer_types=[k.layer_type for k in (LayerKind.SWA, LayerKind.SWA, LayerKind.CSA,
-                                                                 LayerKind.HCA, LayerKind.CSA, LayerKind.HCA)],
-        vocab_size=512, hidden_size=64, moe_intermediate_size=64, num_attention_heads=8, q_lora_rank=64, o_groups=2,
-        o_lora_rank=32, sliding_window=8, index_n_heads=16, index_topk=8, n_routed_experts=8, num_experts_per_tok=2,
-        mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3, pad_token_id=2, use_cache=True, dtype="float32",
+        num_hidden_layers=6,
+        layer_types=[
+            k.layer_type
+            for k in (LayerKind.SWA, LayerKind.SWA, LayerKind.CSA, LayerKind.HCA, LayerKind.CSA, LayerKind.HCA)
+        ],
+        vocab_size=512,
+        hidden_size=64,
+        moe_intermediate_size=64,
+        num_attention_heads=8,
+        q_lora_rank=64,
+        o_groups=2,
+        o_lora_rank=32,
+        sliding_window=8,
+        index_n_heads=16,
+        index_topk=8,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3,
+        pad_token_id=2,
+        use_cache=True,
+        dtype="float32",
     ),  # fmt: skip
 }
 
@@ -390,13 +421,13 @@ class ModelShape:
     layers: tuple[LayerSpec, ...]
 
     @classmethod
-    def from_config(cls, config: dict, name: str = "checkpoint") -> "ModelShape":
+    def from_config(cls, config: dict, name: str = "checkpoint") -> ModelShape:
         specs = layer_specs(config) + (LayerSpec(LayerKind.SWA, 0),) * int(config.get("num_nextn_predict_layers", 0))
-        return cls(name, int(config["num_attention_heads"]), int(config["head_dim"]), int(config["sliding_window"]),
-                   int(config["index_topk"]), specs)  # fmt: skip
+        ints = (int(config[k]) for k in ("num_attention_heads", "head_dim", "sliding_window", "index_topk"))
+        return cls(name, *ints, specs)
 
     @classmethod
-    def from_name(cls, name: str) -> "ModelShape":
+    def from_name(cls, name: str) -> ModelShape:
         cfg = preset(name)
         return cls.from_config(cfg, next(k for k in PRESETS if k.lower() == str(name).lower().replace("_", "-")))
 

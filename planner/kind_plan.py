@@ -37,12 +37,25 @@ class ChunkLayout:
     """
 
     __slots__ = (
-        "index", "start", "end", "N", "M", "request_ids", "seq_lens", "query_lens", "query_offsets",
-        "compressed_lens", "gather_lens", "gather_starts", "row_bases",
-        "token_index", "token_request", "token_position",
-    )  # fmt: skip
+        "index",
+        "start",
+        "end",
+        "N",
+        "M",
+        "request_ids",
+        "seq_lens",
+        "query_lens",
+        "query_offsets",
+        "compressed_lens",
+        "gather_lens",
+        "gather_starts",
+        "row_bases",
+        "token_index",
+        "token_request",
+        "token_position",
+    )
 
-    def __init__(self, plan: "KindPlan", c: int):
+    def __init__(self, plan: KindPlan, c: int):
         s, e = int(plan.chunk_starts[c]), int(plan.chunk_starts[c + 1])
         t0, t1 = int(plan.chunk_token_starts[c]), int(plan.chunk_token_starts[c + 1])
         self.index, self.start, self.end = c, s, e
@@ -157,7 +170,9 @@ class KindPlan:
         counts = np.diff(self.chunk_starts)
         seg_chunk = np.repeat(np.arange(counts.shape[0]), counts)
         seg_slot = np.arange(self.seg_request.shape[0]) - self.chunk_starts[:-1][seg_chunk]
-        gather_start, row_base = frozen_int32(self.seg_seq_len - self.seg_gather_len, seg_slot * self.chunk_M[seg_chunk])
+        gather_start, row_base = frozen_int32(
+            self.seg_seq_len - self.seg_gather_len, seg_slot * self.chunk_M[seg_chunk]
+        )
         return seg_slot, gather_start, row_base
 
     @property
@@ -193,7 +208,12 @@ class KindPlan:
             token_position = batch.token_position[token_index]
             token_request = seg_slot[tok_seg]
             chunk_token_starts = seg_cum[chunk_starts]
-        return readonly_int32(chunk_token_starts), readonly_int32(token_index), readonly_int32(token_request), readonly_int32(token_position)
+        return (
+            readonly_int32(chunk_token_starts),
+            readonly_int32(token_index),
+            readonly_int32(token_request),
+            readonly_int32(token_position),
+        )
 
     @property
     def chunk_token_starts(self) -> np.ndarray:

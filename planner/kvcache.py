@@ -283,8 +283,7 @@ def _check_cache(k_cache, S: int, *, writable: bool) -> int:
         raise ValueError(f"k_cache: expected shape [num_blocks, {want}] (page_bytes({S})), got {k_cache.shape}")
     if k_cache.shape[1] != want:
         raise ValueError(
-            f"k_cache: page stride {k_cache.shape[1]} bytes is not round_up({S} * 584, 576) = {want} "
-            f"for block_size {S}"
+            f"k_cache: page stride {k_cache.shape[1]} bytes is not round_up({S} * 584, 576) = {want} for block_size {S}"
         )
     if k_cache.strides[1] != 1 or (k_cache.shape[0] > 1 and k_cache.strides[0] != want):
         raise ValueError(f"k_cache: expected C-contiguous pages, got strides {k_cache.strides}")

@@ -161,7 +161,6 @@ def _split_request(prefix: int, query_len: int, r: int, W: int, budget: int, req
     return pieces
 
 
-
 def _active_requests(batch: PrefillBatch, config: PlanConfig):
     """What every kind's plan shares: the checked requests with queries and their gather_lens.
 
@@ -174,7 +173,11 @@ def _active_requests(batch: PrefillBatch, config: PlanConfig):
         return hit
     seq, qry = batch.seq_lens, batch.query_lens
     # (a batch built with these limits has checked them already)
-    if (batch.max_model_len is None or batch.max_model_len > config.max_model_len) and seq.size and int(seq.max()) > config.max_model_len:
+    if (
+        (batch.max_model_len is None or batch.max_model_len > config.max_model_len)
+        and seq.size
+        and int(seq.max()) > config.max_model_len
+    ):
         i = int(np.argmax(seq))
         raise ValueError(f"seq_lens: seq_lens[{i}] = {int(seq[i])} exceeds max_model_len = {config.max_model_len}")
     checked = batch.max_num_batched_tokens is not None and batch.max_num_batched_tokens <= config.max_num_batched_tokens
@@ -247,12 +250,16 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, layer, _shared=None) -> K
         )
     # vLLM's bound holds every request alone (_active_requests checked seq_len <= max_model_len and
     # query_len <= max_num_batched_tokens), so only an explicit budget_rows can split one.
-    vllm_bound = config.budget_rows is None and (batch.max_model_len is None or batch.max_model_len <= config.max_model_len)
+    vllm_bound = config.budget_rows is None and (
+        batch.max_model_len is None or batch.max_model_len <= config.max_model_len
+    )
     split: list[int] = []
     if (
-        config.policy != "fixed" and not vllm_bound and active.size
+        config.policy != "fixed"
+        and not vllm_bound
+        and active.size
         and int(((0 if comp_a is None else comp_a) + gath_a).max()) > budget
-    ):  # fmt: skip
+    ):
         rows = []  # (request, seq_len, query_len, query_offset)
         for i, s, q in zip(active.tolist(), seq_a.tolist(), qry_a.tolist()):
             pieces = _split_request(s - q, q, r, W, budget, i)
@@ -277,7 +284,9 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, layer, _shared=None) -> K
         chunks = _greedy_chunks(comp_list, gath_list, budget, list(breaks))
     elif config.policy == "fixed":
         runs = np.concatenate([[0], breaks, [n]]).astype(np.int64)
-        starts = np.concatenate([np.arange(a, b, config.prefill_chunk_size) for a, b in zip(runs[:-1], runs[1:])] + [[n]])
+        starts = np.concatenate(
+            [np.arange(a, b, config.prefill_chunk_size) for a, b in zip(runs[:-1], runs[1:])] + [[n]]
+        )
         nc = starts.shape[0] - 1
         chunks = (starts, np.full(nc, config.max_compressed_len(layer)), np.full(nc, config.fixed_M(layer)))
     else:  # per_request
@@ -285,10 +294,16 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, layer, _shared=None) -> K
             seg_comp = np.zeros_like(seg_seq)
         chunks = (np.arange(n + 1), seg_comp, seg_comp + seg_gath)
     return KindPlan(
-        layer=layer, config=config, budget_rows=budget, batch=batch,
-        order=readonly_int32(active), skipped=readonly_int32(skipped), split_requests=readonly_int32(split) if split else EMPTY_INT32,
-        seg_source=(seg_req, seg_seq, seg_q, seg_off, seg_comp, seg_gath), chunk_source=chunks,
-    )  # fmt: skip
+        layer=layer,
+        config=config,
+        budget_rows=budget,
+        batch=batch,
+        order=readonly_int32(active),
+        skipped=readonly_int32(skipped),
+        split_requests=readonly_int32(split) if split else EMPTY_INT32,
+        seg_source=(seg_req, seg_seq, seg_q, seg_off, seg_comp, seg_gath),
+        chunk_source=chunks,
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -326,15 +341,18 @@ def plan_step(batch: PrefillBatch, config: PlanConfig, layers=V4_LAYERS) -> Step
     return StepPlan(batch=batch, config=config, kinds=kinds)
 
 
-def as_step_plan(plan_or_batch, config: PlanConfig | None = None, layers=V4_LAYERS,
-                 policy: str | None = None) -> StepPlan:  # fmt: skip
+def as_step_plan(
+    plan_or_batch, config: PlanConfig | None = None, layers=V4_LAYERS, policy: str | None = None
+) -> StepPlan:
     """A given `StepPlan`, or the plan of a `PrefillBatch` under `config` (with `policy` if set).
 
     What framework metadata builders accept: plan here once, or pass the plan you made.
     """
     if isinstance(plan_or_batch, StepPlan):
         if policy is not None and policy != plan_or_batch.config.policy:
-            raise ValueError(f"policy: {policy!r} differs from the given StepPlan's policy {plan_or_batch.config.policy!r}")
+            raise ValueError(
+                f"policy: {policy!r} differs from the given StepPlan's policy {plan_or_batch.config.policy!r}"
+            )
         return plan_or_batch
     if isinstance(plan_or_batch, PrefillBatch):
         if config is None:
@@ -345,8 +363,17 @@ def as_step_plan(plan_or_batch, config: PlanConfig | None = None, layers=V4_LAYE
     raise TypeError(f"plan_or_batch: expected a StepPlan or PrefillBatch, got {type(plan_or_batch).__name__}")
 
 
-def _tuple_plan(policy, seq_lens, query_lens, compress_ratio, window_size, max_model_len,
-                max_num_batched_tokens, prefill_chunk_size, has_compressed):  # fmt: skip
+def _tuple_plan(
+    policy,
+    seq_lens,
+    query_lens,
+    compress_ratio,
+    window_size,
+    max_model_len,
+    max_num_batched_tokens,
+    prefill_chunk_size,
+    has_compressed,
+):
     config = PlanConfig(
         window_size=window_size,
         max_model_len=max_model_len,
@@ -387,8 +414,17 @@ def get_prefill_chunk_plan(
       (`seq_len // r` rows per request); None means `r > 1` (V4.0's layers). True at r = 1 is
       DeepSeek-V4.1's full-length compressed cache.
     """
-    return _tuple_plan("adaptive", seq_lens, query_lens, compress_ratio, window_size, max_model_len,
-                       max_num_batched_tokens, prefill_chunk_size, has_compressed)  # fmt: skip
+    return _tuple_plan(
+        "adaptive",
+        seq_lens,
+        query_lens,
+        compress_ratio,
+        window_size,
+        max_model_len,
+        max_num_batched_tokens,
+        prefill_chunk_size,
+        has_compressed,
+    )
 
 
 def get_fixed_chunk_plan(
@@ -406,5 +442,14 @@ def get_fixed_chunk_plan(
     `N = cdiv(max_model_len, r)` (0 without a compressed cache) and `M = N + window_size + max_num_batched_tokens`.
     Same arguments (`has_compressed` included) and `query_len == 0` handling as
     `get_prefill_chunk_plan`."""
-    return _tuple_plan("fixed", seq_lens, query_lens, compress_ratio, window_size, max_model_len,
-                       max_num_batched_tokens, prefill_chunk_size, has_compressed)  # fmt: skip
+    return _tuple_plan(
+        "fixed",
+        seq_lens,
+        query_lens,
+        compress_ratio,
+        window_size,
+        max_model_len,
+        max_num_batched_tokens,
+        prefill_chunk_size,
+        has_compressed,
+    )

@@ -77,7 +77,9 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     if _bad_skips:
         terminalreporter.section("skips not on the allow-list", red=True)
-        terminalreporter.line("(tests/conftest.py ALLOWED_SKIPS: add a reason there only if the skip is expected in CI)")
+        terminalreporter.line(
+            "(tests/conftest.py ALLOWED_SKIPS: add a reason there only if the skip is expected in CI)"
+        )
         for line in _bad_skips:
             terminalreporter.line(line)
 

@@ -69,11 +69,20 @@ def test_plan_step_and_plan_kind_want_a_batch_and_a_config():
 
 
 @pytest.mark.parametrize("build", [torch_metadata.build_step_metadata, jax_metadata.build_step_metadata])
-@pytest.mark.parametrize("topk, error", [(-1, "index_topk: must be >= 1, got -1"), (0, "must be >= 1"),
-                                         (2.5, "expected an integer"), (True, "expected an integer"),
-                                         (2**31, "must be <= 2147483647")])  # fmt: skip
+@pytest.mark.parametrize(
+    "topk, error",
+    [
+        (-1, "index_topk: must be >= 1, got -1"),
+        (0, "must be >= 1"),
+        (2.5, "expected an integer"),
+        (True, "expected an integer"),
+        (2**31, "must be <= 2147483647"),
+    ],
+)
 def test_step_metadata_index_topk(build, topk, error):
-    step = P.plan_step(P.PrefillBatch([40], [8]), P.PlanConfig(window_size=8, max_model_len=64, max_num_batched_tokens=16))
+    step = P.plan_step(
+        P.PrefillBatch([40], [8]), P.PlanConfig(window_size=8, max_model_len=64, max_num_batched_tokens=16)
+    )
     with pytest.raises(ValueError, match=error):
         build(step, index_topk=topk)
 

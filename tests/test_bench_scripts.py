@@ -39,10 +39,14 @@ def test_every_bench_script_imports_and_answers_help():
     scripts = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem not in NOT_SCRIPTS)
     assert len(scripts) >= 20, scripts
     for name in scripts:
-        assert 'if __name__ == "__main__":' in (ROOT / "bench" / f"{name}.py").read_text(), f"bench/{name}.py is no script"
+        assert 'if __name__ == "__main__":' in (ROOT / "bench" / f"{name}.py").read_text(), (
+            f"bench/{name}.py is no script"
+        )
     modules = [f"bench.{n}" for n in scripts if n not in NEEDS_VENV]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", _RUNNER, *modules], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _RUNNER, *modules], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(lines[-1][len("RESULTS ") :])

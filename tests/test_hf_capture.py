@@ -14,8 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 from dsv4_torch.hf.capture import capture_attention, capture_attention_layers  # noqa: E402
 from planner import LayerKind  # noqa: E402
-from tools.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 from planner.oracle import prefill_attention  # noqa: E402
+from tools.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
 LAYERS = {"SWA": 1, "CSA": 2, "HCA": 3}  # layer index of each kind in the tiny preset
 PROMPT_LEN = 299  # 2 HCA entries, 74 CSA entries; the decode step at position 299 completes entry 74
@@ -41,8 +41,10 @@ def captures(model, ids):
     layers = list(LAYERS.values())
     single, _ = capture_attention_layers(model, ids[:, :PROMPT_LEN], layers)
     cache = transformers.DynamicCache(config=model.config)
-    chunked = [capture_attention_layers(model, ids[:, a:b], layers, past_key_values=cache, use_cache=True)[0]
-               for a, b in CHUNKS]
+    chunked = [
+        capture_attention_layers(model, ids[:, a:b], layers, past_key_values=cache, use_cache=True)[0]
+        for a, b in CHUNKS
+    ]
     return {kind: (single[i], [c[i] for c in chunked]) for kind, i in LAYERS.items()}
 
 
@@ -51,9 +53,17 @@ def oracle_output(cap):
     comp = None if cap.compressed_kv is None else [cap.compressed_kv.numpy()]
     topk = None if cap.topk_indices is None else cap.topk_indices.numpy()
     out, _, _ = prefill_attention(
-        cap.query.numpy(), [cap.raw_kv().numpy()], comp, [cap.seq_len], [cap.query_len],
-        kind=cap.kind, compress_ratio=cap.compress_ratio, window_size=cap.window_size, sm_scale=cap.sm_scale,
-        attn_sink=cap.sink.numpy(), topk_rows=topk,
+        cap.query.numpy(),
+        [cap.raw_kv().numpy()],
+        comp,
+        [cap.seq_len],
+        [cap.query_len],
+        kind=cap.kind,
+        compress_ratio=cap.compress_ratio,
+        window_size=cap.window_size,
+        sm_scale=cap.sm_scale,
+        attn_sink=cap.sink.numpy(),
+        topk_rows=topk,
     )
     return out
 

@@ -71,8 +71,9 @@ def float_path_on_fp8_rounded_rows(model, monkeypatch):
 def calls(model, ids, bounds):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        out = torch.cat([model(ids[:, a:b], past_key_values=cache, use_cache=True).logits
-                         for a, b in zip(bounds, bounds[1:])], 1)  # fmt: skip
+        out = torch.cat(
+            [model(ids[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in zip(bounds, bounds[1:])], 1
+        )
     return out, cache
 
 
@@ -93,7 +94,9 @@ def test_fp8_cache_is_the_model_on_fp8_rounded_latents(model, fp8_run, monkeypat
         assert layer.window.dtype == torch.uint8 and layer.window.shape[1] == KV.page_bytes(64), idx
         if "compressor" in layer.compressors:
             assert layer.compressors["compressor"].entries.dtype == torch.uint8
-            assert layer.compressors.get("indexer") is None or layer.compressors["indexer"].entries.dtype == torch.float32
+            assert (
+                layer.compressors.get("indexer") is None or layer.compressors["indexer"].entries.dtype == torch.float32
+            )
     with float_path_on_fp8_rounded_rows(model, monkeypatch):
         want, _ = calls(model, IDS, BOUNDS)
     assert torch.equal(fp8, want)
@@ -129,5 +132,8 @@ def test_fp8_cache_bad_settings(model):
         I.enable_sparse_prefill(model, kv_cache_dtype="fp8")
     assert not I.is_sparse_prefill_enabled(model)
     # bytes carry no gradient: a forward that could be differentiated is refused, not run half-way
-    with sparse(model, kv_cache_dtype="fp8_ds_mla"), pytest.raises(ValueError, match=r"kv_cache_dtype: the fp8_ds_mla caches hold bytes"):
+    with (
+        sparse(model, kv_cache_dtype="fp8_ds_mla"),
+        pytest.raises(ValueError, match=r"kv_cache_dtype: the fp8_ds_mla caches hold bytes"),
+    ):
         model(IDS[:1, :9], use_cache=False)

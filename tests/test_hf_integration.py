@@ -56,8 +56,9 @@ def calls(model, ids, bounds, cache=None):
     """Logits of ids fed in calls [bounds[i], bounds[i+1]) with one cache."""
     cache = DynamicCache(config=model.config) if cache is None else cache
     with torch.no_grad():
-        return torch.cat([model(ids[:, a:b], past_key_values=cache, use_cache=True).logits
-                          for a, b in zip(bounds, bounds[1:])], 1)  # fmt: skip
+        return torch.cat(
+            [model(ids[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in zip(bounds, bounds[1:])], 1
+        )
 
 
 def err(a, b):
@@ -135,12 +136,15 @@ def test_other_compress_rates_match_eager(tiny_checkpoint_other_ratios):
             batch = m(pids, attention_mask=mask).logits
         alone = [m(torch.tensor([p])).logits[0] for p in prompts]
     assert {k: (p.compress_ratio, p.has_compressed) for k, p in plan.kinds.items()} == {
-        LayerKind.SWA: (0, False), LayerKind.CSA: (8, True), LayerKind.HCA: (32, True)}
+        LayerKind.SWA: (0, False),
+        LayerKind.CSA: (8, True),
+        LayerKind.HCA: (32, True),
+    }
     assert err(ours_one, eager_one) < TOL
     assert err(ours, eager) < TOL
     L = pids.shape[1]
     for i, (p, a) in enumerate(zip(prompts, alone)):
-        assert err(batch[i, L - len(p):], a) < TOL, i
+        assert err(batch[i, L - len(p) :], a) < TOL, i
 
 
 # ----------------------------------------------------------------------------- ragged batches
@@ -151,8 +155,8 @@ def left_padded(prompts):
     ids = torch.full((len(prompts), L), PAD)
     mask = torch.zeros((len(prompts), L), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, L - len(p):] = torch.tensor(p)
-        mask[i, L - len(p):] = 1
+        ids[i, L - len(p) :] = torch.tensor(p)
+        mask[i, L - len(p) :] = 1
     return ids, mask
 
 
@@ -166,8 +170,13 @@ def test_ragged_batch_equals_each_prompt_alone(model):
     with torch.no_grad():
         with sparse(model):
             cache = DynamicCache(config=model.config)
-            out = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                        past_key_values=cache, use_cache=True).logits  # fmt: skip
+            out = model(
+                ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=cache,
+                use_cache=True,
+            ).logits
             assert I.last_forward(model).query_lens == [141, 57, 9]
             steps, fed = [], []  # decode steps with a growing mask, no position_ids (from the cache)
             tokens = out[:, -1].argmax(-1)
@@ -188,7 +197,7 @@ def test_ragged_batch_equals_each_prompt_alone(model):
         for i, p in enumerate(prompts):
             alone_cache = DynamicCache(config=model.config)
             alone = model(torch.tensor([p]), past_key_values=alone_cache, use_cache=True).logits[0]
-            assert err(out[i, L - len(p):], alone) < TOL, i
+            assert err(out[i, L - len(p) :], alone) < TOL, i
             assert err(out_r[i][rmask[i].bool()], alone) < TOL, i
             for tok, s in zip(fed, steps):
                 step = model(tok[i].view(1, 1), past_key_values=alone_cache, use_cache=True).logits[0, 0]
@@ -209,7 +218,7 @@ def test_ragged_generate_matches_each_prompt_alone(model, tokenizer):
         new = batch[i, L:].tolist()
         want = a[n:]
         assert new[: len(want)] == want, i
-        assert all(t == tokenizer.pad_token_id for t in new[len(want):]), i  # finished early: padded
+        assert all(t == tokenizer.pad_token_id for t in new[len(want) :]), i  # finished early: padded
 
 
 def test_rows_without_new_tokens_keep_their_state(model):
@@ -357,7 +366,9 @@ def test_unsupported_models_and_settings_fail_clearly(model, monkeypatch):
     with pytest.raises(BackendUnavailableError, match="flashmla"):
         I.enable_sparse_prefill(model, backend="flashmla")  # CPU model
     monkeypatch.setitem(model.config.compress_rates, "compressed_sparse_attention", 0)  # any ratio >= 1 is fine
-    with pytest.raises(ValueError, match=r"compress_rates\['compressed_sparse_attention'\]: .*CSA layers need a ratio >= 1, got 0"):
+    with pytest.raises(
+        ValueError, match=r"compress_rates\['compressed_sparse_attention'\]: .*CSA layers need a ratio >= 1, got 0"
+    ):
         I.enable_sparse_prefill(model)
     monkeypatch.undo()
     from dsv4_torch.hf import versions

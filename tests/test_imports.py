@@ -37,7 +37,9 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             for a in node.names:  # `from pkg import mod` imports the module pkg.mod
                 found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
     return {m for m in found if m in modules and m != name}
@@ -52,7 +54,7 @@ def test_no_import_loops():
         state[node] = "open"
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                loops.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+                loops.append(" -> ".join(stack[stack.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = "done"

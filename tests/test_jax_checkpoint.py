@@ -32,8 +32,11 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-from dsv4_jax.model import DeepseekV4, ModelConfig  # noqa: E402
-from dsv4_jax.model import parallel  # noqa: E402
+from dsv4_jax.model import (  # noqa: E402
+    DeepseekV4,
+    ModelConfig,
+    parallel,  # noqa: E402
+)
 from dsv4_jax.model.checkpoint import held_bytes, load_checkpoint, load_params, plan_params, quant_block  # noqa: E402
 from dsv4_jax.model.generate import JaxGenerator  # noqa: E402
 from dsv4_jax.model.quant import QuantizedWeight  # noqa: E402
@@ -117,7 +120,9 @@ def test_writer_layout(official):
     info = files.info
     assert info("layers.2.attn.wq_b.weight").st_dtype == "F8_E4M3"
     assert info("layers.2.attn.wq_b.scale").st_dtype == "F8_E8M0" and info("layers.2.attn.wq_b.scale").shape == (32, 1)
-    assert info("layers.2.ffn.experts.3.w1.weight").st_dtype == "I8" and info("layers.2.ffn.experts.3.w1.weight").shape == (64, 32)
+    assert info("layers.2.ffn.experts.3.w1.weight").st_dtype == "I8" and info(
+        "layers.2.ffn.experts.3.w1.weight"
+    ).shape == (64, 32)
     assert info("layers.2.ffn.experts.3.w1.scale").shape == (64, 2)
     assert info("layers.2.attn.compressor.wkv.weight").st_dtype == "BF16" and info("embed.weight").st_dtype == "BF16"
     assert info("layers.2.hc_attn_fn").st_dtype == "F32" and info("layers.0.ffn.gate.tid2eid").st_dtype == "I64"
@@ -136,18 +141,34 @@ def test_loads_as_shipped_and_dequantizes_exactly(official, official_base):
     wq_b, w13 = p["layers"][2]["attn"]["wq_b"], p["layers"][2]["ffn"]["w13"]
     assert isinstance(wq_b, QuantizedWeight) and wq_b.fmt == "fp8" and wq_b.data.dtype == jax.numpy.float8_e4m3fn
     assert wq_b.scale.dtype == np.uint8 and wq_b.shape == (4096, 64)
-    assert isinstance(w13, QuantizedWeight) and w13.fmt == "fp4" and w13.data.shape == (8, 128, 32) and w13.shape == (8, 128, 64)
+    assert (
+        isinstance(w13, QuantizedWeight)
+        and w13.fmt == "fp4"
+        and w13.data.shape == (8, 128, 32)
+        and w13.shape == (8, 128, 64)
+    )
     assert p["embed"].dtype == jax.numpy.bfloat16 and p["layers"][2]["attn_hc"]["fn"].dtype == np.float32
     # nothing is widened on the device: the bytes are the checkpoint's (MTP dropped, tid2eid int64 -> int32)
     stored = sum(a.nbytes for n, a in raw.items() if not n.startswith("mtp."))
     tid = sum(a.nbytes for n, a in raw.items() if n.endswith("tid2eid") and not n.startswith("mtp."))
     assert parallel.weight_bytes(p) == stored - tid // 2
     # dequantized on the device == NumPy dequantization of the stored bytes, bit for bit
-    np.testing.assert_array_equal(np.asarray(wq_b.dequantize()),
-                                  oc.dequantize(raw["layers.2.attn.wq_b.weight"], raw["layers.2.attn.wq_b.scale"]))
-    ref = np.stack([np.concatenate([oc.dequantize(raw[f"layers.2.ffn.experts.{e}.{w}.weight"],
-                                                  raw[f"layers.2.ffn.experts.{e}.{w}.scale"]) for w in ("w1", "w3")])
-                    for e in range(8)])  # fmt: skip
+    np.testing.assert_array_equal(
+        np.asarray(wq_b.dequantize()), oc.dequantize(raw["layers.2.attn.wq_b.weight"], raw["layers.2.attn.wq_b.scale"])
+    )
+    ref = np.stack(
+        [
+            np.concatenate(
+                [
+                    oc.dequantize(
+                        raw[f"layers.2.ffn.experts.{e}.{w}.weight"], raw[f"layers.2.ffn.experts.{e}.{w}.scale"]
+                    )
+                    for w in ("w1", "w3")
+                ]
+            )
+            for e in range(8)
+        ]
+    )
     np.testing.assert_array_equal(np.asarray(w13.dequantize()), ref)
     _, d = load_checkpoint(official, weights="dequantized", dtype="bfloat16")
     assert d["layers"][2]["attn"]["wq_b"].dtype == jax.numpy.bfloat16  # e4m3 * 2^k is exact in bf16
@@ -157,8 +178,10 @@ def test_loads_as_shipped_and_dequantizes_exactly(official, official_base):
     _, b = load_checkpoint(official_base)
     w2 = b["layers"][3]["ffn"]["w2"]
     assert w2.fmt == "fp8" and w2.scale.dtype == np.float32
-    np.testing.assert_array_equal(np.asarray(w2.dequantize())[5], oc.dequantize(raw_b["layers.3.ffn.experts.5.w2.weight"],
-                                                                                raw_b["layers.3.ffn.experts.5.w2.scale"]))  # fmt: skip
+    np.testing.assert_array_equal(
+        np.asarray(w2.dequantize())[5],
+        oc.dequantize(raw_b["layers.3.ffn.experts.5.w2.weight"], raw_b["layers.3.ffn.experts.5.w2.scale"]),
+    )
 
 
 def _write_raw(path: Path, header, data: bytes = b"") -> Path:
@@ -182,14 +205,37 @@ def test_corrupt_files_name_the_file_and_tensor(tmp_path):
     bad("long.safetensors", (10**9).to_bytes(8, "little") + b"{}", "header length 1000000000")
     bad("json.safetensors", (b"{no json",), "not JSON")
     bad("list.safetensors", (b"[1, 2]",), "expected a JSON object")
-    bad("dtype.safetensors", ({"w": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, b"\0"), "'w' has unknown dtype 'F4'")
-    bad("size.safetensors", ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4), "'w': 4 bytes for shape")
-    bad("range.safetensors", ({"w": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}}, b"\0" * 4), "'w' has data_offsets")
-    bad("overlap.safetensors", ({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
-                                 "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}}, b"\0" * 6), "overlap")  # fmt: skip
+    bad(
+        "dtype.safetensors",
+        ({"w": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, b"\0"),
+        "'w' has unknown dtype 'F4'",
+    )
+    bad(
+        "size.safetensors",
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4),
+        "'w': 4 bytes for shape",
+    )
+    bad(
+        "range.safetensors",
+        ({"w": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}}, b"\0" * 4),
+        "'w' has data_offsets",
+    )
+    bad(
+        "overlap.safetensors",
+        (
+            {
+                "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]},
+            },
+            b"\0" * 6,
+        ),
+        "overlap",
+    )
     bad("entry.safetensors", ({"w": {"dtype": "U8"}},), "'w' needs dtype, shape and data_offsets")
-    ok = write_safetensors(tmp_path / "ok.safetensors", {"a": np.arange(3, dtype=np.int16),
-                                                        "s": np.array([127], np.uint8).view(ml_dtypes.float8_e8m0fnu)})  # fmt: skip
+    ok = write_safetensors(
+        tmp_path / "ok.safetensors",
+        {"a": np.arange(3, dtype=np.int16), "s": np.array([127], np.uint8).view(ml_dtypes.float8_e8m0fnu)},
+    )
     with CheckpointFiles(ok) as f:
         assert f.array("a").tolist() == [0, 1, 2] and f.array("s").astype(np.float32).tolist() == [1.0]
 
@@ -216,7 +262,9 @@ def test_sharded_index_errors(official, tmp_path):
         load_checkpoint(d)
     d = copy()
     c = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**c, "quantization_config": {**c["quantization_config"], "quant_method": "awq"}}))
+    (d / "config.json").write_text(
+        json.dumps({**c, "quantization_config": {**c["quantization_config"], "quant_method": "awq"}})
+    )
     with pytest.raises(ValueError, match="quant_method"):
         load_checkpoint(d)
 
@@ -232,16 +280,23 @@ def test_bad_tensors_name_the_tensor(official):
             load_params(cfg, t)
 
     e4m3, e8m0 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e8m0fnu
-    bad(r"'layers.0.attn.wq_a.weight' has shape \(64, 32\), the config needs \(64, 64\)",
-        layers__0__attn__wq_a__weight=np.zeros((64, 32), e4m3))  # fmt: skip
+    bad(
+        r"'layers.0.attn.wq_a.weight' has shape \(64, 32\), the config needs \(64, 64\)",
+        layers__0__attn__wq_a__weight=np.zeros((64, 32), e4m3),
+    )
     bad(r"scale 'layers.0.attn.wq_a.scale' has shape \(2, 1\)", layers__0__attn__wq_a__scale=np.zeros((2, 1), e8m0))
     bad("scale 'layers.0.attn.wq_a.scale' has dtype F16", layers__0__attn__wq_a__scale=np.ones((1, 1), np.float16))
     bad("'layers.0.attn.wq_a.weight' has dtype F8_E4M3 without a .scale", drop=("layers.0.attn.wq_a.scale",))
-    bad(r"'layers.3.ffn.experts.2.w2.weight' has shape \(64, 48\)",
-        layers__3__ffn__experts__2__w2__weight=np.zeros((64, 24), np.int8))  # fmt: skip
+    bad(
+        r"'layers.3.ffn.experts.2.w2.weight' has shape \(64, 48\)",
+        layers__3__ffn__experts__2__w2__weight=np.zeros((64, 24), np.int8),
+    )
     bad("layer 3 has experts", drop=("layers.3.ffn.experts.7.w2.weight", "layers.3.ffn.experts.7.w2.scale"))
     bad("does not use", layers__0__attn__bogus=np.zeros(3, np.float32))
-    bad("missing 'model.layers.2.self_attn.q_b_proj.weight'", drop=("layers.2.attn.wq_b.weight", "layers.2.attn.wq_b.scale"))
+    bad(
+        "missing 'model.layers.2.self_attn.q_b_proj.weight'",
+        drop=("layers.2.attn.wq_b.weight", "layers.2.attn.wq_b.scale"),
+    )
     bad("'layers.1.attn_norm.weight' has a scale", layers__1__attn_norm__scale=np.ones((1,), e8m0))
     bad("'layers.0.ffn.gate.tid2eid' has dtype F32", layers__0__ffn__gate__tid2eid=np.zeros((512, 2), np.float32))
     with pytest.raises(ValueError, match="weights"):
@@ -249,8 +304,10 @@ def test_bad_tensors_name_the_tensor(official):
     with pytest.raises(ValueError, match="dtype"):
         load_params(cfg, raw, dtype="int8")
     # MTP tensors are read (their headers checked) and not used
-    assert load_params(cfg, {k: v for k, v in raw.items() if not k.startswith("mtp.")})["layers"][0].keys() == \
-        load_params(cfg, raw)["layers"][0].keys()
+    assert (
+        load_params(cfg, {k: v for k, v in raw.items() if not k.startswith("mtp.")})["layers"][0].keys()
+        == load_params(cfg, raw)["layers"][0].keys()
+    )
 
 
 def test_transformers_loads_the_official_format_to_the_same_weights(official, hf_fp32):
@@ -283,8 +340,10 @@ def test_v4_flash_bytes_per_device_from_the_headers():
 
     class Headers:
         def __init__(self, layout):
-            self.t = {n: TensorInfo(n, Path("-"), ST_NAMES[dt], dt, s, 0, int(np.prod(s)) * dt.itemsize)
-                      for n, dt, s in layout}  # fmt: skip
+            self.t = {
+                n: TensorInfo(n, Path("-"), ST_NAMES[dt], dt, s, 0, int(np.prod(s)) * dt.itemsize)
+                for n, dt, s in layout
+            }
 
         def names(self):
             return list(self.t)
@@ -306,13 +365,31 @@ def test_gsm8k_cli_runs_on_the_official_format(official, gsm_data, hf_fp32, tmp_
     """`python -m eval.gsm8k --framework jax --checkpoint DIR --limit 2` (in-process: main()); its
     greedy token is transformers' on the dequantized weights. One new token: the run compiles only
     the prefill programs, which the tests below reuse."""
-    from eval import gsm8k
     from tokenizers import Tokenizer
+
+    from eval import gsm8k
 
     data, prompts = gsm_data
     out = tmp_path / "report.json"
-    rc = gsm8k.main(["--framework", "jax", "--checkpoint", str(official), "--limit", "2", "--data", str(data),
-                     "--num-fewshot", "0", "--max-new-tokens", "1", "--output", str(out), "--no-progress"])  # fmt: skip
+    rc = gsm8k.main(
+        [
+            "--framework",
+            "jax",
+            "--checkpoint",
+            str(official),
+            "--limit",
+            "2",
+            "--data",
+            str(data),
+            "--num-fewshot",
+            "0",
+            "--max-new-tokens",
+            "1",
+            "--output",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["num_problems"] == 2 and report["config"]["framework"] == "jax"
@@ -360,7 +437,9 @@ def test_fp8_on_device_equals_bf16_dequantized_at_load(official, fp8_logits):
     ids, ref32 = fp8_logits
     runs = {}
     for weights in ("stored", "dequantized"):
-        m = DeepseekV4.from_checkpoint(official, dtype="bfloat16", weights=weights, token_buckets="pow2", **EVAL_OPTIONS)
+        m = DeepseekV4.from_checkpoint(
+            official, dtype="bfloat16", weights=weights, token_buckets="pow2", **EVAL_OPTIONS
+        )
         _, out = m.step(m.init_cache(), [0, 1], [0, 0], ids, all_tokens=True)
         runs[weights] = [np.asarray(lg, np.float32) for lg in out.request_logits()]
     for a, b, r in zip(runs["stored"], runs["dequantized"], ref32):
@@ -398,8 +477,14 @@ def test_sharded_over_8_devices_equals_one_device(official, fp8_logits, tmp_path
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
     out = tmp_path / "sharded.npz"
-    proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT, str(official), json.dumps(ids), str(out)],
-                          env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARDED_SCRIPT, str(official), json.dumps(ids), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(abs(b / (r["total"] / 8) - 1) < 0.05 for b in r["per_device"]), r

@@ -50,7 +50,9 @@ def test_insert_bytes_equal_reference(backend, S):
     cache = rng.integers(0, 256, (nb, P.page_bytes(S)), dtype=np.uint8)
     want = cache.copy()
     P.quantize_and_insert_k_cache(k, want, slots, S)
-    got = JK.quantize_and_insert_k_cache(jnp.asarray(k, jnp.bfloat16), jnp.asarray(cache), jnp.asarray(slots), S, backend=backend)
+    got = JK.quantize_and_insert_k_cache(
+        jnp.asarray(k, jnp.bfloat16), jnp.asarray(cache), jnp.asarray(slots), S, backend=backend
+    )
     assert got.dtype == jnp.uint8 and np.array_equal(np.asarray(got), want)
 
 
@@ -62,7 +64,9 @@ def _need(backend):
             pytest.skip(f"the cpu backend's FFI kernel cannot be built here: {reason}")
 
 
-@pytest.mark.parametrize("backend, S, offset", [("xla", 64, 3), ("pallas_interpret", 2, 0), ("cpu", 64, 3), ("cpu", 2, 0)])
+@pytest.mark.parametrize(
+    "backend, S, offset", [("xla", 64, 3), ("pallas_interpret", 2, 0), ("cpu", 64, 3), ("cpu", 2, 0)]
+)
 def test_gather_equals_reference_on_any_bytes(backend, S, offset):
     """Random page bytes: every e4m3 code (NaN, subnormal) and scale byte 0..255; shuffled block
     tables. (Offset 0 with fewer rows than a kernel block: masked lanes must not clobber row 0.)"""
@@ -77,9 +81,15 @@ def test_gather_equals_reference_on_any_bytes(backend, S, offset):
     want = np.full((4, rows, 512), 9.0, np.float32)
     P.dequantize_and_gather_k_cache(want, cache, seq, gl, bt, S, offset)
     got = JK.dequantize_and_gather_k_cache(
-        jnp.full((4, rows, 512), 9.0, jnp.bfloat16), jnp.asarray(cache), jnp.asarray(seq), jnp.asarray(gl),
-        jnp.asarray(bt), S, offset, backend=backend,
-    )  # fmt: skip
+        jnp.full((4, rows, 512), 9.0, jnp.bfloat16),
+        jnp.asarray(cache),
+        jnp.asarray(seq),
+        jnp.asarray(gl),
+        jnp.asarray(bt),
+        S,
+        offset,
+        backend=backend,
+    )
     assert got.dtype == jnp.bfloat16 and np.array_equal(as_np(got), want, equal_nan=True)
 
 
@@ -104,6 +114,7 @@ def test_pallas_float_path_on_written_pages():
 def test_torch_jax_numpy_agree():
     torch = pytest.importorskip("torch")  # the jax >= 0.11 run (`make test-jax-new`) has no torch
     from dsv4_torch import kvcache as TK
+
     rng = np.random.default_rng(8)
     S, nb = 64, NB  # the shapes of the tests above: no new compilation
     k = tokens(rng, T)
@@ -148,8 +159,13 @@ def test_under_jit_and_untrusted_values(backend):
     P.quantize_and_insert_k_cache(np.asarray(k.astype(jnp.float32)), want, np.array([0, 1, 2, -1, -1, 7]), S)
     assert np.array_equal(got, want)
     gather = jax.jit(functools.partial(JK.dequantize_and_gather_k_cache, block_size=S, offset=1, backend=backend))
-    out = gather(jnp.zeros((1, 5, 512), jnp.bfloat16), jnp.asarray(got), jnp.asarray([4], jnp.int32), None,
-                 jnp.asarray([[1, 50]], jnp.int32))  # fmt: skip
+    out = gather(
+        jnp.zeros((1, 5, 512), jnp.bfloat16),
+        jnp.asarray(got),
+        jnp.asarray([4], jnp.int32),
+        None,
+        jnp.asarray([[1, 50]], jnp.int32),
+    )
     o = as_np(out)
     assert (o[0, 0] == 0).all() and np.isnan(o[0, 3:]).all()  # page 50 is not in k_cache
     ref = np.zeros((1, 5, 512), np.float32)
@@ -183,7 +199,9 @@ def test_rejects():
     with pytest.raises(ValueError, match="8 rows per request are too few for offset 2"):
         JK.dequantize_and_gather_k_cache(out, cache, seq, None, bt, S, 2)
     with pytest.raises(ValueError, match=r"block_table: seq_lens\[0\] = 20 needs 2 pages"):
-        JK.dequantize_and_gather_k_cache(jnp.zeros((2, 20, 512), jnp.bfloat16), cache, jnp.asarray([20, 4], jnp.int32), None, bt, S, 0)
+        JK.dequantize_and_gather_k_cache(
+            jnp.zeros((2, 20, 512), jnp.bfloat16), cache, jnp.asarray([20, 4], jnp.int32), None, bt, S, 0
+        )
     with pytest.raises(TypeError, match="block_table: expected int32"):
         JK.dequantize_and_gather_k_cache(out, cache, seq, None, bt.astype(jnp.float32), S, 0)
     with pytest.raises(TypeError, match="offset: must be a Python int"):
@@ -207,7 +225,9 @@ def test_cpu_backend_is_auto_on_cpu_equals_xla_and_donates():
     with pytest.raises(ValueError, match="op"):
         JK.resolve_backend("auto", cache, op="write")
     rng = np.random.default_rng(31)
-    written = JK.quantize_and_insert_k_cache(jnp.asarray(tokens(rng, nb * S), jnp.bfloat16), cache, jnp.arange(nb * S), S)
+    written = JK.quantize_and_insert_k_cache(
+        jnp.asarray(tokens(rng, nb * S), jnp.bfloat16), cache, jnp.arange(nb * S), S
+    )
     random = jnp.asarray(rng.integers(0, 256, (nb, P.page_bytes(S)), dtype=np.uint8))
     seq, gl = jnp.asarray([nb * S, 7, 3 * S], jnp.int32), jnp.asarray([nb * S - 2, 7, S + 3], jnp.int32)
     bt = jnp.asarray(np.stack([rng.permutation(nb) for _ in range(3)]).astype(np.int32))
@@ -215,8 +235,12 @@ def test_cpu_backend_is_auto_on_cpu_equals_xla_and_donates():
     for pages in (written, random):
         outs = {}
         for backend in ("xla", "cpu"):
-            f = jax.jit(lambda o, c, s, g, b, backend=backend: JK.dequantize_and_gather_k_cache(o, c, s, g, b, S, 1, backend=backend),
-                        donate_argnums=0)  # fmt: skip
+            f = jax.jit(
+                lambda o, c, s, g, b, backend=backend: JK.dequantize_and_gather_k_cache(
+                    o, c, s, g, b, S, 1, backend=backend
+                ),
+                donate_argnums=0,
+            )
             outs[backend] = f(jnp.full(shape, 5.0, jnp.bfloat16), pages, seq, gl, bt)
         a, b = (np.asarray(jax.lax.bitcast_convert_type(outs[k], jnp.uint16)) for k in ("xla", "cpu"))
         nan = np.isnan(as_np(outs["xla"]))

@@ -28,7 +28,12 @@ from dsv4_jax.model.checkpoint import load_checkpoint, read_safetensors, to_tran
 from dsv4_jax.model.generate import JaxGenerator  # noqa: E402
 from dsv4_jax.model.layers import rope_inv_freq  # noqa: E402
 from tests.jax_model_cases import (  # noqa: E402
-    DECODE_A, MODEL_OPTIONS, PROMPT_A, PROMPT_B, PROMPT_C, chunked_then_decode,
+    DECODE_A,
+    MODEL_OPTIONS,
+    PROMPT_A,
+    PROMPT_B,
+    PROMPT_C,
+    chunked_then_decode,
 )
 from tools.tiny_checkpoint import tiny_config  # noqa: E402
 
@@ -93,7 +98,10 @@ def test_config_from_both_name_styles_and_presets(checkpoints):
         assert cfg.layers == shape.layers[:-1]  # the planner's list ends with the MTP layer
         assert cfg.compress_ratios == tuple(s.compress_ratio for s in shape.layers[:-1])
         assert (cfg.num_attention_heads, cfg.sliding_window, cfg.index_topk) == (
-            shape.num_heads, shape.window_size, shape.index_topk)  # fmt: skip
+            shape.num_heads,
+            shape.window_size,
+            shape.index_topk,
+        )
     with pytest.raises(ValueError, match="name"):
         ModelConfig.from_name("V5")
     with pytest.raises(ValueError, match="compress_ratios"):
@@ -129,7 +137,9 @@ def test_both_name_styles_load_the_same_parameters(checkpoints, model, hf_model)
     # ... and the same logits through the model (same shapes: no new compilation).
     deepseek = DeepseekV4.from_checkpoint(checkpoints["deepseek"], **MODEL_OPTIONS)
     tokens = PROMPT_B
-    logits = [m.step(m.init_cache(), [1], [0], [tokens], all_tokens=True)[1].request_logits()[0] for m in (model, deepseek)]
+    logits = [
+        m.step(m.init_cache(), [1], [0], [tokens], all_tokens=True)[1].request_logits()[0] for m in (model, deepseek)
+    ]
     np.testing.assert_array_equal(logits[0], logits[1])
 
 
@@ -281,8 +291,14 @@ def test_bad_inputs_raise(model, checkpoints):
 
 def test_runtime_modules_do_not_import_torch():
     code = "import sys, dsv4_jax.model.generate, dsv4_jax.model.checkpoint; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"
 
@@ -310,7 +326,11 @@ def test_head_sharded_attention_inside_the_model(checkpoints, chunked_a, tmp_pat
     out = tmp_path / "sharded.npy"
     proc = subprocess.run(
         [sys.executable, "-c", SHARDED_SCRIPT, str(checkpoints["hf"]), str(out)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _max_err(np.load(out), chunked_a) < 1e-5

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import planner as P
 import dsv4_jax.attention
-from planner import sizes as B
+import planner as P
 from dsv4_jax import prefill as JP
+from planner import sizes as B
 from tests.cases import PrefillCase, boundary_cases, make_case
 from tools.aot import lower_for_cuda
 
@@ -55,9 +55,15 @@ def run(case, *, policy="adaptive", paged_kv=False, dtype=np.float32, backend="x
     raw, comp = caches(case, paged_kv=paged_kv, dtype=dtype)
     q = jnp.asarray(smeta.pad_tokens(case.q).astype(dtype))
     out = JP.prefill_attention(
-        q, meta, raw, comp, sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink),
-        topk_indices=smeta.pad_tokens(case.topk_rows) if case.kind is P.LayerKind.CSA else None, backend=backend,
-    )  # fmt: skip
+        q,
+        meta,
+        raw,
+        comp,
+        sm_scale=case.sm_scale,
+        attn_sink=jnp.asarray(case.sink),
+        topk_indices=smeta.pad_tokens(case.topk_rows) if case.kind is P.LayerKind.CSA else None,
+        backend=backend,
+    )
     assert out.shape == (smeta.padded_tokens,) + case.q.shape[1:] and out.dtype == q.dtype
     out = np.asarray(out)
     assert not out[case.batch.num_tokens :].any()  # padding rows stay 0
@@ -205,7 +211,10 @@ def test_compile_count_bounded_by_buckets():
     # One cache bank per kind, request i at rows i * max_len // r: its shape never changes, so
     # only the buckets can make a new program.
     banks = {r: rng.standard_normal((max_requests * (max_len // max(r, 1)), D)).astype(np.float32) for r in (0, 4, 128)}
-    kv = {r: JP.LogicalKV(jnp.asarray(b), np.arange(max_requests, dtype=np.int32) * (max_len // max(r, 1))) for r, b in banks.items()}
+    kv = {
+        r: JP.LogicalKV(jnp.asarray(b), np.arange(max_requests, dtype=np.int32) * (max_len // max(r, 1)))
+        for r, b in banks.items()
+    }
     sink = rng.standard_normal(H).astype(np.float32)
     touched, exact, waste = set(), set(), {}
 
@@ -219,10 +228,13 @@ def test_compile_count_bounded_by_buckets():
         qry = rng.integers(12, 19, n)
         seq = qry + np.exp(rng.uniform(np.log(6000), np.log(48_000), n)).astype(int)
         batch = P.PrefillBatch(seq, qry)
-        cfg = P.PlanConfig(window_size=W, max_model_len=max_len, max_num_batched_tokens=18, policy=str(rng.choice(POLICIES)))
+        cfg = P.PlanConfig(
+            window_size=W, max_model_len=max_len, max_num_batched_tokens=18, policy=str(rng.choice(POLICIES))
+        )
         step = P.plan_step(batch, cfg, P.V4_LAYERS)
-        smeta = JP.build_step_metadata(step, index_topk=topk, token_tile=16, gather_tile=64, min_tokens=min_tokens,
-                                       min_workspace_rows=min_rows)  # fmt: skip
+        smeta = JP.build_step_metadata(
+            step, index_topk=topk, token_tile=16, gather_tile=64, min_tokens=min_tokens, min_workspace_rows=min_rows
+        )
         T = batch.num_tokens
         q = rng.standard_normal((T, H, D)).astype(np.float32)
         rows = random_topk_rows(rng, batch.token_position, topk)
@@ -239,17 +251,31 @@ def test_compile_count_bounded_by_buckets():
                 count("HCA index width", width, width_bucket)
             r = kp.compress_ratio  # 0 for SWA
             out = JP.prefill_attention(
-                jnp.asarray(smeta.pad_tokens(q)), smeta[kind], kv[0], kv[r] if r else None, sm_scale=D**-0.5,
+                jnp.asarray(smeta.pad_tokens(q)),
+                smeta[kind],
+                kv[0],
+                kv[r] if r else None,
+                sm_scale=D**-0.5,
                 attn_sink=jnp.asarray(sink),
                 topk_indices=jnp.asarray(smeta.pad_tokens(rows)) if kind is P.LayerKind.CSA else None,
                 backend="xla",
-            )  # fmt: skip
+            )
             if i % 10 == 9:  # and the results are right
                 per = max_len // max(r, 1)
-                case = PrefillCase("r", seq.tolist(), qry.tolist(), r, W, topk, q,
-                                   [banks[0][j * max_len : j * max_len + s] for j, s in enumerate(seq)],
-                                   [banks[r][j * per : j * per + s // r] for j, s in enumerate(seq)] if r else [],
-                                   rows, sink, kind=kind)  # fmt: skip
+                case = PrefillCase(
+                    "r",
+                    seq.tolist(),
+                    qry.tolist(),
+                    r,
+                    W,
+                    topk,
+                    q,
+                    [banks[0][j * max_len : j * max_len + s] for j, s in enumerate(seq)],
+                    [banks[r][j * per : j * per + s // r] for j, s in enumerate(seq)] if r else [],
+                    rows,
+                    sink,
+                    kind=kind,
+                )
                 close(np.asarray(out)[:T], case.oracle()[0])
     compiles = JP._prefill_jit._cache_size() - cache0
     assert JP.TRACE_COUNT["prefill"] - traces0 == compiles <= len(touched)
@@ -259,31 +285,42 @@ def test_compile_count_bounded_by_buckets():
     assert all(len({t[2] for t in touched if t[0] is kind}) > 1 for kind in (P.LayerKind.CSA, P.LayerKind.HCA))
     assert len({t[3] for t in touched if t[0] is P.LayerKind.HCA}) > 1
     ratios = {name: padded / real for name, (real, padded) in waste.items()}
-    print(f"\n{compiles} compilations, {len(touched)} buckets touched, {len(exact)} exact shapes; padding waste "
-          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))  # fmt: skip
+    print(
+        f"\n{compiles} compilations, {len(touched)} buckets touched, {len(exact)} exact shapes; padding waste "
+        + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+    )
     assert all(v < 2 for v in ratios.values()), ratios
 
 
 def test_runs_inside_user_jit_and_traces_once_per_bucket():
     W, topk = 8, 6
-    cases = [make_case(f"j{i}", seq, qry, 4, window_size=W, topk=topk, H=2, D=16, seed=i)
-             for i, (seq, qry) in enumerate([([30, 11], [9, 11]), ([50, 7, 20], [5, 7, 8])])]  # fmt: skip
+    cases = [
+        make_case(f"j{i}", seq, qry, 4, window_size=W, topk=topk, H=2, D=16, seed=i)
+        for i, (seq, qry) in enumerate([([30, 11], [9, 11]), ([50, 7, 20], [5, 7, 8])])
+    ]
     traces = []
 
     @jax.jit
     def layer(q, step_meta, raw, comp, topk_rows, sink):  # the whole step's metadata is a pytree too
         traces.append(1)
-        return JP.prefill_attention(q, step_meta["CSA"], raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows)
+        return JP.prefill_attention(
+            q, step_meta["CSA"], raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows
+        )
 
     build = lambda case: JP.build_step_metadata(  # noqa: E731
-        P.plan_step(case.batch, case.plan_config(), [case.layer]), index_topk=topk, token_tile=16, gather_tile=16,
+        P.plan_step(case.batch, case.plan_config(), [case.layer]),
+        index_topk=topk,
+        token_tile=16,
+        gather_tile=16,
         min_workspace_rows=256,
-    )  # fmt: skip
+    )
     assert build(cases[0])["CSA"].shape == build(cases[1])["CSA"].shape
     for case in cases:
         smeta = build(case)
         raw, comp = caches(case)
-        q, topk_rows, sink = (jnp.asarray(x) for x in (smeta.pad_tokens(case.q), smeta.pad_tokens(case.topk_rows), case.sink))
+        q, topk_rows, sink = (
+            jnp.asarray(x) for x in (smeta.pad_tokens(case.q), smeta.pad_tokens(case.topk_rows), case.sink)
+        )
         got = np.asarray(layer(q, smeta, raw, comp, topk_rows, sink))
         eager = JP.prefill_attention(q, smeta["CSA"], raw, comp, sm_scale=0.25, attn_sink=sink, topk_indices=topk_rows)
         np.testing.assert_array_equal(got, np.asarray(eager))
@@ -300,7 +337,9 @@ def test_server_sizes_leave_only_the_token_bucket_static():
         qry = rng.integers(0, 400, n)
         seq = qry + rng.integers(0, 60000, n)
         policy = str(rng.choice(POLICIES))
-        smeta = JP.build_step_metadata(P.PrefillBatch(seq, qry), config=cfg, policy=policy, index_topk=512, sizes="server")
+        smeta = JP.build_step_metadata(
+            P.PrefillBatch(seq, qry), config=cfg, policy=policy, index_topk=512, sizes="server"
+        )
         for kind, meta in smeta.kinds.items():
             assert meta.shape.workspace_rows == meta.plan.budget_rows >= meta.plan.max_workspace_rows
             shapes.add(dataclasses.replace(meta.shape, padded_tokens=0, token_ladder=()))
@@ -322,10 +361,17 @@ def test_rows_no_chunk_wrote_are_never_read():
         smeta = JP.build_step_metadata(step, index_topk=case.topk, **FAST)
         raw, comp = caches(case, paged_kv=True)
         out = JP._prefill_jit(
-            jnp.asarray(smeta.pad_tokens(case.q)), smeta[case.kind].table, raw, comp,
+            jnp.asarray(smeta.pad_tokens(case.q)),
+            smeta[case.kind].table,
+            raw,
+            comp,
             jnp.asarray(smeta.pad_tokens(case.topk_rows)) if case.kind is P.LayerKind.CSA else None,
-            jnp.asarray(case.sink), shape=smeta[case.kind].shape, sm_scale=case.sm_scale, backend="xla", fill=float("nan"),
-        )  # fmt: skip
+            jnp.asarray(case.sink),
+            shape=smeta[case.kind].shape,
+            sm_scale=case.sm_scale,
+            backend="xla",
+            fill=float("nan"),
+        )
         close(np.asarray(out)[: case.batch.num_tokens], case.oracle()[0])
 
 
@@ -379,7 +425,9 @@ def test_padding_waste_over_random_stream_is_under_2x():
             qry = (qry * min(1.0, 8192 / max(1, qry.sum()))).astype(int)
             seq = qry + np.exp(rng.uniform(0, np.log(60000), n)).astype(int)
             policy = str(rng.choice(POLICIES))
-            smeta = JP.build_step_metadata(P.PrefillBatch(seq, qry), config=cfg, policy=policy, index_topk=512, sizes=sizes)
+            smeta = JP.build_step_metadata(
+                P.PrefillBatch(seq, qry), config=cfg, policy=policy, index_topk=512, sizes=sizes
+            )
             for kind, meta in smeta.kinds.items():
                 keys[sizes].add((kind, meta.shape.workspace_rows, meta.shape.index_width))
                 for k, v in meta.padding().items():
@@ -387,8 +435,11 @@ def test_padding_waste_over_random_stream_is_under_2x():
                 s = meta.shape
                 if sizes == "bucket":  # powers of two, each under 2x its step's need (above the minimum)
                     assert s.workspace_rows == B.pow2_bucket(meta.plan.max_workspace_rows, JP.MIN_WORKSPACE_ROWS)
-                    assert s.index_width == (B.pow2_bucket(P.index_width(meta.plan) // 128) * 128 if kind is P.LayerKind.HCA
-                                             else P.index_width(meta.plan, 512 if kind is P.LayerKind.CSA else None))  # fmt: skip
+                    assert s.index_width == (
+                        B.pow2_bucket(P.index_width(meta.plan) // 128) * 128
+                        if kind is P.LayerKind.HCA
+                        else P.index_width(meta.plan, 512 if kind is P.LayerKind.CSA else None)
+                    )
         t = totals[sizes]
         assert t["padded_tokens"] / t["tokens"] < 1.25
         assert t["attended_tokens"] / t["tokens"] < 2
@@ -406,8 +457,19 @@ def test_bad_inputs():
     raw = [jnp.asarray(x) for x in case.raw]
     comp = [jnp.asarray(x) for x in case.comp]
     rows = case.topk_rows
-    call = lambda **kw: JP.prefill_attention(**{**dict(q=q, meta=meta, raw_kv=raw, compressed_kv=comp,  # noqa: E731
-                                                     sm_scale=0.1, topk_indices=rows), **kw})  # fmt: skip
+    call = lambda **kw: JP.prefill_attention(
+        **{
+            **dict(
+                q=q,
+                meta=meta,
+                raw_kv=raw,
+                compressed_kv=comp,  # noqa: E731
+                sm_scale=0.1,
+                topk_indices=rows,
+            ),
+            **kw,
+        }
+    )
     with pytest.raises(ValueError, match="q: 3 tokens"):
         call(q=q[:3])
     with pytest.raises(TypeError, match="q: expected a jax.Array"):
@@ -436,7 +498,9 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="backend"):
         call(backend="cuda")
     short = JP.PagedKV(jnp.zeros((4, 4, 32)), jnp.zeros((5, 2), jnp.int32))
-    with pytest.raises(ValueError, match="raw_kv: block_table covers 8 entries per request .2 pages of 4., but request 4 needs 21"):
+    with pytest.raises(
+        ValueError, match="raw_kv: block_table covers 8 entries per request .2 pages of 4., but request 4 needs 21"
+    ):
         call(raw_kv=short)
     future = rows.copy()
     future[-1, 0] = 10_000
@@ -475,7 +539,7 @@ def test_bad_caches_raise_naming_the_argument():
     raw, comp = list(case.raw), list(case.comp)
     call = lambda raw_kv=raw, compressed_kv=comp: JP.prefill_attention(  # noqa: E731
         q, meta, raw_kv, compressed_kv, sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink), topk_indices=rows
-    )  # fmt: skip
+    )
     want = case.oracle()[0]
     extra = np.zeros((1, D), np.float32)
     # request 0 one row short, the last one row long: the total is right, the split is not
@@ -510,13 +574,18 @@ def test_bad_caches_raise_naming_the_argument():
     for bad in (pages.shape[0], -1):
         wrong = table.copy()
         wrong[2, 0] = bad
-        with pytest.raises(ValueError, match=rf"raw_kv: block_table\[2\] lists page {bad}, outside 0..{pages.shape[0] - 1}"):
+        with pytest.raises(
+            ValueError, match=rf"raw_kv: block_table\[2\] lists page {bad}, outside 0..{pages.shape[0] - 1}"
+        ):
             call(raw_kv=JP.PagedKV(jnp.asarray(pages), wrong))
     # the right caches in every form pass the checks and give the oracle's answer
     cpages, ctable = case.paged("comp")
-    for r, c in ((raw, comp), (JP.LogicalKV.from_list(raw), JP.LogicalKV.from_list(comp)),
-                 (JP.LogicalKV(jnp.asarray(packed), offsets - (offsets == 28)), JP.LogicalKV.from_list(comp)),
-                 (JP.PagedKV(jnp.asarray(pages), table), JP.PagedKV(jnp.asarray(cpages), ctable))):  # fmt: skip
+    for r, c in (
+        (raw, comp),
+        (JP.LogicalKV.from_list(raw), JP.LogicalKV.from_list(comp)),
+        (JP.LogicalKV(jnp.asarray(packed), offsets - (offsets == 28)), JP.LogicalKV.from_list(comp)),
+        (JP.PagedKV(jnp.asarray(pages), table), JP.PagedKV(jnp.asarray(cpages), ctable)),
+    ):
         close(np.asarray(call(r, c)), want)
 
 
@@ -555,14 +624,21 @@ def test_prefill_lowers_for_cuda_with_the_triton_kernel(monkeypatch):
 
     def layer(q, meta, raw_pages, comp_pages, block_table, comp_table, topk_rows, sink):
         raw, comp = JP.PagedKV(raw_pages, block_table), JP.PagedKV(comp_pages, comp_table)
-        return JP.prefill_attention(q, meta, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk_rows,
-                                    backend="pallas_triton")  # fmt: skip
+        return JP.prefill_attention(
+            q, meta, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk_rows, backend="pallas_triton"
+        )
 
     T = meta.padded_tokens
-    args = (jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16), meta,
-            jax.ShapeDtypeStruct((1024, 64, D), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 16, D), jnp.bfloat16),
-            jax.ShapeDtypeStruct((8, 128), jnp.int32), jax.ShapeDtypeStruct((8, 128), jnp.int32),
-            jax.ShapeDtypeStruct((T, topk), jnp.int32), jax.ShapeDtypeStruct((H,), jnp.float32))  # fmt: skip
+    args = (
+        jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16),
+        meta,
+        jax.ShapeDtypeStruct((1024, 64, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1024, 16, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8, 128), jnp.int32),
+        jax.ShapeDtypeStruct((8, 128), jnp.int32),
+        jax.ShapeDtypeStruct((T, topk), jnp.int32),
+        jax.ShapeDtypeStruct((H,), jnp.float32),
+    )
     text = lower_for_cuda(layer, *args).as_text()
     calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
     token_grids = [max(int(g) for g in re.findall(r"grid_[xyz] = (\d+)", call)) for call in calls]

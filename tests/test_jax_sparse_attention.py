@@ -28,7 +28,7 @@ FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 BF16_OUT_TOL = dict(rtol=3 / 128, atol=8e-4)  # FlashMLA's tolerance against an fp32 reference
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted(backend: str, sm_scale: float):
     return jax.jit(
         lambda q, kv, idx, sink, topk_length: dsv4_jax.sparse_attention(
@@ -50,7 +50,9 @@ def _f64(x):
 def _assert_matches_oracle(got, q, kv, idx, sm_scale, sink=None, topk_length=None, out_tol=FP32_TOL):
     """Compare (out, max_logits, lse) with the float64 oracle on the same (rounded) inputs."""
     out, max_logits, lse = got
-    ref_out, ref_max, ref_lse = oracle.sparse_attention(_f64(q), _f64(kv), np.asarray(idx), sm_scale, _f64(sink), topk_length)
+    ref_out, ref_max, ref_lse = oracle.sparse_attention(
+        _f64(q), _f64(kv), np.asarray(idx), sm_scale, _f64(sink), topk_length
+    )
     assert out.shape == ref_out.shape and max_logits.shape == ref_max.shape and lse.shape == ref_lse.shape
     assert max_logits.dtype == np.float32 and lse.dtype == np.float32
     if out_tol is BF16_OUT_TOL:
@@ -79,7 +81,7 @@ def _case(seed, T=8, H=4, D=64, S=48, K=160, dtype=np.float32):
     kv = (spread * rng.standard_normal((S, D)) + shift).astype(np.float32)
     idx = rng.integers(0, S, (T, K))
     idx[:, ::7] = -1  # padding marker
-    idx[:, 3::11] = rng.integers(-10**6, -1, idx[:, 3::11].shape)  # other negatives
+    idx[:, 3::11] = rng.integers(-(10**6), -1, idx[:, 3::11].shape)  # other negatives
     idx[:, 5::13] = rng.integers(S, S + 1000, idx[:, 5::13].shape)  # past the workspace
     idx[:, 10:20] = idx[:, 0:10]  # duplicated keys count twice
     topk_length = rng.integers(K // 2, K + 1, T)
@@ -216,9 +218,18 @@ def test_gpu_tiling_in_interpret_mode(tiling):
         tiling = (cfg.block_h, cfg.block_k, cfg.block_dv, cfg.num_warps, cfg.num_stages)
     block_h, block_k, block_dv, num_warps, num_stages = tiling
     got = sparse_attention_pallas(
-        q, kv, jnp.asarray(idx), 576**-0.5, jnp.asarray(sink), jnp.asarray(topk_length),
-        block_h=block_h, block_k=block_k, block_dv=block_dv, num_warps=num_warps,
-        num_stages=num_stages, interpret=True,
+        q,
+        kv,
+        jnp.asarray(idx),
+        576**-0.5,
+        jnp.asarray(sink),
+        jnp.asarray(topk_length),
+        block_h=block_h,
+        block_k=block_k,
+        block_dv=block_dv,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=True,
     )
     got = tuple(np.asarray(x) for x in got)
     _assert_matches_oracle(got, q, kv, idx, 576**-0.5, sink, topk_length, out_tol=BF16_OUT_TOL)
@@ -229,7 +240,12 @@ def test_flashmla_layouts_and_eager_call(backend):
     """kv (S, 1, D) and indices (T, 1, K), called eagerly (no outer jit)."""
     q, kv, idx, sink, topk_length = _case(0)
     got = dsv4_jax.sparse_attention(
-        q, kv[:, None, :], jnp.asarray(idx)[:, None, :], 64**-0.5, jnp.asarray(sink), jnp.asarray(topk_length),
+        q,
+        kv[:, None, :],
+        jnp.asarray(idx)[:, None, :],
+        64**-0.5,
+        jnp.asarray(sink),
+        jnp.asarray(topk_length),
         backend=backend,
     )
     _assert_matches_oracle(tuple(np.asarray(x) for x in got), q, kv, idx, 64**-0.5, sink, topk_length)

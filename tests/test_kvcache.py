@@ -22,7 +22,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Triton's interpreter multiplies with NumPy: scale byte 255 (2^128 = inf) warns there, as intended.
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:overflow encountered in multiply:RuntimeWarning", "ignore:invalid value encountered in multiply:RuntimeWarning"
+    "ignore:overflow encountered in multiply:RuntimeWarning",
+    "ignore:invalid value encountered in multiply:RuntimeWarning",
 )
 
 BF16 = ml_dtypes.bfloat16
@@ -189,9 +190,11 @@ def test_gather_positions_and_offsets():
 def _args():
     S = 16
     return dict(
-        k=random_tokens(np.random.default_rng(0), 4), cache=np.zeros((3, P.page_bytes(S)), np.uint8),
-        slots=np.array([0, 1, -1, 47]), S=S,
-    )  # fmt: skip
+        k=random_tokens(np.random.default_rng(0), 4),
+        cache=np.zeros((3, P.page_bytes(S)), np.uint8),
+        slots=np.array([0, 1, -1, 47]),
+        S=S,
+    )
 
 
 @pytest.mark.parametrize(
@@ -222,8 +225,15 @@ def test_insert_rejects(change, exc, match):
 
 def _gargs():
     S = 16
-    return dict(out=np.zeros((2, 40, 512), np.float32), cache=np.zeros((4, P.page_bytes(S)), np.uint8),
-                seq=np.array([20, 30]), gl=np.array([5, 30]), bt=np.array([[1, 2, -1], [3, 0, 9]]), S=S, off=10)  # fmt: skip
+    return dict(
+        out=np.zeros((2, 40, 512), np.float32),
+        cache=np.zeros((4, P.page_bytes(S)), np.uint8),
+        seq=np.array([20, 30]),
+        gl=np.array([5, 30]),
+        bt=np.array([[1, 2, -1], [3, 0, 9]]),
+        S=S,
+        off=10,
+    )
 
 
 @pytest.mark.parametrize(
@@ -240,7 +250,11 @@ def _gargs():
         (dict(out=np.zeros((2, 40, 576), np.float32)), ValueError, r"out: expected shape"),
         (dict(bt=np.array([[1, 2, -1], [3, 4, 9]])), ValueError, r"block_table: entry \[1, 1\] = 4 is not a page"),
         (dict(bt=np.array([[1, -1, 5], [3, 0, 9]])), ValueError, r"block_table: entry \[0, 1\] = -1"),
-        (dict(seq=np.array([20, 49]), gl=np.array([5, 20])), ValueError, r"seq_lens\[1\] = 49 needs 4 pages of 16 slots"),
+        (
+            dict(seq=np.array([20, 49]), gl=np.array([5, 20])),
+            ValueError,
+            r"seq_lens\[1\] = 49 needs 4 pages of 16 slots",
+        ),
         (dict(bt=np.array([[1, 2, 3]])), ValueError, "block_table: expected >= 2 rows"),
         (dict(bt=np.array([1, 2, 3])), ValueError, "block_table: expected a 2-D"),
         (dict(cache=np.zeros((4, 37440), np.uint8)), ValueError, r"page stride 37440 bytes is not round_up\(16"),
@@ -341,12 +355,16 @@ def test_torch_round_trip_through_vllm_view(backend):
     flat = torch.zeros(nb * P.page_bytes(S), dtype=torch.uint8)
     view = flat.as_strided((nb, S, 584), (P.page_bytes(S), 584, 1))
     k = random_tokens(rng, nb * S)
-    TK.quantize_and_insert_k_cache(torch.from_numpy(k).bfloat16(), view, torch.arange(nb * S), S, backend=_writer(backend))
+    TK.quantize_and_insert_k_cache(
+        torch.from_numpy(k).bfloat16(), view, torch.arange(nb * S), S, backend=_writer(backend)
+    )
     want = np.zeros((nb, P.page_bytes(S)), np.uint8)
     P.quantize_and_insert_k_cache(k, want, np.arange(nb * S), S)
     assert np.array_equal(flat.numpy().reshape(nb, -1), want)
     out = torch.zeros((1, nb * S, 512), dtype=torch.bfloat16)
-    TK.dequantize_and_gather_k_cache(out, view, torch.tensor([nb * S]), None, torch.tensor([[2, 0, 1]]), S, 0, backend=backend)
+    TK.dequantize_and_gather_k_cache(
+        out, view, torch.tensor([nb * S]), None, torch.tensor([[2, 0, 1]]), S, 0, backend=backend
+    )
     ref = np.zeros((1, nb * S, 512), np.float32)
     P.dequantize_and_gather_k_cache(ref, want, np.array([nb * S]), None, np.array([[2, 0, 1]]), S, 0)
     assert np.array_equal(out.float().numpy(), ref)
@@ -449,7 +467,9 @@ def test_torch_resolve_backend():
     with pytest.raises(BackendUnavailableError, match="gather only"):
         TK.resolve_backend("cpu", cache, op="insert")
     with pytest.raises(BackendUnavailableError, match="gather only"):
-        TK.quantize_and_insert_k_cache(torch.zeros((1, 512), dtype=torch.bfloat16), cache, torch.tensor([0]), 2, backend="cpu")
+        TK.quantize_and_insert_k_cache(
+            torch.zeros((1, 512), dtype=torch.bfloat16), cache, torch.tensor([0]), 2, backend="cpu"
+        )
     with pytest.raises(ValueError, match="op"):
         TK.resolve_backend("auto", cache, op="write")
 
@@ -621,11 +641,13 @@ def test_cpu_kernel_never_reads_or_writes_outside_and_ignores_ftz():
     want = np.zeros((1, 3 * S, 512), np.float32)
     P.dequantize_and_gather_k_cache(want, cache, seq[:1], None, bt[:1], S, 0)
     assert np.array_equal(got[0, : 3 * S - 4], want[0, : 3 * S - 4], equal_nan=True)  # subnormals kept
+
     def rows(b, page_ids, positions):  # the reference's rows of those positions on those pages
         bt1 = np.array([page_ids], np.int32)
         w = np.zeros((1, len(positions), 512), np.float32)
-        P.dequantize_and_gather_k_cache(w, cache, np.array([positions[-1] + 1], np.int32),
-                                        np.array([len(positions)], np.int32), bt1, S, 0)  # fmt: skip
+        P.dequantize_and_gather_k_cache(
+            w, cache, np.array([positions[-1] + 1], np.int32), np.array([len(positions)], np.int32), bt1, S, 0
+        )
         return w[0]
 
     same = lambda a, b: np.array_equal(a, b, equal_nan=True)  # noqa: E731

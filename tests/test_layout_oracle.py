@@ -77,9 +77,18 @@ def test_plan_gather_equals_chunk_free_reference(layer, case, cfg):
     assert plan.layer == layer
     got, got_lse = run_by_plan(plan, raw, comp, q, topk_rows, sink, scale)
     want, _, want_lse = oracle.prefill_attention(
-        q, raw, comp, seq, qry, kind=layer.kind, compress_ratio=layer.compress_ratio, window_size=W, sm_scale=scale,
-        attn_sink=sink, topk_rows=topk_rows if layer.kind is P.LayerKind.CSA else None,
-    )  # fmt: skip
+        q,
+        raw,
+        comp,
+        seq,
+        qry,
+        kind=layer.kind,
+        compress_ratio=layer.compress_ratio,
+        window_size=W,
+        sm_scale=scale,
+        attn_sink=sink,
+        topk_rows=topk_rows if layer.kind is P.LayerKind.CSA else None,
+    )
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(got_lse, want_lse, rtol=1e-12)
 
@@ -147,9 +156,16 @@ def test_logical_key_rows_identical_across_plans(layer):
     seq, qry = [300, 7, 9, 150, 260, 40], [0, 7, 9, 3, 31, 40]
     batch, raw, comp, q, topk_rows = random_step(rng, seq, qry, layer)
     logical = {}
-    for cfg in (dict(policy="adaptive"), dict(policy="fixed"), dict(policy="per_request"),
-                dict(policy="adaptive", order="length"), dict(policy="adaptive", budget_rows=90)):  # fmt: skip
-        plan = P.plan_kind(batch, P.PlanConfig(window_size=8, max_model_len=512, max_num_batched_tokens=128, **cfg), layer)
+    for cfg in (
+        dict(policy="adaptive"),
+        dict(policy="fixed"),
+        dict(policy="per_request"),
+        dict(policy="adaptive", order="length"),
+        dict(policy="adaptive", budget_rows=90),
+    ):
+        plan = P.plan_kind(
+            batch, P.PlanConfig(window_size=8, max_model_len=512, max_num_batched_tokens=128, **cfg), layer
+        )
         rows = np.full((batch.num_tokens, P.index_width(plan, 6)), -9, dtype=np.int64)
         for c in plan.chunks:
             idx, tl = P.build_chunk_indices(plan, c, topk_rows if layer.kind is P.LayerKind.CSA else None)

@@ -24,7 +24,9 @@ def test_spec_example_fixed_plan():
     ]
 
 
-@pytest.mark.parametrize("ratio, expected", [(4, [(0, 10, 2048, 2143)]), (0, [(0, 10, 0, 95)]), (128, [(0, 10, 64, 159)])])
+@pytest.mark.parametrize(
+    "ratio, expected", [(4, [(0, 10, 2048, 2143)]), (0, [(0, 10, 0, 95)]), (128, [(0, 10, 64, 159)])]
+)
 def test_spec_example_adaptive_plan(ratio, expected):
     assert P.get_prefill_chunk_plan(SPEC_SEQ, SPEC_QRY, compress_ratio=ratio, **KW) == expected
 
@@ -36,7 +38,12 @@ def test_spec_example_long_requests():
 
 def test_spec_example_short_sequences_expand():
     plan = P.get_prefill_chunk_plan(
-        [80, 96, 112, 128, 144], [4] * 5, compress_ratio=4, window_size=64, max_model_len=1024, max_num_batched_tokens=128
+        [80, 96, 112, 128, 144],
+        [4] * 5,
+        compress_ratio=4,
+        window_size=64,
+        max_model_len=1024,
+        max_num_batched_tokens=128,
     )
     assert plan == [(0, 5, 36, 103)]
 
@@ -87,16 +94,29 @@ def batches(draw, min_query=1, max_requests=12):
 
 
 @settings(max_examples=150, deadline=None)
-@given(batches(), st.sampled_from([0, 1, 4, 8, 32, 128]), st.sampled_from([None, None, True, False]),
-       st.sampled_from([1, 8, 64, 128]), st.integers(1, 6))  # fmt: skip
+@given(
+    batches(),
+    st.sampled_from([0, 1, 4, 8, 32, 128]),
+    st.sampled_from([None, None, True, False]),
+    st.sampled_from([1, 8, 64, 128]),
+    st.integers(1, 6),
+)
 def test_adaptive_matches_vllm(b, r, hc, W, pcs):
     seq, qry, mml, mnbt = b
     hc = None if hc and r == 0 else hc  # has_compressed=True needs a ratio >= 1
-    kw = dict(compress_ratio=r, window_size=W, max_model_len=mml, max_num_batched_tokens=mnbt, prefill_chunk_size=pcs,
-              has_compressed=hc)  # fmt: skip
+    kw = dict(
+        compress_ratio=r,
+        window_size=W,
+        max_model_len=mml,
+        max_num_batched_tokens=mnbt,
+        prefill_chunk_size=pcs,
+        has_compressed=hc,
+    )
     assert P.get_prefill_chunk_plan(seq, qry, **kw) == vllm_adaptive(seq, qry, r, W, mml, mnbt, pcs, hc)
     N = cdiv(mml, r) if (r > 1 if hc is None else hc) else 0
-    assert P.get_fixed_chunk_plan(seq, qry, **kw) == [(s, min(s + pcs, len(seq)), N, N + W + mnbt) for s in range(0, len(seq), pcs)]
+    assert P.get_fixed_chunk_plan(seq, qry, **kw) == [
+        (s, min(s + pcs, len(seq)), N, N + W + mnbt) for s in range(0, len(seq), pcs)
+    ]
 
 
 def min_partition(widths_c, widths_g, area):
@@ -112,8 +132,9 @@ def min_partition(widths_c, widths_g, area):
 
 
 # V4.0's layers and other ratios (small test models' CSA 8 / HCA 32, V4.1's full-length ratio 1)
-LAYERS = P.V4_LAYERS + tuple(P.LayerSpec(k, r) for k, r in ((P.LayerKind.CSA, 8), (P.LayerKind.HCA, 32),
-                                                            (P.LayerKind.HCA, 1)))  # fmt: skip
+LAYERS = P.V4_LAYERS + tuple(
+    P.LayerSpec(k, r) for k, r in ((P.LayerKind.CSA, 8), (P.LayerKind.HCA, 32), (P.LayerKind.HCA, 1))
+)
 
 
 @settings(max_examples=100, deadline=None)
@@ -179,7 +200,9 @@ def test_has_compressed_false_gives_the_swa_plan():
         for r in (4, 128):
             swa = plan(SPEC_SEQ, SPEC_QRY, compress_ratio=0, **KW)
             assert plan(SPEC_SEQ, SPEC_QRY, compress_ratio=r, has_compressed=False, **KW) == swa
-    assert P.get_prefill_chunk_plan(SPEC_SEQ, SPEC_QRY, compress_ratio=4, has_compressed=False, **KW) == [(0, 10, 0, 95)]
+    assert P.get_prefill_chunk_plan(SPEC_SEQ, SPEC_QRY, compress_ratio=4, has_compressed=False, **KW) == [
+        (0, 10, 0, 95)
+    ]
     # and None at ratio 4 is V4.0's compressed layer
     assert P.get_prefill_chunk_plan(SPEC_SEQ, SPEC_QRY, compress_ratio=4, has_compressed=None, **KW) == [
         (0, 10, 2048, 2143)
@@ -193,17 +216,22 @@ def test_plans_at_csa_8_and_hca_32_match_the_transcription(b, W, pcs):
     seq, qry, mml, mnbt = b
     limits = dict(window_size=W, max_model_len=mml, max_num_batched_tokens=mnbt, prefill_chunk_size=pcs)
     layers = {P.LayerKind.SWA: 0, P.LayerKind.CSA: 8, P.LayerKind.HCA: 32}
-    steps = {pol: P.plan_step(P.PrefillBatch(seq, qry), P.PlanConfig(policy=pol, **limits), layers)
-             for pol in ("adaptive", "fixed", "per_request")}  # fmt: skip
+    steps = {
+        pol: P.plan_step(P.PrefillBatch(seq, qry), P.PlanConfig(policy=pol, **limits), layers)
+        for pol in ("adaptive", "fixed", "per_request")
+    }
     gath = [q + min(s - q, W - 1) for s, q in zip(seq, qry)]
     for kind, r in layers.items():
         assert steps["adaptive"][kind].layer == P.LayerSpec(kind, r)
         assert steps["adaptive"][kind].as_tuples() == vllm_adaptive(seq, qry, r, W, mml, mnbt, pcs)
         N = cdiv(mml, r) if r else 0
-        assert steps["fixed"][kind].as_tuples() == [(s, min(s + pcs, len(seq)), N, N + W + mnbt)
-                                                    for s in range(0, len(seq), pcs)]  # fmt: skip
+        assert steps["fixed"][kind].as_tuples() == [
+            (s, min(s + pcs, len(seq)), N, N + W + mnbt) for s in range(0, len(seq), pcs)
+        ]
         comp = [s // r if r else 0 for s in seq]
-        assert steps["per_request"][kind].as_tuples() == [(i, i + 1, c, c + g) for i, (c, g) in enumerate(zip(comp, gath))]
+        assert steps["per_request"][kind].as_tuples() == [
+            (i, i + 1, c, c + g) for i, (c, g) in enumerate(zip(comp, gath))
+        ]
 
 
 # --- beyond vLLM -------------------------------------------------------------------------------
@@ -238,8 +266,13 @@ def _runs(qry):
 
 
 @settings(max_examples=100, deadline=None)
-@given(batches(min_query=0), st.sampled_from(LAYERS), st.sampled_from([1, 8, 64]), st.integers(1, 6),
-       st.sampled_from(["adaptive", "fixed", "per_request"]))  # fmt: skip
+@given(
+    batches(min_query=0),
+    st.sampled_from(LAYERS),
+    st.sampled_from([1, 8, 64]),
+    st.integers(1, 6),
+    st.sampled_from(["adaptive", "fixed", "per_request"]),
+)
 def test_contiguous_plans_never_reach_across_a_skipped_request(b, layer, W, pcs, policy):
     """What vLLM's chunk loop needs: every request of a chunk's batch range has queries; each run
     between skipped requests is planned as that run alone; without skipped requests nothing changes."""
@@ -274,9 +307,26 @@ def test_contiguous_example_and_bad_config():
 def test_plan_arrays_are_int32_read_only_and_made_once():
     batch = P.PrefillBatch([300, 40, 9, 700], [20, 40, 0, 7])
     plan = P.plan_kind(batch, P.PlanConfig(**KW), (P.LayerKind.HCA, 128))
-    names = ["order", "skipped", "split_requests", "seg_request", "seg_seq_len", "seg_query_len", "seg_query_offset",
-             "seg_compressed_len", "seg_gather_len", "seg_gather_start", "seg_row_base", "chunk_starts", "chunk_N",
-             "chunk_M", "chunk_token_starts", "token_index", "token_request", "token_position"]  # fmt: skip
+    names = [
+        "order",
+        "skipped",
+        "split_requests",
+        "seg_request",
+        "seg_seq_len",
+        "seg_query_len",
+        "seg_query_offset",
+        "seg_compressed_len",
+        "seg_gather_len",
+        "seg_gather_start",
+        "seg_row_base",
+        "chunk_starts",
+        "chunk_N",
+        "chunk_M",
+        "chunk_token_starts",
+        "token_index",
+        "token_request",
+        "token_position",
+    ]
     for name in names:
         a = getattr(plan, name)
         assert a.dtype == np.int32 and not a.flags.writeable, name
@@ -308,8 +358,11 @@ def test_budget_rows_honoured_and_long_request_split():
     np.testing.assert_array_equal(plan.seg_gather_len[seg], plan.seg_query_len[seg] + 7)
     # a budget below what one token needs is refused
     with pytest.raises(ValueError, match="budget_rows"):
-        P.plan_kind(batch, P.PlanConfig(window_size=8, max_model_len=4096, max_num_batched_tokens=2048, budget_rows=400 // 4),
-                    (P.LayerKind.CSA, 4))  # fmt: skip
+        P.plan_kind(
+            batch,
+            P.PlanConfig(window_size=8, max_model_len=4096, max_num_batched_tokens=2048, budget_rows=400 // 4),
+            (P.LayerKind.CSA, 4),
+        )
     with pytest.raises(ValueError, match="budget_rows"):
         P.PlanConfig(window_size=8, max_model_len=4096, max_num_batched_tokens=2048, policy="fixed", budget_rows=10)
 
@@ -323,7 +376,9 @@ def test_length_order_reduces_padding():
     batch = P.PrefillBatch(seq, qry)
     csa = P.LayerSpec(P.LayerKind.CSA, 4)
     by_batch = P.plan_kind(batch, P.PlanConfig(window_size=128, max_model_len=4096, max_num_batched_tokens=256), csa)
-    by_len = P.plan_kind(batch, P.PlanConfig(window_size=128, max_model_len=4096, max_num_batched_tokens=256, order="length"), csa)
+    by_len = P.plan_kind(
+        batch, P.PlanConfig(window_size=128, max_model_len=4096, max_num_batched_tokens=256, order="length"), csa
+    )
     pad = lambda p: p.total_workspace_rows - p.padding_free_rows
     assert pad(by_len) < pad(by_batch) / 2
     assert sorted(by_len.order.tolist()) == list(range(16))
@@ -353,8 +408,11 @@ def test_step_plan_shared_per_kind():
 
 def test_per_token_metadata():
     batch = P.PrefillBatch([10, 7, 20], [3, 7, 5])
-    plan = P.plan_kind(batch, P.PlanConfig(window_size=4, max_model_len=64, max_num_batched_tokens=16, policy="per_request"),
-                       P.LayerSpec(P.LayerKind.CSA, 4))  # fmt: skip
+    plan = P.plan_kind(
+        batch,
+        P.PlanConfig(window_size=4, max_model_len=64, max_num_batched_tokens=16, policy="per_request"),
+        P.LayerSpec(P.LayerKind.CSA, 4),
+    )
     assert plan.num_chunks == 3
     assert plan.token_position.tolist() == [7, 8, 9, 0, 1, 2, 3, 4, 5, 6, 15, 16, 17, 18, 19]
     assert plan.token_request.tolist() == [0] * 15
@@ -380,7 +438,12 @@ def test_per_token_metadata():
         (["a"], [1], {}, "seq_lens"),
         ([10], [1], {"window_size": 0}, "window_size"),
         ([10], [1], {"compress_ratio": -4}, "compress_ratio"),
-        ([10], [1], {"compress_ratio": 0, "has_compressed": True}, "compress_ratio: has_compressed=True needs a ratio >= 1"),
+        (
+            [10],
+            [1],
+            {"compress_ratio": 0, "has_compressed": True},
+            "compress_ratio: has_compressed=True needs a ratio >= 1",
+        ),
         ([10], [1], {"has_compressed": "yes"}, "has_compressed"),
         ([10], [1], {"prefill_chunk_size": 0}, "prefill_chunk_size"),
     ],

@@ -35,8 +35,22 @@ def test_unlisted_skip_fails_the_run(tmp_path):
 
     def run(*names):
         args = [f"{tmp_path / 'test_x.py'}::{n}" for n in names]
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "--rootdir", str(tmp_path), *args]
-        return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.conftest",
+            "--rootdir",
+            str(tmp_path),
+            *args,
+        ]
+        return subprocess.run(
+            cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300
+        )
 
     ok = run("test_gpu", "test_known", "test_ok")
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]

@@ -127,7 +127,7 @@ def _dense(args):
         (5, 16, 64, 30, 64, None, False),
         (130, 4, 576, 50, 80, "random", True),
         (9, 2, 16, 12, 40, 2.0, True),
-    ],  # fmt: skip
+    ],
 )
 def test_reference_backward_matches_dense_autograd_in_float64(T, H, D, S, K, sink, topk):
     """Several token tiles and key blocks, invalid entries of every kind, rows with no valid key

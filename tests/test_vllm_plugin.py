@@ -152,7 +152,9 @@ def test_plan_equals_the_planners_tuples_on_random_batches():
         pcs = int(rng.choice([1, 2, 4]))
         for r, hc in [(1, None), (4, None), (128, None), (1, True), (2, True), (4, False)]:
             got = Metadata(seq, qry, **LIMITS).get_prefill_chunk_plan(r, pcs, hc)
-            want = planner.get_prefill_chunk_plan(seq, qry, compress_ratio=r, prefill_chunk_size=pcs, has_compressed=hc, **LIMITS)
+            want = planner.get_prefill_chunk_plan(
+                seq, qry, compress_ratio=r, prefill_chunk_size=pcs, has_compressed=hc, **LIMITS
+            )
             assert got == want, (seq.tolist(), qry.tolist(), r, hc, pcs)
 
 
@@ -175,23 +177,32 @@ def test_one_plan_per_kind_per_step(monkeypatch):
     monkeypatch.setattr(planner, "plan_kind", lambda *a, **k: calls.append(a[2].compress_ratio) or real(*a, **k))
     ratios = [max(1, spec.compress_ratio) for spec in planner.ModelShape.from_name("V4-Flash").layers]
     assert len(ratios) == 44  # 43 layers and the MTP layer; SWA layers ask with ratio 1
-    md = Metadata(np.arange(100, 164), np.full(64, 32), window_size=128, max_model_len=1 << 20, max_num_batched_tokens=8192)
+    md = Metadata(
+        np.arange(100, 164), np.full(64, 32), window_size=128, max_model_len=1 << 20, max_num_batched_tokens=8192
+    )
     plans = [md.get_prefill_chunk_plan(r, 4) for r in ratios]
     assert sorted(calls) == [0, 4, 128] and chunk_plan.step_plans(md).planned == 3
     assert all(p is plans[ratios.index(r)] for r, p in zip(ratios, plans))  # shared within the step
     md.prefill_seq_lens_cpu = torch.full((64,), 1000, dtype=torch.int32)  # vLLM reassigned the field
-    assert md.get_prefill_chunk_plan(4, 4) == Metadata(np.full(64, 1000), np.full(64, 32), window_size=128,
-                                                       max_model_len=1 << 20, max_num_batched_tokens=8192).get_prefill_chunk_plan(4, 4)  # fmt: skip
+    assert md.get_prefill_chunk_plan(4, 4) == Metadata(
+        np.full(64, 1000), np.full(64, 32), window_size=128, max_model_len=1 << 20, max_num_batched_tokens=8192
+    ).get_prefill_chunk_plan(4, 4)
 
 
 def test_bad_arguments_and_fields():
     md = Metadata([10], [5], window_size=128, max_model_len=1024, max_num_batched_tokens=64)
-    for args, match in [((4.0, 4), "compress_ratio"), ((4, 4, "yes"), "has_compressed"), ((0, 4, True), "compress_ratio"),
-                        ((4, 2.0), "prefill_chunk_size")]:  # fmt: skip
+    for args, match in [
+        ((4.0, 4), "compress_ratio"),
+        ((4, 4, "yes"), "has_compressed"),
+        ((0, 4, True), "compress_ratio"),
+        ((4, 2.0), "prefill_chunk_size"),
+    ]:
         with pytest.raises(ValueError, match=match):
             md.get_prefill_chunk_plan(*args)
     with pytest.raises(ValueError, match="query_lens"):
-        Metadata([10], [11], window_size=128, max_model_len=1024, max_num_batched_tokens=64).get_prefill_chunk_plan(4, 4)
+        Metadata([10], [11], window_size=128, max_model_len=1024, max_num_batched_tokens=64).get_prefill_chunk_plan(
+            4, 4
+        )
     md.prefill_seq_lens_cpu = md.prefill_seq_lens_cpu.to("meta")  # not on the host: reading it would sync
     with pytest.raises(ValueError, match="prefill_seq_lens_cpu: expected a CPU tensor"):
         md.get_prefill_chunk_plan(4, 4)

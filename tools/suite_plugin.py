@@ -36,7 +36,9 @@ def pytest_configure(config):
     call = m.DeepseekV4PreTrainedModel.__call__
 
     def __call__(self, *args, **kwargs):
-        if isinstance(self, (m.DeepseekV4Model, m.DeepseekV4ForCausalLM)) and not integration.is_sparse_prefill_enabled(self):
+        if isinstance(self, (m.DeepseekV4Model, m.DeepseekV4ForCausalLM)) and not integration.is_sparse_prefill_enabled(
+            self
+        ):
             integration.enable_sparse_prefill(self, backend=backend)
             _counts["models_enabled"] += 1
         return call(self, *args, **kwargs)
@@ -63,8 +65,12 @@ def pytest_runtest_logreport(report):
     if report.failed:
         if rec["outcome"] != "failed":
             rec["outcome"], rec["message"] = "failed", _first_line(report)
-    elif report.skipped and report.when in ("setup", "call") and rec["outcome"] == "passed" \
-            and not getattr(report, "context", None):  # fmt: skip
+    elif (
+        report.skipped
+        and report.when in ("setup", "call")
+        and rec["outcome"] == "passed"
+        and not getattr(report, "context", None)
+    ):
         rec["outcome"] = "skipped"
 
 

@@ -80,9 +80,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsv4_jax.kernels.xla import no_key_result
-from planner.contract import D_V  # FlashMLA's value dim
+from planner.contract import (
+    D_V,  # FlashMLA's value dim
+    backend_unavailable,
+)
 from planner.contract import FLASHMLA_HEAD_DIMS as HEAD_DIMS
-from planner.contract import backend_unavailable
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -227,7 +229,9 @@ def _kernel_body(
                 staged = st_smem.at[slot, :, piece, pl.ds(first, TILE_COLS)]
                 # Reading 64-byte row pieces of 1152/1024-byte staged rows: two rows per bank
                 # group, a 2-way conflict Mosaic's planner refuses unless told (optimized=False).
-                k_smem[slot, :, pl.ds(TILE_COLS * c, TILE_COLS)] = plgpu.load(staged, layout=copy_layout, optimized=False)
+                k_smem[slot, :, pl.ds(TILE_COLS * c, TILE_COLS)] = plgpu.load(
+                    staged, layout=copy_layout, optimized=False
+                )
             plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma
             plgpu.barrier_arrive(kfull_bar.at[slot])
 
@@ -442,7 +446,14 @@ def sparse_attention_mosaic(
         )
     check_shapes(q, kv, indices)
     return _sparse_attention_mosaic(
-        q, kv, indices, float(sm_scale), attn_sink, topk_length, interpret=bool(interpret), detect_races=bool(detect_races)
+        q,
+        kv,
+        indices,
+        float(sm_scale),
+        attn_sink,
+        topk_length,
+        interpret=bool(interpret),
+        detect_races=bool(detect_races),
     )
 
 

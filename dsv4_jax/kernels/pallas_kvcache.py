@@ -88,13 +88,13 @@ def quantize_insert(k, k_cache, slots, S, interpret):
     )(slots, k.reshape(T, 8, 64), k_cache)
 
 
-
 # --------------------------------------------------------------------------------------------
 # reader
 
 
-def _gather_dequant_kernel(seq_ref, glen_ref, bt_ref, cache_ref, out_in_ref, out_ref, *,
-                   S, offset, num_blocks, block_r, workers, exact):  # fmt: skip
+def _gather_dequant_kernel(
+    seq_ref, glen_ref, bt_ref, cache_ref, out_in_ref, out_ref, *, S, offset, num_blocks, block_r, workers, exact
+):
     from jax.experimental.pallas import triton as plt
 
     del out_in_ref  # aliased with out_ref
@@ -158,8 +158,9 @@ def default_workers(num_requests: int, interpret: bool) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("S", "offset", "interpret", "exact", "block_r", "workers", "num_warps"))
-def gather_dequant(out, k_cache, seq, glen, bt, S, offset, interpret, exact=None, block_r=None, workers=None,
-                   num_warps=4):  # fmt: skip
+def gather_dequant(
+    out, k_cache, seq, glen, bt, S, offset, interpret, exact=None, block_r=None, workers=None, num_warps=4
+):
     """The Pallas reader. exact: integer decode (default in interpret mode, where XLA on CPU flushes
     subnormals) or float32 decode (default on GPUs). block_r rows per step, `workers` programs
     per request (static; None = `default_workers`)."""
@@ -174,7 +175,9 @@ def gather_dequant(out, k_cache, seq, glen, bt, S, offset, interpret, exact=None
     br = min(br, 1 << (rows.bit_length() - 1))  # a power of two <= rows (see the kernel's stores)
     nw = workers or default_workers(R, interpret)
     exact = interpret if exact is None else exact
-    kernel = functools.partial(_gather_dequant_kernel, S=S, offset=offset, num_blocks=nb, block_r=br, workers=nw, exact=exact)
+    kernel = functools.partial(
+        _gather_dequant_kernel, S=S, offset=offset, num_blocks=nb, block_r=br, workers=nw, exact=exact
+    )
     return pl.pallas_call(
         kernel,
         grid=(R, nw),
@@ -192,4 +195,3 @@ def gather_dequant(out, k_cache, seq, glen, bt, S, offset, interpret, exact=None
         interpret=interpret,
         name="dsv4_kvcache_gather",
     )(seq, glen, bt, k_cache, out)
-

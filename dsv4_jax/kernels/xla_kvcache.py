@@ -21,6 +21,7 @@ from planner.kvcache import HEAD_DIM, N_GROUPS, NOPE_DIM, SLOT_DATA_BYTES, SLOT_
 # --------------------------------------------------------------------------------------------
 # elementwise pieces shared by the xla path and the Pallas kernels (integer math)
 
+
 def exponent(amax):
     """e = ceil(log2(max(amax, 1e-4) / 448)), int32, exact for bf16 amax (see planner.kvcache)."""
     bits = lax.bitcast_convert_type(jnp.maximum(amax, jnp.float32(ref.AMAX_FLOOR)), jnp.int32)
@@ -94,7 +95,6 @@ def bits_to_bf16(bits):
     return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
 
 
-
 # --------------------------------------------------------------------------------------------
 # writer
 
@@ -111,7 +111,9 @@ def encode_tokens(k):
 
 def _scatter_windows(operand, page, col, updates):
     """operand[page[t], col[t] : col[t] + W] = updates[t]; windows out of bounds are dropped."""
-    dnums = lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0, 1))
+    dnums = lax.ScatterDimensionNumbers(
+        update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0, 1)
+    )
     idx = jnp.stack([page, col], axis=1)
     return lax.scatter(operand, idx, updates, dnums, mode=lax.GatherScatterMode.FILL_OR_DROP)
 
@@ -125,7 +127,6 @@ def quantize_insert(k, k_cache, slots, S):
     pos = jnp.where(live, slots % S, 0)
     k_cache = _scatter_windows(k_cache, page, pos * SLOT_DATA_BYTES, data)
     return _scatter_windows(k_cache, page, S * SLOT_DATA_BYTES + pos * SLOT_SCALE_BYTES, scales)
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,7 +144,9 @@ def decode_rows(data, sc, exact=None):
     N = data.shape[0]
 
     def unpack(data, sc):  # inside the branches: a cond operand is materialized, so pass bytes
-        return data[:, :NOPE_DIM].astype(jnp.int32).reshape(N, N_GROUPS, 64), sc[:, :N_GROUPS].astype(jnp.int32)[..., None]
+        return data[:, :NOPE_DIM].astype(jnp.int32).reshape(N, N_GROUPS, 64), sc[:, :N_GROUPS].astype(jnp.int32)[
+            ..., None
+        ]
 
     def fast(data, sc):
         return lax.bitcast_convert_type(dequant_float(*unpack(data, sc)), jnp.uint16)
@@ -187,4 +190,3 @@ def gather_dequant(out, k_cache, seq, glen, bt, S, offset, exact=None):
         return lax.bitcast_convert_type(jnp.where(want[..., None], rows, bits), jnp.bfloat16)
     bits = bits.at[:R, offset:].set(jnp.where(want[..., None], rows, bits[:R, offset:]))
     return lax.bitcast_convert_type(bits, jnp.bfloat16)
-

@@ -69,8 +69,18 @@ from planner import LayerKind
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 WEIGHTS = ("stored", "dequantized")
 
-__all__ = ["DTYPES", "WEIGHTS", "CheckpointFiles", "held_bytes", "load_checkpoint", "load_params", "plan_params", "quant_block",
-           "read_safetensors", "to_transformers_names"]
+__all__ = [
+    "DTYPES",
+    "WEIGHTS",
+    "CheckpointFiles",
+    "held_bytes",
+    "load_checkpoint",
+    "load_params",
+    "plan_params",
+    "quant_block",
+    "read_safetensors",
+    "to_transformers_names",
+]
 
 # ----------------------------------------------------------------------------- tensor access
 
@@ -121,8 +131,11 @@ def quant_block(config_json: dict | None) -> tuple[int, int]:
     if q.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"quantization_config.fmt: only 'e4m3' is read, got {q['fmt']!r}")
     block = q.get("weight_block_size", list(FP8_BLOCK))
-    if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):  # fmt: skip
+    if (
+        not isinstance(block, (list, tuple))
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
         raise ValueError(f"quantization_config.weight_block_size: expected two positive ints, got {block!r}")
     return int(block[0]), int(block[1])
 
@@ -149,7 +162,11 @@ def _check_part(files, part: Part, shape, kind: str, block) -> tuple[str | None,
             if info.dtype.kind not in "iu":
                 raise ValueError(f"tensors: {part.name!r} has dtype {info.st_dtype}, expected an integer type")
         elif info.st_dtype.startswith("F8") or info.dtype.kind not in "fV" and info.st_dtype != "BF16":
-            hint = " without a .scale tensor (FP8 weights need their block scales)" if info.st_dtype.startswith("F8") else ""
+            hint = (
+                " without a .scale tensor (FP8 weights need their block scales)"
+                if info.st_dtype.startswith("F8")
+                else ""
+            )
             raise ValueError(f"tensors: {part.name!r} has dtype {info.st_dtype}{hint}, expected a float type")
         if tuple(info.shape) != tuple(shape):
             raise ValueError(f"tensors: {part.name!r} has shape {tuple(info.shape)}, the config needs {tuple(shape)}")
@@ -163,8 +180,9 @@ def _check_part(files, part: Part, shape, kind: str, block) -> tuple[str | None,
         fmt, blk = "fp4", FP4_BLOCK
         logical = tuple(info.shape[:-1]) + (2 * info.shape[-1],) if info.shape else ()
     else:
-        raise ValueError(f"tensors: {part.name!r} has a scale but dtype {info.st_dtype} "
-                         "(expected F8_E4M3, or I8 packed FP4)")  # fmt: skip
+        raise ValueError(
+            f"tensors: {part.name!r} has a scale but dtype {info.st_dtype} (expected F8_E4M3, or I8 packed FP4)"
+        )
     if logical != tuple(shape):
         what = f" ({fmt}: {tuple(info.shape)} packed)" if fmt == "fp4" else ""
         raise ValueError(f"tensors: {part.name!r} has shape {logical}{what}, the config needs {tuple(shape)}")
@@ -172,8 +190,10 @@ def _check_part(files, part: Part, shape, kind: str, block) -> tuple[str | None,
         raise ValueError(f"tensors: scale {part.scale!r} has dtype {sinfo.st_dtype}, expected F8_E8M0 or F32")
     want = expected_scale_shape(fmt, logical, blk)
     if tuple(sinfo.shape) != want:
-        raise ValueError(f"tensors: scale {part.scale!r} has shape {tuple(sinfo.shape)}; {fmt} weight "
-                         f"{part.name!r} of shape {logical} in {blk[0]}x{blk[1]} blocks needs {want}")  # fmt: skip
+        raise ValueError(
+            f"tensors: scale {part.scale!r} has shape {tuple(sinfo.shape)}; {fmt} weight "
+            f"{part.name!r} of shape {logical} in {blk[0]}x{blk[1]} blocks needs {want}"
+        )
     return fmt, blk
 
 
@@ -238,7 +258,7 @@ def _stack(pieces_of, shape, dtype, shard, n_experts) -> jax.Array:
     return jax.make_array_from_single_device_arrays(tuple(shape), shard, arrays, dtype=dtype).block_until_ready()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dequantizer(fmt, block, dtype, out_sharding):
     def f(data, scale):
         return dequantize(QuantizedWeight(data, scale, fmt, block), dtype)
@@ -254,14 +274,22 @@ def _place(files, e: _Entry, dt, weights: str, mesh, axis):
     if src.part is not None:
         info = files.info(src.part.name)
         data_shape = tuple(info.shape)
-        data = _put(lambda idx: _host(files.read(src.part.name, idx), e.kind), data_shape, _device_dtype(info.dtype, e.kind),
-                    parallel.sharding(mesh, axis, e.role, data_shape))  # fmt: skip
+        data = _put(
+            lambda idx: _host(files.read(src.part.name, idx), e.kind),
+            data_shape,
+            _device_dtype(info.dtype, e.kind),
+            parallel.sharding(mesh, axis, e.role, data_shape),
+        )
         scale = None
         if quantized:
             sinfo = files.info(src.part.scale)
             shard = parallel.sharding(mesh, axis, e.role, sinfo.shape, e.block, e.shape)
-            scale = _put(lambda idx: _host(files.read(src.part.scale, idx), "w"), sinfo.shape,
-                         _device_dtype(sinfo.dtype, "w"), shard)  # fmt: skip
+            scale = _put(
+                lambda idx: _host(files.read(src.part.scale, idx), "w"),
+                sinfo.shape,
+                _device_dtype(sinfo.dtype, "w"),
+                shard,
+            )
     else:
         first = src.experts[0]
         i0 = files.info(first[0].name)
@@ -271,8 +299,13 @@ def _place(files, e: _Entry, dt, weights: str, mesh, axis):
         def data_piece(ex):
             return np.concatenate([_host(files.read(p.name), e.kind) for p in src.experts[ex]], axis=0)
 
-        data = _stack(data_piece, data_shape, _device_dtype(i0.dtype, e.kind),
-                      parallel.sharding(mesh, axis, e.role, data_shape), len(src.experts))  # fmt: skip
+        data = _stack(
+            data_piece,
+            data_shape,
+            _device_dtype(i0.dtype, e.kind),
+            parallel.sharding(mesh, axis, e.role, data_shape),
+            len(src.experts),
+        )
         scale = None
         if quantized:
             s0 = files.info(first[0].scale)
@@ -281,8 +314,13 @@ def _place(files, e: _Entry, dt, weights: str, mesh, axis):
             def scale_piece(ex):
                 return np.concatenate([_host(files.read(p.scale), "w") for p in src.experts[ex]], axis=0)
 
-            scale = _stack(scale_piece, scale_shape, _device_dtype(s0.dtype, "w"),
-                           parallel.sharding(mesh, axis, e.role, scale_shape, e.block, e.shape), len(src.experts))  # fmt: skip
+            scale = _stack(
+                scale_piece,
+                scale_shape,
+                _device_dtype(s0.dtype, "w"),
+                parallel.sharding(mesh, axis, e.role, scale_shape, e.block, e.shape),
+                len(src.experts),
+            )
     for p in parts:
         files.release(p.name)
         if p.scale:
@@ -315,8 +353,16 @@ def _device_dtype(dtype: np.dtype, kind: str):
     return dtype
 
 
-def load_params(cfg: ModelConfig, tensors, dtype="float32", *, weights: str = "stored", mesh=None, axis=None,
-                block_size: tuple[int, int] = FP8_BLOCK) -> dict:  # fmt: skip
+def load_params(
+    cfg: ModelConfig,
+    tensors,
+    dtype="float32",
+    *,
+    weights: str = "stored",
+    mesh=None,
+    axis=None,
+    block_size: tuple[int, int] = FP8_BLOCK,
+) -> dict:
     """The model's parameter tree (module docstring) from `tensors`: a `CheckpointFiles` or a
     dict of NumPy arrays, in any name style. `dtype`: the compute dtype ("dequantized" weights
     are cast to it). `mesh`, `axis`: split the weights as `dsv4_jax.model.parallel` says.
@@ -332,8 +378,9 @@ def load_params(cfg: ModelConfig, tensors, dtype="float32", *, weights: str = "s
     tree, tied = plan_params(cfg, files, block_size)
     # Every header is checked: now the bytes, one tensor at a time.
     dt = DTYPES[dtype]
-    params = jax.tree.map(lambda e: _place(files, e, dt, weights, mesh, axis), tree,
-                          is_leaf=lambda x: isinstance(x, _Entry))  # fmt: skip
+    params = jax.tree.map(
+        lambda e: _place(files, e, dt, weights, mesh, axis), tree, is_leaf=lambda x: isinstance(x, _Entry)
+    )
     if tied:
         params["head"] = params["embed"]
     for ffn in (lp["ffn"] for lp in params["layers"]):
@@ -361,8 +408,11 @@ def plan_params(cfg: ModelConfig, files, block_size: tuple[int, int] = FP8_BLOCK
         return _check(files, role, sources[name], name, shape, kind, block_size)
 
     def hc(prefix, rows):
-        return {"fn": get(prefix + "fn", (rows, n * hid), "f32"), "base": get(prefix + "base", (rows,), "f32"),
-                "scale": get(prefix + "scale", (3,), "f32")}  # fmt: skip
+        return {
+            "fn": get(prefix + "fn", (rows, n * hid), "f32"),
+            "base": get(prefix + "base", (rows,), "f32"),
+            "scale": get(prefix + "scale", (3,), "f32"),
+        }
 
     tree = {"embed": get("model.embed_tokens.weight", (cfg.vocab_size, hid), "emb", role="embed")}
     layers = []
@@ -412,14 +462,16 @@ def plan_params(cfg: ModelConfig, files, block_size: tuple[int, int] = FP8_BLOCK
             ffn["tid2eid"] = get(m + "gate.tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), "int")
         else:
             ffn["bias"] = get(m + "gate.e_score_correction_bias", (E,), "f32")
-        layers.append({
-            "attn_norm": get(p + "input_layernorm.weight", (hid,), "f32"),
-            "ffn_norm": get(p + "post_attention_layernorm.weight", (hid,), "f32"),
-            "attn_hc": hc(p + "attn_hc.", (2 + n) * n),
-            "ffn_hc": hc(p + "ffn_hc.", (2 + n) * n),
-            "attn": attn,
-            "ffn": ffn,
-        })  # fmt: skip
+        layers.append(
+            {
+                "attn_norm": get(p + "input_layernorm.weight", (hid,), "f32"),
+                "ffn_norm": get(p + "post_attention_layernorm.weight", (hid,), "f32"),
+                "attn_hc": hc(p + "attn_hc.", (2 + n) * n),
+                "ffn_hc": hc(p + "ffn_hc.", (2 + n) * n),
+                "attn": attn,
+                "ffn": ffn,
+            }
+        )
     tree["layers"] = layers
     tree["norm"] = get("model.norm.weight", (hid,), "f32")
     tree["hc_head"] = {
@@ -457,7 +509,9 @@ def held_bytes(tree, files, n: int) -> tuple[int, int]:
     return held, total
 
 
-def load_checkpoint(path, dtype="float32", *, weights: str = "stored", mesh=None, axis=None) -> tuple[ModelConfig, dict]:
+def load_checkpoint(
+    path, dtype="float32", *, weights: str = "stored", mesh=None, axis=None
+) -> tuple[ModelConfig, dict]:
     """(ModelConfig, params) of a checkpoint directory: config.json + safetensors (module docstring)."""
     cfg = ModelConfig.from_checkpoint(path)
     block = quant_block(json.loads((Path(path) / "config.json").read_text()))

@@ -93,17 +93,28 @@ class ModelConfig:
         if self.scoring_func not in SCORING_FUNCS:
             raise ValueError(f"scoring_func: expected one of {SCORING_FUNCS}, got {self.scoring_func!r}")
         if self.num_attention_heads % self.o_groups:
-            raise ValueError(f"o_groups: {self.o_groups} does not divide num_attention_heads {self.num_attention_heads}")
+            raise ValueError(
+                f"o_groups: {self.o_groups} does not divide num_attention_heads {self.num_attention_heads}"
+            )
         if not 0 < self.rope_head_dim <= self.head_dim or self.rope_head_dim % 2:
             raise ValueError(f"rope_head_dim: expected an even value in 1..{self.head_dim}, got {self.rope_head_dim}")
         if self.index_head_dim < self.rope_head_dim:
-            raise ValueError(f"index_head_dim: {self.index_head_dim} is smaller than rope_head_dim {self.rope_head_dim}")
+            raise ValueError(
+                f"index_head_dim: {self.index_head_dim} is smaller than rope_head_dim {self.rope_head_dim}"
+            )
 
     @functools.cached_property
     def layers(self) -> tuple[LayerSpec, ...]:
         """Each layer's kind and compress ratio."""
-        return contract.layer_specs({"layer_types": list(self.layer_types), "compress_rates": {
-            "compressed_sparse_attention": self.compress_rate_csa, "heavily_compressed_attention": self.compress_rate_hca}})
+        return contract.layer_specs(
+            {
+                "layer_types": list(self.layer_types),
+                "compress_rates": {
+                    "compressed_sparse_attention": self.compress_rate_csa,
+                    "heavily_compressed_attention": self.compress_rate_hca,
+                },
+            }
+        )
 
     @property
     def kinds(self) -> tuple[LayerKind, ...]:
@@ -122,21 +133,21 @@ class ModelConfig:
         return self.compress_rate_csa if kind is LayerKind.CSA else self.compress_rate_hca
 
     @classmethod
-    def from_name(cls, name: str) -> "ModelConfig":
+    def from_name(cls, name: str) -> ModelConfig:
         key = name.lower().replace("_", "-")
         if key not in PRESETS:
             raise ValueError(f"name: expected one of {sorted(p.name for p in PRESETS.values())}, got {name!r}")
         return PRESETS[key]
 
     @classmethod
-    def from_checkpoint(cls, path) -> "ModelConfig":
+    def from_checkpoint(cls, path) -> ModelConfig:
         p = Path(path)
         if not (p / "config.json").is_file():
             raise ValueError(f"path: no config.json in {str(p)!r}")
         return cls.from_dict(json.loads((p / "config.json").read_text()), name=p.name)
 
     @classmethod
-    def from_dict(cls, d: dict, name: str = "checkpoint") -> "ModelConfig":
+    def from_dict(cls, d: dict, name: str = "checkpoint") -> ModelConfig:
         """A config.json dict, in transformers' or DeepSeek's published fields (notes section 2)."""
         if not isinstance(d, dict):
             raise TypeError(f"d: expected a dict (config.json), got {type(d).__name__}")
@@ -149,12 +160,22 @@ class ModelConfig:
             raise ValueError(f"hidden_act: only 'silu' is supported, got {d['hidden_act']!r}")
         if d.get("layer_types") is None and d.get("compress_ratios") is None:
             # transformers' default (HCA, HCA, HCA, CSA, ...: not the spec's V4-Pro parity)
-            d = dict(d, layer_types=["heavily_compressed_attention"] * min(n, 2) + [
-                "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))])
+            d = dict(
+                d,
+                layer_types=["heavily_compressed_attention"] * min(n, 2)
+                + [
+                    "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+                    for i in range(max(n - 2, 0))
+                ],
+            )
         specs = contract.layer_specs(dict(d, num_hidden_layers=n))
         rates = {k: [s.compress_ratio for s in specs if s.kind is k] for k in (LayerKind.CSA, LayerKind.HCA)}
-        dflt = contract.layer_specs({"layer_types": [k.layer_type for k in (LayerKind.CSA, LayerKind.HCA)], **{
-            key: d[key] for key in ("compress_rates", "compress_rate_csa", "compress_rate_hca") if key in d}})
+        dflt = contract.layer_specs(
+            {
+                "layer_types": [k.layer_type for k in (LayerKind.CSA, LayerKind.HCA)],
+                **{key: d[key] for key in ("compress_rates", "compress_rate_csa", "compress_rate_hca") if key in d},
+            }
+        )
         csa_rate = rates[LayerKind.CSA][0] if rates[LayerKind.CSA] else dflt[0].compress_ratio
         hca_rate = rates[LayerKind.HCA][0] if rates[LayerKind.HCA] else dflt[1].compress_ratio
         mlp = d.get("mlp_layer_types")

@@ -70,19 +70,38 @@ class _Request:
 class JaxGenerator:
     """Greedy ragged-batch generation; see the module docstring."""
 
-    def __init__(self, checkpoint_dir, backend: str = "auto", policy: str = "adaptive",
-                 dtype: str = "float32", *, weights: str = "stored", max_batch_size: int = 8,
-                 max_model_len: int = 4096, max_num_batched_tokens: int = 512, mesh=None, axis=None,
-                 kv_cache_dtype: str = "auto",
-                 **model_kwargs):  # fmt: skip
+    def __init__(
+        self,
+        checkpoint_dir,
+        backend: str = "auto",
+        policy: str = "adaptive",
+        dtype: str = "float32",
+        *,
+        weights: str = "stored",
+        max_batch_size: int = 8,
+        max_model_len: int = 4096,
+        max_num_batched_tokens: int = 512,
+        mesh=None,
+        axis=None,
+        kv_cache_dtype: str = "auto",
+        **model_kwargs,
+    ):
         model_kwargs.setdefault("token_buckets", "pow2")  # prefill tails vary; few shapes beat tight padding
         self.checkpoint_dir = Path(checkpoint_dir)
         self.model = DeepseekV4.from_checkpoint(
-            checkpoint_dir, dtype=dtype, weights=weights, max_batch_size=max_batch_size,
-            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-            backend=backend, policy=policy, mesh=mesh, axis=axis, kv_cache_dtype=kv_cache_dtype,
+            checkpoint_dir,
+            dtype=dtype,
+            weights=weights,
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            backend=backend,
+            policy=policy,
+            mesh=mesh,
+            axis=axis,
+            kv_cache_dtype=kv_cache_dtype,
             **model_kwargs,
-        )  # fmt: skip
+        )
         self.config = self.model.config
         self._tokenizer = None
         self.eos_token_ids = _eos_ids(self.checkpoint_dir, self.config.eos_token_id)
@@ -93,11 +112,17 @@ class JaxGenerator:
 
     def reset_stats(self) -> None:
         self.stats = {
-            "prefill_tokens": 0, "prefill_seconds": 0.0, "prefill_steps": 0,
-            "decode_tokens": 0, "decode_seconds": 0.0, "decode_steps": 0,
-            "compile_seconds": 0.0, "compiles": compile_counts(),
-            "chunks_per_step": {}, "peak_workspace_rows": 0,
-        }  # fmt: skip
+            "prefill_tokens": 0,
+            "prefill_seconds": 0.0,
+            "prefill_steps": 0,
+            "decode_tokens": 0,
+            "decode_seconds": 0.0,
+            "decode_steps": 0,
+            "compile_seconds": 0.0,
+            "compiles": compile_counts(),
+            "chunks_per_step": {},
+            "peak_workspace_rows": 0,
+        }
         self._chunks: dict[str, tuple[int, int, int]] = {}  # kind -> (sum, steps, max)
 
     def _check(self, prompts, max_new_tokens, stop_token_ids):
@@ -112,7 +137,9 @@ class JaxGenerator:
             if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
                 raise ValueError(f"prompts[{i}]: expected a non-empty list of ints, got {p!r:.80}")
             if ids.min() < 0 or ids.max() >= V:
-                raise ValueError(f"prompts[{i}]: token ids must be in 0..{V - 1}, got {int(ids.min())}..{int(ids.max())}")
+                raise ValueError(
+                    f"prompts[{i}]: token ids must be in 0..{V - 1}, got {int(ids.min())}..{int(ids.max())}"
+                )
             if ids.size + max(max_new_tokens - 1, 0) > limit:
                 raise ValueError(
                     f"prompts[{i}]: {ids.size} tokens + {max_new_tokens} new exceed max_model_len = {limit}"
@@ -130,7 +157,9 @@ class JaxGenerator:
         if self._tokenizer is None:
             path = self.checkpoint_dir / "tokenizer.json"
             if not path.is_file():
-                raise ValueError(f"prompts: text needs a tokenizer, and there is no tokenizer.json in {str(self.checkpoint_dir)!r}")
+                raise ValueError(
+                    f"prompts: text needs a tokenizer, and there is no tokenizer.json in {str(self.checkpoint_dir)!r}"
+                )
             from tokenizers import Tokenizer
 
             self._tokenizer = Tokenizer.from_file(str(path))
@@ -212,7 +241,7 @@ class JaxGenerator:
                 finished.append((r, tok))
         return finished
 
-    def session(self) -> "GenerationSession":
+    def session(self) -> GenerationSession:
         """A step-level view of this generator (what eval/gsm8k.py drives)."""
         return GenerationSession(self)
 

@@ -31,13 +31,12 @@ Precision follows transformers' float32 islands: RMSNorm statistics, mHC, RoPE, 
 router scores and indexer scores run in float32 whatever the model dtype.
 """
 
-
 from __future__ import annotations
 
 import functools
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +44,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dsv4_jax.model.attention import StepInputs, attention, init_cache
 from dsv4_jax.model import parallel
+from dsv4_jax.model.attention import StepInputs, attention, init_cache
 from dsv4_jax.model.checkpoint import DTYPES, load_checkpoint
 from dsv4_jax.model.config import ModelConfig
 from dsv4_jax.model.layers import (
@@ -171,15 +170,34 @@ class DeepseekV4:
         compressed caches as vLLM's DeepSeek-V4 pages, `dsv4_jax.model.fp8_cache`).
     """
 
-    def __init__(self, config: ModelConfig, params: dict, *, max_batch_size: int = 8, max_model_len: int = 4096,
-                 max_num_batched_tokens: int = 512, backend: str = "auto", policy: str = "adaptive",
-                 mesh: Mesh | None = None, axis: str | None = None, dtype=None, min_tokens: int = 16,
-                 min_workspace_rows: int = 128, token_tile: int = 256, gather_tile: int = 4096,
-                 min_requests: int = 8, token_buckets: str = "fine", kv_cache_dtype: str = "auto"):  # fmt: skip
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: dict,
+        *,
+        max_batch_size: int = 8,
+        max_model_len: int = 4096,
+        max_num_batched_tokens: int = 512,
+        backend: str = "auto",
+        policy: str = "adaptive",
+        mesh: Mesh | None = None,
+        axis: str | None = None,
+        dtype=None,
+        min_tokens: int = 16,
+        min_workspace_rows: int = 128,
+        token_tile: int = 256,
+        gather_tile: int = 4096,
+        min_requests: int = 8,
+        token_buckets: str = "fine",
+        kv_cache_dtype: str = "auto",
+    ):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
-        for name, v in (("max_batch_size", max_batch_size), ("max_model_len", max_model_len),
-                        ("max_num_batched_tokens", max_num_batched_tokens)):  # fmt: skip
+        for name, v in (
+            ("max_batch_size", max_batch_size),
+            ("max_model_len", max_model_len),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
         if policy not in POLICIES:
@@ -187,9 +205,13 @@ class DeepseekV4:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         if kv_cache_dtype == "fp8_ds_mla" and config.head_dim != 512:
-            raise ValueError(f"kv_cache_dtype: fp8_ds_mla pages hold 512-dim latents, config.head_dim is {config.head_dim}")
+            raise ValueError(
+                f"kv_cache_dtype: fp8_ds_mla pages hold 512-dim latents, config.head_dim is {config.head_dim}"
+            )
         if not isinstance(params, dict) or len(params.get("layers", ())) != config.num_hidden_layers:
-            raise ValueError(f"params: expected the tree of dsv4_jax.model.checkpoint.load_params for {config.num_hidden_layers} layers")
+            raise ValueError(
+                f"params: expected the tree of dsv4_jax.model.checkpoint.load_params for {config.num_hidden_layers} layers"
+            )
         if backend != "auto" and backend not in BACKENDS["jax"]:
             raise ValueError(f"backend: expected 'auto' or one of {BACKENDS['jax']}, got {backend!r}")
         mesh, axis = parallel.resolve_mesh(mesh, axis)
@@ -241,20 +263,26 @@ class DeepseekV4:
             self._hash_tables.append(table)
 
     @classmethod
-    def from_checkpoint(cls, path, dtype="float32", *, weights: str = "stored", **kwargs) -> "DeepseekV4":
+    def from_checkpoint(cls, path, dtype="float32", *, weights: str = "stored", **kwargs) -> DeepseekV4:
         """Load `path` (`dsv4_jax.model.checkpoint.load_checkpoint`: weights "stored" keeps FP8 /
         FP4 as shipped, "dequantized" puts every linear weight in `dtype`) straight onto the
         devices of `mesh=` (if given), then build the model; `dtype` is the compute dtype."""
-        config, params = load_checkpoint(path, dtype=dtype, weights=weights, mesh=kwargs.get("mesh"),
-                                         axis=kwargs.get("axis"))  # fmt: skip
+        config, params = load_checkpoint(
+            path, dtype=dtype, weights=weights, mesh=kwargs.get("mesh"), axis=kwargs.get("axis")
+        )
         return cls(config, params, dtype=dtype, **kwargs)
 
     def init_cache(self) -> list[dict]:
         cache = init_cache(self.config, self.max_batch_size, self.max_model_len, self.dtype, self.kv_cache_dtype)
         return cache if self._placement is None else jax.device_put(cache, self._placement)
 
-    def prepare_step(self, slots: Sequence[int], prefix_lens: Sequence[int], tokens: Sequence[Sequence[int]],
-                     all_tokens: bool = False):  # fmt: skip
+    def prepare_step(
+        self,
+        slots: Sequence[int],
+        prefix_lens: Sequence[int],
+        tokens: Sequence[Sequence[int]],
+        all_tokens: bool = False,
+    ):
         """Host side of a step: plan attention, pad and copy the step's arrays.
 
         slots[b], prefix_lens[b]: request b's cache slot and tokens already in it; tokens[b]: its
@@ -264,7 +292,9 @@ class DeepseekV4:
         """
         B = len(slots)
         if B == 0 or len(prefix_lens) != B or len(tokens) != B:
-            raise ValueError(f"slots, prefix_lens, tokens: need the same non-zero length, got {B}, {len(prefix_lens)}, {len(tokens)}")
+            raise ValueError(
+                f"slots, prefix_lens, tokens: need the same non-zero length, got {B}, {len(prefix_lens)}, {len(tokens)}"
+            )
         slots = [int(s) for s in slots]
         if len(set(slots)) != B or min(slots) < 0 or max(slots) >= self.max_batch_size:
             raise ValueError(f"slots: need distinct slots in 0..{self.max_batch_size - 1}, got {slots}")
@@ -277,21 +307,29 @@ class DeepseekV4:
         seq = prefix + q_lens
         ids = np.concatenate([np.asarray(t, dtype=np.int64).reshape(-1) for t in tokens])
         if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            raise ValueError(f"tokens: ids must be in 0..{self.config.vocab_size - 1}, got {int(ids.min())}..{int(ids.max())}")
+            raise ValueError(
+                f"tokens: ids must be in 0..{self.config.vocab_size - 1}, got {int(ids.min())}..{int(ids.max())}"
+            )
         batch = PrefillBatch(seq, q_lens, self.max_model_len, self.plan_config.max_num_batched_tokens)
         plan = plan_step(batch, self.plan_config, self.config.layers)  # once per step
         # Per kind, the workspace is padded to a power of two: its size is a compile key but costs
         # only its allocation (gathers and attention cover the real rows), so coarse buckets are
         # cheap here, unlike the token buckets, which pad compute.
         meta = {}
-        min_tokens = self._min_tokens if self._token_buckets == "fine" else pow2_bucket(batch.num_tokens, self._min_tokens)
+        min_tokens = (
+            self._min_tokens if self._token_buckets == "fine" else pow2_bucket(batch.num_tokens, self._min_tokens)
+        )
         for kind, kp in plan.kinds.items():
             rows = max(self._min_workspace_rows, pow2_bucket(kp.max_workspace_rows))
             one = StepPlan(batch=batch, config=self.plan_config, kinds={kind: kp})
             m = build_step_metadata(
-                one, index_topk=self.config.index_topk, device=self._placement, min_workspace_rows=rows,
-                min_tokens=min_tokens, **self._bucket_options,
-            )  # fmt: skip
+                one,
+                index_topk=self.config.index_topk,
+                device=self._placement,
+                min_workspace_rows=rows,
+                min_tokens=min_tokens,
+                **self._bucket_options,
+            )
             meta[kind] = m[kind]
         T, T_pad, B_pad = int(q_lens.sum()), m.padded_tokens, pow2_bucket(B, self._min_requests)
         S = self.max_batch_size

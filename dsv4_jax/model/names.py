@@ -141,7 +141,9 @@ def weight_sources(names) -> tuple[dict[str, Source], list[str]]:
         for w in ("w1", "w2", "w3"):
             if sorted(ws.get(w, {})) != ids or ids != list(range(len(ids))):
                 raise ValueError(f"tensors: layer {i} has experts {ids} for w1 but {sorted(ws.get(w, {}))} for {w}")
-        out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = Source(experts=tuple((ws["w1"][e], ws["w3"][e]) for e in ids))
+        out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = Source(
+            experts=tuple((ws["w1"][e], ws["w3"][e]) for e in ids)
+        )
         out[f"model.layers.{i}.mlp.experts.down_proj"] = Source(experts=tuple((ws["w2"][e],) for e in ids))
     return out, mtp
 

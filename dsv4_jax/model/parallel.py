@@ -37,16 +37,24 @@ from collections import defaultdict
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dsv4_jax.model.quant import QuantizedWeight
 
 COMPUTE_SPLIT = {
-    "embed": 0, "head": 0,
-    "attn.wq_b": 0, "attn.sink": 0, "attn.wo_a": 0, "attn.wo_b": 1,
-    "ffn.shared_w1": 0, "ffn.shared_w3": 0, "ffn.shared_w2": 1,
-    "ffn.w13": 0, "ffn.w2": 0,
-}  # fmt: skip
+    "embed": 0,
+    "head": 0,
+    "attn.wq_b": 0,
+    "attn.sink": 0,
+    "attn.wo_a": 0,
+    "attn.wo_b": 1,
+    "ffn.shared_w1": 0,
+    "ffn.shared_w3": 0,
+    "ffn.shared_w2": 1,
+    "ffn.w13": 0,
+    "ffn.w2": 0,
+}
 
 
 def resolve_mesh(mesh, axis):
@@ -74,14 +82,23 @@ def axis_size(mesh, axis) -> int:
 def check_divisible(cfg, mesh, axis) -> None:
     """ValueError unless heads, experts and vocabulary split evenly over the mesh axis."""
     n = axis_size(mesh, axis)
-    for what, v in (("num_attention_heads", cfg.num_attention_heads), ("n_routed_experts", cfg.n_routed_experts),
-                    ("vocab_size", cfg.vocab_size)):  # fmt: skip
+    for what, v in (
+        ("num_attention_heads", cfg.num_attention_heads),
+        ("n_routed_experts", cfg.n_routed_experts),
+        ("vocab_size", cfg.vocab_size),
+    ):
         if v % n:
             raise ValueError(f"mesh: {what} = {v} does not split over the {n} devices of axis {axis!r}")
 
 
-def spec(role: str, shape: tuple[int, ...], n: int, axis, block: tuple[int, int] | None = None,
-         logical: tuple[int, ...] | None = None) -> P:  # fmt: skip
+def spec(
+    role: str,
+    shape: tuple[int, ...],
+    n: int,
+    axis,
+    block: tuple[int, int] | None = None,
+    logical: tuple[int, ...] | None = None,
+) -> P:
     """The PartitionSpec of one array of weight `role` over an axis of n devices (module docstring).
 
     For a quantized weight's scale pass its `block` and the weight's `logical` shape.
@@ -172,5 +189,16 @@ def weight_bytes(tree) -> int:
     return int(sum(leaf.nbytes for leaf in jax.tree.leaves(tree) if hasattr(leaf, "nbytes")))
 
 
-__all__ = ["COMPUTE_SPLIT", "gather_for_use", "axis_size", "check_divisible", "device_bytes", "place", "resolve_mesh", "role_of",
-           "sharding", "spec", "weight_bytes"]
+__all__ = [
+    "COMPUTE_SPLIT",
+    "gather_for_use",
+    "axis_size",
+    "check_divisible",
+    "device_bytes",
+    "place",
+    "resolve_mesh",
+    "role_of",
+    "sharding",
+    "spec",
+    "weight_bytes",
+]

@@ -147,8 +147,11 @@ def enable_sparse_prefill(
         raise ValueError(f"backend: expected one of 'auto', {', '.join(map(repr, BACKENDS))}; got {backend!r}")
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
-    for name, v in (("max_model_len", max_model_len), ("max_num_batched_tokens", max_num_batched_tokens),
-                    ("budget_rows", budget_rows)):  # fmt: skip
+    for name, v in (
+        ("max_model_len", max_model_len),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+        ("budget_rows", budget_rows),
+    ):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name}: expected a positive int or None, got {v!r}")
     for name, v in (("prefill_chunk_size", prefill_chunk_size), ("indexer_chunk_elems", indexer_chunk_elems)):
@@ -160,7 +163,9 @@ def enable_sparse_prefill(
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     if kv_cache_dtype == "fp8_ds_mla" and base.config.head_dim != 512:
-        raise ValueError(f"kv_cache_dtype: fp8_ds_mla pages hold 512-dim latents, config.head_dim is {base.config.head_dim}")
+        raise ValueError(
+            f"kv_cache_dtype: fp8_ds_mla pages hold 512-dim latents, config.head_dim is {base.config.head_dim}"
+        )
     if getattr(base, _MODEL_ATTR, None) is not None:
         disable_sparse_prefill(model)
     p = next(base.parameters())
@@ -168,11 +173,18 @@ def enable_sparse_prefill(
     resolve_backend(backend, torch.empty((0, cfg.num_attention_heads, cfg.head_dim), dtype=p.dtype, device=p.device))
 
     integ = _Integration(
-        base=base, backend=backend, policy=policy, layers=layers, max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens, prefill_chunk_size=prefill_chunk_size,
-        budget_rows=budget_rows, indexer_chunk_elems=indexer_chunk_elems,
-        previous_attn_implementation=cfg._attn_implementation, kv_cache_dtype=kv_cache_dtype,
-    )  # fmt: skip
+        base=base,
+        backend=backend,
+        policy=policy,
+        layers=layers,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        prefill_chunk_size=prefill_chunk_size,
+        budget_rows=budget_rows,
+        indexer_chunk_elems=indexer_chunk_elems,
+        previous_attn_implementation=cfg._attn_implementation,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     _register_attention_function()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     for layer in base.layers:
@@ -228,10 +240,12 @@ def _base_model(model):
         return model.model
     if isinstance(model, DeepseekV4Model):
         return model
-    raise TypeError(f"model: expected a transformers DeepseekV4ForCausalLM or DeepseekV4Model, got {type(model).__name__}")
+    raise TypeError(
+        f"model: expected a transformers DeepseekV4ForCausalLM or DeepseekV4Model, got {type(model).__name__}"
+    )
 
 
-def _integration(model) -> "_Integration":
+def _integration(model) -> _Integration:
     integ = getattr(_base_model(model), _MODEL_ATTR, None)
     if integ is None:
         raise ValueError("model: sparse prefill is not enabled on this model (call enable_sparse_prefill first)")
@@ -242,7 +256,9 @@ def _check_config(cfg) -> tuple[LayerSpec, ...]:
     """The model's per-layer kinds and ratios; ValueError for what our path does not implement."""
     layers = layer_specs({"layer_types": list(cfg.layer_types), "compress_rates": dict(cfg.compress_rates or {})})
     if cfg.head_dim > 512:
-        raise ValueError(f"config.head_dim: {cfg.head_dim} > 512 is not supported (the kernel's value is the first 512 dims)")
+        raise ValueError(
+            f"config.head_dim: {cfg.head_dim} > 512 is not supported (the kernel's value is the first 512 dims)"
+        )
     if int(cfg.sliding_window) < 1:
         raise ValueError(f"config.sliding_window: expected >= 1, got {cfg.sliding_window}")
     return layers
@@ -330,7 +346,9 @@ class _Integration:
         if len(args) > len(_FORWARD_ARGS):
             raise TypeError(f"forward: at most {len(_FORWARD_ARGS)} positional arguments, got {len(args)}")
         if kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False):
-            raise ValueError("output_attentions: not available with the sparse prefill path (no dense attention weights)")
+            raise ValueError(
+                "output_attentions: not available with the sparse prefill path (no dense attention weights)"
+            )
         ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
         if (ids is None) == (embeds is None):
             raise ValueError("input_ids / inputs_embeds: give exactly one")
@@ -341,9 +359,13 @@ class _Integration:
         cfg = module.config
         cache = kwargs.get("past_key_values")
         if cache is not None and not isinstance(cache, DynamicCache):
-            raise TypeError(f"past_key_values: expected a transformers DynamicCache (or None), got {type(cache).__name__}")
+            raise TypeError(
+                f"past_key_values: expected a transformers DynamicCache (or None), got {type(cache).__name__}"
+            )
         # transformers' checkpointed layers run without the cache (past_key_values=None): so do we
-        checkpointing = module.training and any(getattr(layer, "gradient_checkpointing", False) for layer in module.layers)
+        checkpointing = module.training and any(
+            getattr(layer, "gradient_checkpointing", False) for layer in module.layers
+        )
         if checkpointing:
             if cache is not None and cache.get_seq_length():
                 raise ValueError(
@@ -368,21 +390,42 @@ class _Integration:
             window_size=int(cfg.sliding_window),
             max_model_len=self.max_model_len or max(1, int(seq.max())),
             max_num_batched_tokens=self.max_num_batched_tokens or max(1, int(query.sum())),
-            prefill_chunk_size=self.prefill_chunk_size, policy=self.policy, budget_rows=self.budget_rows,
-        )  # fmt: skip
+            prefill_chunk_size=self.prefill_chunk_size,
+            policy=self.policy,
+            budget_rows=self.budget_rows,
+        )
         device = ref.device
-        meta = build_step_metadata(batch, device=device, index_topk=int(cfg.index_topk), config=plan_cfg,
-                                   layers=self.layers)  # fmt: skip
+        meta = build_step_metadata(
+            batch, device=device, index_topk=int(cfg.index_topk), config=plan_cfg, layers=self.layers
+        )
         raw = ragged.plan_raw(state.seen, query, int(cfg.sliding_window))
-        compress = {r: ragged.plan_compress(state.seen, query, r, state.layout(r)) for r in sorted({s.compress_ratio for s in self.layers if s.has_compressed})}
+        compress = {
+            r: ragged.plan_compress(state.seen, query, r, state.layout(r))
+            for r in sorted({s.compress_ratio for s in self.layers if s.has_compressed})
+        }
         arrays = {
             "position_ids": np.where(real, positions, 0),
             "token_positions": positions[real],
-            "raw_src": raw.src, "raw_table": raw.table, "raw_keep": raw.keep,
-        }  # fmt: skip
+            "raw_src": raw.src,
+            "raw_table": raw.table,
+            "raw_keep": raw.keep,
+        }
         for r, c in compress.items():
-            arrays.update({f"{r}.{k}": getattr(c, k) for k in
-                           ("usable", "leftover", "prev", "overlap", "positions", "move_src", "move_dst", "append_dst")})
+            arrays.update(
+                {
+                    f"{r}.{k}": getattr(c, k)
+                    for k in (
+                        "usable",
+                        "leftover",
+                        "prev",
+                        "overlap",
+                        "positions",
+                        "move_src",
+                        "move_dst",
+                        "append_dst",
+                    )
+                }
+            )
             arrays[f"{r}.table"] = c.layout.block_table()
         all_real = bool(real.all())
         if not all_real:
@@ -391,10 +434,21 @@ class _Integration:
         position_ids = dev.pop("position_ids")
         qsl = np.concatenate([[0], np.cumsum(query)]).astype(np.int64)
         ctx = _Context(
-            state=state, cache=cache, B=B, T=T, num_tokens=int(query.sum()), qsl=qsl, seq=seq, query=query,
-            meta=meta, raw=raw, compress=compress, dev=dev, real_index=None if all_real else dev["real_index"],
+            state=state,
+            cache=cache,
+            B=B,
+            T=T,
+            num_tokens=int(query.sum()),
+            qsl=qsl,
+            seq=seq,
+            query=query,
+            meta=meta,
+            raw=raw,
+            compress=compress,
+            dev=dev,
+            real_index=None if all_real else dev["real_index"],
             replayable=checkpointing or torch.is_grad_enabled(),
-        )  # fmt: skip
+        )
         self.current = ctx
         state.in_forward = True
         # The layers find their context on the tensor they are given (also when a checkpoint
@@ -475,7 +529,9 @@ def _real_tokens(mask, position_ids, state, B: int, T: int):
         if isinstance(mask, dict) or not isinstance(mask, torch.Tensor):
             raise TypeError(f"attention_mask: expected a 2-D tensor (batch, columns), got {type(mask).__name__}")
         if mask.dim() != 2:
-            raise ValueError(f"attention_mask: only 2-D (batch, columns) padding masks are supported, got shape {tuple(mask.shape)}")
+            raise ValueError(
+                f"attention_mask: only 2-D (batch, columns) padding masks are supported, got shape {tuple(mask.shape)}"
+            )
         if mask.shape[0] != B or mask.shape[1] not in (T, state.columns + T):
             raise ValueError(
                 f"attention_mask: expected ({B}, {state.columns + T}) (past and new columns) or ({B}, {T}), "
@@ -483,8 +539,12 @@ def _real_tokens(mask, position_ids, state, B: int, T: int):
             )
         parts.append(mask[:, -T:].to(torch.int64))
     if position_ids is not None:
-        if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[1] != T \
-                or position_ids.shape[0] not in (1, B):  # fmt: skip
+        if (
+            not isinstance(position_ids, torch.Tensor)
+            or position_ids.dim() != 2
+            or position_ids.shape[1] != T
+            or position_ids.shape[0] not in (1, B)
+        ):
             raise ValueError(f"position_ids: expected ({B}, {T}) or (1, {T}), got {shape_of(position_ids)}")
         parts.append(position_ids.to(torch.int64).expand(B, T))
     host = torch.stack([p.to(parts[0].device) for p in parts]).cpu().numpy() if parts else None
@@ -506,8 +566,16 @@ def _real_tokens(mask, position_ids, state, B: int, T: int):
 # ----------------------------------------------------------------------------- the attention layer
 
 
-def _attention_forward(integ: _Integration, module, hidden_states, position_embeddings=None, position_ids=None,
-                       attention_mask=None, past_key_values=None, **kwargs):  # fmt: skip
+def _attention_forward(
+    integ: _Integration,
+    module,
+    hidden_states,
+    position_embeddings=None,
+    position_ids=None,
+    attention_mask=None,
+    past_key_values=None,
+    **kwargs,
+):
     ctx = getattr(position_ids, _CONTEXT_ATTR, None) or integ.current
     if ctx is None:
         raise RuntimeError(
@@ -515,7 +583,9 @@ def _attention_forward(integ: _Integration, module, hidden_states, position_embe
             "(its pre-hook plans the step)"
         )
     if tuple(hidden_states.shape[:2]) != (ctx.B, ctx.T):
-        raise RuntimeError(f"hidden_states: shape {tuple(hidden_states.shape)} differs from the forward's ({ctx.B}, {ctx.T})")
+        raise RuntimeError(
+            f"hidden_states: shape {tuple(hidden_states.shape)} differs from the forward's ({ctx.B}, {ctx.T})"
+        )
     idx = module.layer_idx
     if idx in ctx.layer_inputs:  # a checkpoint recomputes this layer: replay it from its input state
         lstate = _copy_layer_state(ctx.layer_inputs[idx])

@@ -23,8 +23,9 @@ if TYPE_CHECKING:
     from dsv4_torch.hf.integration import _Context, _Integration
 
 
-def sparse_layer(integ: _Integration, ctx: _Context, module, lstate: ragged.LayerState, hidden_states,
-                 position_embeddings):  # fmt: skip
+def sparse_layer(
+    integ: _Integration, ctx: _Context, module, lstate: ragged.LayerState, hidden_states, position_embeddings
+):
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb as rope
 
     cfg = module.config
@@ -57,7 +58,9 @@ def sparse_layer(integ: _Integration, ctx: _Context, module, lstate: ragged.Laye
     ratio = spec.compress_ratio
     if spec.has_compressed:
         if comp is None or int(comp.compress_rate) != ratio:
-            raise RuntimeError(f"layer {module.layer_idx}: a {spec.kind.name} layer of ratio {ratio} without that compressor")
+            raise RuntimeError(
+                f"layer {module.layer_idx}: a {spec.kind.name} layer of ratio {ratio} without that compressor"
+            )
         csa = spec.kind is LayerKind.CSA
         entries = compress(comp, x, lstate, "compressor", ctx, ratio, overlapped=csa, fp8=fp8)
         if fp8:
@@ -73,9 +76,16 @@ def sparse_layer(integ: _Integration, ctx: _Context, module, lstate: ragged.Laye
     if sink.dtype not in (torch.float32, torch.float64):  # a model cast to 16 bits: the kernel takes float32
         sink = sink.float()
     out = prefill_attention(
-        q, ctx.meta[spec.kind], raw, compressed, sm_scale=module.scaling, attn_sink=sink,
-        topk_indices=topk, backend=integ.backend, dropout_p=float(module.attention_dropout) if module.training else 0.0,
-    )  # fmt: skip
+        q,
+        ctx.meta[spec.kind],
+        raw,
+        compressed,
+        sm_scale=module.scaling,
+        attn_sink=sink,
+        topk_indices=topk,
+        backend=integ.backend,
+        dropout_p=float(module.attention_dropout) if module.training else 0.0,
+    )
     out = rope(out, cos, -sin)  # undo the values' RoPE at the query position, as transformers does
     y = module.o_b_proj(module.o_a_proj(out.reshape(Tr, cfg.o_groups, -1)).flatten(1))
     return ctx.unpack(y)
@@ -89,8 +99,10 @@ def compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: _Context, r: in
     )
 
     plan = ctx.compress[r]
-    dev = {k: ctx.dev[f"{r}.{k}"] for k in ("usable", "leftover", "prev", "overlap", "positions", "move_src",
-                                            "move_dst", "append_dst")}  # fmt: skip
+    dev = {
+        k: ctx.dev[f"{r}.{k}"]
+        for k in ("usable", "leftover", "prev", "overlap", "positions", "move_src", "move_dst", "append_dst")
+    }
     cs = lstate.compressors.setdefault(name, ragged.CompressorState(r))
     kv, gate = cmod.kv_proj(x), cmod.gate_proj(x)  # (Tr, C), without the position bias
     stream_kv = kv if cs.buf_kv is None else torch.cat([cs.buf_kv, kv])
@@ -108,7 +120,9 @@ def compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: _Context, r: in
                 cs.overlap_kv = ca_kv.new_zeros((ctx.B, r, half))
                 cs.overlap_gate = ca_gate.new_zeros((ctx.B, r, half))
             prev_kv = torch.cat([ca_kv, cs.overlap_kv, ca_kv.new_zeros((1, r, half))])[dev["prev"]]
-            prev_gate = torch.cat([ca_gate, cs.overlap_gate, ca_gate.new_full((1, r, half), float("-inf"))])[dev["prev"]]
+            prev_gate = torch.cat([ca_gate, cs.overlap_gate, ca_gate.new_full((1, r, half), float("-inf"))])[
+                dev["prev"]
+            ]
             cs.overlap_kv = torch.cat([ca_kv, cs.overlap_kv])[dev["overlap"]]
             cs.overlap_gate = torch.cat([ca_gate, cs.overlap_gate])[dev["overlap"]]
             chunk_kv = torch.cat([prev_kv, chunk_kv[..., half:]], dim=1)  # (n, 2r, half)

@@ -59,7 +59,7 @@ class EntryLayout:
     count: np.ndarray
 
     @classmethod
-    def empty(cls, B: int) -> "EntryLayout":
+    def empty(cls, B: int) -> EntryLayout:
         z = np.zeros(B, dtype=np.int64)
         return cls(z, z.copy(), z.copy())
 
@@ -172,12 +172,19 @@ def plan_compress(prefix: np.ndarray, query: np.ndarray, r: int, old: EntryLayou
     move_src = _ranges(old.start, count_old) if relayout else np.zeros(0, np.int64)
     move_dst = _ranges(start, count_old) if relayout else np.zeros(0, np.int64)
     return CompressPlan(
-        ratio=r, n_windows=n_windows,
-        usable=np.concatenate(usable).astype(np.int64), leftover=np.concatenate(leftover).astype(np.int64),
-        prev=prev.astype(np.int64), overlap=overlap.astype(np.int64), positions=positions.astype(np.int64),
-        layout=EntryLayout(start, cap, count_new), relayout=relayout, move_src=move_src, move_dst=move_dst,
+        ratio=r,
+        n_windows=n_windows,
+        usable=np.concatenate(usable).astype(np.int64),
+        leftover=np.concatenate(leftover).astype(np.int64),
+        prev=prev.astype(np.int64),
+        overlap=overlap.astype(np.int64),
+        positions=positions.astype(np.int64),
+        layout=EntryLayout(start, cap, count_new),
+        relayout=relayout,
+        move_src=move_src,
+        move_dst=move_dst,
         append_dst=_ranges(start + count_old, nw),
-    )  # fmt: skip
+    )
 
 
 def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
@@ -189,7 +196,7 @@ def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, 
         host = host.pin_memory()
     flat = host.to(device, non_blocking=True)
     views = torch.split(flat, [p.shape[0] for p in parts])
-    return {n: v.view(arrays[n].shape) for n, v, in zip(names, views)}
+    return {n: v.view(arrays[n].shape) for n, v in zip(names, views)}
 
 
 # ----------------------------------------------------------------------------- device state
@@ -229,7 +236,7 @@ class RaggedCacheState:
     in_forward: bool = False
 
     @classmethod
-    def fresh(cls, B: int) -> "RaggedCacheState":
+    def fresh(cls, B: int) -> RaggedCacheState:
         return cls(num_requests=B, seen=np.zeros(B, dtype=np.int64))
 
     def layout(self, r: int) -> EntryLayout:
@@ -240,7 +247,7 @@ class RaggedCacheState:
             self.layers[idx] = LayerState()
         return self.layers[idx]
 
-    def select(self, rows: np.ndarray, W: int) -> "RaggedCacheState":
+    def select(self, rows: np.ndarray, W: int) -> RaggedCacheState:
         """A new state holding requests `rows` (any order, repeats allowed): beam-search reorder."""
         rows = np.asarray(rows, dtype=np.int64)
         B = self.num_requests
@@ -276,13 +283,17 @@ class RaggedCacheState:
                 if cs.overlap_kv is not None:
                     ns.overlap_kv, ns.overlap_gate = (t[sel.to(t.device)] for t in (cs.overlap_kv, cs.overlap_gate))
                 if cs.entries is not None and cs.entries.dtype == torch.uint8:  # fp8_ds_mla pages
-                    src, dst, total = (torch.from_numpy(a).to(cs.entries.device) if isinstance(a, np.ndarray) else a
-                                       for a in entry_idx[r])  # fmt: skip
+                    src, dst, total = (
+                        torch.from_numpy(a).to(cs.entries.device) if isinstance(a, np.ndarray) else a
+                        for a in entry_idx[r]
+                    )
                     ns.entries = select_entries(cs.entries, src, dst, total)
                 elif cs.entries is not None:
                     src, dst, total = entry_idx[r]
                     ns.entries = cs.entries.new_zeros((total, cs.entries.shape[1]))
-                    ns.entries[torch.from_numpy(dst).to(cs.entries.device)] = cs.entries[torch.from_numpy(src).to(cs.entries.device)]
+                    ns.entries[torch.from_numpy(dst).to(cs.entries.device)] = cs.entries[
+                        torch.from_numpy(src).to(cs.entries.device)
+                    ]
                 new.compressors[name] = ns
         return out
 
@@ -297,6 +308,8 @@ def select_window(window: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def select_entries(entries: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, total_rows: int) -> torch.Tensor:
     """New entry pages of `total_rows` slots: slot dst[i] holds slot src[i] of `entries`."""
-    out = torch.zeros((total_rows // ENTRY_PAGE, kvcache.page_bytes(ENTRY_PAGE)), dtype=torch.uint8, device=entries.device)
+    out = torch.zeros(
+        (total_rows // ENTRY_PAGE, kvcache.page_bytes(ENTRY_PAGE)), dtype=torch.uint8, device=entries.device
+    )
     kvcache.copy_slots(entries, src, out, dst, ENTRY_PAGE)
     return out

@@ -122,8 +122,15 @@ def sparse_attention_reference(
             blocks = [b for b in blocks if active[b]]
         for b in blocks:
             m, l, acc = _key_block_step(
-                q_tile, kv, idx_tile[:, b * KEY_BLOCK : (b + 1) * KEY_BLOCK],
-                valid[:, b * KEY_BLOCK : (b + 1) * KEY_BLOCK], sm_scale, d_v, m, l, acc,
+                q_tile,
+                kv,
+                idx_tile[:, b * KEY_BLOCK : (b + 1) * KEY_BLOCK],
+                valid[:, b * KEY_BLOCK : (b + 1) * KEY_BLOCK],
+                sm_scale,
+                d_v,
+                m,
+                l,
+                acc,
                 None if drop is None else drop.keep_scale(t0, b),
             )
         has_key = valid.any(dim=1)[:, None]  # [tile, 1]
@@ -193,8 +200,21 @@ class _Dropout:
         return (u >= self.p).to(self.dtype) * self.scale
 
 
-def sparse_attention_reference_backward(q, kv, indices, sm_scale, attn_sink, topk_length, out, lse, d_out, d_lse,
-                                        *, dropout_p: float = 0.0, dropout_seed: int = 0):  # fmt: skip
+def sparse_attention_reference_backward(
+    q,
+    kv,
+    indices,
+    sm_scale,
+    attn_sink,
+    topk_length,
+    out,
+    lse,
+    d_out,
+    d_lse,
+    *,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+):
     """Gradients of `sparse_attention_reference` (out and lse) w.r.t. q, kv and attn_sink.
 
     With P_j = exp(s_j - lse) / (1 + exp(sink - lse)) (s_j = sm_scale * <q, kv[idx_j]>, the sink's
@@ -308,19 +328,34 @@ class _SparseAttentionFunction(torch.autograd.Function):
         if d_out is None:
             d_out = torch.zeros_like(out)
         dq, dkv, dsink = sparse_attention_reference_backward(
-            q, kv, indices, ctx.sm_scale, attn_sink, topk_length, out, lse, d_out, d_lse,
-            dropout_p=ctx.dropout_p, dropout_seed=ctx.dropout_seed,
-        )  # fmt: skip
+            q,
+            kv,
+            indices,
+            ctx.sm_scale,
+            attn_sink,
+            topk_length,
+            out,
+            lse,
+            d_out,
+            d_lse,
+            dropout_p=ctx.dropout_p,
+            dropout_seed=ctx.dropout_seed,
+        )
         return (
             dq if ctx.needs_input_grad[0] else None,
             dkv if ctx.needs_input_grad[1] else None,
             dsink if ctx.needs_input_grad[2] else None,
-            None, None, None, None, None,
+            None,
+            None,
+            None,
+            None,
+            None,
         )
 
 
-def sparse_attention_reference_autograd(q, kv, indices, sm_scale, attn_sink=None, topk_length=None, *,
-                                        dropout_p: float = 0.0, dropout_seed: int = 0):  # fmt: skip
+def sparse_attention_reference_autograd(
+    q, kv, indices, sm_scale, attn_sink=None, topk_length=None, *, dropout_p: float = 0.0, dropout_seed: int = 0
+):
     """`sparse_attention_reference` with a backward (q, kv and attn_sink get gradients; lse is
     differentiable too, max_logits is not). The forward values are bitwise the no-grad kernel's."""
     return _SparseAttentionFunction.apply(q, kv, attn_sink, indices, topk_length, sm_scale, dropout_p, dropout_seed)
