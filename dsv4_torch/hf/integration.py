@@ -60,7 +60,7 @@ dropout is eager's (`config.attention_dropout` on the probabilities, the sink ex
 reference backend only). Gradient checkpointing: transformers drops the cache in checkpointed
 layers, and so does this path (a fresh per-forward state, the given cache left untouched; a cache
 that already holds tokens is refused); a layer's recomputation replays the state the layer first
-saw (`_Context.layer_inputs`), so the recomputed forward is the original one. The host planning
+saw (`ForwardContext.layer_inputs`), so the recomputed forward is the original one. The host planning
 (pre-hook, post-hook, the attention layer) is excluded from `torch.compile` tracing
 (`torch.compiler.disable`): a compiled model runs it eagerly between graphs. A model cast to
 float16 / bfloat16 passes its sinks to the kernel in float32.
@@ -68,7 +68,6 @@ float16 / bfloat16 passes its sinks to the kernel in float32.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -78,8 +77,9 @@ import torch
 from dsv4_torch.attention import BACKENDS, resolve_backend
 from dsv4_torch.hf import layer as hf_layer
 from dsv4_torch.hf import ragged
+from dsv4_torch.hf.layer import ForwardContext
 from dsv4_torch.hf.versions import require_supported_transformers
-from dsv4_torch.prefill import StepMetadata, build_step_metadata
+from dsv4_torch.prefill import build_step_metadata
 from planner import (
     POLICIES,
     LayerSpec,
@@ -95,7 +95,7 @@ ATTN_IMPLEMENTATION = "dsv4_sparse_prefill"
 INDEXER_CHUNK_ELEMS = 1 << 24  # indexer scores (query x head x entry) computed at once per request
 _MODEL_ATTR = "_dsv4_sparse_prefill"
 _CACHE_ATTR = "_dsv4_sparse_state"
-_CONTEXT_ATTR = "_dsv4_sparse_context"  # on the forward's position_ids tensor: its _Context
+_CONTEXT_ATTR = "_dsv4_sparse_context"  # on the forward's position_ids tensor: its ForwardContext
 
 
 @dataclass
@@ -276,42 +276,6 @@ def _register_attention_function():
     AttentionInterface.register(ATTN_IMPLEMENTATION, refuse)
 
 
-# ----------------------------------------------------------------------------- per-forward context
-
-
-@dataclass(eq=False)
-class _Context:
-    """One forward's plan: host integers, device index tensors, the step metadata, the state."""
-
-    state: ragged.RaggedCacheState
-    cache: object
-    B: int
-    T: int
-    num_tokens: int  # real tokens (Tr)
-    qsl: np.ndarray  # (B + 1,) token offsets of each request in the packed order
-    seq: np.ndarray
-    query: np.ndarray
-    meta: StepMetadata
-    raw: ragged.RawPlan
-    compress: dict[int, ragged.CompressPlan]
-    dev: dict[str, torch.Tensor]  # device index tensors: "raw_src", ..., and per ratio "4.usable", ...
-    real_index: torch.Tensor | None  # (Tr,) rows of the (B*T) flattening; None = every token is real
-    replayable: bool = False  # keep each layer's input state, so a checkpoint can recompute the layer
-    layer_inputs: dict = field(default_factory=dict)  # layer_idx -> copy of the LayerState it first saw
-    layers_done: set = field(default_factory=set)
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        flat = t.reshape(self.B * self.T, *t.shape[2:])
-        return flat if self.real_index is None else flat.index_select(0, self.real_index)
-
-    def unpack(self, y: torch.Tensor) -> torch.Tensor:
-        if self.real_index is None:
-            return y.view(self.B, self.T, -1)
-        out = y.new_zeros((self.B * self.T, y.shape[-1]))
-        out.index_copy_(0, self.real_index, y)
-        return out.view(self.B, self.T, -1)
-
-
 _FORWARD_ARGS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache")
 
 
@@ -329,7 +293,7 @@ class _Integration:
     previous_attn_implementation: str
     owner: object = None
     handles: list = field(default_factory=list)
-    current: _Context | None = None
+    current: ForwardContext | None = None
     last: ForwardRecord | None = None
     kv_cache_dtype: str = "auto"  # "fp8_ds_mla": window and compressed caches as vLLM's pages
 
@@ -433,7 +397,7 @@ class _Integration:
         dev = ragged.to_device(arrays, device)
         position_ids = dev.pop("position_ids")
         qsl = np.concatenate([[0], np.cumsum(query)]).astype(np.int64)
-        ctx = _Context(
+        ctx = ForwardContext(
             state=state,
             cache=cache,
             B=B,
@@ -588,7 +552,7 @@ def _attention_forward(
         )
     idx = module.layer_idx
     if idx in ctx.layer_inputs:  # a checkpoint recomputes this layer: replay it from its input state
-        lstate = _copy_layer_state(ctx.layer_inputs[idx])
+        lstate = hf_layer.copy_layer_state(ctx.layer_inputs[idx])
     elif idx in ctx.layers_done:
         raise RuntimeError(
             f"layer {idx}: called twice in one forward, and its input state was not kept (a reentrant "
@@ -598,12 +562,6 @@ def _attention_forward(
     else:
         lstate = ctx.state.layer(idx)
         if ctx.replayable:
-            ctx.layer_inputs[idx] = _copy_layer_state(lstate)
+            ctx.layer_inputs[idx] = hf_layer.copy_layer_state(lstate)
         ctx.layers_done.add(idx)
     return hf_layer.sparse_layer(integ, ctx, module, lstate, hidden_states, position_embeddings), None
-
-
-def _copy_layer_state(ls: ragged.LayerState) -> ragged.LayerState:
-    """A new LayerState holding the same tensors (in a replayable forward the layer code assigns
-    new tensors and never edits these in place)."""
-    return ragged.LayerState(ls.window, {n: dataclasses.replace(cs) for n, cs in ls.compressors.items()})

@@ -10,21 +10,68 @@ only: the host planning happened once per forward (`integration._Integration.pre
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from dsv4_torch.hf import fp8_cache, ragged
-from dsv4_torch.prefill import PagedKV, prefill_attention
+from dsv4_torch.prefill import PagedKV, StepMetadata, prefill_attention
 from planner import LayerKind
 
 if TYPE_CHECKING:
-    from dsv4_torch.hf.integration import _Context, _Integration
+    from dsv4_torch.hf.integration import _Integration
+
+
+# ----------------------------------------------------------------------------- per-forward context
+
+
+@dataclass(eq=False)
+class ForwardContext:
+    """One forward's plan: host integers, device index tensors, the step metadata, the state."""
+
+    state: ragged.RaggedCacheState
+    cache: object
+    B: int
+    T: int
+    num_tokens: int  # real tokens (Tr)
+    qsl: np.ndarray  # (B + 1,) token offsets of each request in the packed order
+    seq: np.ndarray
+    query: np.ndarray
+    meta: StepMetadata
+    raw: ragged.RawPlan
+    compress: dict[int, ragged.CompressPlan]
+    dev: dict[str, torch.Tensor]  # device index tensors: "raw_src", ..., and per ratio "4.usable", ...
+    real_index: torch.Tensor | None  # (Tr,) rows of the (B*T) flattening; None = every token is real
+    replayable: bool = False  # keep each layer's input state, so a checkpoint can recompute the layer
+    layer_inputs: dict = field(default_factory=dict)  # layer_idx -> copy of the LayerState it first saw
+    layers_done: set = field(default_factory=set)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        flat = t.reshape(self.B * self.T, *t.shape[2:])
+        return flat if self.real_index is None else flat.index_select(0, self.real_index)
+
+    def unpack(self, y: torch.Tensor) -> torch.Tensor:
+        if self.real_index is None:
+            return y.view(self.B, self.T, -1)
+        out = y.new_zeros((self.B * self.T, y.shape[-1]))
+        out.index_copy_(0, self.real_index, y)
+        return out.view(self.B, self.T, -1)
+
+
+def copy_layer_state(ls: ragged.LayerState) -> ragged.LayerState:
+    """A new LayerState holding the same tensors (in a replayable forward the layer code assigns
+    new tensors and never edits these in place)."""
+    return ragged.LayerState(ls.window, {n: dataclasses.replace(cs) for n, cs in ls.compressors.items()})
+
+
+# ----------------------------------------------------------------------------- the layer
 
 
 def sparse_layer(
-    integ: _Integration, ctx: _Context, module, lstate: ragged.LayerState, hidden_states, position_embeddings
+    integ: _Integration, ctx: ForwardContext, module, lstate: ragged.LayerState, hidden_states, position_embeddings
 ):
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb as rope
 
@@ -91,7 +138,7 @@ def sparse_layer(
     return ctx.unpack(y)
 
 
-def compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: _Context, r: int, overlapped: bool, fp8=False):
+def compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: ForwardContext, r: int, overlapped: bool, fp8=False):
     """Pool every request's newly completed blocks (transformers' compressor math, ragged) and
     append the entries to the request's region; returns the layer's entry rows."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
@@ -146,7 +193,7 @@ def compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: _Context, r: in
     return cs.entries
 
 
-def indexer_topk(ind, x, q_residual, entries, ctx: _Context, chunk_elems: int):
+def indexer_topk(ind, x, q_residual, entries, ctx: ForwardContext, chunk_elems: int):
     """(Tr, index_topk) request-local top-k entry ids per token, -1 = none (transformers' indexer,
     each request against its own entries only)."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
