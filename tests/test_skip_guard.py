@@ -1,4 +1,4 @@
-"""The suite cannot pass by skipping: a skip whose reason is not on tests/conftest.py's allow-list
+"""The suite cannot pass by skipping: a skip whose reason is not on tests/skip_guard.py's allow-list
 fails the run (exit code 1), xfail and allowed skips do not."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import skip_allowed
+from tests.skip_guard import skip_allowed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
