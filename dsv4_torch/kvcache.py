@@ -143,7 +143,7 @@ def quantize_and_insert_k_cache(
       backend, validate: see the module doc.
     """
     S = _block_size(block_size)
-    num_blocks = _check_pages(k_cache, S)
+    num_blocks = check_pages(k_cache, S)
     _need_tensor(k, "k")
     if k.dtype != torch.bfloat16:
         raise TypeError(f"k: expected bfloat16, got {k.dtype}")
@@ -186,10 +186,10 @@ def _quantize_insert_reference(k, k_cache, slots, S):
     s = slots[live].long()
     data, scales = encode_slots(k[:n][live])
     pb = page_bytes(S)
-    rows, words = _row_views(k_cache, pb)
+    rows, words = row_views(k_cache, pb)
     page, pos = s // S, s % S
     rows.index_copy_(0, page * (pb // SLOT_DATA_BYTES) + pos, data.view(rows.dtype).view(-1, rows.shape[1]))
-    words.index_copy_(0, _scale_index(page, pos, pb, S), scales.view(words.dtype).view((-1,) + words.shape[1:]))
+    words.index_copy_(0, scale_index(page, pos, pb, S), scales.view(words.dtype).view((-1,) + words.shape[1:]))
 
 
 def exponents(amax: torch.Tensor) -> torch.Tensor:
@@ -257,7 +257,7 @@ def dequantize_and_gather_k_cache(
       backend, validate: see the module doc.
     """
     S = _block_size(block_size)
-    num_blocks = _check_pages(k_cache, S)
+    num_blocks = check_pages(k_cache, S)
     _need_tensor(out, "out")
     if out.dtype != torch.bfloat16:
         raise TypeError(f"out: expected bfloat16, got {out.dtype}")
@@ -324,9 +324,9 @@ def _gather_dequant_reference(out, k_cache, seq, glen, bt, S, offset):
     page = bt[req, pos // S].long()
     slot = pos % S
     pb = page_bytes(S)
-    rows, words = _row_views(k_cache, pb)
+    rows, words = row_views(k_cache, pb)
     row_idx = page * (pb // SLOT_DATA_BYTES) + slot
-    scale_idx = _scale_index(page, slot, pb, S)
+    scale_idx = scale_index(page, slot, pb, S)
     flat_out = out.view(-1, HEAD_DIM).view(torch.int64) if out.is_contiguous() else None
     dest = req * out.shape[1] + offset + i if flat_out is not None else None
     m = min(n, CHUNK_ROWS)
@@ -452,8 +452,8 @@ def copy_slots(
     destination at most once. Device ops only: callers keep the slots in range.
     """
     S = _block_size(block_size)
-    _check_pages(src_cache, S, "src_cache")
-    _check_pages(dst_cache, S, "dst_cache")
+    check_pages(src_cache, S, "src_cache")
+    check_pages(dst_cache, S, "dst_cache")
     for name, x in (("src_slots", src_slots), ("dst_slots", dst_slots)):
         _need_tensor(x, name)
         if x.dtype not in _INT_DTYPES or x.ndim != 1:
@@ -464,7 +464,7 @@ def copy_slots(
     if src_slots.numel() == 0:
         return
     pb = page_bytes(S)
-    (src_rows, src_words), (dst_rows, dst_words) = _row_views(src_cache, pb), _row_views(dst_cache, pb)
+    (src_rows, src_words), (dst_rows, dst_words) = row_views(src_cache, pb), row_views(dst_cache, pb)
     if src_rows.dtype != dst_rows.dtype:  # one of them not 8-byte aligned: move bytes
         src_rows, src_words = (t.view(torch.uint8).view(t.shape[0], -1) for t in (src_rows, src_words))
         dst_rows, dst_words = (t.view(torch.uint8).view(t.shape[0], -1) for t in (dst_rows, dst_words))
@@ -472,7 +472,7 @@ def copy_slots(
     dp, ds = torch.div(dst_slots.long(), S, rounding_mode="floor"), dst_slots.long() % S
     per_page = pb // SLOT_DATA_BYTES
     dst_rows.index_copy_(0, dp * per_page + ds, src_rows.index_select(0, sp * per_page + ss))
-    dst_words.index_copy_(0, _scale_index(dp, ds, pb, S), src_words.index_select(0, _scale_index(sp, ss, pb, S)))
+    dst_words.index_copy_(0, scale_index(dp, ds, pb, S), src_words.index_select(0, scale_index(sp, ss, pb, S)))
 
 
 def gather_slots(k_cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -491,7 +491,7 @@ def gather_slots(k_cache: torch.Tensor, slots: torch.Tensor, block_size: int) ->
 # checks and views
 
 
-def _row_views(k_cache: torch.Tensor, pb: int) -> tuple[torch.Tensor, torch.Tensor]:
+def row_views(k_cache: torch.Tensor, pb: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The pages as rows of 576 bytes and as 8-byte words (int64 where the pages start 8-byte
     aligned, else uint8), sharing k_cache's memory.
 
@@ -507,12 +507,12 @@ def _row_views(k_cache: torch.Tensor, pb: int) -> tuple[torch.Tensor, torch.Tens
     return flat.view(-1, SLOT_DATA_BYTES), flat.view(-1, SLOT_SCALE_BYTES)
 
 
-def _scale_index(page, slot, stride, S):
+def scale_index(page, slot, stride, S):
     """Index of each slot's 8 scale bytes in `words` (8-byte words, or rows of 8 bytes)."""
     return page * (stride // SLOT_SCALE_BYTES) + S * (SLOT_DATA_BYTES // SLOT_SCALE_BYTES) + slot
 
 
-def _check_pages(k_cache, S: int, name: str = "k_cache") -> int:
+def check_pages(k_cache, S: int, name: str = "k_cache") -> int:
     """num_blocks of a valid page tensor (module doc); errors name the argument `name`."""
     try:
         return _check_pages_named(k_cache, S)
@@ -569,3 +569,7 @@ def _same_device(k_cache: torch.Tensor, **tensors) -> None:
     for name, x in tensors.items():
         if x is not None and x.device != k_cache.device:
             raise ValueError(f"{name}: on {x.device}, but k_cache is on {k_cache.device}")
+
+
+# dsv4_torch/prefill.py's names for these (until it imports the public ones)
+_check_pages, _row_views, _scale_index = check_pages, row_views, scale_index
