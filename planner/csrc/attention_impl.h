@@ -37,7 +37,7 @@ struct Buffer {
 
 // One thread's scratch: reused across calls (thread_local in the dispatcher).
 struct Scratch {
-    Buffer q, s, p, v, o, stat, keys, stage, misc, zero;
+    Buffer q, s, p, v, o, stat, keys, stage, misc;  // misc: the dispatcher's key lists
 };
 
 // One token's attention: rows of H heads (q, head stride q_hs elements), n keys given as row
