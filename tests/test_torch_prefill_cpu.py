@@ -320,6 +320,23 @@ def test_topk_int64_strided_and_out_buffers():
         assert got is out and torch.equal(out, base)
 
 
+@pytest.mark.parametrize("ratio", [0, 128])
+def test_window_only_raw_rows_with_negative_offsets(ratio):
+    """A LogicalKV raw cache holding only each request's window rows (offset = start - first
+    position kept, negative for the first request): only the keys the layer reads are needed."""
+    case = boundary_cases(ratio)[2]
+    base, _ = run(case)
+    b = case.batch
+    first = [max(0, s - q - (case.window_size - 1)) for s, q in zip(b.seq_lens.tolist(), b.query_lens.tolist())]
+    kept = [torch.from_numpy(x[f:]) for x, f in zip(case.raw, first)]
+    starts = np.concatenate([[0], np.cumsum([k.shape[0] for k in kept])[:-1]])
+    offsets = torch.from_numpy(starts - np.asarray(first))
+    assert offsets[0] < 0
+    raw = TP.LogicalKV(torch.cat(kept), offsets)
+    comp = [torch.from_numpy(x) for x in case.comp] if case.kind.has_compressed else None
+    assert torch.equal(run(case, raw, comp)[0], base)
+
+
 def test_strided_pages_and_threads_give_the_same_bits(monkeypatch):
     case = boundary_cases(128)[2]
     base, _ = run(case)
