@@ -102,7 +102,8 @@ def test_fp8_decoder_is_bit_exact(isa):
         page[0, :576], page[0, S * 576 : S * 576 + 8] = d, sc
         LIB.dsv4_decode_row_bf16(d.ctypes.data, sc.ctypes.data, exact.ctypes.data)
         C.check(LIB.dsv4_cpu_decode_row(C.isa_code(isa), d.ctypes.data, sc.ctypes.data, got.ctypes.data))
-        ref = decode_slots(page, S, np.array([0]), np.array([0]))[0].astype(ml_dtypes.bfloat16).view(np.uint16)
+        with np.errstate(invalid="ignore"):  # NaN codes
+            ref = decode_slots(page, S, np.array([0]), np.array([0]))[0].astype(ml_dtypes.bfloat16).view(np.uint16)
         np.testing.assert_array_equal(got, exact, err_msg=f"scale byte {byte}")
         nan = np.isnan(ref.view(ml_dtypes.bfloat16).astype(np.float32))
         np.testing.assert_array_equal(exact[~nan], ref[~nan], err_msg=f"scale byte {byte}")
