@@ -44,26 +44,20 @@ SLOW = ("torch.reference", "jax.xla")  # left out of the long case unless named
 
 
 def random_pages(rng, num_rows: int, S: int) -> tuple[np.ndarray, np.ndarray]:
-    """fp8_ds_mla pages holding `num_rows` rows of one request at S slots per page, the pages in
-    random order: (pages uint8 [num_pages, page_bytes(S)], block_table int32 [1, pages]).
-    e4m3 codes uniform over the finite ones, scale bytes 115..121 (values up to about 14; vLLM writes 105..247), RoPE
-    dims bf16 of N(0, 1)."""
-    from planner.kvcache import page_bytes
+    """fp8_ds_mla pages holding `num_rows` rows of one request at S slots per page, written by
+    vLLM's rule (`planner.kvcache.quantize_and_insert_k_cache`) from bf16 rows ~ N(0, 1), the
+    pages in random order: (pages uint8 [num_pages + 1, page_bytes(S)], block_table int32 [pages])."""
+    import ml_dtypes
+
+    from planner.kvcache import page_bytes, quantize_and_insert_k_cache
 
     n = -(-num_rows // S)
-    pb = page_bytes(S)
-    pages = np.zeros((n + 1, pb), np.uint8)
-    codes = rng.integers(0, 0x7F, (n, S, 448), dtype=np.uint8) | (rng.integers(0, 2, (n, S, 448), dtype=np.uint8) << 7)
-    rope = rng.standard_normal((n, S, 64)).astype(np.float32).view(np.uint32) >> 16
-    slots = np.concatenate([codes, rope.astype(np.uint16).view(np.uint8).reshape(n, S, 128)], axis=2)
-    pages[:n, : S * 576] = slots.reshape(n, S * 576)
-    scales = np.zeros((n, S, 8), np.uint8)
-    scales[:, :, :7] = rng.integers(115, 122, (n, S, 7))
-    pages[:n, S * 576 : S * 584] = scales.reshape(n, S * 8)
-    order = rng.permutation(n + 1)  # page ids scattered; one spare page never referenced
-    shuffled = np.empty_like(pages)
-    shuffled[order] = pages
-    return shuffled, order[:n].astype(np.int32)
+    pages = np.zeros((n + 1, page_bytes(S)), np.uint8)  # one spare page never referenced
+    table = rng.permutation(n + 1)[:n].astype(np.int32)
+    rows = rng.standard_normal((num_rows, 512)).astype(ml_dtypes.bfloat16)
+    slots = table[np.arange(num_rows) // S].astype(np.int64) * S + np.arange(num_rows) % S
+    quantize_and_insert_k_cache(rows, pages, slots, S)
+    return pages, table
 
 
 class Layer:

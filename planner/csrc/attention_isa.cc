@@ -19,13 +19,14 @@
 // probabilities as bf16 pairs (Pp [KB/2][Hp]), so PV is vdpbf16ps too.
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 
 #include "attention_impl.h"
 
-#if defined(DSV4_HAVE_BF16_KERNEL)
+#if defined(DSV4_HAVE_BF16_KERNEL) || defined(DSV4_HAVE_AVX512BW)
 #include <immintrin.h>
 #endif
 
@@ -318,10 +319,12 @@ static void token_f32(const TokenJob &j, Scratch &sc) {
 
 static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
-// S[n][16 r .. 16 r + 15] (+)= <key n, q of heads 16 r ..> over dim pairs d0 .. d1 - 1.
+// S[n][16 r .. 16 r + 15] (+)= <key n, q of heads 16 r ..> over dim pairs d0 .. d1 - 1. `next`:
+// the next micro-tile's NB rows (or nullptr), prefetched over the same dims, a cache line of each
+// per 16 dim pairs: scattered keys (CSA's top-k over a long context) come from L3 or memory.
 template <int RB, int NB>
 static inline void qk_bf16(const uint32_t *__restrict Qp, int64_t D2, int64_t d0, int64_t d1, const void *const *keys,
-                           float *__restrict S, int64_t Hp, bool accumulate) {
+                           const void *const *next, float *__restrict S, int64_t Hp, bool accumulate) {
     __m512 acc[NB][RB];
     const char *kr[NB];
     for (int n = 0; n < NB; n++) {
@@ -329,6 +332,8 @@ static inline void qk_bf16(const uint32_t *__restrict Qp, int64_t D2, int64_t d0
         for (int r = 0; r < RB; r++) acc[n][r] = accumulate ? _mm512_load_ps(S + n * Hp + r * 16) : _mm512_setzero_ps();
     }
     for (int64_t d = d0; d < d1; d++) {
+        if (next && (d & 15) == 0)
+            for (int n = 0; n < NB; n++) _mm_prefetch(static_cast<const char *>(next[n]) + 4 * d, _MM_HINT_T0);
         __m512bh q[RB];
         for (int r = 0; r < RB; r++) q[r] = as_bh(_mm512_load_si512(Qp + (r * D2 + d) * 16));
         for (int n = 0; n < NB; n++) {
@@ -342,10 +347,6 @@ static inline void qk_bf16(const uint32_t *__restrict Qp, int64_t D2, int64_t d0
         for (int r = 0; r < RB; r++) _mm512_store_ps(S + n * Hp + r * 16, acc[n][r]);
 }
 
-// O[r][16 z ..] = alpha_r O[r][..] + sum_p P[p][r] V[p][..] over npairs key pairs, for R heads and
-// NZ vectors of 16 value dims. first: O is not read (the token's first block). out != nullptr
-// (the token's last block): the rows are scaled by fo[r] and written to out (bf16, head stride
-// out_hs) instead of O.
 template <int R, int NZ>
 static inline void pv_bf16(float *__restrict O, int64_t dvp, const float *__restrict alpha,
                            const uint32_t *__restrict Pp, int64_t Hp, const uint32_t *__restrict Vp, int64_t npairs,
@@ -389,7 +390,9 @@ template <int RB>
 static void qk_bf16_rows(const uint32_t *Qp, int64_t D2, const void *const *keys, float *S, int64_t Hp, int nk) {
     for (int64_t d0 = 0; d0 < D2; d0 += DSV4_QK_DIMS) {
         const int64_t d1 = d0 + DSV4_QK_DIMS < D2 ? d0 + DSV4_QK_DIMS : D2;
-        for (int k = 0; k < nk; k += BQK_NB) qk_bf16<RB, BQK_NB>(Qp, D2, d0, d1, keys + k, S + k * Hp, Hp, d0 > 0);
+        for (int k = 0; k < nk; k += BQK_NB)
+            qk_bf16<RB, BQK_NB>(Qp, D2, d0, d1, keys + k, k + BQK_NB < nk ? keys + k + BQK_NB : nullptr, S + k * Hp, Hp,
+                                d0 > 0);
     }
 }
 
@@ -509,6 +512,9 @@ static void token_bf16(const TokenJob &j, Scratch &sc) {
                 qk_bf16_rows<decltype(c)::value>(Qp + v * D2 * 16, D2, blk, S + v * 16, Hp, nk6);
             });
         }
+        if (k0 + KB < j.n)  // the next block's first micro-tile, while this block's PV runs
+            for (int64_t k = k0 + KB; k < std::min<int64_t>(j.n, k0 + KB + BQK_NB); k++)
+                for (int64_t b = 0; b < 4 * D2; b += 64) _mm_prefetch(static_cast<const char *>(j.keys[k]) + b, _MM_HINT_T1);
         softmax_block(S, nk, Hp, j.scale, m, l, alpha, false);
         const int npairs = (nk + 1) / 2;
         pack_probs(S, npairs, Hp, Pp);
@@ -534,7 +540,49 @@ static void token_bf16(const TokenJob &j, Scratch &sc) {
 
 #endif  // DSV4_HAVE_BF16_KERNEL
 
+#if defined(DSV4_HAVE_AVX512BW)
+
+// fp8_ds_mla slot -> 512 bf16 bits, bit-exact with dsv4_decode_row_bf16 (kvcache.c), for scale
+// bytes 10..246 (every nonzero result is then a normal bf16: the exponent shift is an integer add);
+// returns false, writing nothing, when a group's scale byte is outside that range.
+// Per 32 codes: normal codes (8..126) -> (code << 4) + ((120 + k) << 7); subnormal codes 1..7 from
+// a table (c * 2^-9, exponent-shifted the same way); 0 -> 0; 0x7F -> NaN 0x7FC0; sign bit on top.
+static bool decode_row_fast(const uint8_t *d, const uint8_t *sc, uint16_t *o) {
+    for (int g = 0; g < 7; g++)
+        if (sc[g] < 10 || sc[g] > 246) return false;
+    const __m512i sub0 = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                          0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
+    const __m512i m7f = _mm512_set1_epi16(0x7F), m80 = _mm512_set1_epi16(0x80), nanv = _mm512_set1_epi16(0x7FC0);
+    for (int g = 0; g < 7; g++) {
+        const int16_t k7 = (int16_t)((sc[g] - 127) * 128);
+        const __m512i shift = _mm512_set1_epi16(k7);
+        const __m512i sub = _mm512_mask_add_epi16(sub0, 0xFEu, sub0, shift);  // entry 0 (zero) stays 0
+        const __m512i norm = _mm512_set1_epi16((int16_t)(0x3C00 + k7));
+        for (int j = 0; j < 64; j += 32) {
+            __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(d + 64 * g + j)));
+            __m512i c = _mm512_and_si512(x, m7f);
+            __m512i v = _mm512_add_epi16(_mm512_slli_epi16(c, 4), norm);
+            v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epu16_mask(c, _mm512_set1_epi16(8)), c, sub);
+            v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(x, m80), 8));
+            v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(c, m7f), nanv);
+            _mm512_storeu_si512(o + 64 * g + j, v);
+        }
+    }
+    std::memcpy(o + 448, d + 448, 128);  // RoPE dims: little-endian bf16 bytes
+    return true;
+}
+
+#endif  // DSV4_HAVE_AVX512BW
+
 }  // namespace isa_<name>
+
+RowDecodeFn DSV4_CAT(row_decoder_, DSV4_ISA)() {
+#if defined(DSV4_HAVE_AVX512BW)
+    return &DSV4_CAT(isa_, DSV4_ISA)::decode_row_fast;
+#else
+    return nullptr;
+#endif
+}
 
 TokenFn DSV4_CAT(token_kernel_, DSV4_ISA)(int dtype, int64_t D, int64_t dv) {
     namespace k = DSV4_CAT(isa_, DSV4_ISA);
