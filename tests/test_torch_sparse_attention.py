@@ -246,4 +246,4 @@ def test_bad_backend_name():
 
 def test_package_exports():
     assert dsv4_torch.sparse_attention is sparse_attention
-    assert set(dsv4_torch.BACKENDS) == {"flashmla", "triton", "reference"}
+    assert set(dsv4_torch.BACKENDS) == {"flashmla", "triton", "cpu", "reference"}
