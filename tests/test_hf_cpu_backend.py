@@ -19,6 +19,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from dsv4_torch import BackendUnavailableError  # noqa: E402
 from dsv4_torch.hf import integration as I  # noqa: E402
+from dsv4_torch.hf import layer as L  # noqa: E402
 from planner import ckernel  # noqa: E402
 
 _REASON = ckernel.attention_unavailable_reason()
@@ -102,14 +103,14 @@ def test_fp8_cache_is_the_model_on_fp8_rounded_latents(model, monkeypatch):
     with sparse(model, kv_cache_dtype="fp8_ds_mla"):
         fp8 = calls(model, ids, bounds)
         assert I.last_forward(model).backends == CPU
-    real = I.prefill_attention
+    real = L.prefill_attention
 
     def rounded(q, meta, raw, comp=None, **kw):
-        raw = I.PagedKV(_fp8_rounded(raw.pages), raw.block_table)
-        comp = None if comp is None else I.PagedKV(_fp8_rounded(comp.pages), comp.block_table)
+        raw = L.PagedKV(_fp8_rounded(raw.pages), raw.block_table)
+        comp = None if comp is None else L.PagedKV(_fp8_rounded(comp.pages), comp.block_table)
         return real(q, meta, raw, comp, **kw)
 
-    monkeypatch.setattr(I, "prefill_attention", rounded)
+    monkeypatch.setattr(L, "prefill_attention", rounded)
     with sparse(model):
         want = calls(model, ids, bounds)
         assert I.last_forward(model).backends == CPU
