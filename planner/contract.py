@@ -205,7 +205,7 @@ ORDERS = ("batch", "length")  # `order=`: how the planner scans requests
 SIZES = ("bucket", "fine", "server")  # `sizes=`: how jitted prefill pads its static shapes
 BACKENDS = {  # `backend=`: the sparse-attention kernel, per framework ("auto" picks one)
     "torch": ("flashmla", "triton", "reference"),
-    "jax": ("xla", "pallas", "pallas_triton", "pallas_interpret", "mosaic", "mosaic_gpu", "mosaic_interpret"),
+    "jax": ("xla", "cpu", "pallas", "pallas_triton", "pallas_interpret", "mosaic", "mosaic_gpu", "mosaic_interpret"),
 }
 
 
