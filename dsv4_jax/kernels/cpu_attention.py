@@ -15,8 +15,8 @@ token's result depends only on its own keys and their order, so torch and JAX ge
 and a prefill's output does not depend on the plan. The instruction set is chosen at run time
 (`DSV4_PREFILL_CPU_ISA` caps it, read on every call). Threads: the CPUs this process may use.
 
-There is no backward: taking a gradient through these calls raises NotImplementedError (use
-backend="xla" to differentiate).
+There is no backward: taking a gradient through these calls raises NotImplementedError, never
+a wrong or zero gradient.
 """
 
 from __future__ import annotations
@@ -53,10 +53,7 @@ def _no_backward(impl, what: str):
         return impl(*args), None
 
     def bwd(_, g):
-        raise NotImplementedError(
-            f"{what}: backend 'cpu' (the C kernel, an XLA FFI call) has no backward pass; "
-            "differentiate through backend='xla'"
-        )
+        raise NotImplementedError(f"{what}: backend 'cpu' (the C kernel, an XLA FFI call) has no backward pass")
 
     f.defvjp(fwd, bwd)
     return f

@@ -31,6 +31,7 @@ def test_status_follows_the_packages():
     assert st["torch.triton"].available == (torch_av["triton"] is None)
     assert st["torch.flashmla"].available == (torch_av["flashmla"] is None)
     assert st["jax.pallas"].kernel == ("pallas_triton" if jax_av["pallas_triton"] is None else "pallas_interpret")
+    assert st["jax.cpu"].available == (jax_av["cpu"] is None)
     for s in st.values():
         assert s.available or (isinstance(s.reason, str) and s.reason)
     if not torch.cuda.is_available():
