@@ -46,7 +46,8 @@ class PagedKV:
         `block_size=S` slots per page. (vLLM's (num_pages, S, 584) torch view has a page stride of
         page_bytes(S) > S * 584; JAX arrays carry no strides, so a 3-D array is taken only when
         S * 584 == page_bytes(S).) A layer call dequantizes the rows it gathers into the bf16 (or
-        float32) workspace: exactly `dsv4_jax.kvcache.dequantize_and_gather_k_cache`'s values.
+        float32) workspace: exactly `dsv4_jax.kvcache.dequantize_and_gather_k_cache`'s values
+        (backend "cpu": the same values, decoded inside the kernel, no workspace).
     block_table: (B, max_pages_per_request) int32: row i lists request i's pages, so entry e of
       request i lives on page block_table[i, e // page_size], slot e % page_size.
     block_size: slots per page (static); required for fp8_ds_mla pages, else taken from the
