@@ -191,8 +191,9 @@ def test_vmap_runs_each_element():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_torch_and_jax_give_identical_bits(dtype):
-    """The same tensors (torch, crossed to JAX by DLPack) through the kernel torch calls (ctypes,
-    `planner.ckernel`) and through JAX's FFI call: identical bits in out, max_logits and lse."""
+    """The same tensors (torch, crossed to JAX by DLPack) through the kernel called by ctypes
+    (`planner.ckernel`), through `dsv4_torch.sparse_attention(backend="cpu")` and through JAX's
+    FFI call: identical bits in out, max_logits and lse."""
     try:
         import torch
     except ImportError:
@@ -213,10 +214,14 @@ def test_torch_and_jax_give_identical_bits(dtype):
     ckernel.check(rc)
     j = [jax.dlpack.from_dlpack(t) for t in (tq, tkv, tidx, tsink, ttl)]
     got = jax.jit(lambda q, kv, i, s, t: dsv4_jax.sparse_attention(q, kv, i, 0.05, s, t, backend="cpu"))(*j)
+    import dsv4_torch
+
+    wrapped = dsv4_torch.sparse_attention(tq, tkv, tidx, 0.05, tsink, ttl, backend="cpu")  # torch's own entry point
     bits = torch.int16 if dtype == "bfloat16" else torch.int32
-    for t_res, j_res in ((out, got[0]), (ml, got[1]), (lse, got[2])):
+    for t_res, w_res, j_res in zip((out, ml, lse), wrapped, got):
         t_bits = t_res.view(bits if t_res.dtype == tdt else torch.int32).numpy()
         np.testing.assert_array_equal(t_bits, np.asarray(j_res).view(t_bits.dtype))
+        np.testing.assert_array_equal(t_bits, w_res.contiguous().view(bits if w_res.dtype == tdt else torch.int32).numpy())
 
 
 # --- backend choice, bad inputs, no backward ------------------------------------------------

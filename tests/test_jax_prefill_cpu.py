@@ -276,6 +276,37 @@ def test_same_bits_as_the_kernel_called_through_ctypes(fmt):
     np.testing.assert_array_equal(bits(got), bits(out))
 
 
+@pytest.mark.parametrize("fmt", ["paged", "fp8"])
+def test_same_bits_as_dsv4_torch(fmt):
+    """dsv4_torch's prefill on backend "cpu" and ours, on the same tensors (crossed by DLPack)."""
+    try:
+        import torch
+
+        from dsv4_torch import prefill as TP
+    except ImportError:
+        pytest.skip("the torch side needs torch (the jax-only `make test-jax-new` run has none)")
+    if fmt == "fp8":
+        case, raw, comp = fp8_cases(128)[1]
+        kw = dict(kv_cache_dtype="fp8_ds_mla")
+        pages = [(torch.from_numpy(p.pages), torch.from_numpy(p.block_table), dict(kw, block_size=p.block_size)) for p in (raw, comp)]
+    else:
+        case = bf16_case(boundary_cases(128)[2])
+        pages = []
+        for which, seed in (("raw", 1), ("comp", 2)):
+            p, t = case.paged(which, seed=seed)
+            pages.append((torch.from_numpy(p).to(torch.bfloat16), torch.from_numpy(t), {}))
+    step = P.plan_step(case.batch, case.plan_config(policy="per_request"), [case.layer])
+    tq = torch.from_numpy(case.q).to(torch.bfloat16)
+    t_out = TP.prefill_attention(tq, TP.build_step_metadata(step)[case.kind], *(TP.PagedKV(p, t, **k) for p, t, k in pages),
+                                 sm_scale=case.sm_scale, attn_sink=torch.from_numpy(case.sink), backend="cpu")  # fmt: skip
+    srcs = [JP.PagedKV(jax.dlpack.from_dlpack(p), jax.dlpack.from_dlpack(t), **k) for p, t, k in pages]
+    smeta = JP.build_step_metadata(step, **FAST)
+    q = smeta.pad_tokens(jax.dlpack.from_dlpack(tq))
+    j_out = JP.prefill_attention(q, smeta[case.kind], *srcs, sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink), backend="cpu")
+    T = case.batch.num_tokens
+    np.testing.assert_array_equal(t_out.view(torch.int16).numpy(), bits(np.asarray(j_out)[:T]).view(np.int16))
+
+
 # --- bad inputs, no backward ----------------------------------------------------------------
 
 
