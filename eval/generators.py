@@ -40,7 +40,7 @@ from planner.contract import BACKENDS, POLICIES
 BATCHING = ("auto", "per_request", "batched")
 # `backend=` per framework: "eager" is transformers' own attention; the rest are our kernels
 TORCH_BACKENDS = ("eager", "auto") + BACKENDS["torch"]
-JAX_BACKENDS = ("auto", "xla", "pallas")  # "pallas": the Triton kernel on a GPU, interpreted elsewhere
+JAX_BACKENDS = ("auto", "xla", "cpu", "pallas")  # "cpu": the C kernel; "pallas": Triton on a GPU, interpreted elsewhere
 DTYPES = ("float32", "bfloat16")
 
 
