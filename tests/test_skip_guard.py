@@ -22,6 +22,7 @@ def test_allow_list():
     assert skip_allowed("could not import 'vllm': No module named 'vllm'")  # not installed in this venv
     assert not skip_allowed("the cpu backend's C kernel cannot be built here: no C compiler")
     assert not skip_allowed("")
+    assert not skip_allowed("the torch side needs torch (the jax-only `make test-jax-new` run has none)")  # it is here
 
 
 def test_unlisted_skip_fails_the_run(tmp_path):
