@@ -27,6 +27,7 @@ import functools
 import inspect
 import logging
 import os
+import time
 
 import numpy as np
 
@@ -60,8 +61,10 @@ TILE_KEYS = ("swaonly", "c4a", "c128a", "c1a", "c2a")  # sparse_swa's _LAYER_TYP
 
 # Calls since the process started (tests and benchmarks read them): steps built, layers whose
 # prefill tokens went through our kernel, layer calls of vLLM's kernel and the tokens they carried.
+# Seconds: host metadata builds, our kernel's calls, vLLM's kernel's calls (slot lists included).
 STATS = {"steps": 0, "dsv4_prefill_calls": 0, "dsv4_prefill_tokens": 0, "vllm_kernel_calls": 0,
-         "vllm_kernel_tokens": 0}  # fmt: skip
+         "vllm_kernel_tokens": 0, "metadata_seconds": 0.0, "dsv4_prefill_seconds": 0.0,
+         "vllm_kernel_seconds": 0.0}  # fmt: skip
 
 
 class CPUPathUnavailableError(RuntimeError):
@@ -204,6 +207,23 @@ def _patch_token_map(module) -> None:
              "vllm.v1.attention.ops.metadata.compute_token_to_req_indices")  # fmt: skip
 
 
+def _timed(stat: str):
+    """Add the wrapped call's wall time to STATS[stat]."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                STATS[stat] += time.perf_counter() - t
+
+        return timed
+
+    return wrap
+
+
 def _seq_lens_cpu(cm):
     return cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens
 
@@ -224,6 +244,7 @@ def _patch_builders(module) -> None:
     def build_tile_scheduler(self, num_decode_tokens):
         return dict.fromkeys(TILE_KEYS)
 
+    @_timed("metadata_seconds")
     def swa_build(self, common_prefix_len, common_attn_metadata, fast_build=False, replay_start=None):
         cm = common_attn_metadata
         if replay_start is not None and bool((replay_start != 0).any()):
@@ -274,6 +295,7 @@ def _patch_builders(module) -> None:
         buffer[:n].copy_(torch.from_numpy(slots))
         return buffer[:n]
 
+    @_timed("metadata_seconds")
     def mla_build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         cm = common_attn_metadata
         req = cm.token_to_req_indices(self.req_id_per_token_buffer)
@@ -291,6 +313,7 @@ def _patch_builders(module) -> None:
     _replace(module.DeepseekV4CPUFlashMLAMetadataBuilder, "build", mla_build, "DeepseekV4CPUFlashMLAMetadataBuilder.build")
 
     # --- indexer builder: one prefill chunk (the CPU indexer never splits), host rows ----------
+    @_timed("metadata_seconds")
     def indexer_build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         cm = common_attn_metadata
         if self.dcp_world_size > 1 or self.use_pcp:
@@ -351,6 +374,7 @@ def _patch_compressor_builder(module) -> None:
     cls = module.CompressorMetadataBuilder
     original = cls.__dict__["build"]
 
+    @_timed("metadata_seconds")
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         md = original(self, common_prefix_len, common_attn_metadata, fast_build)
         cm = common_attn_metadata
@@ -439,6 +463,7 @@ def _torch():
     return torch
 
 
+@_timed("dsv4_prefill_seconds")
 def prefill_attention(layer, q, output, step: StepMetadata, swa_md, mla_md) -> None:
     """Our CPU kernel on the step's prefill tokens of one layer, straight from vLLM's caches."""
     import torch
@@ -481,6 +506,7 @@ def prefill_attention(layer, q, output, step: StepMetadata, swa_md, mla_md) -> N
     STATS["dsv4_prefill_tokens"] += step.num_prefill_tokens
 
 
+@_timed("vllm_kernel_seconds")
 def vllm_attention(layer, q, output, step: StepMetadata, swa_md, mla_md, n: int) -> None:
     """vLLM's `flash_mla_with_kvcache_cpu` on the first n tokens (decodes first), slot lists once
     per step per kind (window, HCA) or mapped per layer (the CSA top-k)."""
