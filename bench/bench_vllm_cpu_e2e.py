@@ -90,6 +90,7 @@ def run_vllm(ckpt: str, prompts, args) -> dict:
             before = dict(cpu_engine.STATS)
             r = vllm_batch(llm, prompts)
             stats = {s: cpu_engine.STATS[s] - before[s] for s in before}
+            stats["threads"] = cpu_engine.STATS["threads"]
             out[k]["wall"].append(r["wall"])
             out[k]["ttft_median"].append(statistics.median(r["ttft"]))
             out[k]["ttft_max"].append(max(r["ttft"]))
@@ -180,6 +181,7 @@ def main(argv=None) -> dict:
     for name, w, tps, tm, tx, att, meta in rows:
         print(f"{name:42s} {w:8.2f} {tps:14.1f} {f(tm, '11.2f')} {f(tx, '11.2f')} {f(att, '12.2f')} {f(meta, '11.3f')}")
     v, d = rows[0], rows[1]
+    print(f"(our kernel ran on {res['vllm']['dsv4']['stats']['threads']} threads: torch's count in vLLM's worker)")
     print(f"\nE2E gain of our kernel: {v[1] / d[1]:.2f}x prefill throughput; attention {v[5]:.2f} s -> {d[5]:.2f} s "
           f"({v[5] / max(d[5], 1e-9):.2f}x); first tokens equal in {res['vllm']['same_first_tokens']}/{len(prompts)} requests")  # fmt: skip
     for k in ("vllm", "dsv4"):

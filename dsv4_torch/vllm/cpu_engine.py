@@ -64,7 +64,7 @@ TILE_KEYS = ("swaonly", "c4a", "c128a", "c1a", "c2a")  # sparse_swa's _LAYER_TYP
 # Seconds: host metadata builds, our kernel's calls, vLLM's kernel's calls (slot lists included).
 STATS = {"steps": 0, "dsv4_prefill_calls": 0, "dsv4_prefill_tokens": 0, "vllm_kernel_calls": 0,
          "vllm_kernel_tokens": 0, "metadata_seconds": 0.0, "dsv4_prefill_seconds": 0.0,
-         "vllm_kernel_seconds": 0.0}  # fmt: skip
+         "vllm_kernel_seconds": 0.0, "threads": 0}  # fmt: skip
 
 
 class CPUPathUnavailableError(RuntimeError):
@@ -496,10 +496,12 @@ def prefill_attention(layer, q, output, step: StepMetadata, swa_md, mla_md) -> N
         comp = _kv_source(layer.kv_cache, mla_md.block_size // layer.compress_ratio, mla_md.block_table)
     outs = ck.Outputs(out=output.data_ptr(), out_s0=output.stride(0), out_s1=output.stride(1), max_logits=None,
                       lse=None, stat_s0=0)  # fmt: skip
+    threads = max(1, torch.get_num_threads())  # vLLM's worker binds its OpenMP threads to its cores
+    STATS["threads"] = threads
     rc = lib.dsv4_prefill_attention(
         q.data_ptr(), q.stride(0), q.stride(1), ck.BF16, layer.n_local_heads, q.shape[-1], ctypes.byref(tokens),
         ctypes.byref(raw), ctypes.byref(comp) if comp is not None else None, float(layer.scale), sink.data_ptr(),
-        ctypes.byref(outs), max(1, torch.get_num_threads()), -1,
+        ctypes.byref(outs), threads, -1,
     )  # fmt: skip
     ck.check(rc)
     STATS["dsv4_prefill_calls"] += 1

@@ -55,7 +55,8 @@ def main(spec_path: str, out_path: str) -> None:
             rows += [_top(r.outputs[0].logprobs[j], gen[j]) for j in range(len(gen))]
             runs.append({"generated": gen, "logprob": [x[0] for x in rows], "top1": [x[1] for x in rows],
                          "top1_logprob": [x[2] for x in rows], "top2_logprob": [x[3] for x in rows]})  # fmt: skip
-        stats = {k: cpu_engine.STATS[k] - before[k] for k in before}
+        stats = {k: cpu_engine.STATS[k] - before[k] for k in before if k != "threads"}
+        stats["threads"] = cpu_engine.STATS["threads"]
         out["runs"][kernel] = {"requests": runs, "seconds": seconds, "stats": stats}
     with open(out_path, "w") as f:
         json.dump(out, f)

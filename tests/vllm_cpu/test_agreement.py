@@ -8,7 +8,12 @@ tokens vLLM generated, the references give the logprob of every next token and t
 our JAX model in float32 (the reference), in bfloat16 with the fp8_ds_mla cache (the envelope:
 what bf16 compute + an fp8 cache alone move the logprobs), transformers + our sparse prefill in
 float32. vLLM computes in bf16 with the fp8_ds_mla cache and FP8 / FP4 weights, so it must stay
-inside that envelope: argmax equal except at near-ties, logprob differences no larger.
+inside that envelope: argmax equal except at near-ties (the reference's top-1 leads by less than
+twice the envelope's largest logprob difference), logprob differences no larger (a 25% slack:
+the envelope is measured on this one model and these prompts), as many disagreements.
+Measured here: envelope max 0.48 / p99 0.23 nats, 262 of 4381 argmax flips (this random model's
+distributions are flat: many near-ties); vLLM with either kernel max 0.50 / p99 0.23, 288 flips,
+the widest at a 0.62-nat reference lead; transformers + our path equals JAX to 7e-6.
 """
 
 from __future__ import annotations
@@ -85,7 +90,9 @@ def _within(name: str, got: dict, env: dict) -> None:
     print(name, got)
     assert got["max"] <= SLACK * env["max"], f"{name}: logprobs differ by up to {got['max']:.4f}, envelope {env['max']:.4f}"
     assert got["p99"] <= SLACK * env["p99"], f"{name}: p99 difference {got['p99']:.4f}, envelope {env['p99']:.4f}"
-    tie = SLACK * env["max_margin_at_disagreement"]
+    # A near-tie: the reference's top-1 leads by less than the envelope can move the gap between
+    # two logprobs (each moves by up to env["max"], in opposite directions at worst).
+    tie = 2 * env["max"]
     assert got["max_margin_at_disagreement"] <= tie, (
         f"{name}: argmax differs where the reference's top-1 leads by {got['max_margin_at_disagreement']:.4f} "
         f"nats (near-ties: <= {tie:.4f})"
