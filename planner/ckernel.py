@@ -98,9 +98,10 @@ CXX_FLAGS = ("-O3", "-fPIC", "-std=gnu++17", "-fno-math-errno", "-ffp-contract=f
 ISA_BUILDS = (
     ("generic", 4, ()),
     ("avx2", 8, ("-mavx2", "-mfma", "-mf16c")),
-    ("avx512", 16, ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")),
+    ("avx512", 16, ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                    "-DDSV4_HAVE_AVX512BW")),
     ("avx512bf16", 16, ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                        "-mavx512bf16", "-DDSV4_HAVE_BF16_KERNEL")),
+                        "-mavx512bf16", "-DDSV4_HAVE_AVX512BW", "-DDSV4_HAVE_BF16_KERNEL")),
 )
 # Instruction sets by number, as dsv4_cpu.h numbers them.
 ISAS = ("generic", "avx2", "avx512", "avx512bf16", "amx")

@@ -20,6 +20,8 @@ Callers go through `dsv4_torch.sparse_attention`, which validates the arguments.
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -99,39 +101,84 @@ def sparse_attention_reference(
     cols = torch.arange(num_blocks * KEY_BLOCK, device=dev)
     drop = _Dropout(dropout_p, dropout_seed, (tile, heads, KEY_BLOCK), acc_dtype, dev) if dropout_p > 0 else None
 
-    # Per-tile buffers, reused; padded tokens have zero queries and only invalid indices.
-    q_tile = torch.zeros((tile, heads, D), dtype=acc_dtype, device=dev)  # [tile, heads, D]
-    idx_tile = torch.full((tile, num_blocks * KEY_BLOCK), -1, dtype=torch.int64, device=dev)
-    lim_tile = torch.zeros((tile,), dtype=torch.int64, device=dev)
-    for t0 in range(0, T, tile):
-        n = min(tile, T - t0)
-        q_tile.zero_()
-        q_tile[:n, :H] = q[t0 : t0 + n]
-        idx_tile.fill_(-1)
-        idx_tile[:n, :K] = indices[t0 : t0 + n]
-        lim_tile.zero_()
-        lim_tile[:n] = limit[t0 : t0 + n]
-        valid = (idx_tile >= 0) & (idx_tile < S) & (cols[None, :] < lim_tile[:, None])  # [tile, Kp]
+    def run_tiles(tiles):
+        # Per-tile buffers, reused; padded tokens have zero queries and only invalid indices.
+        q_tile = torch.zeros((tile, heads, D), dtype=acc_dtype, device=dev)  # [tile, heads, D]
+        idx_tile = torch.full((tile, num_blocks * KEY_BLOCK), -1, dtype=torch.int64, device=dev)
+        lim_tile = torch.zeros((tile,), dtype=torch.int64, device=dev)
+        for t0 in tiles:
+            n = min(tile, T - t0)
+            q_tile.zero_()
+            q_tile[:n, :H] = q[t0 : t0 + n]
+            idx_tile.fill_(-1)
+            idx_tile[:n, :K] = indices[t0 : t0 + n]
+            lim_tile.zero_()
+            lim_tile[:n] = limit[t0 : t0 + n]
+            valid = (idx_tile >= 0) & (idx_tile < S) & (cols[None, :] < lim_tile[:, None])  # [tile, Kp]
 
-        m = torch.full((tile, heads), -math.inf, dtype=acc_dtype, device=dev)  # running max
-        l = torch.zeros((tile, heads), dtype=acc_dtype, device=dev)  # running sum of exp
-        acc = torch.zeros((tile, heads, d_v), dtype=acc_dtype, device=dev)
-        blocks = range(num_blocks)
-        if dev.type == "cpu" and SKIP_EMPTY_BLOCKS_ON_CPU:
-            active = valid.view(tile, num_blocks, KEY_BLOCK).any(dim=2).any(dim=0).tolist()
-            blocks = [b for b in blocks if active[b]]
-        for b in blocks:
-            m, l, acc = _key_block_step(
-                q_tile, kv, idx_tile[:, b * KEY_BLOCK : (b + 1) * KEY_BLOCK],
-                valid[:, b * KEY_BLOCK : (b + 1) * KEY_BLOCK], sm_scale, d_v, m, l, acc,
-                None if drop is None else drop.keep_scale(t0, b),
-            )
-        has_key = valid.any(dim=1)[:, None]  # [tile, 1]
-        o, mx, ls = _finish(m, l, acc, sink, has_key)
-        out[t0 : t0 + n] = o[:n, :H]
-        max_logits[t0 : t0 + n] = mx[:n, :H]
-        lse[t0 : t0 + n] = ls[:n, :H]
+            m = torch.full((tile, heads), -math.inf, dtype=acc_dtype, device=dev)  # running max
+            l = torch.zeros((tile, heads), dtype=acc_dtype, device=dev)  # running sum of exp
+            acc = torch.zeros((tile, heads, d_v), dtype=acc_dtype, device=dev)
+            blocks = range(num_blocks)
+            if dev.type == "cpu" and SKIP_EMPTY_BLOCKS_ON_CPU:
+                active = valid.view(tile, num_blocks, KEY_BLOCK).any(dim=2).any(dim=0).tolist()
+                blocks = [b for b in blocks if active[b]]
+            for b in blocks:
+                m, l, acc = _key_block_step(
+                    q_tile, kv, idx_tile[:, b * KEY_BLOCK : (b + 1) * KEY_BLOCK],
+                    valid[:, b * KEY_BLOCK : (b + 1) * KEY_BLOCK], sm_scale, d_v, m, l, acc,
+                    None if drop is None else drop.keep_scale(t0, b),
+                )
+            has_key = valid.any(dim=1)[:, None]  # [tile, 1]
+            o, mx, ls = _finish(m, l, acc, sink, has_key)
+            out[t0 : t0 + n] = o[:n, :H]
+            max_logits[t0 : t0 + n] = mx[:n, :H]
+            lse[t0 : t0 + n] = ls[:n, :H]
+
+    starts = range(0, T, tile)
+    workers = min(torch.get_num_threads(), len(starts)) if dev.type == "cpu" else 1
+    if workers <= 1:
+        run_tiles(starts)
+    else:
+        _run_on_threads(run_tiles, starts, workers)
     return out, max_logits, lse
+
+
+_POOL_LOCK = threading.Lock()
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _run_on_threads(run_tiles, starts, workers: int) -> None:
+    """CPU: token tiles on `workers` Python threads, each running its ops on one intra-op thread.
+
+    The tile loop is hundreds of small ops per call; split across intra-op threads, every op waits
+    for all of them, so a busy core (another process) stalls each op and more threads made the
+    call several times slower. Here each op runs on one thread and the threads take tiles from a
+    shared queue, so a slow thread takes fewer tiles. Bits are those of the one-thread loop: the
+    same ops on the same tiles, each tile's results written by one thread.
+    """
+    with _POOL_LOCK:  # one call at a time sets the intra-op thread count
+        threads = torch.get_num_threads()
+        pool = _POOLS.get(workers) or _POOLS.setdefault(workers, ThreadPoolExecutor(workers, "dsv4-reference"))
+        queue = iter(starts)
+        lock = threading.Lock()
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()  # thread-local modes
+
+        def worker():
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                while True:
+                    with lock:
+                        t0 = next(queue, None)
+                    if t0 is None:
+                        return
+                    run_tiles((t0,))
+
+        torch.set_num_threads(1)
+        try:
+            for f in [pool.submit(worker) for _ in range(workers)]:
+                f.result()
+        finally:
+            torch.set_num_threads(threads)
 
 
 def _key_block_step(q_tile, kv, idx, valid, sm_scale, d_v, m, l, acc, keep_scale=None):

@@ -389,6 +389,7 @@ struct Staging {
     std::vector<int32_t> slot;
     std::vector<uint32_t> stamp;
     std::vector<int64_t> entries;  // this tile's compressed entries, in staging order
+    std::vector<int64_t> mine;     // private mode: one token's compressed entries
     uint32_t generation = 0;
     void reset(int64_t entries) {
         if ((int64_t)slot.size() < entries) {
@@ -403,13 +404,22 @@ struct Staging {
 };
 thread_local Staging t_staging;
 
-void decode_to(const uint8_t *d, const uint8_t *sc, void *dst, int32_t dtype) {
+// The fastest bit-exact slot decoder among the instruction sets the call may use (max_isa).
+RowDecodeFn row_decoder(int max_isa) {
+#if defined(DSV4_BUILT_AVX512)
+    if (max_isa >= DSV4_ISA_AVX512 && hw_supported(DSV4_ISA_AVX512)) return row_decoder_avx512();
+#endif
+    (void)max_isa;
+    return nullptr;
+}
+
+void decode_to(const uint8_t *d, const uint8_t *sc, void *dst, int32_t dtype, RowDecodeFn fast) {
     if (dtype == DSV4_BF16) {
-        dsv4_decode_row_bf16(d, sc, static_cast<uint16_t *>(dst));
+        if (!fast || !fast(d, sc, static_cast<uint16_t *>(dst))) dsv4_decode_row_bf16(d, sc, static_cast<uint16_t *>(dst));
         return;
     }
     alignas(64) uint16_t t[512];
-    dsv4_decode_row_bf16(d, sc, t);
+    if (!fast || !fast(d, sc, t)) dsv4_decode_row_bf16(d, sc, t);
     uint32_t *o = static_cast<uint32_t *>(dst);
     for (int i = 0; i < 512; i++) o[i] = (uint32_t)t[i] << 16;
 }
@@ -433,6 +443,14 @@ int dsv4_cpu_best_isa(int32_t dtype) {
     for (int i = cap; i >= 0; i--)
         if (hw_supported(i) && built(i) && kernel_for(i, dtype, 512, 512)) return i;
     return DSV4_ISA_GENERIC;
+}
+
+int dsv4_cpu_decode_row(int32_t isa, const uint8_t *d, const uint8_t *sc, uint16_t *o) {
+    if (isa < -1 || isa > DSV4_ISA_AMX) return fail(DSV4_ERR_ARG, "isa: expected -1 .. 4, got " + std::to_string(isa));
+    if (isa >= 0 && !(hw_supported(isa) && built(isa)))
+        return fail(DSV4_ERR_ISA, std::string("isa: ") + ISA_NAMES[isa] + " cannot run on this machine");
+    decode_to(d, sc, o, DSV4_BF16, row_decoder(isa >= 0 ? isa : std::min(env_cap(), (int)DSV4_ISA_AMX)));
+    return DSV4_OK;
 }
 
 int dsv4_sparse_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dtype, int64_t T, int64_t H, int64_t D,
@@ -510,6 +528,7 @@ int dsv4_prefill_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dt
         const int64_t dv = value_dim(D);
         TokenFn fn;
         if (int rc = choose(isa, dtype, D, dv, &fn)) return rc;
+        const RowDecodeFn fast = row_decoder(isa >= 0 ? isa : std::min(env_cap(), (int)DSV4_ISA_AMX));
         const size_t esize = dtype == DSV4_BF16 ? 2 : 4;
         const int64_t row_bytes = D * (int64_t)esize;
         Rows rows(dtype, D);
@@ -523,31 +542,56 @@ int dsv4_prefill_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dt
             const int64_t b = tk.token_request[tile.t0];
             const int64_t p_first = tk.token_position[tile.t0], p_last = tk.token_position[tile.t1 - 1];
             const int64_t w_lo = std::max<int64_t>(0, p_first - W + 1);
-            // staging: the tile's window rows, then the compressed entries its tokens read
+            // staging: the tile's window rows, then the compressed entries its tokens read: their
+            // union (shared mode), or, when the tokens share few entries (the union is more than
+            // half of what they read in all), each token's own entries in turn, in a region reused
+            // by the next token (private mode: a few hundred rows, which stay in L2).
             const int64_t n_win = raw_fp8 ? p_last - w_lo + 1 : 0;
             const int64_t vis_last = tk.kind != 0 ? (p_last + 1) / tk.compress_ratio : 0;
             Staging &st = t_staging;
             std::vector<int64_t> &entries = st.entries;
             entries.clear();
+            int64_t reads = 0, most = 0;  // compressed reads of the tile's tokens; the most of one token
             if (comp_fp8) {
                 st.reset(std::max<int64_t>(vis_last, 1));
-                for (int64_t t = tile.t0; t < tile.t1; t++)
+                for (int64_t t = tile.t0; t < tile.t1; t++) {
+                    int64_t mine = 0;
                     for_compressed(tk, t, [&](int64_t e) {
+                        mine++;
                         if (st.stamp[e] != st.generation) {
                             st.stamp[e] = st.generation;
                             st.slot[e] = (int32_t)(n_win + (int64_t)entries.size());
                             entries.push_back(e);
                         }
                     });
+                    reads += mine;
+                    most = std::max(most, mine);
+                }
             }
-            const int64_t n_stage = n_win + (int64_t)entries.size();
+            const bool shared = tile.t1 - tile.t0 == 1 || 2 * (int64_t)entries.size() <= reads;
+            const int64_t n_stage = n_win + (shared ? (int64_t)entries.size() : most);
             char *stage = n_stage ? static_cast<char *>(sc.stage.get((size_t)(n_stage * row_bytes))) : nullptr;
-            for (int64_t i = 0; i < n_stage; i++) {
+            auto decode_row = [&](const dsv4_kv_source &src, int64_t e, int64_t i) {
                 const uint8_t *d, *s;
-                bool ok = i < n_win ? fp8_address(*raw, b, w_lo + i, &d, &s) : fp8_address(*comp, b, entries[i - n_win], &d, &s);
-                if (ok) decode_to(d, s, stage + i * row_bytes, dtype);
+                if (fp8_address(src, b, e, &d, &s)) decode_to(d, s, stage + i * row_bytes, dtype, fast);
                 else std::memcpy(stage + i * row_bytes, rows.nan.data(), row_bytes);
+            };
+            auto prefetch_row = [&](const dsv4_kv_source &src, int64_t e) {  // pages are scattered
+                const uint8_t *d, *s;
+                if (!fp8_address(src, b, e, &d, &s)) return;
+                for (int l = 0; l < 576; l += 64) __builtin_prefetch(d + l, 0, 3);
+                __builtin_prefetch(s, 0, 3);
+            };
+            constexpr int64_t AHEAD = 8;
+            for (int64_t i = 0; i < n_win; i++) {
+                if (i + AHEAD < n_win) prefetch_row(*raw, w_lo + i + AHEAD);
+                decode_row(*raw, w_lo + i, i);
             }
+            if (shared)
+                for (int64_t i = 0; i < (int64_t)entries.size(); i++) {
+                    if (i + AHEAD < (int64_t)entries.size()) prefetch_row(*comp, entries[i + AHEAD]);
+                    decode_row(*comp, entries[i], n_win + i);
+                }
             for (int64_t t = tile.t0; t < tile.t1; t++) {
                 const int64_t p = tk.token_position[t];
                 int64_t cap = (tk.kind == 2 ? (p + 1) / tk.compress_ratio
@@ -556,12 +600,21 @@ int dsv4_prefill_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dt
                               std::min<int64_t>(p + 1, W);
                 const void **keys = sc.misc.as<const void *>(std::max<int64_t>(cap, 1));
                 int64_t n = 0;
-                for_compressed(tk, t, [&](int64_t e) {
-                    const void *r;
-                    if (comp_fp8) r = stage + (int64_t)st.slot[e] * row_bytes;
-                    else r = row_address(*comp, b, e, esize);
-                    keys[n++] = r ? r : rows.nan.data();
-                });
+                if (comp_fp8 && !shared) {  // private mode: this token's entries, decoded now
+                    std::vector<int64_t> &mine = st.mine;
+                    mine.clear();
+                    for_compressed(tk, t, [&](int64_t e) { mine.push_back(e); });
+                    for (int64_t i = 0; i < (int64_t)mine.size(); i++) {
+                        if (i + AHEAD < (int64_t)mine.size()) prefetch_row(*comp, mine[i + AHEAD]);
+                        decode_row(*comp, mine[i], n_win + i);
+                        keys[n++] = stage + (n_win + i) * row_bytes;
+                    }
+                } else {
+                    for_compressed(tk, t, [&](int64_t e) {
+                        const void *r = comp_fp8 ? stage + (int64_t)st.slot[e] * row_bytes : row_address(*comp, b, e, esize);
+                        keys[n++] = r ? r : rows.nan.data();
+                    });
+                }
                 for (int64_t pos = std::max<int64_t>(0, p - W + 1); pos <= p; pos++) {
                     const void *r = raw_fp8 ? stage + (pos - w_lo) * row_bytes : row_address(*raw, b, pos, esize);
                     keys[n++] = r ? r : rows.nan.data();

@@ -37,7 +37,7 @@ struct Buffer {
 
 // One thread's scratch: reused across calls (thread_local in the dispatcher).
 struct Scratch {
-    Buffer q, s, p, v, o, stat, keys, stage, misc, zero;
+    Buffer q, s, p, v, o, stat, keys, stage, misc;  // misc: the dispatcher's key lists
 };
 
 // One token's attention: rows of H heads (q, head stride q_hs elements), n keys given as row
@@ -62,6 +62,14 @@ using TokenFn = void (*)(const TokenJob &, Scratch &);
 // The token kernel of one instruction set for one dtype (0 bf16, 1 float32), or nullptr when that
 // instruction set has no kernel for the dtype or the shape (D, dv).
 TokenFn token_kernel_generic(int dtype, int64_t D, int64_t dv);
+
+// A fast fp8_ds_mla slot decoder of one instruction set (bit-exact with dsv4_decode_row_bf16; returns
+// false for the slots it does not handle), or nullptr.
+using RowDecodeFn = bool (*)(const uint8_t *d, const uint8_t *sc, uint16_t *o);
+RowDecodeFn row_decoder_generic();
+RowDecodeFn row_decoder_avx2();
+RowDecodeFn row_decoder_avx512();
+RowDecodeFn row_decoder_avx512bf16();
 TokenFn token_kernel_avx2(int dtype, int64_t D, int64_t dv);
 TokenFn token_kernel_avx512(int dtype, int64_t D, int64_t dv);
 TokenFn token_kernel_avx512bf16(int dtype, int64_t D, int64_t dv);

@@ -117,6 +117,11 @@ int dsv4_cpu_best_isa(int32_t dtype);
 const char *dsv4_cpu_isa_name(int32_t isa);
 int dsv4_cpu_isa_supported(int32_t isa);
 
+/* One fp8_ds_mla slot decoded as dsv4_prefill_attention's staging decodes it when running at
+   instruction set `isa` (-1: the best allowed): the same bits as dsv4_decode_row_bf16 (tests check
+   that). Returns DSV4_OK or DSV4_ERR_ISA. */
+int dsv4_cpu_decode_row(int32_t isa, const uint8_t *d, const uint8_t *sc, uint16_t *o);
+
 /* The message of this thread's last DSV4_ERR_* return. */
 const char *dsv4_cpu_last_error(void);
 
