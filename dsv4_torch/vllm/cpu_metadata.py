@@ -178,28 +178,33 @@ class StepMetadata:
     def num_prefill_tokens(self) -> int:
         return self.prefill.num_tokens
 
-    def cached(self, key, build):
-        """`build()` once per step per `key` (a kind, a cache group...)."""
+    def cached(self, key, build, keep=None):
+        """`build()` once per step per `key` (a kind, a cache group...); `keep` is held with the
+        value (a block table keyed by its id stays alive, so the id is not reused in this step)."""
         v = self._cache.get(key)
         if v is None:
-            v = self._cache[key] = build()
-        return v
+            v = build()
+            self._cache[key] = (v, keep)
+            return v
+        return v[0]
 
     def window_slots(self, block_table, page_size: int, window: int, n: int) -> np.ndarray:
-        """(n, W) int64 global window slots of the first n tokens (vLLM's kernel input), once per step."""
+        """(n, W) int64 global window slots of the first n tokens (vLLM's kernel input), once per
+        step per cache group (`block_table`: the group's table of this step)."""
         def build():
             loc = window_local(self.position[:n], window)
             return local_to_global(loc, self.request[:n], block_table, page_size)
 
-        return self.cached(("window", n, page_size, window), build)
+        return self.cached(("window", id(block_table), n, page_size, window), build, block_table)
 
     def visible_slots(self, block_table, page_size: int, compress_ratio: int, width: int, n: int) -> np.ndarray:
-        """(n, width) int64 global slots of every visible compressed entry (HCA), once per step per kind."""
+        """(n, width) int64 global slots of every visible compressed entry (HCA), once per step per
+        kind (per cache group: `block_table`)."""
         def build():
             loc = visible_local(self.position[:n], compress_ratio, width)
             return local_to_global(loc, self.request[:n], block_table, page_size)
 
-        return self.cached(("visible", n, page_size, compress_ratio, width), build)
+        return self.cached(("visible", id(block_table), n, page_size, compress_ratio, width), build, block_table)
 
 
 class IndexerPrefill:
