@@ -35,7 +35,7 @@ JAX_NEW_PYTHON ?= $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/
 JAX_NEW_VENV := .venv-jax-new
 JAX_TESTS := tests/test_planner.py tests/test_layout_oracle.py tests/test_jax_sparse_attention.py tests/test_jax_mosaic.py \
 	tests/test_jax_sharding.py tests/test_jax_prefill.py tests/test_jax_kvcache.py \
-	tests/test_jax_prefill_fp8.py
+	tests/test_jax_prefill_fp8.py tests/test_jax_cpu_attention.py tests/test_jax_prefill_cpu.py
 
 .PHONY: test-jax-new
 test-jax-new:

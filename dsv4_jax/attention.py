@@ -1,20 +1,24 @@
 """`dsv4_jax.sparse_attention`: the FlashMLA sparse-attention contract on `jax.Array`s.
 
-One entry point, five concrete backends behind it:
+One entry point, six concrete backends behind it:
   "mosaic_gpu"       the Mosaic GPU kernel (`dsv4_jax.kernels.mosaic`): Hopper (SM90) GPUs,
                      jax >= 0.12, bf16, H in {16, 32, 64, 128}, D in {512, 576},
   "mosaic_interpret" the same kernel run by Mosaic GPU's interpret mode (CPU; jax >= 0.12; slow),
   "pallas_triton"    the Pallas kernel compiled by Triton (NVIDIA GPUs, compute capability >= 8.0),
   "pallas_interpret" the same kernel run by Pallas' interpreter (any platform; slow, for tests),
+  "cpu"              the C kernel of `planner/csrc` as an XLA FFI call (`dsv4_jax.kernels.
+                     cpu_attention`): CPU arrays, bf16 or float32, built on first use with the
+                     system compilers; no backward (a gradient through it raises),
   "xla"              the plain-jnp reference (any platform; fp32 math, tiled, deterministic).
 Requested names: "auto" (mosaic_gpu on an SM90 GPU with jax >= 0.12 for the inputs it serves,
-else pallas_triton on an NVIDIA GPU, else xla), "mosaic" (mosaic_gpu on an SM90 GPU, else
-mosaic_interpret where there is no NVIDIA GPU), "pallas" (pallas_triton on an NVIDIA GPU, else
-pallas_interpret), or one of the five above. A named backend that cannot run raises
-`BackendUnavailableError` saying why (never a silent switch). `resolve_backend` says which one a
-request runs, `available_backends` says which can run here and why not, and every trace logs
-the choice at DEBUG level on the "dsv4_jax" logger. The choice follows the devices of committed
-input arrays (CPU arrays run "auto" on xla even where a GPU exists), else JAX's default device.
+else pallas_triton on an NVIDIA GPU; on the CPU, cpu for bf16 / float32 where the C kernel
+builds; else xla), "mosaic" (mosaic_gpu on an SM90 GPU, else mosaic_interpret where there is
+no NVIDIA GPU), "pallas" (pallas_triton on an NVIDIA GPU, else pallas_interpret), or one of the
+six above. A named backend that cannot run raises `BackendUnavailableError` saying why (never a
+silent switch). `resolve_backend` says which one a request runs, `available_backends` says which
+can run here and why not, and every trace logs the choice at DEBUG level on the "dsv4_jax"
+logger. The choice follows the devices of committed input arrays (CPU arrays run "auto" on cpu,
+or xla, even where a GPU exists), else JAX's default device.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv4_jax.kernels import cpu_attention
 from dsv4_jax.kernels import mosaic as mosaic_kernel
 from dsv4_jax.kernels.pallas_triton import sparse_attention_pallas
 from dsv4_jax.kernels.xla import sparse_attention_xla
@@ -127,6 +132,17 @@ def _mosaic_interpret_unavailable() -> str | None:
     return mosaic_kernel.unavailable_reason()
 
 
+def _cpu_unavailable_for(arrays, q=None) -> str | None:
+    """None if the C kernel can run on `arrays`' devices (and q's dtype, when given), else why."""
+    platforms = sorted({d.platform for d in _devices_for(arrays)})
+    if platforms != ["cpu"]:
+        return f"runs on CPU arrays, but the arrays are on {platforms or 'no device'}"
+    if q is not None and getattr(q, "dtype", None) is not None:
+        if (reason := cpu_attention.dtype_unavailable(q.dtype)) is not None:
+            return reason
+    return cpu_attention.unavailable_reason()
+
+
 def _on_nvidia_gpu(arrays) -> bool:
     return any(_device_unavailable(d) is None for d in _devices_for(arrays))
 
@@ -134,9 +150,11 @@ def _on_nvidia_gpu(arrays) -> bool:
 def available_backends(*arrays) -> dict[str, str | None]:
     """Concrete backend name -> None if it can run here (on `arrays`' devices when given and
     committed, else on the default device), else the reason it cannot. (mosaic_gpu also takes
-    only the shapes and dtype in the module docstring; `resolve_backend` checks those per call.)"""
+    only the shapes and dtype in the module docstring, cpu only bf16 and float32;
+    `resolve_backend` checks those per call.)"""
     return {
         "xla": None,
+        "cpu": _cpu_unavailable_for(arrays),
         "pallas_triton": _triton_unavailable_for(arrays),
         "pallas_interpret": None,
         "mosaic_gpu": _mosaic_gpu_unavailable_for(arrays),
@@ -157,10 +175,11 @@ def resolve_backend(backend: str = "auto", *arrays) -> str:
     """The concrete backend (one of `CONCRETE_BACKENDS`) a request runs.
 
     The choice follows the devices of `arrays` when some are concrete and committed (e.g.
-    CPU arrays while a GPU exists run "auto" on xla); otherwise JAX's default device, which is
+    CPU arrays while a GPU exists run "auto" on cpu); otherwise JAX's default device, which is
     where a jitted call on traced or uncommitted arrays runs. When the first array is q, "auto"
     takes mosaic_gpu only for the dtype and shapes that kernel serves (bf16, H in {16, 32, 64,
-    128}, D in {512, 576}); others go to pallas_triton.
+    128}, D in {512, 576}); others go to pallas_triton. On the CPU, "auto" takes cpu for bf16
+    and float32 q (or no q) where the C kernel builds, else xla (float16 always).
 
     Raises ValueError for an unknown name and `BackendUnavailableError` (a RuntimeError), with
     the reason, for a named backend that cannot run on those devices.
@@ -172,7 +191,13 @@ def resolve_backend(backend: str = "auto", *arrays) -> str:
     if backend == "auto":
         if not triton_missing and _mosaic_serves(q) and _mosaic_gpu_unavailable_for(arrays) is None:
             return "mosaic_gpu"
-        return "xla" if triton_missing else "pallas_triton"
+        if triton_missing:
+            return "cpu" if _cpu_unavailable_for(arrays, q) is None else "xla"
+        return "pallas_triton"
+    if backend == "cpu":
+        if (reason := _cpu_unavailable_for(arrays, q)) is not None:
+            raise BackendUnavailableError(f"backend 'cpu' cannot run here: {reason}")
+        return "cpu"
     if backend == "pallas":
         return "pallas_interpret" if triton_missing else "pallas_triton"
     if backend == "mosaic":
@@ -275,7 +300,9 @@ def sparse_attention(q, kv, indices, sm_scale, attn_sink=None, topk_length=None,
       topk_length: (T,) int32 or None: columns >= topk_length[t] are invalid.
       backend: "auto", "mosaic", "pallas" or one of `CONCRETE_BACKENDS` (module docstring).
         The Mosaic kernel takes bf16 only, H in {16, 32, 64, 128} and D in {512, 576}; other
-        inputs named for it raise ValueError.
+        inputs named for it raise ValueError. "cpu" takes bf16 and float32 (float16 named for it
+        raises BackendUnavailableError) and has no backward: a gradient through it raises
+        NotImplementedError.
 
     Returns:
       out: (T, H, d_v), q.dtype: 0 for a token without a valid key; with a sink, scaled by
@@ -283,7 +310,8 @@ def sparse_attention(q, kv, indices, sm_scale, attn_sink=None, topk_length=None,
       max_logits: (T, H), float32: max logit over valid keys; -inf if none.
       lse: (T, H), float32: natural-log sum-exp of the logits, sink excluded; +inf if none.
 
-    Accumulation is fp32 in every backend. Usable under `jax.jit` (shapes and dtypes are
+    Accumulation is fp32 in every backend (bf16 inputs on "cpu": bf16 products, probabilities
+    rounded to bf16 before P @ V, as FlashMLA). Usable under `jax.jit` (shapes and dtypes are
     checked at trace time; indices and lengths may be traced).
     """
     q, kv, indices, sm_scale, attn_sink, topk_length = check_inputs(q, kv, indices, sm_scale, attn_sink, topk_length)
@@ -294,6 +322,8 @@ def sparse_attention(q, kv, indices, sm_scale, attn_sink=None, topk_length=None,
     )
     if concrete == "xla":
         return sparse_attention_xla(q, kv, indices, sm_scale, attn_sink, topk_length)
+    if concrete == "cpu":
+        return cpu_attention.sparse_attention(q, kv, indices, sm_scale, attn_sink, topk_length)
     if concrete in ("mosaic_gpu", "mosaic_interpret"):
         return mosaic_kernel.sparse_attention_mosaic(
             q, kv, indices, sm_scale, attn_sink, topk_length, interpret=(concrete == "mosaic_interpret")

@@ -100,13 +100,11 @@ def resolve_backend(backend: str = "auto", *arrays, op: str = "gather") -> str:
         if (reason := cpu_kvcache.unavailable_reason()) is not None:
             raise BackendUnavailableError(f"backend 'cpu' cannot run here: {reason}")
         return "cpu"
-    name = resolve(backend, *arrays)
-    if backend == "auto" and op == "gather" and name == "xla" and platforms == {"cpu"}:
+    if backend == "auto" and platforms == {"cpu"}:  # the attention's choice ("cpu" / "xla") is not the gather's
         from dsv4_jax.kernels import cpu_kvcache
 
-        if cpu_kvcache.unavailable_reason() is None:
-            return "cpu"
-    return name
+        return "cpu" if op == "gather" and cpu_kvcache.unavailable_reason() is None else "xla"
+    return resolve(backend, *arrays)
 
 
 # --------------------------------------------------------------------------------------------

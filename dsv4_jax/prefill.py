@@ -36,6 +36,10 @@ Design: one jitted function per layer call, jit-compatible all the way down.
     bounded transient (one tile) and a handful of static tile sizes per program.
   * The workspace is one `(workspace_rows, D)` buffer, the loop carry, reused by every chunk;
     rows a chunk does not write are never indexed.
+  * Backend "cpu" (the default on the CPU for bf16 / float32 q) skips all of that: one call of
+    the C kernel per layer reads every token's keys from the caches directly (fp8_ds_mla pages
+    dequantized inside it), from the per-token rows of the metadata table (`dsv4_jax.prefill_cpu`).
+    Its output is the same, bit for bit, for every plan of a batch.
 
 Why not the alternatives: one uniform per-chunk token and row window (a scan over chunks)
 pads every chunk to the largest one, which costs several x for per-request plans and mixed
@@ -51,16 +55,15 @@ count, cache sizes, top-k rows on the host) run when the metadata still carries 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import NamedTuple, Sequence, Union
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.tree_util import register_pytree_node_class
 
 from dsv4_jax import kvcache as jax_kvcache
+from dsv4_jax import prefill_cpu
 from dsv4_jax.attention import resolve_backend, sparse_attention
 from dsv4_jax.prefill_metadata import (  # noqa: F401  (the metadata is part of this module's API)
     CHUNK_N,
@@ -84,216 +87,25 @@ from dsv4_jax.prefill_metadata import (  # noqa: F401  (the metadata is part of 
     _host_plan,
     build_step_metadata,
 )
+from dsv4_jax.prefill_kv import (  # noqa: F401  (the caches are part of this module's API)
+    KVSource,
+    LogicalKV,
+    PagedKV,
+    _as_source,
+    _check_kv,
+    _fetch,
+    _flat_rows,
+    _is_array,
+    _shape,
+)
 from planner import LayerKind
 from planner import kvcache as kvcache_ref
 from planner.contract import value_dim
-from planner.kvcache import KV_CACHE_DTYPES, page_bytes
 from planner.layout import check_topk_rows
 from planner.plan import KindPlan
 from planner.sizes import bucket
 
 DROP = int(np.iinfo(np.int32).max)  # a row index out of every array: scatters with mode="drop" skip it
-
-# ----------------------------------------------------------------------------- caches
-
-
-def _is_array(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray))
-
-
-def _shape(x):
-    return tuple(x.shape) if hasattr(x, "shape") else type(x).__name__
-
-
-@register_pytree_node_class
-@dataclass(frozen=True)
-class PagedKV:
-    """A paged cache as serving engines keep it.
-
-    pages: the pages, in one of two formats (`kv_cache_dtype`, static under jit):
-      "auto" (default): rows in q's dtype, (num_pages, page_size, D): raw tokens (page_size =
-        block_size) or compressed entries (page_size = block_size // compress_ratio).
-      "fp8_ds_mla": vLLM's DeepSeek-V4 cache bytes (`planner.kvcache`: 448 e4m3 dims with UE8M0
-        scales per 64, 64 bf16 RoPE dims; D = 512), uint8 (num_pages, page_bytes(S)) with
-        `block_size=S` slots per page. (vLLM's (num_pages, S, 584) torch view has a page stride of
-        page_bytes(S) > S * 584; JAX arrays carry no strides, so a 3-D array is taken only when
-        S * 584 == page_bytes(S).) A layer call dequantizes the rows it gathers into the bf16 (or
-        float32) workspace: exactly `dsv4_jax.kvcache.dequantize_and_gather_k_cache`'s values.
-    block_table: (B, max_pages_per_request) int32: row i lists request i's pages, so entry e of
-      request i lives on page block_table[i, e // page_size], slot e % page_size.
-    block_size: slots per page (static); required for fp8_ds_mla pages, else taken from the
-      shape (a given value must agree).
-    """
-
-    pages: jax.Array
-    block_table: jax.Array
-    kv_cache_dtype: str = "auto"
-    block_size: int | None = None
-
-    def __post_init__(self):
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        bs = self.block_size
-        if bs is not None and (isinstance(bs, bool) or not isinstance(bs, (int, np.integer)) or bs < 1):
-            raise ValueError(f"block_size: expected a positive int or None, got {bs!r}")
-        if not _is_array(self.pages):
-            raise TypeError(f"pages: expected an array, got {type(self.pages).__name__}")
-        if self.kv_cache_dtype == "fp8_ds_mla":
-            if jnp.dtype(self.pages.dtype) != jnp.dtype(jnp.uint8):
-                raise TypeError(f"pages: fp8_ds_mla pages are uint8 bytes, got {jnp.dtype(self.pages.dtype)}")
-            if self.pages.ndim == 3:
-                S = self.pages.shape[1]
-                if bs is not None and int(bs) != S:
-                    raise ValueError(f"block_size: {bs} differs from the pages' {S} slots")
-                if self.pages.shape[2] != kvcache_ref.SLOT_BYTES or S * kvcache_ref.SLOT_BYTES != page_bytes(S):
-                    raise ValueError(
-                        f"pages: a {_shape(self.pages)} array has a page stride of {S * self.pages.shape[2]} bytes, "
-                        f"not page_bytes({S}) = {page_bytes(S)} (vLLM's (num_pages, S, 584) view is strided; JAX "
-                        "arrays are not): pass the pages as (num_pages, page_bytes(S)) uint8 with block_size=S"
-                    )
-                object.__setattr__(self, "pages", self.pages.reshape(self.pages.shape[0], -1))
-                object.__setattr__(self, "block_size", S)
-            elif self.pages.ndim == 2:
-                if bs is None:
-                    raise ValueError("block_size: required for fp8_ds_mla pages (num_pages, page_bytes(S))")
-                object.__setattr__(self, "block_size", int(bs))
-                want = page_bytes(int(bs))
-                if self.pages.shape[1] != want:
-                    raise ValueError(f"pages: page stride {self.pages.shape[1]} bytes is not round_up({bs} * 584, 576) "
-                                     f"= {want} for block_size {bs}")  # fmt: skip
-            else:
-                raise ValueError(f"pages: expected fp8_ds_mla pages (num_pages, page_bytes(S)), got {_shape(self.pages)}")
-        else:
-            if self.pages.ndim != 3:
-                raise ValueError(f"pages: expected a (num_pages, page_size, D) array, got {_shape(self.pages)}")
-            if jnp.dtype(self.pages.dtype) == jnp.dtype(jnp.uint8):
-                raise TypeError("pages: uint8 pages hold fp8_ds_mla bytes: pass kv_cache_dtype='fp8_ds_mla'")
-            if bs is not None and int(bs) != self.pages.shape[1]:
-                raise ValueError(f"block_size: {bs} differs from the pages' {self.pages.shape[1]} rows")
-            object.__setattr__(self, "block_size", None)
-        if not _is_array(self.block_table) or self.block_table.ndim != 2:
-            raise ValueError(f"block_table: expected a (B, max_pages) array, got {_shape(self.block_table)}")
-        if jnp.dtype(self.block_table.dtype) != jnp.int32:
-            raise TypeError(f"block_table: expected int32, got {jnp.dtype(self.block_table.dtype)}")
-
-    @property
-    def fp8(self) -> bool:
-        return self.kv_cache_dtype == "fp8_ds_mla"
-
-    @property
-    def page_size(self) -> int:
-        """Entries (slots) per page."""
-        return int(self.block_size) if self.fp8 else int(self.pages.shape[1])
-
-    def tree_flatten(self):
-        return (self.pages, self.block_table), (self.kv_cache_dtype, self.block_size)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        obj = object.__new__(cls)  # no checks: JAX unflattens with tracers and placeholders
-        object.__setattr__(obj, "pages", children[0])
-        object.__setattr__(obj, "block_table", children[1])
-        object.__setattr__(obj, "kv_cache_dtype", aux[0])
-        object.__setattr__(obj, "block_size", aux[1])
-        return obj
-
-
-@register_pytree_node_class
-@dataclass(frozen=True)
-class LogicalKV:
-    """Per-request contiguous caches packed in one array (the bucket-friendly logical form).
-
-    rows: (S, D), q's dtype: request i's entries are rows offsets[i] .. offsets[i] + len_i - 1.
-    offsets: (B,) int32.
-    lengths: optional host-side (B,) len_i (`from_list` sets it), for checks only: a request
-      whose cache is shorter than its seq_len (or seq_len // r) would silently read the next
-      request's rows. Not a pytree leaf: a copy rebuilt inside a trace has None.
-    """
-
-    lengths = None
-
-    rows: jax.Array
-    offsets: jax.Array
-
-    def __post_init__(self):
-        if not _is_array(self.rows) or self.rows.ndim != 2:
-            raise ValueError(f"rows: expected a (S, D) array, got {_shape(self.rows)}")
-        if not _is_array(self.offsets) or self.offsets.ndim != 1:
-            raise ValueError(f"offsets: expected a (B,) array, got {_shape(self.offsets)}")
-        if jnp.dtype(self.offsets.dtype) != jnp.int32:
-            raise TypeError(f"offsets: expected int32, got {jnp.dtype(self.offsets.dtype)}")
-
-    @classmethod
-    def from_list(cls, arrays: Sequence, *, pad_rows: bool = True) -> "LogicalKV":
-        """Pack per-request (len_i, D) arrays (NumPy packs on the host, no device op per shape).
-
-        pad_rows: pad the packed rows to a bucket so varied batches share compiled programs.
-        """
-        if not isinstance(arrays, (list, tuple)) or not arrays:
-            raise TypeError(f"arrays: expected a non-empty sequence of (len_i, D) arrays, got {type(arrays).__name__}")
-        for i, a in enumerate(arrays):
-            if not _is_array(a) or a.ndim != 2:
-                raise TypeError(f"arrays[{i}]: expected a (len_i, D) array, got {_shape(a)}")
-        lens = [a.shape[0] for a in arrays]
-        D = arrays[0].shape[1]
-        for i, a in enumerate(arrays):
-            if a.shape[1] != D:
-                raise ValueError(f"arrays[{i}]: last dim {a.shape[1]} differs from arrays[0]'s {D}")
-        offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32)
-        total = int(sum(lens))
-        pad = (bucket(total, MIN_WORKSPACE_ROWS) if pad_rows else max(total, 1)) - total
-        xp = np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
-        rows = xp.concatenate([*arrays, xp.zeros((pad, D), arrays[0].dtype)])
-        out = cls(rows, offsets if xp is np else jnp.asarray(offsets))
-        object.__setattr__(out, "lengths", np.asarray(lens, dtype=np.int64))
-        return out
-
-    def tree_flatten(self):
-        return (self.rows, self.offsets), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        obj = object.__new__(cls)
-        object.__setattr__(obj, "rows", children[0])
-        object.__setattr__(obj, "offsets", children[1])
-        return obj
-
-
-# A cache argument: paged, packed logical, or a per-request list (packed on each call: tests).
-KVSource = Union[PagedKV, LogicalKV, Sequence[jax.Array]]
-
-
-def _fetch(src, request, entry, dtype):
-    """Rows (n, D) in `dtype` of entries `entry` of requests `request` (n,) of a PagedKV or
-    LogicalKV; fp8_ds_mla pages are dequantized (`dsv4_jax.kvcache`'s exact decode)."""
-    if isinstance(src, PagedKV) and src.fp8:
-        S, pages = src.page_size, src.pages
-        pb = pages.shape[1]
-        page = src.block_table[request, entry // S]
-        slot = entry % S
-        data_row = page * (pb // kvcache_ref.SLOT_DATA_BYTES) + slot  # page_bytes is a multiple of 576
-        scale_row = page * (pb // kvcache_ref.SLOT_SCALE_BYTES) + S * (kvcache_ref.SLOT_DATA_BYTES // kvcache_ref.SLOT_SCALE_BYTES) + slot
-        data = jnp.take(pages.reshape(-1, kvcache_ref.SLOT_DATA_BYTES), data_row, axis=0, mode="clip")
-        sc = jnp.take(pages.reshape(-1, kvcache_ref.SLOT_SCALE_BYTES), scale_row, axis=0, mode="clip")
-        bits = jax_kvcache._decode_rows(data, sc)
-        return lax.bitcast_convert_type(bits, jnp.bfloat16).astype(dtype)
-    rows, lookup = _flat_rows(src)
-    return rows[lookup(request, entry)].astype(dtype)
-
-
-def _flat_rows(src):
-    """(rows (S, D), lookup(request, entry) -> row) of a PagedKV (rows in q's dtype) or LogicalKV."""
-    if isinstance(src, PagedKV):
-        page_size = src.pages.shape[1]
-        rows = src.pages.reshape(-1, src.pages.shape[2])
-
-        def lookup(request, entry):
-            page = src.block_table[request, entry // page_size]
-            return page * page_size + entry % page_size
-
-        return rows, lookup
-    return src.rows, lambda request, entry: src.offsets[request] + entry
-
 
 # ----------------------------------------------------------------------------- device side
 
@@ -427,6 +239,8 @@ def _prefill_jit(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape,
     out = jnp.zeros((T_q, H, value_dim(D)), q.dtype)
     if T_q == 0:
         return out
+    if backend == "cpu":  # the C kernel reads the caches itself: one call, no workspace, no chunk loop
+        return prefill_cpu.layer(q, table, raw, comp, topk_rows, attn_sink, shape=shape, sm_scale=sm_scale)
     ws = jnp.full((shape.workspace_rows, D), fill, q.dtype)
 
     def chunk(c, carry):
@@ -480,7 +294,8 @@ def prefill_attention(
       sm_scale: softmax scale, a Python float. attn_sink: optional (H,) float32.
       topk_indices: CSA only: (T_q', topk) int32 (other dtypes: TypeError) with T_q' >= T, the indexer's request-local top-k
         entries per token (the first min((p+1)//4, topk) are used).
-      backend: passed to `sparse_attention`; the concrete one is recorded in `meta.last_backend`
+      backend: passed to `sparse_attention` ("cpu": one C kernel call for the whole layer, see
+        the module docstring); the concrete one is recorded in `meta.last_backend`
         when `meta` is the caller's object (outside `jax.jit`). Inside a user's `jax.jit` the
         call gets a copy of `meta` that JAX rebuilt, so the caller's `last_backend` is not set;
         `dsv4_jax.resolve_backend(backend)`, which this call uses, says which backend runs.
@@ -587,90 +402,6 @@ def _check_q(q, meta: KindMetadata):
     if meta.num_tokens is not None and q.shape[0] < meta.num_tokens:
         raise ValueError(f"q: {q.shape[0]} tokens, but the step's batch has {meta.num_tokens}")
     return q.shape
-
-
-def _as_source(src, name: str):
-    if isinstance(src, (PagedKV, LogicalKV)):
-        return src
-    if isinstance(src, (list, tuple)) and src and all(_is_array(a) and a.ndim == 2 for a in src):
-        return LogicalKV.from_list(list(src), pad_rows=False)
-    raise TypeError(f"{name}: expected a PagedKV, a LogicalKV or a sequence of (len_i, D) arrays, got {type(src).__name__}")
-
-
-def _check_kv(src, name: str, q, meta: KindMetadata):
-    """Check a cache against q and, when the metadata carries the host plan, against the rows each
-    request needs (raw: seq_len; compressed: seq_len // r). Host-side only: a `PagedKV` block
-    table or `LogicalKV` offsets are read only when they are NumPy arrays (free), never synced
-    from the device; under a user's `jax.jit` the plan is gone and only shapes are checked."""
-    D = q.shape[2]
-    need = _needed_entries(meta, name) if meta.plan is not None else None
-    if isinstance(src, (list, tuple)):
-        if meta.num_requests is not None and len(src) != meta.num_requests:
-            raise ValueError(f"{name}: {len(src)} per-request arrays, but the batch has {meta.num_requests} requests")
-        for i, a in enumerate(src):
-            if not (_is_array(a) and a.ndim == 2):
-                continue  # _as_source names it
-            if a.shape[1] != D:
-                raise ValueError(f"{name}[{i}]: last dim {a.shape[1]} differs from q's head dim {D}")
-            if need is not None and a.shape[0] < need[i]:
-                raise ValueError(f"{name}[{i}]: {a.shape[0]} rows, but request {i} needs {need[i]}")
-    src = _as_source(src, name)
-    paged = isinstance(src, PagedKV)
-    if paged and src.fp8:
-        if D != kvcache_ref.HEAD_DIM:
-            raise ValueError(f"{name}: fp8_ds_mla pages hold {kvcache_ref.HEAD_DIM}-dim rows, but q's head dim is {D}")
-        if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-            raise TypeError(f"{name}: fp8_ds_mla pages dequantize to bf16 values: q must be bfloat16 or float32, "
-                            f"got {jnp.dtype(q.dtype)}")  # fmt: skip
-    else:
-        rows, _ = _flat_rows(src)
-        if jnp.dtype(rows.dtype) != jnp.dtype(q.dtype):
-            hint = (" (fp8_ds_mla bytes come as PagedKV(..., kv_cache_dtype='fp8_ds_mla'))"
-                    if jnp.dtype(rows.dtype) == jnp.dtype(jnp.uint8) else "")  # fmt: skip
-            raise TypeError(f"{name}: dtype {jnp.dtype(rows.dtype)} differs from q's {jnp.dtype(q.dtype)}{hint}")
-        if rows.shape[1] != D:
-            raise ValueError(f"{name}: last dim {rows.shape[1]} differs from q's head dim {D}")
-    requests = src.block_table.shape[0] if paged else src.offsets.shape[0]
-    if meta.num_requests is not None and requests < meta.num_requests:
-        what = "block_table rows" if paged else "offsets"
-        raise ValueError(f"{name}: {requests} {what}, but the batch has {meta.num_requests} requests")
-    if need is None:
-        return src
-    if paged:
-        page_size, num_pages = src.page_size, src.pages.shape[0]
-        have = src.block_table.shape[1] * page_size
-        i = int(np.argmax(need)) if need.size else 0
-        if need.size and have < need[i]:
-            raise ValueError(f"{name}: block_table covers {have} entries per request "
-                             f"({src.block_table.shape[1]} pages of {page_size}), but request {i} needs {need[i]}")  # fmt: skip
-        if isinstance(src.block_table, np.ndarray):  # host table: check every page a request reads
-            table = src.block_table[: need.size]
-            read = np.arange(table.shape[1])[None, :] < -(-need // page_size)[:, None]
-            bad = read & ((table < 0) | (table >= num_pages))
-            if bad.any():
-                i, j = np.argwhere(bad)[0]
-                raise ValueError(f"{name}: block_table[{i}] lists page {int(table[i, j])}, outside 0..{num_pages - 1}")
-    else:
-        S = rows.shape[0]
-        if src.lengths is not None:
-            short = np.flatnonzero(np.asarray(src.lengths[: need.size]) < need)
-            if short.size:
-                i = int(short[0])
-                raise ValueError(f"{name}: request {i} has {src.lengths[i]} rows, but needs {need[i]}")
-        if isinstance(src.offsets, np.ndarray):  # host offsets: every request's rows lie inside rows
-            off = src.offsets[: need.size].astype(np.int64)
-            for i in np.flatnonzero((off < 0) | (off + need > S)).tolist()[:1]:
-                raise ValueError(f"{name}: request {i} at offset {off[i]} needs rows up to {off[i] + need[i]}, "
-                                 f"but rows has {S}")  # fmt: skip
-    return src
-
-
-def _needed_entries(meta: KindMetadata, name: str) -> np.ndarray:
-    """Entries each batch request's cache must hold for this kind (host)."""
-    batch_seq = np.zeros(meta.num_requests, dtype=np.int64)
-    kp = meta.plan
-    np.maximum.at(batch_seq, kp.seg_request.astype(np.int64), kp.seg_seq_len.astype(np.int64))
-    return batch_seq // kp.compress_ratio if name == "compressed_kv" else batch_seq
 
 
 def _check_topk(topk_indices, meta: KindMetadata):

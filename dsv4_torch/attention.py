@@ -1,13 +1,16 @@
-"""`sparse_attention`: the FlashMLA sparse-attention contract (spec section 2) on three backends.
+"""`sparse_attention`: the FlashMLA sparse-attention contract (spec section 2) on four backends.
 
 - "flashmla": the FlashMLA wheel, SM90/SM100 GPUs, bf16, D in {512, 576}.
 - "triton": our Triton kernel, any CUDA/ROCm GPU (CPU tensors under TRITON_INTERPRET=1).
+- "cpu": our C/C++ kernel (`planner/csrc`, built once per machine with the system compiler),
+  CPU tensors, bf16 / float32, any H and D; instruction set chosen at run time.
 - "reference": tiled plain torch, any device, bitwise tile invariant.
-- "auto": flashmla if it can serve the call, else triton on a GPU, else reference.
+- "auto": flashmla if it can serve the call, else triton on a GPU; on CPU "cpu" for bf16 /
+  float32 where the kernel builds; else reference.
 
 Gradients: only the reference backend has a backward (`kernels/reference.py`, recomputed per
 tile). Whenever a gradient is required (grad mode on and q, kv or attn_sink requires grad),
-"auto" resolves to "reference" and a named "triton" / "flashmla" raises
+"auto" resolves to "reference" and a named "triton" / "flashmla" / "cpu" raises
 `BackendUnavailableError`; a gradient is never dropped. The same holds for attention dropout.
 
 This module validates arguments, resolves the backend and dispatches; the kernels live in
@@ -55,7 +58,7 @@ def sparse_attention(
       attn_sink: optional (H,), float32 (or float64): a per-head logit that joins the softmax
         denominator only, scaling out by exp(lse) / (exp(lse) + exp(sink)). -inf = no sink.
       topk_length: optional (T,), int32: only columns < topk_length[t] are read.
-      backend: "auto", "flashmla", "triton" or "reference" (see `resolve_backend`).
+      backend: "auto", "flashmla", "triton", "cpu" or "reference" (see `resolve_backend`).
       dropout_p: attention dropout in [0, 1), transformers' eager semantics: each probability
         (the sink's excluded) is zeroed with probability p, the kept ones scaled by 1 / (1 - p);
         the mask comes from torch's default CPU generator (so `torch.manual_seed` and checkpoint
@@ -70,7 +73,8 @@ def sparse_attention(
     Accumulation is float32 for 16-bit and float32 inputs. Differentiable on the reference
     backend (out and lse; see the module doc); the other backends refuse a call that needs a
     gradient. Non-contiguous inputs are accepted: the reference backend reads any strides, the GPU
-    backends copy such inputs to contiguous first (a copy, never a wrong answer).
+    backends copy such inputs to contiguous first (a copy, never a wrong answer), the cpu backend
+    reads any strides but copies an input whose last dim is not contiguous.
 
     Raises:
       TypeError / ValueError naming the argument for bad dtypes, shapes, devices or values;
@@ -101,6 +105,8 @@ def sparse_attention(
             from dsv4_torch.kernels.flashmla import sparse_attention_flashmla as fn
         elif name == "triton":
             from dsv4_torch.kernels.triton_sparse import sparse_attention_triton as fn
+        elif name == "cpu":
+            from dsv4_torch.kernels.cpu_attention import sparse_attention_cpu as fn
         else:
             from dsv4_torch.kernels.reference import sparse_attention_reference as fn
         if q.shape[0] == 0 or q.shape[1] == 0:  # never launch a kernel on zero rows
@@ -112,12 +118,13 @@ def resolve_backend(backend: str, q: torch.Tensor, *, needs_grad: bool = False, 
     """The concrete backend `sparse_attention(q, ..., backend=backend)` runs.
 
     "auto" picks "flashmla" for bf16 q with D in {512, 576} on an SM90/SM100 GPU with the wheel
-    importable, else "triton" on any other CUDA/ROCm GPU (bf16/fp16/fp32) with Triton importable,
-    else "reference". A named backend is checked and returned, or BackendUnavailableError says why
-    it cannot run for this q.
+    importable, else "triton" on any other CUDA/ROCm GPU (bf16/fp16/fp32) with Triton importable;
+    on CPU tensors "cpu" for bf16/fp32 q where the C kernel builds; else "reference" (float16 and
+    float64 on CPU among them). A named backend is checked and returned, or
+    BackendUnavailableError says why it cannot run for this q.
 
     needs_grad / dropout_p > 0: the call needs a backward / attention dropout, which only the
-    reference backend has: "auto" gives "reference", "triton" and "flashmla" raise.
+    reference backend has: "auto" gives "reference", "triton", "flashmla" and "cpu" raise.
     """
     if not isinstance(backend, str) or backend not in ("auto",) + BACKENDS:
         raise ValueError(f"backend: expected one of 'auto', {', '.join(map(repr, BACKENDS))}; got {backend!r}")
@@ -134,7 +141,9 @@ def resolve_backend(backend: str, q: torch.Tensor, *, needs_grad: bool = False, 
             fix = "use dropout 0 (e.g. model.eval())"
         raise BackendUnavailableError(f"backend={backend!r} has {why}; use backend='reference' (or 'auto'), or {fix}")
     if backend == "auto":
-        if q.device.type != "cuda":  # CPU: never the interpreter, it is for tests
+        if q.device.type == "cpu":  # never the Triton interpreter on CPU: it is for tests
+            return "cpu" if _unavailable_for("cpu", q) is None else "reference"
+        if q.device.type != "cuda":
             return "reference"
         for name in ("flashmla", "triton"):
             if _unavailable_for(name, q) is None:
@@ -165,6 +174,9 @@ def available_backends() -> dict[str, str | None]:
         else:
             triton_reason = triton_sparse.INTERPRETER_UNSUPPORTED
     reasons["triton"] = triton_reason
+    from dsv4_torch.kernels import cpu_attention
+
+    reasons["cpu"] = cpu_attention.unavailable_reason()
     reasons["reference"] = None
     return reasons
 
@@ -173,6 +185,14 @@ def _unavailable_for(name: str, q: torch.Tensor) -> str | None:
     """None if backend `name` can serve q's device, dtype and head dim, else why not."""
     if name == "reference":
         return None
+    if name == "cpu":
+        if q.device.type != "cpu":
+            return f"the cpu backend takes CPU tensors, q is on {q.device}"
+        if q.dtype not in (torch.bfloat16, torch.float32):
+            return f"the cpu backend takes bfloat16/float32, q is {q.dtype}"
+        from dsv4_torch.kernels import cpu_attention
+
+        return cpu_attention.unavailable_reason()
     if name == "triton":
         err = _triton_import_error()
         if err is not None:
@@ -261,6 +281,23 @@ def _validate(q, kv, indices, sm_scale, attn_sink, topk_length):
     if indices.shape[0] != T:
         raise ValueError(f"indices: {indices.shape[0]} rows for {T} query tokens")
 
+    sm_scale = check_sm_scale(sm_scale)
+    check_sink(attn_sink, H)
+    if topk_length is not None:
+        _need_tensor(topk_length, "topk_length")
+        if topk_length.dtype != torch.int32:
+            raise TypeError(f"topk_length: expected int32, got {topk_length.dtype}")
+        if tuple(topk_length.shape) != (T,):
+            raise ValueError(f"topk_length: expected shape ({T},) (one per query token), got {tuple(topk_length.shape)}")
+
+    for name, t in (("kv", kv), ("indices", indices), ("attn_sink", attn_sink), ("topk_length", topk_length)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name}: on device {t.device}, but q is on {q.device}")
+    return q, kv, indices, sm_scale, attn_sink, topk_length
+
+
+def check_sm_scale(sm_scale) -> float:
+    """sm_scale as a finite float (a float, or a 0-d CPU tensor); raises naming it otherwise."""
     if isinstance(sm_scale, torch.Tensor):
         # Reading a device tensor on the host would wait for the GPU on every call.
         if sm_scale.ndim != 0 or sm_scale.device.type != "cpu":
@@ -274,24 +311,20 @@ def _validate(q, kv, indices, sm_scale, attn_sink, topk_length):
     sm_scale = float(sm_scale)
     if not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale: must be finite, got {sm_scale}")
+    return sm_scale
 
-    if attn_sink is not None:
-        _need_tensor(attn_sink, "attn_sink")
-        if attn_sink.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"attn_sink: expected float32 (or float64), got {attn_sink.dtype}")
-        if tuple(attn_sink.shape) != (H,):
-            raise ValueError(f"attn_sink: expected shape ({H},) (one logit per head), got {tuple(attn_sink.shape)}")
-    if topk_length is not None:
-        _need_tensor(topk_length, "topk_length")
-        if topk_length.dtype != torch.int32:
-            raise TypeError(f"topk_length: expected int32, got {topk_length.dtype}")
-        if tuple(topk_length.shape) != (T,):
-            raise ValueError(f"topk_length: expected shape ({T},) (one per query token), got {tuple(topk_length.shape)}")
 
-    for name, t in (("kv", kv), ("indices", indices), ("attn_sink", attn_sink), ("topk_length", topk_length)):
-        if t is not None and t.device != q.device:
-            raise ValueError(f"{name}: on device {t.device}, but q is on {q.device}")
-    return q, kv, indices, sm_scale, attn_sink, topk_length
+def check_sink(attn_sink, H: int, device: torch.device | None = None) -> None:
+    """attn_sink is None or an (H,) float32/float64 tensor (on `device` when given)."""
+    if attn_sink is None:
+        return
+    _need_tensor(attn_sink, "attn_sink")
+    if attn_sink.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"attn_sink: expected float32 (or float64), got {attn_sink.dtype}")
+    if tuple(attn_sink.shape) != (H,):
+        raise ValueError(f"attn_sink: expected shape ({H},) (one logit per head), got {tuple(attn_sink.shape)}")
+    if device is not None and attn_sink.device != device:
+        raise ValueError(f"attn_sink: on device {attn_sink.device}, but q is on {device}")
 
 
 def _need_tensor(x, name: str) -> None:

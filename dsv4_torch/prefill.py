@@ -8,6 +8,11 @@ per-request arrays on the device (one Triton kernel per region on GPUs; fp8_ds_m
 dequantized on the way), adds CSA's top-k part to the index rows, and calls `sparse_attention`. The
 caches' shapes are checked on the host; nothing in the layer loop reads device memory on the
 host, so nothing syncs.
+
+Backend "cpu" (what "auto" runs on CPU tensors in bf16 / float32) has no chunk loop and no
+workspace: one call of the C kernel per layer reads every token's keys straight from the caches
+(`dsv4_torch.kernels.cpu_attention.prefill_attention_cpu`; fp8_ds_mla pages dequantized inside
+the kernel). Its result does not depend on the plan.
 """
 
 from __future__ import annotations
@@ -159,6 +164,7 @@ class _Rows:
         B, D = meta.num_requests, q.shape[-1]
         self.region = region
         self.fp8 = isinstance(src, PagedKV) and src.kv_cache_dtype == "fp8_ds_mla"
+        self.source = src  # a PagedKV or LogicalKV (per-request lists: packed below)
         if isinstance(src, PagedKV):
             self.page_size = src.page_size
             self.index = src.block_table
@@ -190,6 +196,7 @@ class _Rows:
                     if t.shape[1] != D:
                         raise ValueError(f"{name}[{i}]: last dim {t.shape[1]}, q's D is {D}")
                 src = LogicalKV.from_list(src)
+                self.source = src
             self.rows, self.page_size, self.index = src.rows, None, src.offsets
             self.pages = None
         if self.rows is not None:
@@ -410,7 +417,8 @@ def prefill_attention(
       sm_scale: softmax scale. attn_sink: optional (H,) float32.
       topk_indices: CSA only: (T, index_topk) int32 or int64, on q's device: the indexer's
         request-local top-k entries per token (the first min((p+1)//4, topk) are used).
-      backend: passed to `sparse_attention`; the concrete one is recorded in `meta.last_backend`.
+      backend: `sparse_attention`'s, resolved once per call; the concrete one is recorded in
+        `meta.last_backend`. "cpu" runs the whole layer in one fused kernel call (no chunks).
       out: optional (T, H, d_v) q.dtype output buffer.
       dropout_p: attention dropout (`sparse_attention`'s; reference backend only).
 
@@ -440,6 +448,14 @@ def prefill_attention(
     grad = gradient_required(q, raw.rows, None if comp is None else comp.rows, attn_sink)
     name = resolve_backend(backend, q, needs_grad=grad, dropout_p=dropout_p)
     meta.last_backend = name
+    if name == "cpu":  # resolve_backend gives "cpu" only without gradient or dropout
+        from dsv4_torch.attention import check_sink, check_sm_scale
+        from dsv4_torch.kernels.cpu_attention import prefill_attention_cpu
+
+        sm_scale = check_sm_scale(sm_scale)
+        check_sink(attn_sink, H, q.device)
+        return prefill_attention_cpu(q, meta, raw.source, None if comp is None else comp.source, sm_scale=sm_scale,
+                                     attn_sink=attn_sink, topk_indices=topk_indices, out=out)  # fmt: skip
     ws_all = None if grad else meta.step.workspace(D, q.dtype)
     for chunk in meta.chunks:
         ws = q.new_zeros((chunk.rows, D)) if grad else ws_all[: chunk.rows]

@@ -132,6 +132,8 @@ class StepMetadata:
     kinds: dict[LayerKind, KindMetadata]
     max_workspace_rows: int
     _workspace: torch.Tensor | None = None
+    # backend "cpu": (3, T) int32 host arrays (q row, batch request, position), made on first use
+    cpu_tokens: np.ndarray | None = field(default=None, repr=False)
 
     def __getitem__(self, kind) -> KindMetadata:
         k = LayerKind.of(kind)

@@ -204,8 +204,8 @@ POLICIES = ("adaptive", "fixed", "per_request")  # `policy=`: the chunk plan
 ORDERS = ("batch", "length")  # `order=`: how the planner scans requests
 SIZES = ("bucket", "fine", "server")  # `sizes=`: how jitted prefill pads its static shapes
 BACKENDS = {  # `backend=`: the sparse-attention kernel, per framework ("auto" picks one)
-    "torch": ("flashmla", "triton", "reference"),
-    "jax": ("xla", "pallas", "pallas_triton", "pallas_interpret", "mosaic", "mosaic_gpu", "mosaic_interpret"),
+    "torch": ("flashmla", "triton", "cpu", "reference"),
+    "jax": ("xla", "cpu", "pallas", "pallas_triton", "pallas_interpret", "mosaic", "mosaic_gpu", "mosaic_interpret"),
 }
 
 

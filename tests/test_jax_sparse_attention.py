@@ -293,7 +293,7 @@ def test_xla_plan_invariance():
 
 def test_backend_resolution_on_this_machine(caplog):
     available = dsv4_jax.available_backends()
-    assert set(available) == {"xla", "pallas_triton", "pallas_interpret", "mosaic_gpu", "mosaic_interpret"}
+    assert set(available) == {"xla", "cpu", "pallas_triton", "pallas_interpret", "mosaic_gpu", "mosaic_interpret"}
     assert available["xla"] is None and available["pallas_interpret"] is None
     if available["mosaic_interpret"] is not None:  # jax < 0.12: both Mosaic backends say why
         assert "jax >= 0.12" in available["mosaic_interpret"] and "jax >= 0.12" in available["mosaic_gpu"]
@@ -305,7 +305,8 @@ def test_backend_resolution_on_this_machine(caplog):
             dsv4_jax.resolve_backend("mosaic_gpu")
     if jax.default_backend() == "cpu":
         assert "NVIDIA GPU" in available["pallas_triton"]
-        assert dsv4_jax.resolve_backend("auto") == "xla"
+        # the C kernel where it builds (tests/test_jax_cpu_attention.py), else the reference
+        assert dsv4_jax.resolve_backend("auto") == ("cpu" if available["cpu"] is None else "xla")
         assert dsv4_jax.resolve_backend("pallas") == "pallas_interpret"
         with pytest.raises(RuntimeError, match="pallas_triton.*NVIDIA GPU"):
             dsv4_jax.resolve_backend("pallas_triton")
@@ -320,14 +321,16 @@ def test_backend_resolution_on_this_machine(caplog):
 
 def test_backend_follows_committed_arrays(monkeypatch, caplog):
     """With a (pretend) capable GPU as the default device, arrays committed to the CPU still
-    resolve "auto" to xla; uncommitted or traced arrays follow the default device."""
+    resolve "auto" to a CPU backend (the C kernel where it builds, else xla); uncommitted or
+    traced arrays follow the default device."""
     monkeypatch.setattr(dsv4_jax.attention, "_pallas_triton_unavailable", lambda: None)
     cpu = jax.devices("cpu")[0]
     q, kv, idx, _, _ = _case(0, T=2)
     committed = [jax.device_put(x, cpu) for x in (q, kv, jnp.asarray(idx))]
     assert dsv4_jax.resolve_backend("auto") == "pallas_triton"
     assert dsv4_jax.resolve_backend("auto", jnp.asarray(q)) == "pallas_triton"  # uncommitted
-    assert dsv4_jax.resolve_backend("auto", *committed) == "xla"
+    on_cpu = "cpu" if dsv4_jax.available_backends(*committed)["cpu"] is None else "xla"
+    assert dsv4_jax.resolve_backend("auto", *committed) == on_cpu
     assert dsv4_jax.resolve_backend("pallas", *committed) == "pallas_interpret"
     assert "NVIDIA GPU" in dsv4_jax.available_backends(*committed)["pallas_triton"]
     with pytest.raises(RuntimeError, match="pallas_triton.*NVIDIA GPU.*cpu"):
@@ -337,7 +340,7 @@ def test_backend_follows_committed_arrays(monkeypatch, caplog):
     assert seen == ["pallas_triton"]  # traced: the caller's jit places it, default device rules
     with caplog.at_level(logging.DEBUG, logger="dsv4_jax"):
         got = dsv4_jax.sparse_attention(*committed, 0.125, backend="auto")
-    assert any("'auto' -> xla" in r.getMessage() for r in caplog.records)
+    assert any(f"'auto' -> {on_cpu}" in r.getMessage() for r in caplog.records)
     _assert_matches_oracle(tuple(np.asarray(x) for x in got), q, kv, idx, 0.125)
 
 

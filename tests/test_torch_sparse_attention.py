@@ -511,7 +511,9 @@ def test_auto_prefers_flashmla_on_sm90_sm100():
 
 def test_resolve_backend_on_cpu():
     q = torch.zeros(1, 16, 64)
-    assert resolve_backend("auto", q) == "reference"
+    # fp32 on CPU: the C kernel where it builds (tests/test_torch_cpu_attention.py), else reference
+    assert resolve_backend("auto", q) == ("cpu" if AVAILABLE["cpu"] is None else "reference")
+    assert resolve_backend("auto", q.double()) == "reference"
     assert resolve_backend("reference", q) == "reference"
     if not GPU:
         with pytest.raises(BackendUnavailableError, match="SM90/SM100"):
@@ -524,7 +526,7 @@ def test_resolve_backend_on_cpu():
 
 def test_available_backends_reports_reasons():
     av = available_backends()
-    assert set(av) == {"flashmla", "triton", "reference"}
+    assert set(av) == {"flashmla", "triton", "cpu", "reference"}
     assert av["reference"] is None
     for name, reason in av.items():
         assert reason is None or (isinstance(reason, str) and reason), name
@@ -534,8 +536,8 @@ def test_available_backends_reports_reasons():
 
 def test_backend_choice_is_logged(caplog):
     with caplog.at_level(logging.DEBUG, logger="dsv4_torch"):
-        sparse_attention(**make_case(2, 16, 64, 10, 16), backend="auto")
-    assert any("backend=reference" in r.getMessage() for r in caplog.records)
+        sparse_attention(**make_case(2, 16, 64, 10, 16, dtype=torch.float64), backend="auto")
+    assert any("backend=reference (asked 'auto')" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.skipif(GPU, reason="CPU-only check")
@@ -852,4 +854,4 @@ def test_bad_backend_name():
 
 def test_package_exports():
     assert dsv4_torch.sparse_attention is sparse_attention
-    assert set(dsv4_torch.BACKENDS) == {"flashmla", "triton", "reference"}
+    assert set(dsv4_torch.BACKENDS) == {"flashmla", "triton", "cpu", "reference"}

@@ -13,58 +13,16 @@ values that validation could not see give NaN rows, never a stray read or write.
 
 from __future__ import annotations
 
-import ctypes
-import os
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv4_jax.kernels.cpu_ffi import FFI_SOURCE, threads, unavailable_reason  # noqa: F401  (re-exported)
+from dsv4_jax.kernels.cpu_ffi import require as _require
 from planner import ckernel
 
 TARGET = "dsv4_gather_dequant"
 SEGMENTS_TARGET = "dsv4_gather_segments"
-FFI_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_ffi.cc")
-
-
-_lock = threading.Lock()
-_state: dict = {}
-
-
-def _register():
-    with _lock:
-        if "ok" in _state or "error" in _state:
-            return
-        try:
-            lib = ctypes.CDLL(ckernel.build_library("dsv4_cpu_jax", (FFI_SOURCE,), (jax.ffi.include_dir(),)))
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Dsv4GatherDequant), platform="cpu")
-            jax.ffi.register_ffi_target(SEGMENTS_TARGET, jax.ffi.pycapsule(lib.Dsv4GatherSegments), platform="cpu")
-            _state["lib"] = lib  # keep the library loaded
-            _state["ok"] = True
-        except Exception as e:  # noqa: BLE001 - any build or registration failure is the reason
-            _state["error"] = f"{type(e).__name__}: {e}"
-
-
-def unavailable_reason() -> str | None:
-    """None when the FFI kernel is registered (or registers now); else why it cannot run here."""
-    _register()
-    return _state.get("error")
-
-
-def _require() -> None:
-    if unavailable_reason() is not None:
-        from dsv4_jax.attention import BackendUnavailableError
-
-        raise BackendUnavailableError(f"backend 'cpu' cannot run here: {_state['error']}")
-
-
-def threads() -> int:
-    """Threads one call may use: the CPUs this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 def gather_dequant(out, k_cache, seq, glen, bt, S: int, offset: int):

@@ -2,7 +2,7 @@
 
 The math is transformers' `DeepseekV4ForCausalLM` (docs/transformers-dsv4.md, section numbers
 below refer to it); the attention core is the planner + `dsv4_jax.prefill.prefill_attention`
-(which calls `dsv4_jax.sparse_attention`, "xla" or "pallas").
+(which calls `dsv4_jax.sparse_attention`, "xla" or "pallas", or runs the C kernel, "cpu").
 
 Batches are ragged: one call (a *step*) takes any number of requests, each with its own cache
 slot, context length (`prefix`) and new tokens (`query_len` >= 1). The new tokens of all
@@ -156,7 +156,8 @@ class DeepseekV4:
       dtype: the compute dtype ("float32", "bfloat16", "float16"; default: the embedding's dtype).
       max_batch_size: cache slots (requests in flight). max_model_len: tokens per request.
       max_num_batched_tokens: most new tokens of one request in one step (planner limit).
-      backend: "auto", "xla" or "pallas" (see `dsv4_jax.sparse_attention`).
+      backend: "auto", "xla", "cpu" or "pallas" (see `dsv4_jax.sparse_attention`; "auto" on the
+        CPU is "cpu" for bf16 / float32 where the C kernel builds).
       policy: "adaptive", "fixed" or "per_request" (`planner.PlanConfig.policy`).
       mesh, axis: optional; split the model over mesh axis `axis` (default the mesh's first):
         attention heads and the dense MLP tensor-parallel, routed experts expert-parallel,

@@ -54,8 +54,9 @@ refused here. `output_attentions` and 4-D masks are refused.
 Training. Everything stays on autograd's graph (the reference backend's kernel has a backward;
 `dsv4_torch.sparse_attention`), so every parameter gets the gradient transformers' eager attention
 gives it, and the same ones get none: the indexer's weights (its top-k is an integer selection,
-run here under `no_grad`), like eager. Backends without a backward ("triton", "flashmla") raise
-when a gradient is required; "auto" then runs "reference". In training mode the attention
+run here under `no_grad`), like eager. Backends without a backward ("triton", "flashmla", "cpu")
+raise when a gradient is required; "auto" then runs "reference" (on CPU, "auto" runs "cpu" only
+under `torch.no_grad()` / inference mode, e.g. in `generate`). In training mode the attention
 dropout is eager's (`config.attention_dropout` on the probabilities, the sink excluded;
 reference backend only). Gradient checkpointing: transformers drops the cache in checkpointed
 layers, and so does this path (a fresh per-forward state, the given cache left untouched; a cache
@@ -131,7 +132,7 @@ def enable_sparse_prefill(
 
     Args:
       model: a loaded `DeepseekV4ForCausalLM` or `DeepseekV4Model` (transformers >=5.23.0,<5.24).
-      backend: "auto", "flashmla", "triton" or "reference" (`dsv4_torch.sparse_attention`); a named
+      backend: "auto", "flashmla", "triton", "cpu" or "reference" (`dsv4_torch.sparse_attention`); a named
         backend that cannot run on the model's device/dtype is refused here.
       policy: "adaptive", "fixed" or "per_request" (`planner.PlanConfig.policy`).
       max_model_len, max_num_batched_tokens: the engine limits the plans are sized from; None =

@@ -3,7 +3,10 @@
 Backends (in report order):
   oracle           planner.oracle, float64 NumPy: the reference of every comparison
   torch.reference  dsv4_torch, tiled plain torch (CPU or GPU)
+  torch.cpu        dsv4_torch's C kernel (planner/csrc) on CPU tensors; its prefill is one fused
+                   call per layer, which never sees the plan (so bitwise plan-invariant)
   jax.xla          dsv4_jax, plain jnp (CPU or GPU)
+  jax.cpu          dsv4_jax's backend "cpu": the C kernel of planner/csrc as XLA FFI calls (CPU)
   torch.triton     dsv4_torch's Triton kernel: a CUDA GPU, else Triton's interpreter on CPU
   jax.pallas       dsv4_jax's Pallas kernel: Triton on an NVIDIA GPU, else Pallas' interpreter
   torch.flashmla   the FlashMLA wheel: SM90/SM100 GPUs, bf16, D in {512, 576}
@@ -49,7 +52,9 @@ class Backend:
 BACKENDS = (
     Backend("oracle", "numpy", ("float64", "float32", "bfloat16")),
     Backend("torch.reference", "torch", ("float64", "float32", "bfloat16"), reference=True),
+    Backend("torch.cpu", "torch", ("float32", "bfloat16"), reference=True),
     Backend("jax.xla", "jax", ("float32", "bfloat16"), reference=True),
+    Backend("jax.cpu", "jax", ("float32", "bfloat16"), reference=True),  # a token's bits never depend on the plan
     Backend("torch.triton", "torch", ("float32", "bfloat16")),
     Backend("jax.pallas", "jax", ("float32", "bfloat16")),
     Backend("torch.flashmla", "torch", ("bfloat16",), head_dims=(512, 576)),
@@ -79,7 +84,19 @@ def machine_status() -> dict[str, Status]:
     jax_platform = jax.devices()[0].platform
     out = {"oracle": Status(True, None, "float64 NumPy", None)}
     out["torch.reference"] = Status(True, None, f"plain torch ({TORCH_DEVICE.type})", "reference")
+    if TORCH_DEVICE.type != "cpu":
+        out["torch.cpu"] = Status(False, f"the suite's torch tensors are on {TORCH_DEVICE.type}", "-", None)
+    elif torch_av["cpu"] is not None:
+        out["torch.cpu"] = Status(False, torch_av["cpu"], "-", None)
+    else:
+        from planner import ckernel
+
+        out["torch.cpu"] = Status(True, None, f"C kernel ({ckernel.best_isa()})", "cpu")
     out["jax.xla"] = Status(True, None, f"plain jnp ({jax_platform})", "xla")
+    if jax_av["cpu"] is None:
+        out["jax.cpu"] = Status(True, None, "C kernel, XLA FFI (CPU)", "cpu")
+    else:
+        out["jax.cpu"] = Status(False, jax_av["cpu"], "-", None)
     if torch_av["triton"] is not None:
         out["torch.triton"] = Status(False, torch_av["triton"], "-", None)
     elif TORCH_DEVICE.type == "cuda":

@@ -31,8 +31,8 @@ from tests.parity.tolerances import TABLE
 
 LEVELS = ("kernel", "prefill", "hf")
 QUICK_FAMILY = "tiny-fp32"
-SHORT = {"oracle": "oracle", "torch.reference": "t.ref", "jax.xla": "j.xla", "torch.triton": "t.triton",
-         "jax.pallas": "j.pallas", "torch.flashmla": "t.flashmla", "transformers": "hf.eager"}  # fmt: skip
+SHORT = {"oracle": "oracle", "torch.reference": "t.ref", "torch.cpu": "t.cpu", "jax.xla": "j.xla", "jax.cpu": "j.cpu",
+         "torch.triton": "t.triton", "jax.pallas": "j.pallas", "torch.flashmla": "t.flashmla", "transformers": "hf.eager"}  # fmt: skip
 TITLES = {
     "kernel": "Kernel level: sparse_attention (row: case class · dtype)",
     "prefill": "Prefill level: whole steps, every plan and cache layout (row: case class · layer kind · dtype)",

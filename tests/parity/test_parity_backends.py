@@ -30,7 +30,9 @@ def test_status_follows_the_packages():
     assert st["oracle"].available and st["torch.reference"].available and st["jax.xla"].available
     assert st["torch.triton"].available == (torch_av["triton"] is None)
     assert st["torch.flashmla"].available == (torch_av["flashmla"] is None)
+    assert st["torch.cpu"].available == (torch_av["cpu"] is None and B.TORCH_DEVICE.type == "cpu")
     assert st["jax.pallas"].kernel == ("pallas_triton" if jax_av["pallas_triton"] is None else "pallas_interpret")
+    assert st["jax.cpu"].available == (jax_av["cpu"] is None)
     for s in st.values():
         assert s.available or (isinstance(s.reason, str) and s.reason)
     if not torch.cuda.is_available():

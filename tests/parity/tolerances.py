@@ -38,7 +38,7 @@ TABLE = {
         "(FlashMLA's test; oracle = float64 on the same bf16-rounded inputs)",
         "lse, max_logits": "|a-b| <= 1e-4 * max(1, |oracle|)",
     },
-    "all": {"special values": "same +inf/-inf pattern as the oracle, no NaN", "plans": "bitwise on torch.reference and jax.xla"},
+    "all": {"special values": "same +inf/-inf pattern as the oracle, no NaN", "plans": "bitwise on torch.reference, torch.cpu, jax.xla and jax.cpu"},
 }
 
 

@@ -1,12 +1,14 @@
 // XLA FFI handlers of dsv4-prefill's CPU kernels (planner/csrc/dsv4_cpu.h) for JAX: built by
 // planner/ckernel.py together with the kernels, against jaxlib's FFI headers, and registered as
-// custom-call targets on the CPU platform by dsv4_jax/kernels/cpu_kvcache.py.
+// custom-call targets on the CPU platform by dsv4_jax/kernels/cpu_ffi.py.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "dsv4_cpu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -137,3 +139,238 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4GatherDequant, Gather,
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("min_rows")
                                   .Attr<int64_t>("stream_bytes"));
+
+// ---------------------------------------------------------------- sparse attention ("cpu" backend)
+
+namespace {
+
+// dsv4_cpu.h's dtype code of a buffer element type (-1: not served).
+int dtype_code(ffi::DataType t) {
+    if (t == ffi::DataType::BF16) return DSV4_BF16;
+    if (t == ffi::DataType::F32) return DSV4_F32;
+    return -1;
+}
+
+ffi::Error kernel_error(const char *call, int rc) {
+    std::string msg = std::string(call) + ": " + dsv4_cpu_last_error();
+    return rc == DSV4_ERR_ARG ? ffi::Error::InvalidArgument(msg) : ffi::Error::Internal(msg);
+}
+
+std::string dims_str(ffi::Span<const int64_t> d) {
+    std::string s = "(";
+    for (size_t i = 0; i < d.size(); i++) s += (i ? ", " : "") + std::to_string(d[i]);
+    return s + (d.size() == 1 ? ",)" : ")");
+}
+
+ffi::Error bad(const char *call, const std::string &msg) { return ffi::Error::InvalidArgument(std::string(call) + ": " + msg); }
+
+}  // namespace
+
+// q [T, H, D] and kv [S, D] (bf16 or float32, the same), indices s32 [T, K], topk_length s32 [T]
+// or [0] (none), attn_sink f32 [H] or [0] (none) -> out [T, H, d_v] (q's dtype), max_logits and
+// lse f32 [T, H]: dsv4_sparse_attention (FlashMLA's flash_mla_sparse_fwd contract).
+static ffi::Error SparseAttention(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> indices,
+                                  ffi::Buffer<ffi::S32> topk_length, ffi::Buffer<ffi::F32> sink,
+                                  ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> max_logits,
+                                  ffi::Result<ffi::Buffer<ffi::F32>> lse, float sm_scale, int64_t threads) {
+    const char *call = "dsv4_sparse_attention";
+    auto qd = q.dimensions();
+    auto kd = kv.dimensions();
+    auto id = indices.dimensions();
+    const int dt = dtype_code(q.element_type());
+    if (dt < 0 || kv.element_type() != q.element_type() || out->element_type() != q.element_type())
+        return bad(call, "q, kv and out must all be bfloat16 or all float32");
+    if (qd.size() != 3 || kd.size() != 2 || id.size() != 2 || kd[1] != qd[2] || id[0] != qd[0])
+        return bad(call, "expected q (T, H, D), kv (S, D), indices (T, K); got q " + dims_str(qd) + ", kv " +
+                             dims_str(kd) + ", indices " + dims_str(id));
+    const int64_t T = qd[0], H = qd[1], D = qd[2], S = kd[0], K = id[1];
+    const int64_t dv = D >= 512 ? 512 : D;
+    auto od = out->dimensions();
+    if (od.size() != 3 || od[0] != T || od[1] != H || od[2] != dv || max_logits->element_count() != (size_t)(T * H) ||
+        lse->element_count() != (size_t)(T * H))
+        return bad(call, "out must be (T, H, d_v) and max_logits / lse (T, H); got out " + dims_str(od));
+    const int64_t nt = (int64_t)topk_length.element_count(), ns = (int64_t)sink.element_count();
+    if (nt != 0 && nt != T) return bad(call, "topk_length: expected " + std::to_string(T) + " entries or none, got " + std::to_string(nt));
+    if (ns != 0 && ns != H) return bad(call, "attn_sink: expected " + std::to_string(H) + " entries or none, got " + std::to_string(ns));
+    if (T == 0 || H == 0) return ffi::Error::Success();
+    dsv4_outputs o{out->untyped_data(), H * dv, dv, max_logits->typed_data(), lse->typed_data(), H};
+    int rc = dsv4_sparse_attention(q.untyped_data(), H * D, D, dt, T, H, D, kv.untyped_data(), D, S, indices.typed_data(), K,
+                                   K, nt ? topk_length.typed_data() : nullptr, sm_scale, ns ? sink.typed_data() : nullptr, &o,
+                                   (int32_t)std::max<int64_t>(1, threads), -1);
+    return rc ? kernel_error(call, rc) : ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SparseAttention, SparseAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("threads"));
+
+// ---------------------------------------------------------------- one prefill layer ("cpu" backend)
+
+// Cache layouts of dsv4_jax.prefill's sources.
+enum { LAYOUT_LOGICAL = 0, LAYOUT_PAGED = 1, LAYOUT_FP8 = 2 };
+
+// The dsv4_kv_source of a cache: LAYOUT_LOGICAL rows [S, D] + offsets s32 [B]; LAYOUT_PAGED pages
+// [P, page_size, D] + block table s32 [B, W]; LAYOUT_FP8 fp8_ds_mla pages u8 [P, page_bytes] + block
+// table s32 [B, W] with `block_size` slots per page. Rows in q's dtype (format 0).
+static ffi::Error make_source(const char *call, const char *name, int64_t layout, int64_t block_size,
+                              const ffi::AnyBuffer &data, const ffi::Buffer<ffi::S32> &table, int32_t dtype, int64_t D,
+                              dsv4_kv_source *s) {
+    auto dd = data.dimensions();
+    auto td = table.dimensions();
+    std::memset(s, 0, sizeof(*s));
+    s->data = data.untyped_data();
+    s->table = table.typed_data();
+    s->table_int64 = 0;
+    if (layout == LAYOUT_LOGICAL) {
+        if (dd.size() != 2 || dd[1] != D || td.size() != 1)
+            return bad(call, std::string(name) + ": expected rows (S, " + std::to_string(D) + ") and offsets (B,), got " +
+                                 dims_str(dd) + " and " + dims_str(td));
+        if (dtype_code(data.element_type()) != dtype) return bad(call, std::string(name) + ": rows must hold q's dtype");
+        s->format = 0;
+        s->dtype = dtype;
+        s->row_stride = D;
+        s->num_rows = dd[0];
+        s->table_stride = 1;
+        s->table_width = 1;
+        s->table_rows = td[0];
+        return ffi::Error::Success();
+    }
+    if (td.size() != 2) return bad(call, std::string(name) + ": expected a block table (B, W), got " + dims_str(td));
+    s->table_stride = td[1];
+    s->table_width = td[1];
+    s->table_rows = td[0];
+    if (layout == LAYOUT_PAGED) {
+        if (dd.size() != 3 || dd[2] != D || dd[1] < 1)
+            return bad(call, std::string(name) + ": expected pages (P, page_size >= 1, " + std::to_string(D) + "), got " + dims_str(dd));
+        if (dtype_code(data.element_type()) != dtype) return bad(call, std::string(name) + ": pages must hold q's dtype");
+        s->format = 0;
+        s->dtype = dtype;
+        s->row_stride = D;
+        s->num_rows = dd[0] * dd[1];
+        s->page_stride = dd[1] * D;
+        s->num_pages = dd[0];
+        s->page_size = dd[1];
+        return ffi::Error::Success();
+    }
+    if (layout == LAYOUT_FP8) {
+        if (data.element_type() != ffi::DataType::U8 || dd.size() != 2 || block_size < 1 || dd[1] < block_size * 584)
+            return bad(call, std::string(name) + ": expected fp8_ds_mla pages uint8 (P, >= block_size * 584) with block_size >= 1, got " +
+                                 dims_str(dd) + ", block_size " + std::to_string(block_size));
+        s->format = 1;
+        s->dtype = dtype;
+        s->page_stride = dd[1];
+        s->num_pages = dd[0];
+        s->page_size = block_size;
+        return ffi::Error::Success();
+    }
+    return bad(call, std::string(name) + ": unknown layout " + std::to_string(layout));
+}
+
+// One prefill layer straight from the caches: q [T_q, H, D] (bf16 or float32); tokens s32 [3, n]
+// (rows: q row, batch request = block-table row / offsets entry, absolute position) of which the
+// first count[0] are real (the rest are padding, skipped); raw / comp caches (make_source; comp
+// ignored for SWA); topk s32 [rows, topk] (CSA; else ignored); attn_sink f32 [H] or [0]. out
+// [T_q, H, d_v]: the real tokens' rows, every other row 0.
+static ffi::Error PrefillAttention(ffi::AnyBuffer q, ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> count,
+                                   ffi::AnyBuffer raw_data, ffi::Buffer<ffi::S32> raw_table, ffi::AnyBuffer comp_data,
+                                   ffi::Buffer<ffi::S32> comp_table, ffi::Buffer<ffi::S32> topk, ffi::Buffer<ffi::F32> sink,
+                                   ffi::Result<ffi::AnyBuffer> out, int64_t kind, int64_t window, int64_t compress_ratio,
+                                   float sm_scale, int64_t threads, int64_t raw_layout, int64_t raw_block_size,
+                                   int64_t comp_layout, int64_t comp_block_size) {
+    const char *call = "dsv4_prefill_attention";
+    auto qd = q.dimensions();
+    auto kd = tokens.dimensions();
+    const int dt = dtype_code(q.element_type());
+    if (dt < 0 || out->element_type() != q.element_type()) return bad(call, "q and out must be bfloat16 or float32, the same");
+    if (qd.size() != 3 || kd.size() != 2 || kd[0] != 3 || count.element_count() != 1)
+        return bad(call, "expected q (T, H, D), tokens (3, n), count (1,); got q " + dims_str(qd) + ", tokens " + dims_str(kd));
+    if (kind < 0 || kind > 2) return bad(call, "kind: expected 0 (SWA), 1 (CSA) or 2 (HCA), got " + std::to_string(kind));
+    const int64_t Tq = qd[0], H = qd[1], D = qd[2], dv = D >= 512 ? 512 : D;
+    auto od = out->dimensions();
+    if (od.size() != 3 || od[0] != Tq || od[1] != H || od[2] != dv) return bad(call, "out must be (T, H, d_v), got " + dims_str(od));
+    const int64_t ns = (int64_t)sink.element_count();
+    if (ns != 0 && ns != H) return bad(call, "attn_sink: expected " + std::to_string(H) + " entries or none, got " + std::to_string(ns));
+    auto pd = topk.dimensions();
+    if (kind == 1 && pd.size() != 2) return bad(call, "topk: expected (rows, topk) for a CSA layer, got " + dims_str(pd));
+    dsv4_kv_source raw, comp;
+    if (auto e = make_source(call, "raw", raw_layout, raw_block_size, raw_data, raw_table, dt, D, &raw); e.failure()) return e;
+    if (kind != 0)
+        if (auto e = make_source(call, "comp", comp_layout, comp_block_size, comp_data, comp_table, dt, D, &comp); e.failure())
+            return e;
+
+    // The real tokens (every q row they name checked), and which out rows they write.
+    const int64_t n = kd[1];
+    const int32_t *tp = tokens.typed_data();
+    const int64_t real = std::min<int64_t>(std::max<int64_t>(count.typed_data()[0], 0), n);
+    std::vector<int32_t> row(real), req(real), pos(real);
+    std::vector<uint8_t> written((size_t)Tq, 0);
+    const int64_t topk_rows = kind == 1 ? pd[0] : 0;
+    for (int64_t i = 0; i < real; i++) {
+        row[i] = tp[i];
+        req[i] = tp[n + i];
+        pos[i] = tp[2 * n + i];
+        if (row[i] < 0 || row[i] >= Tq)
+            return bad(call, "token " + std::to_string(i) + ": q row " + std::to_string(row[i]) + " outside 0.." + std::to_string(Tq - 1));
+        if (kind == 1 && row[i] >= topk_rows)
+            return bad(call, "token " + std::to_string(i) + ": row " + std::to_string(row[i]) + " outside topk_indices' " +
+                                 std::to_string(topk_rows) + " rows");
+        if (pos[i] < 0) return bad(call, "token " + std::to_string(i) + ": position " + std::to_string(pos[i]) + " < 0");
+        written[row[i]] = 1;
+    }
+    const size_t row_bytes = (size_t)(H * dv) * (dt == DSV4_BF16 ? 2 : 4);
+    char *o = static_cast<char *>(out->untyped_data());
+    for (int64_t r = 0; r < Tq; r++)
+        if (!written[r]) std::memset(o + r * row_bytes, 0, row_bytes);
+    if (real == 0 || H == 0) return ffi::Error::Success();
+
+    dsv4_prefill_tokens tk;
+    std::memset(&tk, 0, sizeof(tk));
+    tk.kind = (int32_t)kind;
+    tk.window = (int32_t)window;
+    tk.compress_ratio = (int32_t)std::max<int64_t>(compress_ratio, 1);
+    tk.num_tokens = real;
+    tk.token_row = row.data();
+    tk.token_request = req.data();
+    tk.token_position = pos.data();
+    if (kind == 1) {
+        tk.topk = topk.typed_data();
+        tk.topk_int64 = 0;
+        tk.topk_stride = pd[1];
+        tk.topk_width = pd[1];
+    }
+    dsv4_outputs outs{o, H * dv, dv, nullptr, nullptr, 0};
+    int rc = dsv4_prefill_attention(q.untyped_data(), H * D, D, dt, H, D, &tk, &raw, kind != 0 ? &comp : nullptr, sm_scale,
+                                    ns ? sink.typed_data() : nullptr, &outs, (int32_t)std::max<int64_t>(1, threads), -1);
+    return rc ? kernel_error(call, rc) : ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4PrefillAttention, PrefillAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("kind")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("compress_ratio")
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("raw_layout")
+                                  .Attr<int64_t>("raw_block_size")
+                                  .Attr<int64_t>("comp_layout")
+                                  .Attr<int64_t>("comp_block_size"));

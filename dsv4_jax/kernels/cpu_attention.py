@@ -1,0 +1,137 @@
+"""The sparse-attention backend "cpu": `planner/csrc`'s C kernel as XLA FFI custom calls.
+
+The kernel torch calls through ctypes, here custom calls XLA runs on the host (usable under
+`jax.jit`; indices, lengths and the prefill's metadata may be traced):
+
+- `sparse_attention`: FlashMLA's `flash_mla_sparse_fwd` contract on a flat workspace
+  (`dsv4_sparse_attention`), returning (out, max_logits, lse).
+- `prefill_attention`: one prefill layer straight from the caches (`dsv4_prefill_attention`):
+  no workspace and no chunk loop; rows in q's dtype (paged or logical) or fp8_ds_mla pages,
+  dequantized inside the kernel.
+
+Numerics (`planner/csrc/dsv4_cpu.h`): bf16 inputs: bf16 products, fp32 accumulation, the
+probabilities rounded to bf16 before P @ V (FlashMLA's); float32 inputs: float32 throughout. A
+token's result depends only on its own keys and their order, so torch and JAX get the same bits,
+and a prefill's output does not depend on the plan. The instruction set is chosen at run time
+(`DSV4_PREFILL_CPU_ISA` caps it, read on every call). Threads: the CPUs this process may use.
+
+There is no backward: taking a gradient through these calls raises NotImplementedError, never
+a wrong or zero gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv4_jax.kernels.cpu_ffi import require, threads, unavailable_reason  # noqa: F401  (re-exported)
+
+SPARSE_TARGET = "dsv4_sparse_attention"
+PREFILL_TARGET = "dsv4_prefill_attention"
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+# Cache layouts of the prefill call (cpu_ffi.cc's LAYOUT_*).
+LAYOUT_LOGICAL, LAYOUT_PAGED, LAYOUT_FP8 = 0, 1, 2
+KIND_CODES = {"SWA": 0, "CSA": 1, "HCA": 2}
+
+
+def dtype_unavailable(dtype) -> str | None:
+    """None when the kernel takes q of this dtype, else why not."""
+    if jnp.dtype(dtype) in DTYPES:
+        return None
+    return f"the C kernel takes bfloat16 or float32 inputs, got {jnp.dtype(dtype)} (float16 runs backend='xla')"
+
+
+def _no_backward(impl, what: str):
+    """`impl` with a backward that raises: an FFI call has no derivative rule, and a gradient
+    must never silently be wrong or zero."""
+    f = jax.custom_vjp(impl)
+
+    def fwd(*args):
+        return impl(*args), None
+
+    def bwd(_, g):
+        raise NotImplementedError(f"{what}: backend 'cpu' (the C kernel, an XLA FFI call) has no backward pass")
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+@functools.lru_cache(maxsize=None)
+def _sparse_call(sm_scale: float, nthreads: int):
+    def impl(q, kv, indices, topk_length, sink):
+        T, H, D = q.shape
+        dv = 512 if D >= 512 else D
+        stat = jax.ShapeDtypeStruct((T, H), jnp.float32)
+        call = jax.ffi.ffi_call(SPARSE_TARGET, (jax.ShapeDtypeStruct((T, H, dv), q.dtype), stat, stat),
+                                vmap_method="sequential")  # fmt: skip
+        return call(q, kv, indices, topk_length, sink, sm_scale=np.float32(sm_scale), threads=np.int64(nthreads))
+
+    return _no_backward(impl, "sparse_attention")
+
+
+def sparse_attention(q, kv, indices, sm_scale: float, attn_sink=None, topk_length=None):
+    """(out, max_logits, lse) of `dsv4_jax.sparse_attention` by the C kernel. Inputs in the
+    canonical form of `dsv4_jax.attention.check_inputs` (q (T, H, D) and kv (S, D) both bf16 or
+    both float32, indices (T, K) int32, sink (H,) float32 or None, topk_length (T,) int32 or None)."""
+    require()
+    if (reason := dtype_unavailable(q.dtype)) is not None:
+        from planner.contract import BackendUnavailableError
+
+        raise BackendUnavailableError(f"backend 'cpu' cannot run here: {reason}")
+    topk = jnp.zeros((0,), jnp.int32) if topk_length is None else topk_length.astype(jnp.int32)
+    sink = jnp.zeros((0,), jnp.float32) if attn_sink is None else attn_sink.astype(jnp.float32)
+    return _sparse_call(float(sm_scale), threads())(q, kv, indices.astype(jnp.int32), topk, sink)
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_call(attrs: tuple):
+    def impl(q, tokens, count, raw_data, raw_table, comp_data, comp_table, topk, sink):
+        T, H, D = q.shape
+        dv = 512 if D >= 512 else D
+        call = jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct((T, H, dv), q.dtype), vmap_method="sequential")
+        kw = {k: (np.float32(v) if k == "sm_scale" else np.int64(v)) for k, v in attrs}
+        return call(q, tokens, count, raw_data, raw_table, comp_data, comp_table, topk, sink, **kw)
+
+    return _no_backward(impl, "prefill_attention")
+
+
+def source_arrays(src):
+    """(data, table, layout, block_size) of a prefill cache: a `dsv4_jax.prefill.PagedKV` (rows
+    or fp8_ds_mla pages) or `LogicalKV` (rows + offsets); None: an empty stand-in (SWA's
+    compressed cache)."""
+    if src is None:
+        return jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.int32), LAYOUT_LOGICAL, 0
+    if hasattr(src, "block_table"):
+        if src.fp8:
+            return src.pages, src.block_table, LAYOUT_FP8, src.page_size
+        return src.pages, src.block_table, LAYOUT_PAGED, 0
+    return src.rows, src.offsets, LAYOUT_LOGICAL, 0
+
+
+def prefill_attention(q, tokens, count, raw, comp, topk_rows, attn_sink, *, kind: str, window: int,
+                      compress_ratio: int, sm_scale: float):  # fmt: skip
+    """One prefill layer by the C kernel: out (T_q, H, d_v) in q's dtype.
+
+    tokens: (3, n) int32, per token: q row, batch request (block-table row / offsets entry),
+    absolute position; the first `count` (a traced int32 scalar) are real, the rest padding
+    (their rows, and every q row no real token names, come out 0). raw / comp: `PagedKV` or
+    `LogicalKV` (comp None for SWA); topk_rows (rows, topk)
+    int32 for CSA, else None; attn_sink (H,) float32 or None."""
+    require()
+    if (reason := dtype_unavailable(q.dtype)) is not None:
+        from planner.contract import BackendUnavailableError
+
+        raise BackendUnavailableError(f"backend 'cpu' cannot run here: {reason}")
+    raw_data, raw_table, raw_layout, raw_bs = source_arrays(raw)
+    comp_data, comp_table, comp_layout, comp_bs = source_arrays(comp)
+    topk = jnp.zeros((0, 0), jnp.int32) if topk_rows is None else topk_rows.astype(jnp.int32)
+    sink = jnp.zeros((0,), jnp.float32) if attn_sink is None else attn_sink.astype(jnp.float32)
+    attrs = (("kind", KIND_CODES[kind]), ("window", window), ("compress_ratio", compress_ratio), ("sm_scale", sm_scale),
+             ("threads", threads()), ("raw_layout", raw_layout), ("raw_block_size", raw_bs),
+             ("comp_layout", comp_layout), ("comp_block_size", comp_bs))  # fmt: skip
+    count = jnp.reshape(jnp.asarray(count, jnp.int32), (1,))
+    return _prefill_call(attrs)(q, tokens.astype(jnp.int32), count, raw_data, raw_table.astype(jnp.int32), comp_data,
+                                comp_table.astype(jnp.int32), topk, sink)  # fmt: skip
