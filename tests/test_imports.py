@@ -59,6 +59,9 @@ KNOWN_LOOPS = [
         "dsv4_torch.kvcache",
         "dsv4_torch.prefill",
     },
+    # vllm/cpu_engine.py imports UnsupportedVLLMVersionError from vllm/plugin.py, which imports
+    # cpu_engine in register(): the error class (and the checked versions) in a module both import.
+    {"dsv4_torch.vllm.cpu_engine", "dsv4_torch.vllm.plugin"},
 ]
 
 
