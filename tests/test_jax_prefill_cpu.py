@@ -332,3 +332,24 @@ def test_gradient_raises():
     f = lambda q: JP.prefill_attention(q, smeta[case.kind], raw, comp, sm_scale=0.2, backend="cpu").sum()  # noqa: E731
     with pytest.raises(NotImplementedError, match=r"prefill_attention: backend 'cpu' .* has no backward pass"):
         jax.grad(f)(q)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_a_donated_out_buffer_gets_the_result(backend):
+    """`out=`: the result is written into the donated buffer (the cpu backend's FFI call aliases
+    it; the others let XLA reuse it): the same bits as without it, stale contents never shown."""
+    case = next(iter(boundary_cases(4)))
+    step = P.plan_step(case.batch, case.plan_config(), [case.layer])
+    smeta = JP.build_step_metadata(step, index_topk=case.topk, **FAST)
+    meta = smeta[case.kind]
+    raw, comp = sources(case, "logical", np.float32)
+    q = jnp.asarray(smeta.pad_tokens(case.q).astype(np.float32))
+    topk = smeta.pad_tokens(case.topk_rows)
+    kw = dict(sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink), topk_indices=topk, backend=backend)
+    want = np.asarray(JP.prefill_attention(q, meta, raw, comp, **kw))
+    out = jnp.full(want.shape, np.nan, jnp.float32)  # stale contents: NaN must not survive
+    for _ in range(2):
+        out = JP.prefill_attention(q, meta, raw, comp, out=out, **kw)
+        np.testing.assert_array_equal(bits(out), bits(want))
+    with pytest.raises(ValueError, match="out: expected"):
+        JP.prefill_attention(q, meta, raw, comp, out=jnp.zeros((3, 2, 1), jnp.float32), **kw)

@@ -31,6 +31,7 @@ from dsv4_jax.kernels.cpu_ffi import require, threads, unavailable_reason  # noq
 
 SPARSE_TARGET = "dsv4_sparse_attention"
 PREFILL_TARGET = "dsv4_prefill_attention"
+PREFILL_INTO_TARGET = "dsv4_prefill_attention_into"  # the same, writing into a given (donated) buffer
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # Cache layouts of the prefill call (cpu_ffi.cc's LAYOUT_*).
 LAYOUT_LOGICAL, LAYOUT_PAGED, LAYOUT_FP8 = 0, 1, 2
@@ -87,13 +88,17 @@ def sparse_attention(q, kv, indices, sm_scale: float, attn_sink=None, topk_lengt
 
 
 @functools.lru_cache(maxsize=None)
-def _prefill_call(attrs: tuple):
-    def impl(q, tokens, count, raw_data, raw_table, comp_data, comp_table, topk, sink):
+def _prefill_call(attrs: tuple, into: bool):
+    def impl(q, tokens, count, raw_data, raw_table, comp_data, comp_table, topk, sink, *out):
         T, H, D = q.shape
         dv = 512 if D >= 512 else D
-        call = jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct((T, H, dv), q.dtype), vmap_method="sequential")
+        result = jax.ShapeDtypeStruct((T, H, dv), q.dtype)
+        if into:
+            call = jax.ffi.ffi_call(PREFILL_INTO_TARGET, result, vmap_method="sequential", input_output_aliases={9: 0})
+        else:
+            call = jax.ffi.ffi_call(PREFILL_TARGET, result, vmap_method="sequential")
         kw = {k: (np.float32(v) if k == "sm_scale" else np.int64(v)) for k, v in attrs}
-        return call(q, tokens, count, raw_data, raw_table, comp_data, comp_table, topk, sink, **kw)
+        return call(q, tokens, count, raw_data, raw_table, comp_data, comp_table, topk, sink, *out, **kw)
 
     return _no_backward(impl, "prefill_attention")
 
@@ -112,14 +117,15 @@ def source_arrays(src):
 
 
 def prefill_attention(q, tokens, count, raw, comp, topk_rows, attn_sink, *, kind: str, window: int,
-                      compress_ratio: int, sm_scale: float):  # fmt: skip
+                      compress_ratio: int, sm_scale: float, out=None):  # fmt: skip
     """One prefill layer by the C kernel: out (T_q, H, d_v) in q's dtype.
 
     tokens: (3, n) int32, per token: q row, batch request (block-table row / offsets entry),
     absolute position; the first `count` (a traced int32 scalar) are real, the rest padding
     (their rows, and every q row no real token names, come out 0). raw / comp: `PagedKV` or
     `LogicalKV` (comp None for SWA); topk_rows (rows, topk)
-    int32 for CSA, else None; attn_sink (H,) float32 or None."""
+    int32 for CSA, else None; attn_sink (H,) float32 or None. out: optional (T_q, H, d_v) array in
+    q's dtype that the kernel writes into (aliased to the result: donate it to reuse its memory)."""
     require()
     if (reason := dtype_unavailable(q.dtype)) is not None:
         from planner.contract import BackendUnavailableError
@@ -133,5 +139,6 @@ def prefill_attention(q, tokens, count, raw, comp, topk_rows, attn_sink, *, kind
              ("threads", threads()), ("raw_layout", raw_layout), ("raw_block_size", raw_bs),
              ("comp_layout", comp_layout), ("comp_block_size", comp_bs))  # fmt: skip
     count = jnp.reshape(jnp.asarray(count, jnp.int32), (1,))
-    return _prefill_call(attrs)(q, tokens.astype(jnp.int32), count, raw_data, raw_table.astype(jnp.int32), comp_data,
-                                comp_table.astype(jnp.int32), topk, sink)  # fmt: skip
+    extra = () if out is None else (out,)
+    return _prefill_call(attrs, out is not None)(q, tokens.astype(jnp.int32), count, raw_data, raw_table.astype(jnp.int32),
+                                                 comp_data, comp_table.astype(jnp.int32), topk, sink, *extra)  # fmt: skip

@@ -24,6 +24,7 @@ TARGETS = {
     "dsv4_gather_segments": "Dsv4GatherSegments",
     "dsv4_sparse_attention": "Dsv4SparseAttention",
     "dsv4_prefill_attention": "Dsv4PrefillAttention",
+    "dsv4_prefill_attention_into": "Dsv4PrefillAttentionInto",
 }
 
 _lock = threading.Lock()
