@@ -2,18 +2,13 @@
 
 `sparse_attention` implements the FlashMLA sparse-attention contract on the JAX backends
 (`dsv4_jax.kernels`: Mosaic GPU on Hopper, Pallas lowered through Triton on NVIDIA GPUs, a
-tiled XLA reference);
+tiled XLA reference, and the C++ CPU kernel of `planner/csrc` as XLA FFI calls);
 `resolve_backend` says which one a call runs and `available_backends` which ones this machine
 has, with reasons for the others. `dsv4_jax.prefill` runs whole layers from a planner step plan;
 `dsv4_jax.model` is a JAX DeepSeek-V4 model on that path.
 """
 
-from dsv4_jax.attention import (
-    BACKENDS,
-    BackendUnavailableError,
-    available_backends,
-    resolve_backend,
-    sparse_attention,
-)
+from dsv4_jax.attention import BACKENDS, available_backends, resolve_backend, sparse_attention
+from planner.contract import BackendUnavailableError
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "available_backends", "resolve_backend", "sparse_attention"]

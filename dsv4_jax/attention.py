@@ -23,20 +23,20 @@ or xla, even where a GPU exists), else JAX's default device.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv4_jax import devices
 from dsv4_jax.kernels import cpu_attention
 from dsv4_jax.kernels import mosaic as mosaic_kernel
 from dsv4_jax.kernels.pallas_triton import sparse_attention_pallas
 from dsv4_jax.kernels.xla import sparse_attention_xla
-from planner.contract import BACKENDS as CONTRACT_BACKENDS  # noqa: F401  (re-exported)
 from planner.checks import sm_scale_value, sparse_attention_shapes
-from planner.contract import BackendUnavailableError
+from planner.contract import BACKENDS as CONTRACT_BACKENDS  # noqa: F401  (re-exported)
+from planner.contract import backend_unavailable
 
 logger = logging.getLogger("dsv4_jax")
 
@@ -46,64 +46,21 @@ REQUESTABLE_BACKENDS = ("auto",) + BACKENDS
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
-@functools.lru_cache(maxsize=None)
-def _device_unavailable(device) -> str | None:
-    """None if the Pallas->Triton path can run on `device`, else the reason (cached per device)."""
-    if device.platform != "gpu":
-        return f"needs an NVIDIA GPU, but the device is {device.platform} ({device.device_kind})"
-    version = str(getattr(device.client, "platform_version", "")).lower()
-    if "rocm" in version or "hip" in version:
-        return f"needs an NVIDIA GPU, but the GPU runtime is {version}"
-    capability = getattr(device, "compute_capability", None)
-    if capability is not None and float(capability) < 8.0:
-        return f"needs compute capability >= 8.0 (bf16 MMA), got {capability} on {device.device_kind}"
-    return None
-
-
-def _default_device():
-    """Where a computation on uncommitted or traced arrays runs: jax.default_device, else the
-    first device of the default backend."""
-    default = jax.config.jax_default_device
-    if isinstance(default, str):
-        return jax.devices(default)[0]
-    return default if default is not None else jax.devices()[0]
-
-
 def _pallas_triton_unavailable() -> str | None:
-    """None if the Pallas->Triton path can run on JAX's default device, else the reason."""
-    try:
-        device = _default_device()
-    except RuntimeError as e:  # pragma: no cover - broken installs
-        return f"JAX found no device ({e})"
-    return _device_unavailable(device)
-
-
-def _committed_devices(arrays) -> set:
-    """Devices of the concrete, committed arrays among `arrays` (tracers and uncommitted
-    arrays follow the default device, so they do not count)."""
-    devices = set()
-    for x in arrays:
-        if not isinstance(x, jax.Array):
-            continue
-        try:
-            if x.committed:
-                devices |= set(x.devices())
-        except jax.errors.ConcretizationTypeError:  # a tracer: placement decided by the caller's jit
-            continue
-    return devices
+    """None if the Pallas->Triton path can run on JAX's default device, else the reason (the seam
+    tests use to pretend a capable GPU)."""
+    return devices.pallas_triton_unavailable(())
 
 
 def _triton_unavailable_for(arrays) -> str | None:
-    devices = _committed_devices(arrays)
-    if not devices:
-        return _pallas_triton_unavailable()
-    reasons = [r for r in map(_device_unavailable, sorted(devices, key=lambda d: (d.platform, d.id))) if r]
-    return reasons[0] if reasons else None
+    if devices.committed_devices(arrays):
+        return devices.pallas_triton_unavailable(arrays)
+    return _pallas_triton_unavailable()
 
 
 def _mosaic_device_unavailable(device) -> str | None:
     """None if the compiled Mosaic GPU kernel can run on `device`, else the reason."""
-    if (reason := _device_unavailable(device)) is not None:
+    if (reason := devices.nvidia_gpu_unavailable(device)) is not None:
         return reason
     capability = getattr(device, "compute_capability", None)
     if capability is not None and str(capability) != "9.0":
@@ -111,20 +68,10 @@ def _mosaic_device_unavailable(device) -> str | None:
     return None
 
 
-def _devices_for(arrays) -> list:
-    devices = _committed_devices(arrays)
-    if devices:
-        return sorted(devices, key=lambda d: (d.platform, d.id))
-    try:
-        return [_default_device()]
-    except RuntimeError:  # pragma: no cover - broken installs
-        return []
-
-
 def _mosaic_gpu_unavailable_for(arrays) -> str | None:
     if (reason := mosaic_kernel.unavailable_reason()) is not None:
         return reason
-    reasons = [r for r in map(_mosaic_device_unavailable, _devices_for(arrays)) if r]
+    reasons = [r for r in map(_mosaic_device_unavailable, devices.devices_for(arrays)) if r]
     return reasons[0] if reasons else None
 
 
@@ -134,7 +81,7 @@ def _mosaic_interpret_unavailable() -> str | None:
 
 def _cpu_unavailable_for(arrays, q=None) -> str | None:
     """None if the C kernel can run on `arrays`' devices (and q's dtype, when given), else why."""
-    platforms = sorted({d.platform for d in _devices_for(arrays)})
+    platforms = sorted({d.platform for d in devices.devices_for(arrays)})
     if platforms != ["cpu"]:
         return f"runs on CPU arrays, but the arrays are on {platforms or 'no device'}"
     if q is not None and getattr(q, "dtype", None) is not None:
@@ -144,7 +91,7 @@ def _cpu_unavailable_for(arrays, q=None) -> str | None:
 
 
 def _on_nvidia_gpu(arrays) -> bool:
-    return any(_device_unavailable(d) is None for d in _devices_for(arrays))
+    return any(devices.nvidia_gpu_unavailable(d) is None for d in devices.devices_for(arrays))
 
 
 def available_backends(*arrays) -> dict[str, str | None]:
@@ -196,7 +143,7 @@ def resolve_backend(backend: str = "auto", *arrays) -> str:
         return "pallas_triton"
     if backend == "cpu":
         if (reason := _cpu_unavailable_for(arrays, q)) is not None:
-            raise BackendUnavailableError(f"backend 'cpu' cannot run here: {reason}")
+            raise backend_unavailable("cpu", reason)
         return "cpu"
     if backend == "pallas":
         return "pallas_interpret" if triton_missing else "pallas_triton"
@@ -205,11 +152,11 @@ def resolve_backend(backend: str = "auto", *arrays) -> str:
         # interpreter run; without an NVIDIA GPU the kernel runs interpreted.
         backend = "mosaic_interpret" if triton_missing else "mosaic_gpu"
     if backend == "pallas_triton" and triton_missing:
-        raise BackendUnavailableError(f"backend 'pallas_triton' cannot run here: {triton_missing}")
+        raise backend_unavailable("pallas_triton", triton_missing)
     if backend == "mosaic_gpu" and (reason := _mosaic_gpu_unavailable_for(arrays)):
-        raise BackendUnavailableError(f"backend 'mosaic_gpu' cannot run here: {reason}")
+        raise backend_unavailable("mosaic_gpu", reason)
     if backend == "mosaic_interpret" and (reason := _mosaic_interpret_unavailable()):
-        raise BackendUnavailableError(f"backend 'mosaic_interpret' cannot run here: {reason}")
+        raise backend_unavailable("mosaic_interpret", reason)
     return backend
 
 

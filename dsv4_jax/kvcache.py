@@ -216,9 +216,6 @@ def dequantize_and_gather_k_cache(
     return pallas_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset, interpret=name == "pallas_interpret")
 
 
-# dsv4_jax/prefill.py's name for the decode (until it imports xla_kvcache.decode_rows itself)
-_decode_rows = xla_kvcache.decode_rows
-
 
 # --------------------------------------------------------------------------------------------
 # moving whole slots (bytes, no requantization)

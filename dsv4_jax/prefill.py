@@ -72,9 +72,9 @@ from dsv4_jax.prefill_metadata import (  # noqa: F401  (the metadata is part of 
     MIN_WORKSPACE_ROWS,
     NUM_FIELDS,
     SCALARS,
-    SEG_COMP_START,
-    SEG_GATHER_START,
-    SEG_RAW_START,
+    SEG_COMP_ROW_OFFSET,
+    SEG_GATHER_START_POSITION,
+    SEG_RAW_ROW_OFFSET,
     SEG_REQUEST,
     SEG_ROW_BASE,
     SIZES,
@@ -84,7 +84,7 @@ from dsv4_jax.prefill_metadata import (  # noqa: F401  (the metadata is part of 
     KindMetadata,
     KindShape,
     StepMetadata,
-    _host_plan,
+    host_plan,
     build_step_metadata,
 )
 from dsv4_jax.prefill_kv import (  # noqa: F401  (the caches are part of this module's API)
@@ -191,7 +191,7 @@ def _tile_indices(f: _Fields, shape: KindShape, c, k, valid, topk_rows):
     """Combined indices of planned tokens k (size,) of chunk c; invalid tokens get none.
 
     Same rows as `planner.build_chunk_indices` (compressed part, then window, -1 padded).
-    Top-k entries outside 0 .. (p+1)//4 - 1 are dropped to -1 here, never read.
+    Top-k entries outside 0 .. (p+1)//r - 1 are dropped to -1 here, never read.
     """
     kind, W, width = shape.kind, shape.window_size, shape.index_width
     seg = jnp.minimum(f.chunk_seg_start[c] + f.tok_request[k], f.L - 1)
@@ -295,7 +295,7 @@ def prefill_attention(
         per page; seq_len_i // r rows per request).
       sm_scale: softmax scale, a Python float. attn_sink: optional (H,) float32.
       topk_indices: CSA only: (T_q', topk) int32 (other dtypes: TypeError) with T_q' >= T, the indexer's request-local top-k
-        entries per token (the first min((p+1)//4, topk) are used).
+        entries per token (the first min((p+1)//r, topk) are used).
       backend: passed to `sparse_attention` ("cpu": one C kernel call for the whole layer, see
         the module docstring); the concrete one is recorded in `meta.last_backend`
         when `meta` is the caller's object (outside `jax.jit`). Inside a user's `jax.jit` the
@@ -348,7 +348,7 @@ def build_indices(meta: KindMetadata, chunk: int, topk_indices=None):
     Needs the host plan (call it outside `jax.jit`). Returns (indices (T_chunk, index_width)
     int32, topk_length (T_chunk,) int32) as jax arrays.
     """
-    kp = _host_plan(meta, "build_indices")
+    kp = host_plan(meta, "build_indices")
     c = _check_chunk(kp, chunk)
     topk_rows = _check_topk(topk_indices, meta) if meta.kind is LayerKind.CSA else None
     t0, t1 = int(kp.chunk_token_starts[c]), int(kp.chunk_token_starts[c + 1])
@@ -372,7 +372,7 @@ def gather_workspace(meta: KindMetadata, chunk: int, raw_kv: KVSource, compresse
     Rows the chunk does not write stay 0. dtype: the workspace's (q's in a layer call); default
     the rows' dtype, bfloat16 for fp8_ds_mla pages. Needs the host plan (call it outside `jax.jit`).
     """
-    kp = _host_plan(meta, "gather_workspace")
+    kp = host_plan(meta, "gather_workspace")
     c = _check_chunk(kp, chunk)
     raw = _as_source(raw_kv, "raw_kv")
     comp = None

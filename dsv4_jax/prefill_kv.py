@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 from jax.tree_util import register_pytree_node_class
 
-from dsv4_jax import kvcache as jax_kvcache
+from dsv4_jax.kernels import xla_kvcache
 from dsv4_jax.prefill_metadata import MIN_WORKSPACE_ROWS, KindMetadata
 from planner import kvcache as kvcache_ref
 from planner.kvcache import KV_CACHE_DTYPES, page_bytes
@@ -204,7 +204,7 @@ def _fetch(src, request, entry, dtype):
         scale_row = page * (pb // kvcache_ref.SLOT_SCALE_BYTES) + S * (kvcache_ref.SLOT_DATA_BYTES // kvcache_ref.SLOT_SCALE_BYTES) + slot
         data = jnp.take(pages.reshape(-1, kvcache_ref.SLOT_DATA_BYTES), data_row, axis=0, mode="clip")
         sc = jnp.take(pages.reshape(-1, kvcache_ref.SLOT_SCALE_BYTES), scale_row, axis=0, mode="clip")
-        bits = jax_kvcache._decode_rows(data, sc)
+        bits = xla_kvcache.decode_rows(data, sc)
         return lax.bitcast_convert_type(bits, jnp.bfloat16).astype(dtype)
     rows, lookup = _flat_rows(src)
     return rows[lookup(request, entry)].astype(dtype)

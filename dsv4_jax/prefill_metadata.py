@@ -46,7 +46,6 @@ CHUNK_N = 10  # chunk -> N
 SCALARS = 11  # [num_chunks, T, n_seg]
 NUM_FIELDS = 12
 # The names dsv4_jax.prefill imported before the unit went into them (to drop once it uses the new ones).
-SEG_GATHER_START, SEG_COMP_START, SEG_RAW_START = SEG_GATHER_START_POSITION, SEG_COMP_ROW_OFFSET, SEG_RAW_ROW_OFFSET
 
 
 @dataclass(frozen=True)
@@ -291,6 +290,3 @@ def host_plan(meta: KindMetadata, what: str) -> KindPlan:
         raise ValueError(f"meta: {what} needs the host plan, which a copy rebuilt inside jax.jit does not carry")
     return meta.plan
 
-
-# dsv4_jax/prefill.py's name for host_plan (until it imports the public one)
-_host_plan = host_plan

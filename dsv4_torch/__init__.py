@@ -5,12 +5,7 @@
 call runs and `available_backends` which ones this machine has, with reasons for the others.
 """
 
-from dsv4_torch.attention import (
-    BACKENDS,
-    BackendUnavailableError,
-    available_backends,
-    resolve_backend,
-    sparse_attention,
-)
+from dsv4_torch.attention import BACKENDS, available_backends, resolve_backend, sparse_attention
+from planner.contract import BackendUnavailableError
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "available_backends", "resolve_backend", "sparse_attention"]

@@ -24,9 +24,10 @@ import numbers
 
 import torch
 
-from planner.contract import BACKENDS as CONTRACT_BACKENDS  # noqa: F401  (re-exported)
+from dsv4_torch import devices
 from planner.checks import sm_scale_value, sparse_attention_shapes
-from planner.contract import BackendUnavailableError
+from planner.contract import BACKENDS as CONTRACT_BACKENDS  # noqa: F401  (re-exported)
+from planner.contract import BackendUnavailableError, backend_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,13 @@ def sparse_attention(
         "sparse_attention: backend=%s (asked %r) T=%d H=%d D=%d K=%d dtype=%s device=%s grad=%s",
         name, backend, q.shape[0], q.shape[1], q.shape[2], indices.shape[1], q.dtype, q.device, grad,
     )
+    return run_backend(name, q, kv, indices, sm_scale, attn_sink, topk_length, grad=grad, dropout_p=dropout_p)
+
+
+def run_backend(name: str, q, kv, indices, sm_scale: float, attn_sink, topk_length, *, grad: bool, dropout_p: float):
+    """Run resolved backend `name` on checked arguments (`sparse_attention` after `_validate` and
+    `resolve_backend`; the prefill's chunk loop, which resolves once per layer call and builds its
+    arguments itself). kv (S, D), indices (T, K); grad / dropout_p as resolved."""
     if grad or dropout_p:  # the reference backend, with its backward / dropout
         from dsv4_torch.kernels import reference
 
@@ -151,7 +159,7 @@ def resolve_backend(backend: str, q: torch.Tensor, *, needs_grad: bool = False, 
         return "reference"
     reason = _unavailable_for(backend, q)
     if reason is not None:
-        raise BackendUnavailableError(f"backend={backend!r} cannot run here: {reason}")
+        raise backend_unavailable(backend, reason)
     return backend
 
 
@@ -165,7 +173,7 @@ def available_backends() -> dict[str, str | None]:
     from dsv4_torch.kernels import flashmla
 
     reasons["flashmla"] = flashmla.unavailable_reason(None)
-    triton_reason = _triton_import_error()
+    triton_reason = devices.triton_import_error()
     if triton_reason is None and not torch.cuda.is_available():
         from dsv4_torch.kernels import triton_sparse
 
@@ -194,7 +202,7 @@ def _unavailable_for(name: str, q: torch.Tensor) -> str | None:
 
         return cpu_attention.unavailable_reason()
     if name == "triton":
-        err = _triton_import_error()
+        err = devices.triton_import_error()
         if err is not None:
             return err
         if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -236,14 +244,6 @@ def _dropout_seed() -> int:
     # From torch's default CPU generator: a CPU read, never a device sync; torch.manual_seed and
     # torch.utils.checkpoint's RNG-state restore make it reproducible.
     return int(torch.randint(0, 1 << 62, (1,), dtype=torch.int64).item())
-
-
-def _triton_import_error() -> str | None:
-    try:
-        import triton  # noqa: F401, PLC0415
-    except Exception as e:
-        return f"cannot import triton ({type(e).__name__}: {e})"
-    return None
 
 
 def _validate(q, kv, indices, sm_scale, attn_sink, topk_length):

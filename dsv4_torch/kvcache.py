@@ -570,6 +570,3 @@ def _same_device(k_cache: torch.Tensor, **tensors) -> None:
         if x is not None and x.device != k_cache.device:
             raise ValueError(f"{name}: on {x.device}, but k_cache is on {k_cache.device}")
 
-
-# dsv4_torch/prefill.py's names for these (until it imports the public ones)
-_check_pages, _row_views, _scale_index = check_pages, row_views, scale_index

@@ -5,7 +5,7 @@ step plan into device metadata (O(requests + tokens) host work). Every layer the
 `prefill_attention` with the metadata of its kind: per chunk it gathers compressed and window
 rows into one reused workspace, walking each request's block table or offsets from the
 per-request arrays on the device (one Triton kernel per region on GPUs; fp8_ds_mla pages are
-dequantized on the way), adds CSA's top-k part to the index rows, and calls `sparse_attention`. The
+dequantized on the way), adds CSA's top-k part to the index rows, and runs the backend resolved once per call (`run_backend`). The
 caches' shapes are checked on the host; nothing in the layer loop reads device memory on the
 host, so nothing syncs.
 
@@ -24,130 +24,23 @@ import numpy as np
 import torch
 
 from dsv4_torch import kvcache
-from dsv4_torch.attention import check_dropout, gradient_required, resolve_backend, sparse_attention
+from dsv4_torch.attention import check_dropout, check_sink, check_sm_scale, gradient_required, resolve_backend, run_backend
+from dsv4_torch.prefill_kv import KVSource, LogicalKV, PagedKV  # noqa: F401  (the caches are part of this module's API)
 from dsv4_torch.prefill_metadata import (  # noqa: F401  (the metadata is part of this module's API)
     ChunkIndices,
     ChunkMeta,
     GatherMap,
     KindMetadata,
     StepMetadata,
-    _index_rows,
-    _shape,
     build_step_metadata,
     gather_map,
 )
 from planner import LayerKind
 from planner.contract import value_dim
-from planner.kvcache import KV_CACHE_DTYPES
+from planner.checks import shape_of
 from planner.layout import check_topk_rows
 
 
-@dataclass(frozen=True)
-class PagedKV:
-    """A paged cache as serving engines keep it.
-
-    pages: the pages, in one of two formats (`kv_cache_dtype`):
-      "auto" (default): rows in q's dtype, (num_pages, page_size, D): raw tokens (page_size =
-        block_size) or compressed entries (page_size = block_size // compress_ratio).
-      "fp8_ds_mla": vLLM's DeepSeek-V4 cache bytes (`planner.kvcache`: 448 e4m3 dims with UE8M0
-        scales per 64, 64 bf16 RoPE dims; D = 512), uint8 (num_pages, page_bytes(S)) with
-        `block_size=S` slots per page, or vLLM's view (num_pages, S, 584) with page stride
-        page_bytes(S) (S from the shape). A layer call dequantizes the rows it gathers into the
-        bf16 (or float32) workspace, on the device: exactly `dequantize_and_gather_k_cache`'s values.
-    block_table: (B, max_pages_per_request) int32/int64: row i lists request i's pages, so entry e
-      of request i lives on page block_table[i, e // page_size], slot e % page_size.
-    block_size: slots per page; required for 2-D fp8_ds_mla pages, else taken from the shape (a
-      given value must agree).
-    """
-
-    pages: torch.Tensor
-    block_table: torch.Tensor
-    kv_cache_dtype: str = "auto"
-    block_size: int | None = None
-
-    def __post_init__(self):
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
-                                            or self.block_size < 1):  # fmt: skip
-            raise ValueError(f"block_size: expected a positive int or None, got {self.block_size!r}")
-        if not isinstance(self.pages, torch.Tensor):
-            raise TypeError(f"pages: expected a torch.Tensor, got {type(self.pages).__name__}")
-        if self.kv_cache_dtype == "fp8_ds_mla":
-            if self.pages.dtype != torch.uint8:
-                raise TypeError(f"pages: fp8_ds_mla pages are uint8 bytes, got {self.pages.dtype}")
-            if self.pages.dim() == 3:
-                if self.block_size is not None and self.block_size != self.pages.shape[1]:
-                    raise ValueError(f"block_size: {self.block_size} differs from the pages' {self.pages.shape[1]} slots")
-                S = self.pages.shape[1]
-            elif self.pages.dim() == 2:
-                if self.block_size is None:
-                    raise ValueError("block_size: required for 2-D fp8_ds_mla pages (num_pages, page_bytes(S))")
-                S = self.block_size
-            else:
-                raise ValueError(f"pages: expected fp8_ds_mla pages (num_pages, page_bytes(S)) or (num_pages, S, 584), "
-                                 f"got {_shape(self.pages)}")  # fmt: skip
-            kvcache._check_pages(self.pages, S, "pages")  # the page stride: round_up(S * 584, 576)
-        else:
-            if self.pages.dim() != 3:
-                raise ValueError(f"pages: expected a (num_pages, page_size, D) tensor, got {_shape(self.pages)}")
-            if self.pages.dtype == torch.uint8:
-                raise TypeError("pages: uint8 pages hold fp8_ds_mla bytes: pass kv_cache_dtype='fp8_ds_mla'")
-            if self.block_size is not None and self.block_size != self.pages.shape[1]:
-                raise ValueError(f"block_size: {self.block_size} differs from the pages' {self.pages.shape[1]} rows")
-        if not isinstance(self.block_table, torch.Tensor) or self.block_table.dim() != 2:
-            raise ValueError(f"block_table: expected a (B, max_pages) tensor, got {_shape(self.block_table)}")
-        if self.block_table.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"block_table: expected int32 or int64, got {self.block_table.dtype}")
-        if self.block_table.device != self.pages.device:
-            raise ValueError(f"block_table: on {self.block_table.device}, pages on {self.pages.device}")
-
-    @property
-    def page_size(self) -> int:
-        """Entries (slots) per page."""
-        if self.kv_cache_dtype == "fp8_ds_mla" and self.pages.dim() == 2:
-            return int(self.block_size)
-        return int(self.pages.shape[1])
-
-    @property
-    def num_pages(self) -> int:
-        return int(self.pages.shape[0])
-
-
-@dataclass(frozen=True)
-class LogicalKV:
-    """Per-request caches packed in one tensor (the twin of `dsv4_jax.prefill.LogicalKV`).
-
-    rows: (S, D): entry e of request i is row offsets[i] + e.
-    offsets: (B,) int32/int64, on rows' device. An offset may be negative when a request keeps
-      only its recent entries (e.g. a window): only the entries a plan reads must be in range.
-    """
-
-    rows: torch.Tensor
-    offsets: torch.Tensor
-
-    def __post_init__(self):
-        if not isinstance(self.rows, torch.Tensor) or self.rows.dim() != 2:
-            raise ValueError(f"rows: expected a (S, D) tensor, got {_shape(self.rows)}")
-        if not isinstance(self.offsets, torch.Tensor) or self.offsets.dim() != 1:
-            raise ValueError(f"offsets: expected a (B,) tensor, got {_shape(self.offsets)}")
-        if self.offsets.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"offsets: expected int32 or int64, got {self.offsets.dtype}")
-        if self.offsets.device != self.rows.device:
-            raise ValueError(f"offsets: on {self.offsets.device}, rows on {self.rows.device}")
-
-    @classmethod
-    def from_list(cls, tensors: Sequence[torch.Tensor]) -> "LogicalKV":
-        """Pack per-request (len_i, D) tensors (one copy)."""
-        if not isinstance(tensors, (list, tuple)) or not tensors:
-            raise TypeError(f"tensors: expected a non-empty sequence of (len_i, D) tensors, got {type(tensors).__name__}")
-        lens = [t.shape[0] for t in tensors]
-        offsets = torch.tensor(np.concatenate([[0], np.cumsum(lens)[:-1]]), dtype=torch.int64, device=tensors[0].device)
-        return cls(torch.cat(list(tensors)), offsets)
-
-
-# A PagedKV, a LogicalKV, or per-request (len_i, D) tensors (packed on every call: for tests).
-KVSource = Union[PagedKV, LogicalKV, Sequence[torch.Tensor]]
 
 
 
@@ -180,7 +73,7 @@ class _Rows:
                 if src.pages.device != q.device:
                     raise ValueError(f"{name}: on {src.pages.device}, q on {q.device}")
                 self.pb = kvcache.page_bytes(self.page_size)
-                self.data_rows, self.scale_words = kvcache._row_views(src.pages, self.pb)
+                self.data_rows, self.scale_words = kvcache.row_views(src.pages, self.pb)
             else:
                 self.pages = src.pages
                 self.rows = src.pages.reshape(-1, src.pages.shape[-1])
@@ -329,7 +222,7 @@ def _gather(ws: torch.Tensor, src: _Rows, meta: KindMetadata, chunk: ChunkMeta, 
                 rows = src.rows.index_select(0, page * src.page_size + slot)
             else:
                 data = src.data_rows.index_select(0, page * (src.pb // kvcache.SLOT_DATA_BYTES) + slot)
-                sc = src.scale_words.index_select(0, kvcache._scale_index(page, slot, src.pb, src.page_size))
+                sc = src.scale_words.index_select(0, kvcache.scale_index(page, slot, src.pb, src.page_size))
                 rows = kvcache.decode_slots(data.view(torch.uint8).view(data.shape[0], -1),
                                             sc.view(torch.uint8).view(sc.shape[0], -1), branch_free=True)  # fmt: skip
                 rows = rows if rows.dtype == ws.dtype else rows.to(ws.dtype)
@@ -370,7 +263,7 @@ def build_indices(meta: KindMetadata, chunk: ChunkMeta, topk_indices: torch.Tens
 
     Returns (indices (T_chunk, index_width) int32, topk_length (T_chunk,) int32). SWA/HCA rows come
     from the metadata as they are; CSA adds the layer's top-k part: entries outside
-    0 .. (p+1)//4 - 1 (future or negative) are dropped to -1 on the device, never read.
+    0 .. (p+1)//r - 1 (future or negative) are dropped to -1 on the device, never read.
     """
     ci = meta.chunk_indices[chunk.number]
     if meta.kind is not LayerKind.CSA:
@@ -416,7 +309,7 @@ def prefill_attention(
         A bad cache raises ValueError naming the argument and field.
       sm_scale: softmax scale. attn_sink: optional (H,) float32.
       topk_indices: CSA only: (T, index_topk) int32 or int64, on q's device: the indexer's
-        request-local top-k entries per token (the first min((p+1)//4, topk) are used).
+        request-local top-k entries per token (the first min((p+1)//r, topk) are used).
       backend: `sparse_attention`'s, resolved once per call; the concrete one is recorded in
         `meta.last_backend`. "cpu" runs the whole layer in one fused kernel call (no chunks).
       out: optional (T, H, d_v) q.dtype output buffer.
@@ -429,13 +322,15 @@ def prefill_attention(
     Returns:
       (T, H, d_v), q.dtype (d_v = 512 for D >= 512). Tokens of `query_len == 0` requests: none.
     """
+    if not isinstance(meta, KindMetadata):
+        raise TypeError(f"meta: expected a KindMetadata (build_step_metadata(...)[kind]), got {type(meta).__name__}")
     kind = meta.kind
     T, H, D = _check_q(q, meta)
     d_v = value_dim(D)
     if out is None:
         out = torch.empty((T, H, d_v), dtype=q.dtype, device=q.device)
     elif out.shape != (T, H, d_v) or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out: expected ({T}, {H}, {d_v}) {q.dtype} on {q.device}, got {_shape(out)} {out.dtype} on {out.device}")
+        raise ValueError(f"out: expected ({T}, {H}, {d_v}) {q.dtype} on {q.device}, got {shape_of(out)} {out.dtype} on {out.device}")
     if kind is LayerKind.CSA:
         _check_topk(topk_indices, meta, q)
     raw = _Rows(raw_kv, "raw_kv", q, meta, "raw")
@@ -448,12 +343,11 @@ def prefill_attention(
     grad = gradient_required(q, raw.rows, None if comp is None else comp.rows, attn_sink)
     name = resolve_backend(backend, q, needs_grad=grad, dropout_p=dropout_p)
     meta.last_backend = name
+    sm_scale = check_sm_scale(sm_scale)  # checked once per layer call, not per chunk
+    check_sink(attn_sink, H, q.device)
     if name == "cpu":  # resolve_backend gives "cpu" only without gradient or dropout
-        from dsv4_torch.attention import check_sink, check_sm_scale
         from dsv4_torch.kernels.cpu_attention import prefill_attention_cpu
 
-        sm_scale = check_sm_scale(sm_scale)
-        check_sink(attn_sink, H, q.device)
         return prefill_attention_cpu(q, meta, raw.source, None if comp is None else comp.source, sm_scale=sm_scale,
                                      attn_sink=attn_sink, topk_indices=topk_indices, out=out)  # fmt: skip
     ws_all = None if grad else meta.step.workspace(D, q.dtype)
@@ -467,7 +361,7 @@ def prefill_attention(
             q_c = q[chunk.t0 : chunk.t1]
         else:
             q_c = q.index_select(0, meta.token_index[chunk.t0 : chunk.t1])
-        o, _, _ = sparse_attention(q_c, ws, idx, sm_scale, attn_sink, length, backend=name, dropout_p=dropout_p)
+        o, _, _ = run_backend(name, q_c, ws, idx, sm_scale, attn_sink, length, grad=grad, dropout_p=dropout_p)
         if meta.tokens_in_batch_order:
             out[chunk.t0 : chunk.t1] = o
         else:
@@ -478,7 +372,7 @@ def prefill_attention(
 def _check_topk(topk_indices, meta: KindMetadata, q: torch.Tensor) -> None:
     T, k = q.shape[0], meta.index_topk
     if not isinstance(topk_indices, torch.Tensor) or topk_indices.dim() != 2 or topk_indices.shape != (T, k):
-        raise ValueError(f"topk_indices: expected ({T}, {k}) (tokens, index_topk) for a CSA layer, got {_shape(topk_indices)}")
+        raise ValueError(f"topk_indices: expected ({T}, {k}) (tokens, index_topk) for a CSA layer, got {shape_of(topk_indices)}")
     if topk_indices.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_indices: expected int32 or int64, got {topk_indices.dtype}")
     if topk_indices.device != q.device:

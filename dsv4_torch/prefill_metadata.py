@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch, StepPlan
-from planner.checks import INT32_MAX, as_int, shape_of
+from planner.checks import INT32_MAX, as_int
 from planner.kind_plan import KindPlan
 from planner.layout import index_width
 from planner.plan import as_step_plan
@@ -322,6 +322,3 @@ def gather_map(
         entry = meta.seg_gather_start[s0:s1][owner] + j
     return GatherMap(dst, meta.seg_request[s0:s1][owner], entry)
 
-
-# dsv4_torch/prefill.py's names for these (until it imports chunk_index_rows / planner.checks.shape_of)
-_index_rows, _shape = chunk_index_rows, shape_of

@@ -30,9 +30,6 @@ import numpy as np
 
 from planner.checks import INT32_MAX, as_int
 
-# The name dsv4_torch/vllm/cpu_metadata.py (vllm-cpu branch) imports; drop once it uses planner.checks.as_int.
-_as_int = as_int
-
 # ----------------------------------------------------------------------------- kinds
 
 

@@ -87,7 +87,6 @@ def test_step_metadata_index_topk(build, topk, error):
         build(step, index_topk=topk)
 
 
-@pytest.mark.xfail(strict=True, reason="fix in prefill.py by the lead", raises=AttributeError)
 def test_torch_prefill_attention_without_metadata():
     q = torch.zeros(4, 2, 16)
     raw = torch_prefill.PagedKV(torch.zeros(1, 64, 16), torch.zeros(1, 1, dtype=torch.int32))

@@ -243,7 +243,7 @@ def test_rows_without_new_tokens_keep_their_state(model):
 
 def test_triton_backend_through_the_model(model):
     """The Triton kernel (interpreted on CPU, `TRITON_INTERPRET=1` from conftest) runs the same path."""
-    from dsv4_torch.attention import BackendUnavailableError
+    from planner.contract import BackendUnavailableError
 
     ids, mask = left_padded([ids_of(40, 8)[0].tolist(), ids_of(15, 9)[0].tolist()])
     with torch.no_grad():
@@ -361,7 +361,7 @@ def test_unsupported_models_and_settings_fail_clearly(model, monkeypatch):
         I.enable_sparse_prefill(model, planner="adaptive")
     with pytest.raises(ValueError, match="max_model_len"):
         I.enable_sparse_prefill(model, max_model_len=0)
-    from dsv4_torch.attention import BackendUnavailableError
+    from planner.contract import BackendUnavailableError
 
     with pytest.raises(BackendUnavailableError, match="flashmla"):
         I.enable_sparse_prefill(model, backend="flashmla")  # CPU model

@@ -334,7 +334,7 @@ def test_index_rows_built_once_per_step_gathers_follow_the_block_table(monkeypat
     assert meta._index_rows is None  # build_step_metadata forms nothing on the device ...
     want = call()
     rows = meta.chunk_indices  # ... the first layer call does, once for the kind
-    monkeypatch.setattr(TPM, "_index_rows", lambda *a: pytest.fail("index rows rebuilt in a layer call"))
+    monkeypatch.setattr(TPM, "chunk_index_rows", lambda *a: pytest.fail("index rows rebuilt in a layer call"))
     raw, comp = _paged(case, "raw"), _paged(case, "comp")
     assert torch.equal(call(raw_kv=raw, compressed_kv=comp), want)
     assert meta.chunk_indices is rows

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax.kernels.cpu_ffi import require, threads, unavailable_reason  # noqa: F401  (re-exported)
+from planner.contract import backend_unavailable
 
 SPARSE_TARGET = "dsv4_sparse_attention"
 PREFILL_TARGET = "dsv4_prefill_attention"
@@ -79,9 +80,7 @@ def sparse_attention(q, kv, indices, sm_scale: float, attn_sink=None, topk_lengt
     both float32, indices (T, K) int32, sink (H,) float32 or None, topk_length (T,) int32 or None)."""
     require()
     if (reason := dtype_unavailable(q.dtype)) is not None:
-        from planner.contract import BackendUnavailableError
-
-        raise BackendUnavailableError(f"backend 'cpu' cannot run here: {reason}")
+        raise backend_unavailable("cpu", reason)
     topk = jnp.zeros((0,), jnp.int32) if topk_length is None else topk_length.astype(jnp.int32)
     sink = jnp.zeros((0,), jnp.float32) if attn_sink is None else attn_sink.astype(jnp.float32)
     return _sparse_call(float(sm_scale), threads())(q, kv, indices.astype(jnp.int32), topk, sink)
@@ -128,9 +127,7 @@ def prefill_attention(q, tokens, count, raw, comp, topk_rows, attn_sink, *, kind
     q's dtype that the kernel writes into (aliased to the result: donate it to reuse its memory)."""
     require()
     if (reason := dtype_unavailable(q.dtype)) is not None:
-        from planner.contract import BackendUnavailableError
-
-        raise BackendUnavailableError(f"backend 'cpu' cannot run here: {reason}")
+        raise backend_unavailable("cpu", reason)
     raw_data, raw_table, raw_layout, raw_bs = source_arrays(raw)
     comp_data, comp_table, comp_layout, comp_bs = source_arrays(comp)
     topk = jnp.zeros((0, 0), jnp.int32) if topk_rows is None else topk_rows.astype(jnp.int32)

@@ -16,6 +16,7 @@ import threading
 import jax
 
 from planner import ckernel
+from planner.contract import backend_unavailable
 
 FFI_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_ffi.cc")
 # custom-call target -> handler symbol in the library
@@ -54,9 +55,7 @@ def unavailable_reason() -> str | None:
 def require(backend: str = "cpu") -> None:
     """Raise BackendUnavailableError (saying why) when the FFI targets cannot run here."""
     if (reason := unavailable_reason()) is not None:
-        from planner.contract import BackendUnavailableError
-
-        raise BackendUnavailableError(f"backend {backend!r} cannot run here: {reason}")
+        raise backend_unavailable(backend, reason)
 
 
 def threads() -> int:

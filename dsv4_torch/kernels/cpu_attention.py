@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from planner import ckernel
-from planner.contract import LayerKind, value_dim
+from planner.contract import LayerKind, backend_unavailable, value_dim
 
 DTYPES = {torch.bfloat16: ckernel.BF16, torch.float32: ckernel.F32}
 
@@ -41,9 +41,7 @@ def _library():
     try:
         return ckernel.library()
     except RuntimeError as e:
-        from planner.contract import BackendUnavailableError
-
-        raise BackendUnavailableError(f"backend='cpu' cannot run here: {e}") from None
+        raise backend_unavailable("cpu", str(e)) from None
 
 
 def _dtype_code(q: torch.Tensor) -> int:
@@ -157,7 +155,7 @@ def step_tokens(step) -> np.ndarray:
 
 def _kv_source(src, name: str, q: torch.Tensor, keep: list) -> ckernel.KVSource:
     """A `dsv4_kv_source` for a PagedKV, LogicalKV or per-request tensor list (packed here)."""
-    from dsv4_torch.prefill import LogicalKV, PagedKV
+    from dsv4_torch.prefill_kv import LogicalKV, PagedKV
 
     if isinstance(src, (list, tuple)):
         src = LogicalKV.from_list(src)

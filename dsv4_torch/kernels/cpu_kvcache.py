@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from planner import ckernel
+from planner.contract import backend_unavailable
 
 
 def unavailable_reason() -> str | None:
@@ -41,11 +42,7 @@ def gather_dequant(out: torch.Tensor, k_cache: torch.Tensor, seq: torch.Tensor, 
     or written (the caller validates values when it wants errors instead)."""
     fn = ckernel.gather_function()
     if fn is None:
-        from dsv4_torch.attention import BackendUnavailableError
-
-        raise BackendUnavailableError(
-            f"backend='cpu' cannot run here: {ckernel.unavailable_reason()}"
-        )
+        raise backend_unavailable("cpu", ckernel.unavailable_reason())
     if out.dtype not in (torch.bfloat16, torch.float32) or out.stride(2) != 1:
         raise ValueError(
             f"out: expected bfloat16 or float32 with unit stride in the last dim, got {out.dtype} {out.stride()}"

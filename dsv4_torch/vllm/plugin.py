@@ -28,6 +28,7 @@ import logging
 import os
 
 from dsv4_torch.vllm import _import_hooks
+from dsv4_torch.vllm.errors import UnsupportedVLLMVersionError  # noqa: F401  (part of this module's API)
 
 # The vLLM releases this plugin was checked against (tests/vllm/, `make test-vllm`).
 SUPPORTED_VLLM_VERSIONS = ("0.33.0",)
@@ -52,10 +53,6 @@ _PLAN_PARAMS = ["self", "compress_ratio", "prefill_chunk_size", "has_compressed"
 _PATCHED = "__dsv4_prefill_original__"  # attribute on our replacements: the function replaced
 
 _registered = False
-
-
-class UnsupportedVLLMVersionError(RuntimeError):
-    """The installed vLLM is not one this plugin was checked against (or its code differs)."""
 
 
 def vllm_version() -> str | None:
