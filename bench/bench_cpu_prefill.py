@@ -147,7 +147,9 @@ def vllm_call(layer: Layer, threads: int):
     sink = torch.from_numpy(layer.sink)
 
     def call():
-        torch.ops._C.flash_mla_with_kvcache_cpu(out, q, raw, window_slots, BLOCK, comp, comp_slots, comp_S, sink, D**-0.5)
+        torch.ops._C.flash_mla_with_kvcache_cpu(
+            out, q, raw, window_slots, BLOCK, comp, comp_slots, comp_S, sink, D**-0.5
+        )
         return out
 
     return call
@@ -156,26 +158,35 @@ def vllm_call(layer: Layer, threads: int):
 def torch_call(layer: Layer, threads: int, backend: str):
     import torch
 
-    from dsv4_torch import prefill as TP
     import planner as P
+    from dsv4_torch import prefill as TP
 
     torch.set_num_threads(threads)
     meta = _torch_meta(layer, TP, P)
     q = torch.from_numpy(layer.q).bfloat16()
-    raw = TP.PagedKV(torch.from_numpy(layer.raw_pages), torch.from_numpy(layer.raw_table), kv_cache_dtype="fp8_ds_mla",
-                     block_size=BLOCK)  # fmt: skip
+    raw = TP.PagedKV(
+        torch.from_numpy(layer.raw_pages),
+        torch.from_numpy(layer.raw_table),
+        kv_cache_dtype="fp8_ds_mla",
+        block_size=BLOCK,
+    )
     comp = None
     if layer.r:
-        comp = TP.PagedKV(torch.from_numpy(layer.comp_pages), torch.from_numpy(layer.comp_table),
-                          kv_cache_dtype="fp8_ds_mla", block_size=BLOCK // layer.r)  # fmt: skip
+        comp = TP.PagedKV(
+            torch.from_numpy(layer.comp_pages),
+            torch.from_numpy(layer.comp_table),
+            kv_cache_dtype="fp8_ds_mla",
+            block_size=BLOCK // layer.r,
+        )
     topk = torch.from_numpy(layer.topk) if layer.topk is not None else None
     sink = torch.from_numpy(layer.sink)
     out = torch.empty((layer.T, H, 512), dtype=torch.bfloat16)
 
     def call():
         with torch.no_grad():
-            return TP.prefill_attention(q, meta, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk,
-                                        backend=backend, out=out)  # fmt: skip
+            return TP.prefill_attention(
+                q, meta, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk, backend=backend, out=out
+            )
 
     return call
 
@@ -192,8 +203,8 @@ def jax_call(layer: Layer, threads: int, backend: str):
     import jax
     import jax.numpy as jnp
 
-    from dsv4_jax import prefill as JP
     import planner as P
+    from dsv4_jax import prefill as JP
 
     batch = P.PrefillBatch(layer.seq_lens, layer.query_lens)
     cfg = P.PlanConfig(window_size=W, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=max(8192, layer.T))
@@ -201,19 +212,25 @@ def jax_call(layer: Layer, threads: int, backend: str):
     meta = JP.build_step_metadata(step, index_topk=TOPK if layer.kind == "CSA" else None)
     km = meta[layer.kind]
     q = meta.pad_tokens(jnp.asarray(layer.q, jnp.bfloat16))
-    raw = JP.PagedKV(jnp.asarray(layer.raw_pages), jnp.asarray(layer.raw_table), kv_cache_dtype="fp8_ds_mla",
-                     block_size=BLOCK)  # fmt: skip
+    raw = JP.PagedKV(
+        jnp.asarray(layer.raw_pages), jnp.asarray(layer.raw_table), kv_cache_dtype="fp8_ds_mla", block_size=BLOCK
+    )
     comp = None
     if layer.r:
-        comp = JP.PagedKV(jnp.asarray(layer.comp_pages), jnp.asarray(layer.comp_table), kv_cache_dtype="fp8_ds_mla",
-                          block_size=BLOCK // layer.r)  # fmt: skip
+        comp = JP.PagedKV(
+            jnp.asarray(layer.comp_pages),
+            jnp.asarray(layer.comp_table),
+            kv_cache_dtype="fp8_ds_mla",
+            block_size=BLOCK // layer.r,
+        )
     topk = meta.pad_tokens(jnp.asarray(layer.topk)) if layer.topk is not None else None
     sink = jnp.asarray(layer.sink)
     buf = {"out": jnp.zeros((q.shape[0], H, 512), jnp.bfloat16)}  # donated each call, as torch's `out=`
 
     def call():
-        buf["out"] = JP.prefill_attention(q, km, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk,
-                                          backend=backend, out=buf["out"])  # fmt: skip
+        buf["out"] = JP.prefill_attention(
+            q, km, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk, backend=backend, out=buf["out"]
+        )
         return jax.block_until_ready(buf["out"])
 
     return call
@@ -249,8 +266,8 @@ def available(name: str) -> str | None:
     """None if contender `name` can run here, else why not."""
     try:
         if name == "vllm":
-            import vllm._custom_ops  # noqa: F401
             import torch
+            import vllm._custom_ops  # noqa: F401
 
             torch.ops._C.flash_mla_with_kvcache_cpu  # noqa: B018
         elif name.startswith("torch."):
@@ -291,10 +308,16 @@ def main(argv=None) -> int:
         else:
             runnable.append(c)
     mm = matmul_gflops(args.threads)
-    print(f"# threads {args.threads}; this run's torch.matmul 2048^3: bf16 {mm['bf16']:.0f} GFLOP/s, "
-          f"fp32 {mm['fp32']:.0f} GFLOP/s")  # fmt: skip
+    print(
+        f"# threads {args.threads}; this run's torch.matmul 2048^3: bf16 {mm['bf16']:.0f} GFLOP/s, "
+        f"fp32 {mm['fp32']:.0f} GFLOP/s"
+    )
     rows = []
-    print(f"| case | kind | GFLOP | " + " | ".join(f"{c} GFLOP/s" for c in runnable) + " | best ours / vllm | best ours / bf16 matmul |")
+    print(
+        "| case | kind | GFLOP | "
+        + " | ".join(f"{c} GFLOP/s" for c in runnable)
+        + " | best ours / vllm | best ours / bf16 matmul |"
+    )
     print("|---|---|---:|" + "---:|" * len(runnable) + "---:|---:|")
     for case in args.cases.split(","):
         seq, ql = CASES[case]
@@ -320,11 +343,23 @@ def main(argv=None) -> int:
             g = {c: layer.gflop() / timed[c] for c in calls}
             ours = max([g[c] for c in g if c.endswith(".cpu")], default=float("nan"))
             vs = ours / g["vllm"] if "vllm" in g else float("nan")
-            rows.append(dict(case=case, kind=kind, gflop=layer.gflop(), seconds=timed, gflops=g, vs_vllm=vs,
-                             vs_bf16_matmul=ours / mm["bf16"]))  # fmt: skip
-            print(f"| {case} | {kind} | {layer.gflop():.0f} | "
-                  + " | ".join(f"{g[c]:.0f}" if c in g else "-" for c in runnable)
-                  + f" | {vs:.2f}x | {100 * ours / mm['bf16']:.0f}% |", flush=True)  # fmt: skip
+            rows.append(
+                dict(
+                    case=case,
+                    kind=kind,
+                    gflop=layer.gflop(),
+                    seconds=timed,
+                    gflops=g,
+                    vs_vllm=vs,
+                    vs_bf16_matmul=ours / mm["bf16"],
+                )
+            )
+            print(
+                f"| {case} | {kind} | {layer.gflop():.0f} | "
+                + " | ".join(f"{g[c]:.0f}" if c in g else "-" for c in runnable)
+                + f" | {vs:.2f}x | {100 * ours / mm['bf16']:.0f}% |",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(threads=args.threads, matmul_gflops=mm, rows=rows, python=sys.version), f, indent=1)

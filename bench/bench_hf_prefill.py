@@ -53,8 +53,15 @@ def child(args) -> dict:
         seconds = time.perf_counter() - t0
     peak = proc_status_kib("VmHWM")
     assert torch.isfinite(logits).all()
-    out = {"mode": args.mode, "tokens": args.length, "seconds": seconds, "rss_before_MiB": before / 1024,
-           "peak_MiB": peak / 1024, "peak_extra_MiB": (peak - before) / 1024, "threads": torch.get_num_threads()}
+    out = {
+        "mode": args.mode,
+        "tokens": args.length,
+        "seconds": seconds,
+        "rss_before_MiB": before / 1024,
+        "peak_MiB": peak / 1024,
+        "peak_extra_MiB": (peak - before) / 1024,
+        "threads": torch.get_num_threads(),
+    }
     if args.mode == "sparse":
         rec = last_forward(model)
         out["backends"] = rec.backends
@@ -66,8 +73,18 @@ def child(args) -> dict:
 
 
 def run_point(args, mode: str, length: int) -> dict:
-    cmd = module_command("bench.bench_hf_prefill", "--child", "--mode", mode, "--length", length,
-                         "--checkpoint", args.checkpoint, "--threads", args.threads)  # fmt: skip
+    cmd = module_command(
+        "bench.bench_hf_prefill",
+        "--child",
+        "--mode",
+        mode,
+        "--length",
+        length,
+        "--checkpoint",
+        args.checkpoint,
+        "--threads",
+        args.threads,
+    )
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     limit_kib = int(args.mem_limit_gib * 2**20)
     start, reason, max_rss = time.time(), None, 0
@@ -93,21 +110,30 @@ def run_point(args, mode: str, length: int) -> dict:
         last = (stderr.strip().splitlines() or ["?"])[-1]
         reason = f"failed: {last[:120]}"
     if reason:
-        return {"mode": mode, "tokens": length, "error": reason, "max_rss_MiB": max_rss / 1024,
-                "elapsed": time.time() - start}
+        return {
+            "mode": mode,
+            "tokens": length,
+            "error": reason,
+            "max_rss_MiB": max_rss / 1024,
+            "elapsed": time.time() - start,
+        }
     return json.loads(stdout.strip().splitlines()[-1])
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'tokens':>7}  {'mode':<7} {'prefill s':>10} {'tok/s':>8} {'peak extra MiB':>15} {'peak RSS MiB':>13}  note",
-             "-" * 80]
+    lines = [
+        f"{'tokens':>7}  {'mode':<7} {'prefill s':>10} {'tok/s':>8} {'peak extra MiB':>15} {'peak RSS MiB':>13}  note",
+        "-" * 80,
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['tokens']:>7}  {r['mode']:<7} {'-':>10} {'-':>8} {'-':>15} {'-':>13}  {r['error']}")
         else:
             note = f"workspace {r['workspace_rows']} rows" if "workspace_rows" in r else ""
-            lines.append(f"{r['tokens']:>7}  {r['mode']:<7} {r['seconds']:>10.2f} {r['tokens'] / r['seconds']:>8.0f} "
-                         f"{r['peak_extra_MiB']:>15.0f} {r['peak_MiB']:>13.0f}  {note}")
+            lines.append(
+                f"{r['tokens']:>7}  {r['mode']:<7} {r['seconds']:>10.2f} {r['tokens'] / r['seconds']:>8.0f} "
+                f"{r['peak_extra_MiB']:>15.0f} {r['peak_MiB']:>13.0f}  {note}"
+            )
     return "\n".join(lines)
 
 
@@ -118,8 +144,10 @@ def plot(rows: list[dict], path: str, title: str):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    style = {"eager": dict(color="tab:red", marker="o", label="transformers eager"),
-             "sparse": dict(color="tab:blue", marker="s", label="our sparse path (reference backend)")}
+    style = {
+        "eager": dict(color="tab:red", marker="o", label="transformers eager"),
+        "sparse": dict(color="tab:blue", marker="s", label="our sparse path (reference backend)"),
+    }
     for mode in MODES:
         ok = [r for r in rows if r["mode"] == mode and "error" not in r]
         bad = [r for r in rows if r["mode"] == mode and "error" in r]
@@ -129,8 +157,16 @@ def plot(rows: list[dict], path: str, title: str):
         for r in bad[:1]:  # the first failed point: where the curve stops and why
             for ax in axes:
                 ax.axvline(r["tokens"], color=style[mode]["color"], ls=":", lw=1)
-                ax.annotate(f"{mode}: {r['error']}", (r["tokens"], 0.02), xycoords=("data", "axes fraction"),
-                            rotation=90, fontsize=7, color=style[mode]["color"], ha="right", va="bottom")
+                ax.annotate(
+                    f"{mode}: {r['error']}",
+                    (r["tokens"], 0.02),
+                    xycoords=("data", "axes fraction"),
+                    rotation=90,
+                    fontsize=7,
+                    color=style[mode]["color"],
+                    ha="right",
+                    va="bottom",
+                )
     ticks = sorted({r["tokens"] for r in rows})
     for ax, ylabel in zip(axes, ("peak extra RSS during the call (MiB)", "prefill time (s)")):
         ax.set_xscale("log", base=2)
@@ -153,7 +189,9 @@ def main():
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--out", default=os.path.join(ROOT, "out", "hf_prefill.png"), help="plot path (PNG)")
     ap.add_argument("--checkpoint", help="DeepSeek-V4 checkpoint dir (default: the tiny one, out/tiny-ckpt)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per point (default 1: steady on a shared box)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads per point (default 1: steady on a shared box)"
+    )
     ap.add_argument("--mem-limit-gib", type=float, default=12.0)
     ap.add_argument("--timeout", type=int, default=600, help="seconds per point")
     ap.add_argument("--replot", metavar="JSON", help="redraw the plot and table from an earlier run's JSON")
@@ -190,8 +228,10 @@ def main():
             if "error" in r:
                 failed = n
     rows.sort(key=lambda r: (r["tokens"], r["mode"]))
-    title = (f"DeepSeek-V4 tiny checkpoint (6 layers: SWA, CSA, HCA; 8 heads x 512; W=8, top-8), float32, CPU, "
-             f"{args.threads} thread(s), one request")
+    title = (
+        f"DeepSeek-V4 tiny checkpoint (6 layers: SWA, CSA, HCA; 8 heads x 512; W=8, top-8), float32, CPU, "
+        f"{args.threads} thread(s), one request"
+    )
     print("\n" + title + "\n" + table(rows))
     plot(rows, args.out, title)
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:

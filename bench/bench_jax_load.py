@@ -94,8 +94,13 @@ def main(argv=None) -> int:
             largest_expert = max((i.nbytes for n, i in files.tensors.items() if ".experts." in n), default=0)
         env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_PYTHON_CLIENT_PREALLOCATE="false")
         env.pop("XLA_FLAGS", None)
-        p = subprocess.run([sys.executable, "-c", CHILD, str(out), args.weights, str(args.devices)],
-                           capture_output=True, text=True, env=env, cwd=ROOT)  # fmt: skip
+        p = subprocess.run(
+            [sys.executable, "-c", CHILD, str(out), args.weights, str(args.devices)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
         if p.returncode:
             print(p.stdout, p.stderr, file=sys.stderr)
             return p.returncode
@@ -106,16 +111,24 @@ def main(argv=None) -> int:
     before, after = r["before"], r["after"]
     peak = after["VmHWM"]
     transient = peak - after["VmRSS"]
-    print(f"checkpoint: layers {ratios}, {args.experts} experts, vocab {args.vocab}; {_gb(size)} on disk "
-          f"(written in {write_s:.1f} s){'' if args.keep else ', deleted'}")  # fmt: skip
+    print(
+        f"checkpoint: layers {ratios}, {args.experts} experts, vocab {args.vocab}; {_gb(size)} on disk "
+        f"(written in {write_s:.1f} s){'' if args.keep else ', deleted'}"
+    )
     print(f"largest tensor: {largest.name} {_gb(largest.nbytes)}; largest expert tensor {largest_expert / 1e6:.1f} MB")
-    print(f"load: weights={args.weights}, bfloat16 compute, {args.devices} device(s), {r['seconds']:.1f} s; "
-          f"device bytes {_gb(r['device_bytes'])} (largest device {_gb(r['max_device_bytes'])})")  # fmt: skip
-    print(f"resident set: before {_gb(before['VmRSS'])}, peak {_gb(peak)}, after {_gb(after['VmRSS'])} "
-          f"(anon {_gb(after['RssAnon'])}, file-backed {_gb(after['RssFile'])})")  # fmt: skip
+    print(
+        f"load: weights={args.weights}, bfloat16 compute, {args.devices} device(s), {r['seconds']:.1f} s; "
+        f"device bytes {_gb(r['device_bytes'])} (largest device {_gb(r['max_device_bytes'])})"
+    )
+    print(
+        f"resident set: before {_gb(before['VmRSS'])}, peak {_gb(peak)}, after {_gb(after['VmRSS'])} "
+        f"(anon {_gb(after['RssAnon'])}, file-backed {_gb(after['RssFile'])})"
+    )
     print(f"peak - before = {_gb(peak - before['VmRSS'])} = {(peak - before['VmRSS']) / size:.3f} x checkpoint")
-    print(f"transient (peak - after) = {_gb(transient)} = {transient / size:.3f} x checkpoint "
-          f"= {transient / largest.nbytes:.2f} x largest tensor")  # fmt: skip
+    print(
+        f"transient (peak - after) = {_gb(transient)} = {transient / size:.3f} x checkpoint "
+        f"= {transient / largest.nbytes:.2f} x largest tensor"
+    )
     print("(CPU devices keep the weights in host memory: the 'after' resident set includes the device bytes)")
     return 0
 

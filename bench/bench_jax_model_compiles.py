@@ -39,9 +39,12 @@ def run(ckpt: str, args) -> None:
     from dsv4_jax.model.generate import JaxGenerator
 
     gen = JaxGenerator(
-        ckpt, backend=args.backend, max_batch_size=args.max_batch_size,
-        max_model_len=args.max_len + args.new_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
-    )  # fmt: skip
+        ckpt,
+        backend=args.backend,
+        max_batch_size=args.max_batch_size,
+        max_model_len=args.max_len + args.new_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     rng = np.random.default_rng(args.seed)
     print(f"{'round':>5s} {'steps':>6s} {'tokens':>7s} {'seconds':>8s} {'compile s':>9s}  traces so far")
     for r in range(args.rounds):
@@ -53,7 +56,9 @@ def run(ckpt: str, args) -> None:
         s = gen.stats
         steps = s["prefill_steps"] + s["decode_steps"]
         tokens = s["prefill_tokens"] + s["decode_tokens"]
-        print(f"{r:5d} {steps:6d} {tokens:7d} {time.perf_counter() - t0:8.1f} {s['compile_seconds']:9.1f}  {s['compiles']}")
+        print(
+            f"{r:5d} {steps:6d} {tokens:7d} {time.perf_counter() - t0:8.1f} {s['compile_seconds']:9.1f}  {s['compiles']}"
+        )
 
 
 if __name__ == "__main__":

@@ -50,12 +50,20 @@ def make_inputs(batch: PrefillBatch, padded_tokens: int, H: int, D: int, rng):
     and valid top-k rows for one batch."""
     ratio = {s.kind: s.compress_ratio for s in V4_LAYERS}
     raw = JP.LogicalKV.from_list([rng.standard_normal((s, D), dtype=np.float32) for s in batch.seq_lens.tolist()])
-    comps = {k: JP.LogicalKV.from_list([rng.standard_normal((s // ratio[k], D), dtype=np.float32)
-                                        for s in batch.seq_lens.tolist()]) for k in (LayerKind.CSA, LayerKind.HCA)}
+    comps = {
+        k: JP.LogicalKV.from_list(
+            [rng.standard_normal((s // ratio[k], D), dtype=np.float32) for s in batch.seq_lens.tolist()]
+        )
+        for k in (LayerKind.CSA, LayerKind.HCA)
+    }
     q = rng.standard_normal((padded_tokens, H, D), dtype=np.float32)
     visible = (batch.token_position.astype(np.int64) + 1) // ratio[LayerKind.CSA]
-    topk = (rng.random((padded_tokens, TOPK)) * np.pad(visible, (0, padded_tokens - visible.shape[0]))[:, None]).astype(np.int32)
-    topk[np.arange(TOPK)[None, :] >= np.pad(np.minimum(visible, TOPK), (0, padded_tokens - visible.shape[0]))[:, None]] = -1
+    topk = (rng.random((padded_tokens, TOPK)) * np.pad(visible, (0, padded_tokens - visible.shape[0]))[:, None]).astype(
+        np.int32
+    )
+    topk[
+        np.arange(TOPK)[None, :] >= np.pad(np.minimum(visible, TOPK), (0, padded_tokens - visible.shape[0]))[:, None]
+    ] = -1
     sink = rng.standard_normal(H).astype(np.float32)
     return jnp.asarray(q), raw, comps, jnp.asarray(topk), jnp.asarray(sink)
 
@@ -84,15 +92,29 @@ def layer_rows(args, names, kinds) -> list[dict]:
                 meta = metas[policy][kind]
                 compile_s, steady = timed[policy]
                 pad = meta.padding()
-                rows.append(dict(
-                    workload=name, kind=kind.name, plan=policy, chunks=meta.plan.num_chunks, T=pad["tokens"],
-                    T_pad=pad["padded_tokens"], attended=round(pad["attended_tokens"] / max(1, pad["tokens"]), 3),
-                    rows_x=round(pad["gathered_rows"] / max(1, pad["rows"]), 3),
-                    ws_rows=pad["workspace_rows"], ws_x=round(pad["workspace_rows"] / max(1, pad["max_chunk_rows"]), 3),
-                    compile_s=round(compile_s, 2), ms=round(steady * 1e3, 1),
-                    tok_per_s=round(pad["tokens"] / steady), vs_adaptive=round(timed["adaptive"][1] / steady, 2),
-                ))  # fmt: skip
-            print(f"  {name} {kind.name}: " + ", ".join(f"{r['plan']} {r['ms']} ms" for r in rows[-3:]), file=sys.stderr, flush=True)
+                rows.append(
+                    dict(
+                        workload=name,
+                        kind=kind.name,
+                        plan=policy,
+                        chunks=meta.plan.num_chunks,
+                        T=pad["tokens"],
+                        T_pad=pad["padded_tokens"],
+                        attended=round(pad["attended_tokens"] / max(1, pad["tokens"]), 3),
+                        rows_x=round(pad["gathered_rows"] / max(1, pad["rows"]), 3),
+                        ws_rows=pad["workspace_rows"],
+                        ws_x=round(pad["workspace_rows"] / max(1, pad["max_chunk_rows"]), 3),
+                        compile_s=round(compile_s, 2),
+                        ms=round(steady * 1e3, 1),
+                        tok_per_s=round(pad["tokens"] / steady),
+                        vs_adaptive=round(timed["adaptive"][1] / steady, 2),
+                    )
+                )
+            print(
+                f"  {name} {kind.name}: " + ", ".join(f"{r['plan']} {r['ms']} ms" for r in rows[-3:]),
+                file=sys.stderr,
+                flush=True,
+            )
     print(table(rows))
     return rows
 
@@ -107,14 +129,34 @@ def pallas_rows(args) -> list[dict]:
     for kind in (LayerKind.SWA, LayerKind.CSA):
         m = meta[kind]
         outs = {}
-        timed = time_interleaved({b: layer_call(q, m, raw, comps.get(kind), topk, sink, b) for b in ("xla", "pallas")}, 3)
+        timed = time_interleaved(
+            {b: layer_call(q, m, raw, comps.get(kind), topk, sink, b) for b in ("xla", "pallas")}, 3
+        )
         for backend in ("xla", "pallas"):
             compile_s, steady = timed[backend]
-            outs[backend] = np.asarray(JP.prefill_attention(q, m, raw, comps.get(kind), sm_scale=args.dim**-0.5,
-                                                            attn_sink=sink, topk_indices=topk, backend=backend))  # fmt: skip
-            rows.append(dict(workload="spec-example", kind=kind.name, backend=m.last_backend, T=batch.num_tokens,
-                             compile_s=round(compile_s, 2), ms=round(steady * 1e3, 1),
-                             tok_per_s=round(batch.num_tokens / steady)))  # fmt: skip
+            outs[backend] = np.asarray(
+                JP.prefill_attention(
+                    q,
+                    m,
+                    raw,
+                    comps.get(kind),
+                    sm_scale=args.dim**-0.5,
+                    attn_sink=sink,
+                    topk_indices=topk,
+                    backend=backend,
+                )
+            )
+            rows.append(
+                dict(
+                    workload="spec-example",
+                    kind=kind.name,
+                    backend=m.last_backend,
+                    T=batch.num_tokens,
+                    compile_s=round(compile_s, 2),
+                    ms=round(steady * 1e3, 1),
+                    tok_per_s=round(batch.num_tokens / steady),
+                )
+            )
         err = np.abs(outs["pallas"] - outs["xla"]).max() / np.abs(outs["xla"]).max()
         rows[-1]["max_rel_diff_vs_xla"] = rows[-2]["max_rel_diff_vs_xla"] = f"{err:.1e}"
     return rows
@@ -146,7 +188,9 @@ def stream_report(num_batches: int, seed: int = 1) -> list[dict]:
             policy = str(rng.choice(POLICIES))
             batch = PrefillBatch(seq, qry)
             padded = pow2_bucket(batch.num_tokens, 16) if tokens == "pow2" else None
-            smeta = JP.build_step_metadata(batch, config=cfg, policy=policy, index_topk=TOPK, sizes=sizes, padded_tokens=padded)
+            smeta = JP.build_step_metadata(
+                batch, config=cfg, policy=policy, index_topk=TOPK, sizes=sizes, padded_tokens=padded
+            )
             for kind, meta in smeta.kinds.items():
                 pad = meta.padding()
                 for k, v in pad.items():
@@ -159,20 +203,22 @@ def stream_report(num_batches: int, seed: int = 1) -> list[dict]:
                 keys.add(meta.shape)
                 exact.add((kind, pad["tokens"], pad["max_chunk_rows"], int(seq.max())))
             models.add(tuple(m.shape for m in smeta.kinds.values()))
-        out.append(dict(
-            sizes=sizes,
-            tokens=tokens,
-            batches=num_batches,
-            padded_tokens_x=round(totals["padded_tokens"] / totals["tokens"], 3),
-            attended_tokens_x=round(totals["attended_tokens"] / totals["tokens"], 3),
-            worst_batch_attended_x=round(max(per_batch), 2),
-            gathered_rows_x=round(totals["gathered_rows"] / totals["rows"], 3),
-            workspace_rows_x=round(totals["workspace_rows"] / totals["max_chunk_rows"], 3),
-            hca_width_x=round(totals["hca_index_width"] / totals["hca_needed_width"], 3),
-            layer_programs=len(keys),
-            model_programs=len(models),
-            exact_shapes=len(exact),
-        ))  # fmt: skip
+        out.append(
+            dict(
+                sizes=sizes,
+                tokens=tokens,
+                batches=num_batches,
+                padded_tokens_x=round(totals["padded_tokens"] / totals["tokens"], 3),
+                attended_tokens_x=round(totals["attended_tokens"] / totals["tokens"], 3),
+                worst_batch_attended_x=round(max(per_batch), 2),
+                gathered_rows_x=round(totals["gathered_rows"] / totals["rows"], 3),
+                workspace_rows_x=round(totals["workspace_rows"] / totals["max_chunk_rows"], 3),
+                hca_width_x=round(totals["hca_index_width"] / totals["hca_needed_width"], 3),
+                layer_programs=len(keys),
+                model_programs=len(models),
+                exact_shapes=len(exact),
+            )
+        )
     return out
 
 
@@ -200,8 +246,10 @@ def main():
         rows = layer_rows(args, names, kinds)
         compiles = JP._prefill_jit._cache_size() - cache0
         keys = len({(r["workload"], r["kind"], r["plan"]) for r in rows})
-        print(f"\nlayer calls: {len(rows)} configurations, {compiles} compilations, "
-              f"{sum(r['compile_s'] for r in rows):.1f} s compiling, {time.perf_counter() - t0:.0f} s in all")  # fmt: skip
+        print(
+            f"\nlayer calls: {len(rows)} configurations, {compiles} compilations, "
+            f"{sum(r['compile_s'] for r in rows):.1f} s compiling, {time.perf_counter() - t0:.0f} s in all"
+        )
         result = dict(layers=rows, compilations=compiles, configurations=keys)
     if not args.no_pallas and not args.stream_only:
         print("\nPallas kernel, interpret mode (CPU), vs the xla backend:")

@@ -41,7 +41,9 @@ def make_inputs(T, H, D, S, K, dtype, seed=0):
 def time_backend(backend, inputs, sm_scale, repeat):
     """(compile seconds, median run seconds) for one backend on one input set."""
     q, kv, idx, sink, topk_length = inputs
-    fn = jax.jit(lambda q, kv, idx, sink, tl: dsv4_jax.sparse_attention(q, kv, idx, sm_scale, sink, tl, backend=backend))
+    fn = jax.jit(
+        lambda q, kv, idx, sink, tl: dsv4_jax.sparse_attention(q, kv, idx, sm_scale, sink, tl, backend=backend)
+    )
     t0 = time.perf_counter()
     compiled = fn.lower(q, kv, idx, sink, topk_length).compile()
     compile_s = time.perf_counter() - t0
@@ -58,7 +60,9 @@ def main():
     print("backends:", {k: v or "available" for k, v in available.items()})
 
     print("\nCPU-sized shapes: xla reference vs Pallas interpret")
-    print(f"{'shape':14} {'T':>5} {'H':>4} {'D':>4} {'K':>5} {'dtype':8} {'backend':17} {'compile s':>9} {'run ms':>9} {'tok/s':>9}")
+    print(
+        f"{'shape':14} {'T':>5} {'H':>4} {'D':>4} {'K':>5} {'dtype':8} {'backend':17} {'compile s':>9} {'run ms':>9} {'tok/s':>9}"
+    )
     for name, T, H, D, S, K, dtype in CPU_SHAPES:
         q, kv, idx, sink, tl, _ = make_inputs(T, H, D, S, K, dtype)
         results = {}

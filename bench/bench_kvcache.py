@@ -39,7 +39,7 @@ def workload(rows: int, requests: int, S: int, seed: int = 0):
     blocks = -(-per // S)
     nb = blocks * requests
     cache = np.zeros((nb, P.page_bytes(S)), np.uint8)
-    k = (rng.standard_normal((min(nb * S, 8192), 512)) * rng.choice([0.01, 1, 30], (min(nb * S, 8192), 1)))
+    k = rng.standard_normal((min(nb * S, 8192), 512)) * rng.choice([0.01, 1, 30], (min(nb * S, 8192), 1))
     k = k.astype(ml_dtypes.bfloat16).astype(np.float32)
     for start in range(0, nb * S, k.shape[0]):  # the same rows over and over: realistic bytes, cheap to write
         n = min(k.shape[0], nb * S - start)
@@ -142,16 +142,22 @@ def main(argv=None):
 
             print(f"jax cpu (C kernel, FFI): skipped, {JC.unavailable_reason()}")
 
-    print(f"gather-dequantize {n_rows} rows ({R} requests x {per}, S = {S}): {read / 1e6:.1f} MB of cache read, "
-          f"{n_rows * 1024 / 1e6:.1f} MB of bf16 written; torch threads {torch.get_num_threads()}")  # fmt: skip
+    print(
+        f"gather-dequantize {n_rows} rows ({R} requests x {per}, S = {S}): {read / 1e6:.1f} MB of cache read, "
+        f"{n_rows * 1024 / 1e6:.1f} MB of bf16 written; torch threads {torch.get_num_threads()}"
+    )
     times, cpu = _time(fns, args.reps)
     copy_med = statistics.median(times["copy (torch copy_)"])
     copy_cpu = statistics.median(cpu["copy (torch copy_)"])
-    print(f"{'':26s} {'median ms':>10s} {'best ms':>9s} {'GB/s read':>10s} {'vs copy':>8s} {'cpu ms':>9s} {'cpu vs copy':>12s}")
+    print(
+        f"{'':26s} {'median ms':>10s} {'best ms':>9s} {'GB/s read':>10s} {'vs copy':>8s} {'cpu ms':>9s} {'cpu vs copy':>12s}"
+    )
     for name, ts in times.items():
         med, best, c = statistics.median(ts), min(ts), statistics.median(cpu[name])
-        print(f"{name:26s} {med * 1e3:10.2f} {best * 1e3:9.2f} {read / med / 1e9:10.2f} {copy_med / med:8.0%} "
-              f"{c * 1e3:9.2f} {copy_cpu / c:12.0%}")  # fmt: skip
+        print(
+            f"{name:26s} {med * 1e3:10.2f} {best * 1e3:9.2f} {read / med / 1e9:10.2f} {copy_med / med:8.0%} "
+            f"{c * 1e3:9.2f} {copy_cpu / c:12.0%}"
+        )
     return times
 
 

@@ -82,8 +82,18 @@ def time_host(repeats: int) -> list[dict]:
         csa = step[LayerKind.CSA]
         assert csa.as_tuples() == vllm_style_plan(seq_t, qry_t, csa.compress_ratio, W, mml, mnbt, 4)
         o, f, b = (float(np.median(x)) * 1e6 for x in (ours, full, base))
-        rows.append(dict(requests=n, tokens=int(sum(qry)), ours_us=round(o, 1), with_layouts_us=round(f, 1),
-                         per_layer_baseline_us=round(b, 1), speedup=round(b / o, 1), speedup_with_layouts=round(b / f, 1), chunks={k.name: p.num_chunks for k, p in step.kinds.items()}))  # fmt: skip
+        rows.append(
+            dict(
+                requests=n,
+                tokens=int(sum(qry)),
+                ours_us=round(o, 1),
+                with_layouts_us=round(f, 1),
+                per_layer_baseline_us=round(b, 1),
+                speedup=round(b / o, 1),
+                speedup_with_layouts=round(b / f, 1),
+                chunks={k.name: p.num_chunks for k, p in step.kinds.items()},
+            )
+        )
     return rows
 
 
@@ -91,7 +101,9 @@ def workspace_report() -> list[dict]:
     rows = []
     for name, (seq, qry, limits) in workloads().items():
         batch = PrefillBatch(seq, qry)
-        steps = {pol: plan_step(batch, PlanConfig(policy=pol, **limits)) for pol in ("adaptive", "fixed", "per_request")}
+        steps = {
+            pol: plan_step(batch, PlanConfig(policy=pol, **limits)) for pol in ("adaptive", "fixed", "per_request")
+        }
         for shape in (ModelShape.from_name("V4-Flash"), ModelShape.from_name("V4-Pro")):
             layers = shape.layers_per_kind()
             r = dict(workload=name, model=shape.name, requests=batch.num_requests, tokens=batch.num_tokens)
@@ -112,18 +124,68 @@ def main(argv=None):
 
     host = time_host(args.repeats)
     print("Host time per prefill step, V4-Pro (62 attention layers), 16K-token steps, median:")
-    print(table([[r["requests"], r["tokens"], r["ours_us"], r["with_layouts_us"], r["per_layer_baseline_us"],
-                  f'{r["speedup"]}x', f'{r["speedup_with_layouts"]}x',
-                  " ".join(f"{k}:{v}" for k, v in r["chunks"].items())] for r in host],
-                ["requests", "tokens", "plan_step us", "+ layouts us", "per-layer baseline us", "speedup",
-                 "speedup w/ layouts", "chunks"]))  # fmt: skip
+    print(
+        table(
+            [
+                [
+                    r["requests"],
+                    r["tokens"],
+                    r["ours_us"],
+                    r["with_layouts_us"],
+                    r["per_layer_baseline_us"],
+                    f"{r['speedup']}x",
+                    f"{r['speedup_with_layouts']}x",
+                    " ".join(f"{k}:{v}" for k, v in r["chunks"].items()),
+                ]
+                for r in host
+            ],
+            [
+                "requests",
+                "tokens",
+                "plan_step us",
+                "+ layouts us",
+                "per-layer baseline us",
+                "speedup",
+                "speedup w/ layouts",
+                "chunks",
+            ],
+        )
+    )
     ws = workspace_report()
     print("\nPeak workspace (bf16 512-d rows) and sparse-attention launches per step:")
-    print(table([[r["workload"], r["model"], r["requests"], r["tokens"], r["adaptive_peak_MiB"], r["fixed_peak_MiB"],
-                  r["per_request_peak_MiB"], r["padding_free_MiB"], r["adaptive_launches"], r["fixed_launches"],
-                  r["per_request_launches"]] for r in ws],
-                ["workload", "model", "reqs", "tokens", "adaptive MiB", "fixed MiB", "per-req MiB", "padding-free MiB",
-                 "adaptive launches", "fixed launches", "per-req launches"]))  # fmt: skip
+    print(
+        table(
+            [
+                [
+                    r["workload"],
+                    r["model"],
+                    r["requests"],
+                    r["tokens"],
+                    r["adaptive_peak_MiB"],
+                    r["fixed_peak_MiB"],
+                    r["per_request_peak_MiB"],
+                    r["padding_free_MiB"],
+                    r["adaptive_launches"],
+                    r["fixed_launches"],
+                    r["per_request_launches"],
+                ]
+                for r in ws
+            ],
+            [
+                "workload",
+                "model",
+                "reqs",
+                "tokens",
+                "adaptive MiB",
+                "fixed MiB",
+                "per-req MiB",
+                "padding-free MiB",
+                "adaptive launches",
+                "fixed launches",
+                "per-req launches",
+            ],
+        )
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(host=host, workspace=ws), f, indent=1)

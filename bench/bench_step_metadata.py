@@ -143,7 +143,10 @@ def main(argv=None):
     for f in fns.values():  # warm-up: imports, first-call caches
         f(step)
     times = {"plan_step": [], **{k: [] for k in fns}}
-    calls = {"plan_step": lambda: plan_step(batch, cfg, layers), **{k: functools.partial(f, step) for k, f in fns.items()}}
+    calls = {
+        "plan_step": lambda: plan_step(batch, cfg, layers),
+        **{k: functools.partial(f, step) for k, f in fns.items()},
+    }
     for _ in range(args.repeats):  # alternating blocks of BLOCK calls; one figure per call
         for name, f in calls.items():
             keep = []  # results live to the block's end: their frees are not timed
@@ -152,19 +155,35 @@ def main(argv=None):
                 keep.append(out)
                 times[name].append(dt)
             del keep
-    peaks = {"plan_step": _traced_peak(plan_step, batch, cfg, layers), **{k: _traced_peak(f, step) for k, f in fns.items()}}
+    peaks = {
+        "plan_step": _traced_peak(plan_step, batch, cfg, layers),
+        **{k: _traced_peak(f, step) for k, f in fns.items()},
+    }
     rss = {}
     for name in fns:
-        cmd = [sys.executable, "-m", "bench.bench_step_metadata", "--child", name, "--requests", str(args.requests),
-               "--max-model-len", str(args.max_model_len), "--tokens", str(args.tokens)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.bench_step_metadata",
+            "--child",
+            name,
+            "--requests",
+            str(args.requests),
+            "--max-model-len",
+            str(args.max_model_len),
+            "--tokens",
+            str(args.tokens),
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         rss[name] = json.loads(res.stdout.strip().splitlines()[-1])["rss_growth_kib"]
 
     chunks = {k.name: kp.num_chunks for k, kp in step.kinds.items()}
     rows_gathered = sum(kp.padding_free_rows for kp in step.kinds.values())
-    print(f"step: {batch.num_requests} requests, {batch.num_tokens} tokens, contexts up to "
-          f"{int(batch.seq_lens.max())} (max_model_len {args.max_model_len}), V4-Flash kinds; "
-          f"chunks {chunks}; {rows_gathered} workspace rows gathered per layer set")  # fmt: skip
+    print(
+        f"step: {batch.num_requests} requests, {batch.num_tokens} tokens, contexts up to "
+        f"{int(batch.seq_lens.max())} (max_model_len {args.max_model_len}), V4-Flash kinds; "
+        f"chunks {chunks}; {rows_gathered} workspace rows gathered per layer set"
+    )
     print(f"{'':16} {'median ms':>10} {'min ms':>9} {'tracemalloc peak MiB':>21} {'RSS growth MiB':>15}")
     results = {}
     for name, ts in times.items():
@@ -172,14 +191,27 @@ def main(argv=None):
         med, lo = float(np.median(ts)) * 1e3, float(np.min(ts)) * 1e3
         mib = peaks[name] / 2**20
         r = rss.get(name)
-        results[name] = dict(median_ms=round(med, 3), min_ms=round(lo, 3), tracemalloc_peak_mib=round(mib, 2),
-                             rss_growth_mib=None if r is None else round(r / 1024, 1))  # fmt: skip
+        results[name] = dict(
+            median_ms=round(med, 3),
+            min_ms=round(lo, 3),
+            tracemalloc_peak_mib=round(mib, 2),
+            rss_growth_mib=None if r is None else round(r / 1024, 1),
+        )
         rs = "" if r is None else f"{r / 1024:.1f}"
         print(f"{label:16} {med:10.3f} {lo:9.3f} {mib:21.2f} {rs:>15}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(requests=args.requests, max_model_len=args.max_model_len, tokens=args.tokens,
-                           chunks=chunks, results=results), f, indent=1)  # fmt: skip
+            json.dump(
+                dict(
+                    requests=args.requests,
+                    max_model_len=args.max_model_len,
+                    tokens=args.tokens,
+                    chunks=chunks,
+                    results=results,
+                ),
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

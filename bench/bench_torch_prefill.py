@@ -27,7 +27,9 @@ def layer_inputs(batch: PrefillBatch, layer: LayerSpec, H: int, D: int, topk: in
     g = torch.Generator().manual_seed(seed)
     r = layer.compress_ratio
     raw = [torch.randn(int(s), D, generator=g, dtype=torch.float32).to(dtype) for s in batch.seq_lens]
-    comp = [torch.randn(int(s) // r, D, generator=g).to(dtype) for s in batch.seq_lens] if layer.has_compressed else None
+    comp = (
+        [torch.randn(int(s) // r, D, generator=g).to(dtype) for s in batch.seq_lens] if layer.has_compressed else None
+    )
     q = torch.randn(batch.num_tokens, H, D, generator=g).to(dtype)
     rows = None
     if layer.kind is LayerKind.CSA:
@@ -60,23 +62,51 @@ def main(argv=None):
             outs = {}
 
             def call(pol):
-                outs[pol] = TP.prefill_attention(q, metas[pol], raw, comp, sm_scale=args.dim**-0.5, attn_sink=sink,
-                                                 topk_indices=topk_rows, backend="reference")  # fmt: skip
+                outs[pol] = TP.prefill_attention(
+                    q,
+                    metas[pol],
+                    raw,
+                    comp,
+                    sm_scale=args.dim**-0.5,
+                    attn_sink=sink,
+                    topk_indices=topk_rows,
+                    backend="reference",
+                )
 
             # the first call of each warms up; then the plans run interleaved, round-robin
             timed = time_interleaved({pol: lambda pol=pol: call(pol) for pol in POLICIES}, args.repeats)
             same = all(torch.equal(outs[p], outs["adaptive"]) for p in POLICIES)
             med = {p: timed[p][1] for p in POLICIES}
-            rows_out.append([name, kind.name, batch.num_tokens] + [
-                f"{batch.num_tokens / med[p]:.0f} ({metas[p].plan.num_chunks}ch, {metas[p].plan.max_workspace_rows} rows)"
-                for p in POLICIES
-            ] + [f"{med['fixed'] / med['adaptive']:.2f}", f"{med['per_request'] / med['adaptive']:.2f}", same])  # fmt: skip
+            rows_out.append(
+                [name, kind.name, batch.num_tokens]
+                + [
+                    f"{batch.num_tokens / med[p]:.0f} ({metas[p].plan.num_chunks}ch, {metas[p].plan.max_workspace_rows} rows)"
+                    for p in POLICIES
+                ]
+                + [f"{med['fixed'] / med['adaptive']:.2f}", f"{med['per_request'] / med['adaptive']:.2f}", same]
+            )
             print(".", end="", flush=True, file=sys.stderr)
     print(file=sys.stderr)
-    print(f"Prefill attention, one layer, reference backend, {args.dtype}, H={args.heads}, D={args.dim}, "
-          f"topk={args.topk}, lengths x{args.scale}; tokens/s (chunks, peak workspace rows):")  # fmt: skip
-    print(table(rows_out, ["workload", "kind", "tokens", "adaptive", "fixed", "per-request",
-                           "fixed/adaptive time", "per-req/adaptive time", "bitwise equal"]))  # fmt: skip
+    print(
+        f"Prefill attention, one layer, reference backend, {args.dtype}, H={args.heads}, D={args.dim}, "
+        f"topk={args.topk}, lengths x{args.scale}; tokens/s (chunks, peak workspace rows):"
+    )
+    print(
+        table(
+            rows_out,
+            [
+                "workload",
+                "kind",
+                "tokens",
+                "adaptive",
+                "fixed",
+                "per-request",
+                "fixed/adaptive time",
+                "per-req/adaptive time",
+                "bitwise equal",
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -71,10 +71,21 @@ def child(args) -> dict:
     d_v = out.shape[-1]
     flop = attention_flop(valid, H, D, d_v)
     return {
-        "T": T, "H": H, "D": D, "K": K, "S": S, "dtype": args.dtype, "threads": torch.get_num_threads(),
-        "rss_before_MiB": before / 1024, "peak_extra_MiB": extra / 2**20, "outputs_MiB": out_bytes / 2**20,
-        "working_set_MiB": (extra - out_bytes) / 2**20, "seconds": elapsed, "tokens_per_s": T / elapsed,
-        "GFLOP_per_s": flop / elapsed / 1e9, "hwm_reset": hwm_reset,
+        "T": T,
+        "H": H,
+        "D": D,
+        "K": K,
+        "S": S,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "rss_before_MiB": before / 1024,
+        "peak_extra_MiB": extra / 2**20,
+        "outputs_MiB": out_bytes / 2**20,
+        "working_set_MiB": (extra - out_bytes) / 2**20,
+        "seconds": elapsed,
+        "tokens_per_s": T / elapsed,
+        "GFLOP_per_s": flop / elapsed / 1e9,
+        "hwm_reset": hwm_reset,
     }
 
 
@@ -97,12 +108,18 @@ def main():
     if res.returncode != 0:
         sys.exit(f"child failed:\n{res.stdout}\n{res.stderr}")
     r = json.loads(res.stdout.strip().splitlines()[-1])
-    print(f"reference backend, T={r['T']} H={r['H']} K={r['K']} D={r['D']} S={r['S']} {r['dtype']} inputs, "
-          f"{r['threads']} threads")
-    print(f"  peak extra RSS   {r['peak_extra_MiB']:8.1f} MiB  (outputs {r['outputs_MiB']:.1f} MiB, "
-          f"working set {r['working_set_MiB']:.1f} MiB; RSS before call {r['rss_before_MiB']:.0f} MiB)")
-    print(f"  time             {r['seconds']:8.2f} s    ({r['tokens_per_s']:.0f} tokens/s, "
-          f"{r['GFLOP_per_s']:.1f} GFLOP/s by FlashMLA's count)")
+    print(
+        f"reference backend, T={r['T']} H={r['H']} K={r['K']} D={r['D']} S={r['S']} {r['dtype']} inputs, "
+        f"{r['threads']} threads"
+    )
+    print(
+        f"  peak extra RSS   {r['peak_extra_MiB']:8.1f} MiB  (outputs {r['outputs_MiB']:.1f} MiB, "
+        f"working set {r['working_set_MiB']:.1f} MiB; RSS before call {r['rss_before_MiB']:.0f} MiB)"
+    )
+    print(
+        f"  time             {r['seconds']:8.2f} s    ({r['tokens_per_s']:.0f} tokens/s, "
+        f"{r['GFLOP_per_s']:.1f} GFLOP/s by FlashMLA's count)"
+    )
     if not r["hwm_reset"]:
         print("  (peak from a 5 ms VmRSS sampler only: /proc/self/clear_refs not writable)")
 

@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -76,8 +75,10 @@ def profile_batch(llm, prompts, rows: int = 14) -> list[dict]:
         vllm_batch(llm, prompts)
     ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in ev) or 1
-    return [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "share": e.self_cpu_time_total / total,
-             "calls": e.count} for e in ev[:rows]]  # fmt: skip
+    return [
+        {"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "share": e.self_cpu_time_total / total, "calls": e.count}
+        for e in ev[:rows]
+    ]
 
 
 def run_vllm(ckpt: str, prompts, args) -> dict:
@@ -85,9 +86,17 @@ def run_vllm(ckpt: str, prompts, args) -> dict:
 
     from dsv4_torch.vllm import cpu_engine
 
-    llm = LLM(model=ckpt, dtype="bfloat16", max_model_len=max(4096, args.max_len + 16), enforce_eager=True,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max(len(prompts), 1), seed=0,
-              enable_prefix_caching=False, disable_log_stats=False)  # fmt: skip
+    llm = LLM(
+        model=ckpt,
+        dtype="bfloat16",
+        max_model_len=max(4096, args.max_len + 16),
+        enforce_eager=True,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=max(len(prompts), 1),
+        seed=0,
+        enable_prefix_caching=False,
+        disable_log_stats=False,
+    )
     warm = make_prompts(2, args.min_len, args.min_len, seed=99)
     for k in ("vllm", "dsv4"):
         os.environ[cpu_engine.PREFILL_ENV] = k
@@ -141,12 +150,26 @@ def run_jax(ckpt: str, prompts, args) -> dict | None:
         return None
     with tempfile.TemporaryDirectory() as d:
         spec, out = Path(d, "spec.json"), Path(d, "out.json")
-        spec.write_text(json.dumps({"checkpoint": ckpt, "prompts": prompts, "repeats": args.repeats,
-                                    "max_model_len": max(4096, args.max_len + 16),
-                                    "max_num_batched_tokens": args.max_num_batched_tokens}))  # fmt: skip
+        spec.write_text(
+            json.dumps(
+                {
+                    "checkpoint": ckpt,
+                    "prompts": prompts,
+                    "repeats": args.repeats,
+                    "max_model_len": max(4096, args.max_len + 16),
+                    "max_num_batched_tokens": args.max_num_batched_tokens,
+                }
+            )
+        )
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-        done = subprocess.run([str(MAIN_PYTHON), "-c", JAX_WORKER, spec, out], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=7200)  # fmt: skip
+        done = subprocess.run(
+            [str(MAIN_PYTHON), "-c", JAX_WORKER, spec, out],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=7200,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"JAX run failed:\n{done.stderr[-3000:]}")
         return json.loads(out.read_text())
@@ -169,12 +192,15 @@ def main(argv=None) -> dict:
     from tools.official_checkpoint import vllm_cpu_config, write_official_checkpoint
 
     tmp = tempfile.TemporaryDirectory()
-    ckpt = args.checkpoint or str(write_official_checkpoint(tmp.name, seed=0,
-                                                            config=vllm_cpu_config(num_attention_heads=args.heads)))  # fmt: skip
+    ckpt = args.checkpoint or str(
+        write_official_checkpoint(tmp.name, seed=0, config=vllm_cpu_config(num_attention_heads=args.heads))
+    )
     prompts = make_prompts(args.prompts, args.min_len, args.max_len)
     n_tok = sum(map(len, prompts))
-    print(f"{len(prompts)} prompts, {n_tok} prompt tokens ({args.min_len}..{args.max_len}), "
-          f"max_num_batched_tokens {args.max_num_batched_tokens}, {args.heads} heads x 512, torch threads: vLLM's")  # fmt: skip
+    print(
+        f"{len(prompts)} prompts, {n_tok} prompt tokens ({args.min_len}..{args.max_len}), "
+        f"max_num_batched_tokens {args.max_num_batched_tokens}, {args.heads} heads x 512, torch threads: vLLM's"
+    )
     res = {"prompts": len(prompts), "prompt_tokens": n_tok, "args": vars(args)}
     res["vllm"] = run_vllm(ckpt, prompts, args)
     res["jax"] = None if args.no_jax else run_jax(ckpt, prompts, args)
@@ -185,30 +211,52 @@ def main(argv=None) -> dict:
         w = statistics.median(r["wall"])
         s = r["stats"]
         c = statistics.median(r["cpu"])
-        rows.append((name, w, n_tok / w, c, n_tok / c, statistics.median(r["ttft_median"]),
-                     statistics.median(r["ttft_max"]), s["vllm_kernel_seconds"] + s["dsv4_prefill_seconds"],
-                     s["metadata_seconds"]))  # fmt: skip
+        rows.append(
+            (
+                name,
+                w,
+                n_tok / w,
+                c,
+                n_tok / c,
+                statistics.median(r["ttft_median"]),
+                statistics.median(r["ttft_max"]),
+                s["vllm_kernel_seconds"] + s["dsv4_prefill_seconds"],
+                s["metadata_seconds"],
+            )
+        )
     if res["jax"]:
         j = res["jax"]
         w = statistics.median(j["wall"])
         c = statistics.median(j["cpu"]) if j.get("cpu") else None
-        rows.append(("our JAX model (bf16, fp8 cache)", w, n_tok / w, c, n_tok / c if c else None, None, None, None, None))
-    print(f"\n{'run (medians)':42s} {'wall s':>8s} {'tok/s':>8s} {'CPU s':>8s} {'tok/CPU-s':>10s} {'TTFT med s':>11s} "
-          f"{'TTFT max s':>11s} {'attention s':>12s} {'metadata s':>11s}")  # fmt: skip
+        rows.append(
+            ("our JAX model (bf16, fp8 cache)", w, n_tok / w, c, n_tok / c if c else None, None, None, None, None)
+        )
+    print(
+        f"\n{'run (medians)':42s} {'wall s':>8s} {'tok/s':>8s} {'CPU s':>8s} {'tok/CPU-s':>10s} {'TTFT med s':>11s} "
+        f"{'TTFT max s':>11s} {'attention s':>12s} {'metadata s':>11s}"
+    )
     f = lambda v, fmt: format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))  # noqa: E731
     for name, w, tps, c, tpc, tm, tx, att, meta in rows:
-        print(f"{name:42s} {w:8.2f} {tps:8.1f} {f(c, '8.2f')} {f(tpc, '10.1f')} {f(tm, '11.2f')} {f(tx, '11.2f')} "
-              f"{f(att, '12.2f')} {f(meta, '11.3f')}")  # fmt: skip
+        print(
+            f"{name:42s} {w:8.2f} {tps:8.1f} {f(c, '8.2f')} {f(tpc, '10.1f')} {f(tm, '11.2f')} {f(tx, '11.2f')} "
+            f"{f(att, '12.2f')} {f(meta, '11.3f')}"
+        )
     v, d = rows[0], rows[1]
-    print(f"(our kernel ran on {res['vllm']['dsv4']['stats']['threads']} threads: torch's count in vLLM's worker; "
-          f"attention / metadata: the plugin's timers, last run)")  # fmt: skip
-    print(f"\nE2E gain of our kernel: {v[1] / d[1]:.2f}x wall, {v[3] / d[3]:.2f}x CPU time per batch; attention "
-          f"{v[7]:.2f} s -> {d[7]:.2f} s ({v[7] / max(d[7], 1e-9):.2f}x); first tokens equal in "
-          f"{res['vllm']['same_first_tokens']}/{len(prompts)} requests")  # fmt: skip
+    print(
+        f"(our kernel ran on {res['vllm']['dsv4']['stats']['threads']} threads: torch's count in vLLM's worker; "
+        f"attention / metadata: the plugin's timers, last run)"
+    )
+    print(
+        f"\nE2E gain of our kernel: {v[1] / d[1]:.2f}x wall, {v[3] / d[3]:.2f}x CPU time per batch; attention "
+        f"{v[7]:.2f} s -> {d[7]:.2f} s ({v[7] / max(d[7], 1e-9):.2f}x); first tokens equal in "
+        f"{res['vllm']['same_first_tokens']}/{len(prompts)} requests"
+    )
     for k in ("vllm", "dsv4"):
         prof = res["vllm"][k].get("profile")
         if prof:
-            print(f"\nprofile, prefill={k} (self time, top ops; our kernel is inside vllm::deepseek_v4_cpu_prepare_and_attn):")
+            print(
+                f"\nprofile, prefill={k} (self time, top ops; our kernel is inside vllm::deepseek_v4_cpu_prepare_and_attn):"
+            )
             for p in prof:
                 print(f"  {p['op']:48s} {p['self_s']:8.2f} s {100 * p['share']:5.1f}%  x{p['calls']}")
     if args.json:

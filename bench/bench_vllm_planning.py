@@ -53,11 +53,17 @@ def metadata_factory(cls, seq, qry):
 
     def make():
         return cls(
-            block_table=empty, slot_mapping=empty, block_size=64, num_prefills=len(seq),
-            num_prefill_tokens=int(sum(qry)), prefill_seq_lens_cpu=seq_t, prefill_query_lens_cpu=qry_t,
-            prefill_window_size=WINDOW, prefill_max_model_len=MAX_MODEL_LEN,
+            block_table=empty,
+            slot_mapping=empty,
+            block_size=64,
+            num_prefills=len(seq),
+            num_prefill_tokens=int(sum(qry)),
+            prefill_seq_lens_cpu=seq_t,
+            prefill_query_lens_cpu=qry_t,
+            prefill_window_size=WINDOW,
+            prefill_max_model_len=MAX_MODEL_LEN,
             prefill_max_num_batched_tokens=MAX_BATCHED,
-        )  # fmt: skip
+        )
 
     return make
 
@@ -92,9 +98,19 @@ def measure(seconds: float) -> list[dict]:
                 tv.append(time_steps(theirs, make, ratios, steps_v))
                 tp.append(time_steps(ours, make, ratios, steps_p))
             v, p = float(np.median(tv)) * 1e3, float(np.median(tp)) * 1e3
-            rows.append(dict(model=model, layers=len(ratios), requests=n, tokens=int(sum(qry)),
-                             max_context=int(max(seq)), vllm_ms=round(v, 3), plugin_ms=round(p, 4),
-                             ratio=round(v / p, 1), blocks=len(tv)))  # fmt: skip
+            rows.append(
+                dict(
+                    model=model,
+                    layers=len(ratios),
+                    requests=n,
+                    tokens=int(sum(qry)),
+                    max_context=int(max(seq)),
+                    vllm_ms=round(v, 3),
+                    plugin_ms=round(p, 4),
+                    ratio=round(v / p, 1),
+                    blocks=len(tv),
+                )
+            )
     return rows
 
 
@@ -105,10 +121,24 @@ def main(argv=None):
     args = ap.parse_args(argv)
     rows = measure(args.seconds)
     print("Host prefill-planning time per step, vLLM 0.33.0 (median; alternating blocks, one process):")
-    print(table([[r["model"], r["layers"], r["requests"], r["tokens"], r["max_context"], r["vllm_ms"], r["plugin_ms"],
-                  f'{r["ratio"]}x'] for r in rows],
-                ["model", "plan calls", "requests", "tokens", "max context", "vLLM per-layer ms", "plugin ms",
-                 "ratio"]))  # fmt: skip
+    print(
+        table(
+            [
+                [
+                    r["model"],
+                    r["layers"],
+                    r["requests"],
+                    r["tokens"],
+                    r["max_context"],
+                    r["vllm_ms"],
+                    r["plugin_ms"],
+                    f"{r['ratio']}x",
+                ]
+                for r in rows
+            ],
+            ["model", "plan calls", "requests", "tokens", "max context", "vLLM per-layer ms", "plugin ms", "ratio"],
+        )
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -167,8 +167,12 @@ def checkpoint_or_tiny(checkpoint=None, dtype: str = "float32"):
 
 
 def _limits(window_size=128, max_model_len=65536, max_num_batched_tokens=8192, prefill_chunk_size=4):
-    return dict(window_size=window_size, max_model_len=max_model_len,
-                max_num_batched_tokens=max_num_batched_tokens, prefill_chunk_size=prefill_chunk_size)  # fmt: skip
+    return dict(
+        window_size=window_size,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        prefill_chunk_size=prefill_chunk_size,
+    )
 
 
 def workloads(seed: int = 0, scale: float = 1.0) -> dict[str, tuple[list[int], list[int], dict]]:

@@ -75,8 +75,15 @@ def main(argv=None):
         t0 = time.time()
         with open(log, "w") as f:
             try:
-                p = subprocess.run(module_command(module, *extra), cwd=ROOT, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, timeout=cap, env=env)  # fmt: skip
+                p = subprocess.run(
+                    module_command(module, *extra),
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    timeout=cap,
+                    env=env,
+                )
                 text, rc = p.stdout, p.returncode
             except subprocess.TimeoutExpired as e:
                 text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")

@@ -149,15 +149,25 @@ def torch_correctness(args, ctx):
         want = start.copy()
         P.quantize_and_insert_k_cache(k, want, slots, S)
         got = torch.from_numpy(start.copy()).to(dev)
-        TK.quantize_and_insert_k_cache(torch.from_numpy(k).to(dev, torch.bfloat16), got, torch.from_numpy(slots).to(dev), S, backend="triton")
+        TK.quantize_and_insert_k_cache(
+            torch.from_numpy(k).to(dev, torch.bfloat16), got, torch.from_numpy(slots).to(dev), S, backend="triton"
+        )
         bad = int((got.cpu().numpy() != want).sum())
         print(f"triton writer S={S}: {'PASS' if bad == 0 else 'FAIL'} ({bad} bytes differ)", flush=True)
         seq, bt = np.array([nb * S], np.int32), rng.permutation(nb).astype(np.int32)[None]
         for label, pages in (("written pages", want), ("random bytes", start)):
             ref = reference_gather(pages, seq, None, bt, S, nb * S)
             out = torch.zeros((1, nb * S, 512), dtype=torch.bfloat16, device=dev)
-            TK.dequantize_and_gather_k_cache(out, torch.from_numpy(pages).to(dev), torch.from_numpy(seq).to(dev), None,
-                                             torch.from_numpy(bt).to(dev), S, 0, backend="triton")  # fmt: skip
+            TK.dequantize_and_gather_k_cache(
+                out,
+                torch.from_numpy(pages).to(dev),
+                torch.from_numpy(seq).to(dev),
+                None,
+                torch.from_numpy(bt).to(dev),
+                S,
+                0,
+                backend="triton",
+            )
             report_match(f"triton gather S={S} {label}", out.float().cpu().numpy(), ref)
 
 
@@ -181,13 +191,23 @@ def jax_correctness(args, ctx):
         P.quantize_and_insert_k_cache(k, want, slots, S)
         seq, bt = np.array([nb * S], np.int32), rng.permutation(nb).astype(np.int32)[None]
         for be in backends:
-            got = JK.quantize_and_insert_k_cache(jnp.asarray(k, jnp.bfloat16), jnp.asarray(start), jnp.asarray(slots, jnp.int32), S, backend=be)
+            got = JK.quantize_and_insert_k_cache(
+                jnp.asarray(k, jnp.bfloat16), jnp.asarray(start), jnp.asarray(slots, jnp.int32), S, backend=be
+            )
             bad = int((np.asarray(got) != want).sum())
             print(f"jax {be} writer S={S}: {'PASS' if bad == 0 else 'FAIL'} ({bad} bytes differ)", flush=True)
             for label, pages in (("written pages", want), ("random bytes", start)):
                 ref = reference_gather(pages, seq, None, bt, S, nb * S)
-                out = JK.dequantize_and_gather_k_cache(jnp.zeros((1, nb * S, 512), jnp.bfloat16), jnp.asarray(pages),
-                                                       jnp.asarray(seq), None, jnp.asarray(bt), S, 0, backend=be)  # fmt: skip
+                out = JK.dequantize_and_gather_k_cache(
+                    jnp.zeros((1, nb * S, 512), jnp.bfloat16),
+                    jnp.asarray(pages),
+                    jnp.asarray(seq),
+                    None,
+                    jnp.asarray(bt),
+                    S,
+                    0,
+                    backend=be,
+                )
                 report_match(f"jax {be} gather S={S} {label}", np.asarray(out.astype(jnp.float32)), ref)
 
 
@@ -229,8 +249,11 @@ def print_speed(ctx, name, backend, rows, ms, copy_ms):
     total = rows * (ROW_READ + ROW_WRITTEN)
     peak = ctx.get("peak")
     share = f"{total / ms / 1e6 / peak:6.0%}" if peak else "   n/a"
-    print(f"{name:40s} {backend:16s} {ms:9.3f} ms {read / ms / 1e6:9.1f} GB/s read {total / ms / 1e6:9.1f} GB/s total "
-          f"{share} of HBM  copy {read / copy_ms / 1e6:8.1f} GB/s  vs copy {copy_ms / ms:5.0%}", flush=True)  # fmt: skip
+    print(
+        f"{name:40s} {backend:16s} {ms:9.3f} ms {read / ms / 1e6:9.1f} GB/s read {total / ms / 1e6:9.1f} GB/s total "
+        f"{share} of HBM  copy {read / copy_ms / 1e6:8.1f} GB/s  vs copy {copy_ms / ms:5.0%}",
+        flush=True,
+    )
 
 
 @guarded
@@ -253,8 +276,11 @@ def speed(args, ctx):
         copy_ms = torch_time(lambda: dst.copy_(src), ctx["cuda"], args.iters)
         tc, ts, tb = (torch.from_numpy(x).to(dev) for x in (cache, seq, bt))
         out = torch.empty((R, per, 512), dtype=torch.bfloat16, device=dev)
-        ms = torch_time(lambda: TK.dequantize_and_gather_k_cache(out, tc, ts, None, tb, S, 0, backend="triton", validate=False),
-                        ctx["cuda"], args.iters)  # fmt: skip
+        ms = torch_time(
+            lambda: TK.dequantize_and_gather_k_cache(out, tc, ts, None, tb, S, 0, backend="triton", validate=False),
+            ctx["cuda"],
+            args.iters,
+        )
         print_speed(ctx, name, "torch triton", rows, ms, copy_ms)
         try:
             import jax
@@ -263,9 +289,11 @@ def speed(args, ctx):
             from dsv4_jax import kvcache as JK
 
             jc, js, jb = jnp.asarray(cache), jnp.asarray(seq), jnp.asarray(bt)
-            for be in (["pallas_interpret"] if args.dry_run else ["pallas_triton", "xla"]):
-                f = jax.jit(lambda o, c, s, b, be=be: JK.dequantize_and_gather_k_cache(o, c, s, None, b, S, 0, backend=be),
-                            donate_argnums=0)  # fmt: skip
+            for be in ["pallas_interpret"] if args.dry_run else ["pallas_triton", "xla"]:
+                f = jax.jit(
+                    lambda o, c, s, b, be=be: JK.dequantize_and_gather_k_cache(o, c, s, None, b, S, 0, backend=be),
+                    donate_argnums=0,
+                )
                 state = {"o": jnp.zeros((R, per, 512), jnp.bfloat16)}
 
                 def run():
@@ -314,8 +342,16 @@ def paged_pair(rng_t, lens, S, dev):
     if sum(lens):
         TK.quantize_and_insert_k_cache(torch.cat(k), fp8, torch.cat(slots), S, validate=False)
     flat = torch.zeros((1, nb * S, 512), dtype=torch.bfloat16, device=dev)
-    TK.dequantize_and_gather_k_cache(flat, fp8, torch.tensor([nb * S], dtype=torch.int32, device=dev), None,
-                                     torch.arange(nb, dtype=torch.int32, device=dev)[None], S, 0, validate=False)  # fmt: skip
+    TK.dequantize_and_gather_k_cache(
+        flat,
+        fp8,
+        torch.tensor([nb * S], dtype=torch.int32, device=dev),
+        None,
+        torch.arange(nb, dtype=torch.int32, device=dev)[None],
+        S,
+        0,
+        validate=False,
+    )
     return fp8, flat.view(nb, S, 512), table
 
 
@@ -359,14 +395,25 @@ def prefill_fp8_vs_bf16(args, ctx):
             else:
                 rk = TP.PagedKV(raw_bf16, raw_table)
                 ck = TP.PagedKV(comp[1], comp[2]) if comp else None
-            fn = lambda rk=rk, ck=ck: TP.prefill_attention(q, km, rk, ck, sm_scale=512**-0.5, attn_sink=sink,  # noqa: E731
-                                                           topk_indices=tk, backend="auto")
+            fn = lambda rk=rk, ck=ck: TP.prefill_attention(
+                q,
+                km,
+                rk,
+                ck,
+                sm_scale=512**-0.5,
+                attn_sink=sink,  # noqa: E731
+                topk_indices=tk,
+                backend="auto",
+            )
             outs[fmt] = fn()
             times[fmt] = torch_time(fn, ctx["cuda"], args.iters)
         same = torch.equal(outs["fp8_ds_mla"], outs["bf16"])
-        print(f"torch {kind.name:3s} ({km.last_backend}): fp8 pages {times['fp8_ds_mla']:8.3f} ms, bf16 pages "
-              f"{times['bf16']:8.3f} ms, fp8/bf16 {times['fp8_ds_mla'] / times['bf16']:5.2f}x, "
-              f"outputs {'PASS bitwise equal' if same else 'FAIL differ'}", flush=True)  # fmt: skip
+        print(
+            f"torch {kind.name:3s} ({km.last_backend}): fp8 pages {times['fp8_ds_mla']:8.3f} ms, bf16 pages "
+            f"{times['bf16']:8.3f} ms, fp8/bf16 {times['fp8_ds_mla'] / times['bf16']:5.2f}x, "
+            f"outputs {'PASS bitwise equal' if same else 'FAIL differ'}",
+            flush=True,
+        )
         jax_inputs[kind] = (comp, S)
     if time.time() > ctx["deadline"] - (0 if args.dry_run else 20):
         print("budget spent: the JAX layers skipped")
@@ -379,7 +426,11 @@ def prefill_fp8_vs_bf16(args, ctx):
         print(f"jax: {e}")
         return
     jm = JP.build_step_metadata(step, index_topk=topk)
-    to_j = lambda t: jnp.asarray(t.cpu().numpy()) if t.dtype != torch.bfloat16 else jnp.asarray(t.view(torch.int16).cpu().numpy()).view(jnp.bfloat16)  # noqa: E731
+    to_j = lambda t: (
+        jnp.asarray(t.cpu().numpy())
+        if t.dtype != torch.bfloat16
+        else jnp.asarray(t.view(torch.int16).cpu().numpy()).view(jnp.bfloat16)
+    )  # noqa: E731
     jq, jsink, jtopk = jm.pad_tokens(to_j(q)), to_j(sink), jm.pad_tokens(to_j(topk_rows))
     j_raw = (to_j(raw_fp8), to_j(raw_bf16), to_j(raw_table))
     for kind, (comp, S) in jax_inputs.items():
@@ -395,9 +446,16 @@ def prefill_fp8_vs_bf16(args, ctx):
             else:
                 rk = JP.PagedKV(j_raw[1], j_raw[2])
                 ck = JP.PagedKV(jc[1], jc[2]) if jc else None
-            run = lambda rk=rk, ck=ck: JP.prefill_attention(jq, jm[kind], rk, ck, sm_scale=512**-0.5, attn_sink=jsink,  # noqa: E731
-                                                            topk_indices=jtopk if kind is PL.LayerKind.CSA else None,
-                                                            backend="auto").block_until_ready()
+            run = lambda rk=rk, ck=ck: JP.prefill_attention(
+                jq,
+                jm[kind],
+                rk,
+                ck,
+                sm_scale=512**-0.5,
+                attn_sink=jsink,  # noqa: E731
+                topk_indices=jtopk if kind is PL.LayerKind.CSA else None,
+                backend="auto",
+            ).block_until_ready()
             outs[fmt] = run()
             ts_ = []
             for _ in range(args.iters if not args.dry_run else 1):
@@ -406,9 +464,12 @@ def prefill_fp8_vs_bf16(args, ctx):
                 ts_.append((time.perf_counter() - t0) * 1e3)
             times[fmt] = statistics.median(ts_)
         same = bool(jnp.array_equal(outs["fp8_ds_mla"], outs["bf16"]))
-        print(f"jax   {kind.name:3s} ({jm[kind].last_backend}): fp8 pages {times['fp8_ds_mla']:8.3f} ms, bf16 pages "
-              f"{times['bf16']:8.3f} ms, fp8/bf16 {times['fp8_ds_mla'] / times['bf16']:5.2f}x, "
-              f"outputs {'PASS bitwise equal' if same else 'FAIL differ'}", flush=True)  # fmt: skip
+        print(
+            f"jax   {kind.name:3s} ({jm[kind].last_backend}): fp8 pages {times['fp8_ds_mla']:8.3f} ms, bf16 pages "
+            f"{times['bf16']:8.3f} ms, fp8/bf16 {times['fp8_ds_mla'] / times['bf16']:5.2f}x, "
+            f"outputs {'PASS bitwise equal' if same else 'FAIL differ'}",
+            flush=True,
+        )
 
 
 @guarded
@@ -426,7 +487,11 @@ def writer_and_sweep(args, ctx):
     k = torch.randn((T, 512), device=dev).to(torch.bfloat16)
     cache = torch.zeros((nb, P.page_bytes(S)), dtype=torch.uint8, device=dev)
     slots = torch.randperm(nb * S, device=dev)[:T]
-    ms = torch_time(lambda: TK.quantize_and_insert_k_cache(k, cache, slots, S, backend="triton", validate=False), ctx["cuda"], args.iters)
+    ms = torch_time(
+        lambda: TK.quantize_and_insert_k_cache(k, cache, slots, S, backend="triton", validate=False),
+        ctx["cuda"],
+        args.iters,
+    )
     print(f"torch triton writer, {T} tokens: {ms:.3f} ms, {T * 1024 / ms / 1e6:.1f} GB/s of bf16 read", flush=True)
     rng = np.random.default_rng(3)
     R, per = (1, 256) if args.dry_run else (1, 65536)
@@ -442,9 +507,18 @@ def writer_and_sweep(args, ctx):
                 if time.time() > ctx["deadline"]:
                     print("budget spent: sweep cut short")
                     return
-                fn = lambda: triton_kvcache.gather_dequant(out, tc, ts, None, tb, S, 0, block_r=block_r, workers=workers, num_warps=warps)  # noqa: E731
+                fn = lambda: triton_kvcache.gather_dequant(
+                    out, tc, ts, None, tb, S, 0, block_r=block_r, workers=workers, num_warps=warps
+                )  # noqa: E731
                 ms = torch_time(fn, ctx["cuda"], args.iters)
-                print_speed(ctx, f"sweep block_r={block_r} warps={warps} workers={workers or 'default'}", "torch triton", R * per, ms, copy_ms)
+                print_speed(
+                    ctx,
+                    f"sweep block_r={block_r} warps={warps} workers={workers or 'default'}",
+                    "torch triton",
+                    R * per,
+                    ms,
+                    copy_ms,
+                )
                 if args.dry_run:
                     return
 

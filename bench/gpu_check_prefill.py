@@ -62,8 +62,15 @@ def time_torch(step, layer, x, topk, iters, dry):
     dev = "cpu" if dry else "cuda"
     meta = TP.build_step_metadata(step, device=dev, index_topk=topk)[layer.kind]
     q = x["q"]
-    call = lambda: TP.prefill_attention(q, meta, x["raw"], x["comp"], sm_scale=q.shape[-1] ** -0.5,  # noqa: E731
-                                        attn_sink=x["sink"], topk_indices=x["rows"])  # fmt: skip
+    call = lambda: TP.prefill_attention(
+        q,
+        meta,
+        x["raw"],
+        x["comp"],
+        sm_scale=q.shape[-1] ** -0.5,  # noqa: E731
+        attn_sink=x["sink"],
+        topk_indices=x["rows"],
+    )
     out = call()  # also the warm-up
     ms = torch_time_ms(call, dev, 0, iters)
     return ms, out.float().cpu().numpy(), meta.last_backend
@@ -82,8 +89,9 @@ def jax_inputs(batch, layer, H, D, topk, dry, seed=0):
     comp = None
     if layer.has_compressed:
         clen = seq // layer.compress_ratio
-        comp = JP.LogicalKV(jax.random.normal(keys[1], (max(1, int(clen.sum())), D), dt) * 0.1,
-                            jnp.asarray(packed_offsets(clen)))  # fmt: skip
+        comp = JP.LogicalKV(
+            jax.random.normal(keys[1], (max(1, int(clen.sum())), D), dt) * 0.1, jnp.asarray(packed_offsets(clen))
+        )
     q = jax.random.normal(keys[2], (batch.num_tokens, H, D), dt)
     rows = recent_topk_rows(batch.token_position, topk, layer.compress_ratio) if layer.kind is LayerKind.CSA else None
     sink = np.asarray(jax.random.normal(keys[3], (H,), jnp.float32))
@@ -99,15 +107,35 @@ def time_jax(step, layer, x, topk, iters, dry):
     km = meta[layer.kind]
     q = meta.pad_tokens(x["q"])
     rows = jnp.asarray(meta.pad_tokens(x["rows"])) if x["rows"] is not None else None
-    call = lambda: JP.prefill_attention(q, km, x["raw"], x["comp"], sm_scale=q.shape[-1] ** -0.5,  # noqa: E731
-                                        attn_sink=x["sink"], topk_indices=rows, backend="auto").block_until_ready()  # fmt: skip
+    call = lambda: JP.prefill_attention(
+        q,
+        km,
+        x["raw"],
+        x["comp"],
+        sm_scale=q.shape[-1] ** -0.5,  # noqa: E731
+        attn_sink=x["sink"],
+        topk_indices=rows,
+        backend="auto",
+    ).block_until_ready()
     out = call()  # also the warm-up
     ms = median_seconds(call, iters, warmup=0) * 1e3
     return ms, np.asarray(out[: step.batch.num_tokens], np.float32), km.last_backend
 
 
-HEADER = ["workload", "model", "kind", "framework", "backend", "plan", "chunks", "ms/layer", "tokens/s",
-          "workspace MiB", "ms/step (all layers of kind)", "plans bitwise equal"]  # fmt: skip
+HEADER = [
+    "workload",
+    "model",
+    "kind",
+    "framework",
+    "backend",
+    "plan",
+    "chunks",
+    "ms/layer",
+    "tokens/s",
+    "workspace MiB",
+    "ms/step (all layers of kind)",
+    "plans bitwise equal",
+]
 
 
 def main(argv=None):
@@ -164,12 +192,24 @@ def main(argv=None):
                     for p in PLANS:
                         ms, _, backend = res[p]
                         kp = steps[p][kind]
-                        rows_out.append([wname, mname, kind.name, fw, backend, p, kp.num_chunks, f"{ms:.2f}",
-                                         f"{batch.num_tokens / ms * 1e3:.0f}",
-                                         f"{kp.max_workspace_rows * BYTES_PER_ROW / 2**20:.1f}",
-                                         f"{ms * layers[kind]:.1f}", "yes" if same else "NO"])  # fmt: skip
+                        rows_out.append(
+                            [
+                                wname,
+                                mname,
+                                kind.name,
+                                fw,
+                                backend,
+                                p,
+                                kp.num_chunks,
+                                f"{ms:.2f}",
+                                f"{batch.num_tokens / ms * 1e3:.0f}",
+                                f"{kp.max_workspace_rows * BYTES_PER_ROW / 2**20:.1f}",
+                                f"{ms * layers[kind]:.1f}",
+                                "yes" if same else "NO",
+                            ]
+                        )
                     # Each row as soon as it is measured: a run stopped at its time cap keeps them.
-                    print(table(rows_out[-len(PLANS):], HEADER), flush=True)
+                    print(table(rows_out[-len(PLANS) :], HEADER), flush=True)
     if skipped:
         print(f"\n[time budget of {args.seconds:.0f} s spent: not measured: {', '.join(skipped)}]")
     print("\nall rows:")

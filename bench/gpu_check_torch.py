@@ -93,9 +93,12 @@ def build_rows(T, heads, topk, kind, ratio, rows_total, device, dtype, seed=0):
     kv = torch.randn(S, D, generator=g) * 0.1
     sink = torch.randn(heads, generator=g)
     return dict(
-        q=q.to(device=device, dtype=dtype), kv=kv.to(device=device, dtype=dtype),
-        indices=out.to(device=device, dtype=torch.int32), sm_scale=D**-0.5,
-        attn_sink=sink.to(device), topk_length=topk_length.to(device),
+        q=q.to(device=device, dtype=dtype),
+        kv=kv.to(device=device, dtype=dtype),
+        indices=out.to(device=device, dtype=torch.int32),
+        sm_scale=D**-0.5,
+        attn_sink=sink.to(device),
+        topk_length=topk_length.to(device),
     )
 
 
@@ -123,7 +126,9 @@ def compare(got, want, name):
     ok = not bool(bad.any()) and cos_diff < 7e-6 and not bool(torch.isnan(o).any())
     msgs = [f"out: max abs err {float(abs_err.max()):.3g}, {int(bad.sum())} bad elems, cos diff {cos_diff:.2e}"]
     for label, a, b in (("max_logits", m, wm), ("lse", l, wl)):
-        same_inf = bool(torch.equal(torch.isinf(a), torch.isinf(b))) and bool(torch.equal(a[torch.isinf(a)], b[torch.isinf(b)]))
+        same_inf = bool(torch.equal(torch.isinf(a), torch.isinf(b))) and bool(
+            torch.equal(a[torch.isinf(a)], b[torch.isinf(b)])
+        )
         fin = torch.isfinite(b)
         err = float(((a[fin] - b[fin]).abs() / b[fin].abs().clamp(min=1)).max()) if bool(fin.any()) else 0.0
         ok &= same_inf and err < 1e-4
@@ -149,7 +154,9 @@ def environment(args):
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
     if torch.cuda.is_available():
         cap = torch.cuda.get_device_capability()
-        print(f"GPU: {torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]}), torch CUDA {torch.version.cuda}, HIP {torch.version.hip}")
+        print(
+            f"GPU: {torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]}), torch CUDA {torch.version.cuda}, HIP {torch.version.hip}"
+        )
     try:
         import triton
 
@@ -159,7 +166,9 @@ def environment(args):
     try:
         import flash_mla
 
-        print(f"flash_mla imported from {getattr(flash_mla, '__file__', '?')}, version {getattr(flash_mla, '__version__', '?')}")
+        print(
+            f"flash_mla imported from {getattr(flash_mla, '__file__', '?')}, version {getattr(flash_mla, '__version__', '?')}"
+        )
         import inspect
 
         print(f"  flash_mla_sparse_fwd{inspect.signature(flash_mla.flash_mla_sparse_fwd)}")
@@ -204,7 +213,9 @@ def edge_cases(args, device):
         tl[7], tl[8], tl[9] = 0, 1, K // 3
         for sink_val in (float("-inf"), 0.0, 30.0, None):
             sink = None if sink_val is None else torch.full((H,), sink_val)
-            case = dict(q=q.bfloat16(), kv=kv.bfloat16(), indices=idx, sm_scale=Dh**-0.5, attn_sink=sink, topk_length=tl)
+            case = dict(
+                q=q.bfloat16(), kv=kv.bfloat16(), indices=idx, sm_scale=Dh**-0.5, attn_sink=sink, topk_length=tl
+            )
             want = reference_fp32(case)
             dev_case = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
             for backend in gpu_backends(device):
@@ -227,7 +238,10 @@ def real_shapes(args, device, results):
         case = build_rows(T, H, topk, kind, ratio, S, device, torch.bfloat16)
         K = case["indices"].shape[1]
         nvalid = valid_count(case)
-        print(f"{name}: T={T} H={H} K={K} S={S} D={D}, valid indices {nvalid} ({nvalid / (T * K):.1%} of the width)", flush=True)
+        print(
+            f"{name}: T={T} H={H} K={K} S={S} D={D}, valid indices {nvalid} ({nvalid / (T * K):.1%} of the width)",
+            flush=True,
+        )
         want = None
         try:
             want = reference_fp32(case)
@@ -273,8 +287,16 @@ def triton_sweep(args, device, results):
     configs = [default] + [
         ts.TritonConfig(bh, bk, w, st)
         for bh, bk, w, st in [
-            (32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 1), (64, 32, 8, 1), (64, 16, 8, 2),
-            (32, 64, 8, 2), (32, 32, 8, 3), (64, 64, 8, 2), (64, 32, 8, 3), (16, 32, 4, 2),
+            (32, 32, 8, 2),
+            (64, 32, 8, 2),
+            (64, 16, 8, 1),
+            (64, 32, 8, 1),
+            (64, 16, 8, 2),
+            (32, 64, 8, 2),
+            (32, 32, 8, 3),
+            (64, 64, 8, 2),
+            (64, 32, 8, 3),
+            (16, 32, 4, 2),
         ]
         if (bh, bk, w, st) != (default.block_h, default.block_k, default.num_warps, default.num_stages)
     ]
@@ -286,12 +308,27 @@ def triton_sweep(args, device, results):
             print(f"  sweep budget of {args.sweep_seconds}s spent; {len(configs)} configs listed, stopped here")
             break
         try:
-            fn = lambda cfg=cfg: ts.sparse_attention_triton(q, kv, idx, c["sm_scale"], c["attn_sink"], c["topk_length"], config=cfg)  # noqa: E731
+            fn = lambda cfg=cfg: ts.sparse_attention_triton(
+                q, kv, idx, c["sm_scale"], c["attn_sink"], c["topk_length"], config=cfg
+            )  # noqa: E731
             ms = torch_time_ms(fn, device, args.warmup, args.iters)
             tf = tflops(nvalid, H, ms * 1e-3)
             tag = " (default)" if cfg == default else ""
-            print(f"  {cfg}{tag}: {ms:8.3f} ms  {tf:7.1f} TFLOPS ({tf / FLASHMLA_PUBLISHED_TFLOPS:.1%} of 640)", flush=True)
-            results.append((f"{name} sweep", f"triton {cfg.block_h}/{cfg.block_k}/{cfg.num_warps}w/{cfg.num_stages}s", T, H, idx.shape[1], ms, tf))
+            print(
+                f"  {cfg}{tag}: {ms:8.3f} ms  {tf:7.1f} TFLOPS ({tf / FLASHMLA_PUBLISHED_TFLOPS:.1%} of 640)",
+                flush=True,
+            )
+            results.append(
+                (
+                    f"{name} sweep",
+                    f"triton {cfg.block_h}/{cfg.block_k}/{cfg.num_warps}w/{cfg.num_stages}s",
+                    T,
+                    H,
+                    idx.shape[1],
+                    ms,
+                    tf,
+                )
+            )
         except Exception as e:  # noqa: BLE001
             print(f"  {cfg}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         if device == "cuda":
@@ -303,7 +340,10 @@ ROW_HEADER = f"{'shape':24s} {'backend':26s} {'T':>6s} {'H':>4s} {'K':>5s} {'ms'
 
 def print_row(row):
     name, backend, T, H, K, ms, tf = row
-    print(f"{name:24s} {backend:26s} {T:6d} {H:4d} {K:5d} {ms:10.3f} {tf:8.1f} {tf / FLASHMLA_PUBLISHED_TFLOPS:7.1%}", flush=True)
+    print(
+        f"{name:24s} {backend:26s} {T:6d} {H:4d} {K:5d} {ms:10.3f} {tf:8.1f} {tf / FLASHMLA_PUBLISHED_TFLOPS:7.1%}",
+        flush=True,
+    )
 
 
 def print_table(results):
@@ -324,8 +364,12 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--sweep-seconds", type=float, default=30.0)
-    ap.add_argument("--budget", type=float, default=100.0,
-                    help="seconds: sections not started by then are skipped (the sweep also stops at its own cap)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=100.0,
+        help="seconds: sections not started by then are skipped (the sweep also stops at its own cap)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (reference + Triton interpreter)")
     args = ap.parse_args()
     t0 = time.time()
@@ -334,7 +378,9 @@ def main():
 
     if not torch.cuda.is_available():
         if not args.dry_run:
-            print("No CUDA/ROCm GPU visible to torch: nothing to check here (use --dry-run to exercise the script on CPU).")
+            print(
+                "No CUDA/ROCm GPU visible to torch: nothing to check here (use --dry-run to exercise the script on CPU)."
+            )
             return 0
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before dsv4_torch's Triton kernel is imported
         device = "cpu"

@@ -39,7 +39,10 @@ def main():
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
     parser.add_argument("--d", type=int, default=512, help="head dim D (512 or 576)")
     parser.add_argument(
-        "--tiling", action="append", default=[], metavar="BH,BK,DV,WARPS,STAGES",
+        "--tiling",
+        action="append",
+        default=[],
+        metavar="BH,BK,DV,WARPS,STAGES",
         help="a tiling to check (repeatable), e.g. 64,16,256,8,2",
     )
     parser.add_argument("--shape", choices=sorted(SHAPES), action="append", help="problem shape(s) (default: all)")
@@ -61,7 +64,9 @@ def main():
         tilings = [dict(zip(TILING_KEYS, map(int, t.split(",")))) for t in args.tiling]
     else:
         tilings = [None]
-    print(f"{'shape':9} {'bh':>3} {'bk':>3} {'dv':>3} {'w':>2} {'st':>2} {'smem KB':>8} {'regs':>4} {'spill B':>7} {'mma':8} cp.async  time")
+    print(
+        f"{'shape':9} {'bh':>3} {'bk':>3} {'dv':>3} {'w':>2} {'st':>2} {'smem KB':>8} {'regs':>4} {'spill B':>7} {'mma':8} cp.async  time"
+    )
     for name in args.shape or SHAPES:
         T, H, D, S, K = SHAPES[name]
         D = args.d

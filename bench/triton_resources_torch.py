@@ -46,7 +46,9 @@ SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 
 _SCALARS = ["stride_qt", "stride_qh", "stride_kvs", "stride_it", "stride_ot", "stride_oh", "stride_mt", "S", "H", "K"]
 
 
-def compile_config(arch: int, dim: int, dtype: str, block_h: int, block_k: int, num_warps: int, num_stages: int) -> dict:
+def compile_config(
+    arch: int, dim: int, dtype: str, block_h: int, block_k: int, num_warps: int, num_stages: int
+) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -56,14 +58,29 @@ def compile_config(arch: int, dim: int, dtype: str, block_h: int, block_k: int, 
 
     d_v = value_dim(dim)
     sig = {
-        "q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "idx_ptr": "*i32", "sink_ptr": "*fp32", "topk_len_ptr": "*i32",
-        "out_ptr": f"*{dtype}", "max_ptr": "*fp32", "lse_ptr": "*fp32", **{n: "i32" for n in _SCALARS},
+        "q_ptr": f"*{dtype}",
+        "kv_ptr": f"*{dtype}",
+        "idx_ptr": "*i32",
+        "sink_ptr": "*fp32",
+        "topk_len_ptr": "*i32",
+        "out_ptr": f"*{dtype}",
+        "max_ptr": "*fp32",
+        "lse_ptr": "*fp32",
+        **{n: "i32" for n in _SCALARS},
         "scale_log2": "fp32",
     }
     const = dict(
-        D=dim, D_V=d_v, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
+        D=dim,
+        D_V=d_v,
+        BLOCK_H=block_h,
+        BLOCK_K=block_k,
+        BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
         BLOCK_DT=0 if dim == d_v else max(16, triton.next_power_of_2(dim - d_v)),
-        HAS_SINK=True, HAS_TOPK_LENGTH=True, F32_DOT=dtype == "fp32", EMULATE_BF16=False, INTERPRETER=False,
+        HAS_SINK=True,
+        HAS_TOPK_LENGTH=True,
+        F32_DOT=dtype == "fp32",
+        EMULATE_BF16=False,
+        INTERPRETER=False,
     )
     sig.update({k: "constexpr" for k in const})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(15)}  # pointers and strides 16-aligned
@@ -73,8 +90,12 @@ def compile_config(arch: int, dim: int, dtype: str, block_h: int, block_k: int, 
         options={"num_warps": num_warps, "num_stages": num_stages},
     )
     ptx = kernel.asm["ptx"]
-    info = {"smem": kernel.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
-            "tcgen05": ptx.count("tcgen05.mma")}
+    info = {
+        "smem": kernel.metadata.shared,
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "mma_sync": ptx.count("mma.sync"),
+        "tcgen05": ptx.count("tcgen05.mma"),
+    }
     info.update(ptxas_stats(ptx, arch))
     info["loop_spill"] = _loop_spill_ops(kernel.asm.get("cubin"))
     return info
@@ -99,7 +120,8 @@ def _loop_spill_ops(cubin: bytes | None) -> int:
     lines = res.stdout.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line.strip()))}
     loops = [  # a branch back to an earlier label closes a loop
-        (labels[m.group(1)], i) for i, line in enumerate(lines)
+        (labels[m.group(1)], i)
+        for i, line in enumerate(lines)
         if (m := re.search(r"\bBRA\b.*\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i
     ]
     spill = re.compile(r"\b(LDL|STL)(\.\S+)?\s")
@@ -113,7 +135,9 @@ def main():
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     ap.add_argument("--heads", type=int, default=64, help="H, for the default config")
     ap.add_argument("--sweep", action="store_true", help="also compile a grid of launch configs")
-    ap.add_argument("--configs", default="", help="also compile these, e.g. '64,64,8,1 64,32,8,1' (BLOCK_H,BLOCK_K,warps,stages)")
+    ap.add_argument(
+        "--configs", default="", help="also compile these, e.g. '64,64,8,1 64,32,8,1' (BLOCK_H,BLOCK_K,warps,stages)"
+    )
     args = ap.parse_args()
 
     import torch
@@ -140,16 +164,24 @@ def main():
             configs.append(cfg)
     limit = SMEM_LIMIT.get(args.arch)
     print(f"sm_{args.arch}, D={args.dim}, {args.dtype}; default config for H={args.heads}: {default}")
-    print(f"{'BLOCK_H':>7s} {'BLOCK_K':>7s} {'warps':>5s} {'stages':>6s} {'regs':>5s} {'spill B':>8s} {'smem B':>8s} {'fits':>5s} {'wgmma':>6s} {'mma.sync':>8s} {'tcgen05':>7s} {'loop LDL/STL':>12s}")
+    print(
+        f"{'BLOCK_H':>7s} {'BLOCK_K':>7s} {'warps':>5s} {'stages':>6s} {'regs':>5s} {'spill B':>8s} {'smem B':>8s} {'fits':>5s} {'wgmma':>6s} {'mma.sync':>8s} {'tcgen05':>7s} {'loop LDL/STL':>12s}"
+    )
     for bh, bk, w, st in configs:
         try:
             r = compile_config(args.arch, args.dim, args.dtype, bh, bk, w, st)
             fits = "?" if limit is None else ("yes" if r["smem"] <= limit else "NO")
             note = "" if r["ptxas_error"] is None else "  " + r["ptxas_error"][:80]
             regs, spill = ("?" if r[k] is None else r[k] for k in ("regs", "spill_bytes"))
-            print(f"{bh:7d} {bk:7d} {w:5d} {st:6d} {regs:>5} {spill:>8} {r['smem']:8d} {fits:>5s} {r['wgmma']:6d} {r['mma_sync']:8d} {r['tcgen05']:7d} {r['loop_spill']:12d}{note}", flush=True)
+            print(
+                f"{bh:7d} {bk:7d} {w:5d} {st:6d} {regs:>5} {spill:>8} {r['smem']:8d} {fits:>5s} {r['wgmma']:6d} {r['mma_sync']:8d} {r['tcgen05']:7d} {r['loop_spill']:12d}{note}",
+                flush=True,
+            )
         except Exception as e:  # noqa: BLE001 - e.g. out of resources at compile time
-            print(f"{bh:7d} {bk:7d} {w:5d} {st:6d}  failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
+            print(
+                f"{bh:7d} {bk:7d} {w:5d} {st:6d}  failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -244,7 +244,12 @@ def sparse_attention(q, kv, indices, sm_scale, attn_sink=None, topk_length=None,
     concrete = resolve_backend(backend, q, kv, indices)
     logger.debug(
         "sparse_attention: backend %r -> %s (T=%d H=%d D=%d S=%d K=%d %s)",
-        backend, concrete, *q.shape, kv.shape[0], indices.shape[1], jnp.dtype(q.dtype).name,
+        backend,
+        concrete,
+        *q.shape,
+        kv.shape[0],
+        indices.shape[1],
+        jnp.dtype(q.dtype).name,
     )
     if concrete == "xla":
         return sparse_attention_xla(q, kv, indices, sm_scale, attn_sink, topk_length)

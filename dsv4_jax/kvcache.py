@@ -216,7 +216,6 @@ def dequantize_and_gather_k_cache(
     return pallas_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset, interpret=name == "pallas_interpret")
 
 
-
 # --------------------------------------------------------------------------------------------
 # moving whole slots (bytes, no requantization)
 

@@ -65,6 +65,17 @@ from jax import lax
 from dsv4_jax import kvcache as jax_kvcache
 from dsv4_jax import prefill_cpu
 from dsv4_jax.attention import resolve_backend, sparse_attention
+from dsv4_jax.prefill_kv import (  # noqa: F401  (the caches are part of this module's API)
+    KVSource,
+    LogicalKV,
+    PagedKV,
+    _as_source,
+    _check_kv,
+    _fetch,
+    _flat_rows,
+    _is_array,
+    _shape,
+)
 from dsv4_jax.prefill_metadata import (  # noqa: F401  (the metadata is part of this module's API)
     CHUNK_N,
     CHUNK_SEG_START,
@@ -84,19 +95,8 @@ from dsv4_jax.prefill_metadata import (  # noqa: F401  (the metadata is part of 
     KindMetadata,
     KindShape,
     StepMetadata,
-    host_plan,
     build_step_metadata,
-)
-from dsv4_jax.prefill_kv import (  # noqa: F401  (the caches are part of this module's API)
-    KVSource,
-    LogicalKV,
-    PagedKV,
-    _as_source,
-    _check_kv,
-    _fetch,
-    _flat_rows,
-    _is_array,
-    _shape,
+    host_plan,
 )
 from planner import LayerKind
 from planner import kvcache as kvcache_ref
@@ -128,7 +128,7 @@ class _Fields(NamedTuple):
     L: int  # entries per row (static)
 
     @classmethod
-    def of(cls, table) -> "_Fields":
+    def of(cls, table) -> _Fields:
         return cls(*(table[i] for i in range(SCALARS)), num_chunks=table[SCALARS, 0], L=table.shape[1])
 
 
@@ -154,8 +154,19 @@ def _gather_region(ws, src, f: _Fields, region_start, s0, s1, dst_offset, src_st
     if isinstance(src, PagedKV) and src.fp8 and _cpu_gather():
         from dsv4_jax.kernels import cpu_kvcache
 
-        return cpu_kvcache.gather_segments(ws, src.pages, src.block_table, region_start, f.seg_request,
-                                           f.seg_row_base, src_start, s0, s1, dst_offset, src.page_size)  # fmt: skip
+        return cpu_kvcache.gather_segments(
+            ws,
+            src.pages,
+            src.block_table,
+            region_start,
+            f.seg_request,
+            f.seg_row_base,
+            src_start,
+            s0,
+            s1,
+            dst_offset,
+            src.page_size,
+        )
     first = region_start[s0]
     count = region_start[s1] - first
 
@@ -230,8 +241,9 @@ TRACE_COUNT = {"prefill": 0}  # traces of `_prefill_jit`; each is one compilatio
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "sm_scale", "backend", "fill"), donate_argnames=("out",))
-def _prefill_jit(q, table, raw, comp, topk_rows, attn_sink, out=None, *, shape: KindShape, sm_scale: float, backend: str,
-                 fill=0.0):  # fmt: skip
+def _prefill_jit(
+    q, table, raw, comp, topk_rows, attn_sink, out=None, *, shape: KindShape, sm_scale: float, backend: str, fill=0.0
+):
     """The layer call. `out`: a donated buffer for the result (None: XLA allocates it). `fill`:
     the workspace's initial value (tests pass NaN: rows no chunk wrote must never reach an output)."""
     TRACE_COUNT["prefill"] += 1
@@ -328,17 +340,24 @@ def prefill_attention(
         if not hasattr(attn_sink, "shape") or tuple(attn_sink.shape) != (H,):
             raise ValueError(f"attn_sink: expected shape ({H},), got {_shape(attn_sink)}")
         attn_sink = jnp.asarray(attn_sink, jnp.float32)
-    if isinstance(sm_scale, jax.core.Tracer) or isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.number)):
+    if (
+        isinstance(sm_scale, jax.core.Tracer)
+        or isinstance(sm_scale, bool)
+        or not isinstance(sm_scale, (int, float, np.number))
+    ):
         raise TypeError(f"sm_scale: expected a Python float (a compile-time constant), got {type(sm_scale).__name__}")
     if out is not None:
         want = (T_q, H, value_dim(D))
         if not _is_array(out) or tuple(out.shape) != want or jnp.dtype(out.dtype) != jnp.dtype(q.dtype):
-            raise ValueError(f"out: expected a {want} {jnp.dtype(q.dtype)} array, got {_shape(out)} "
-                             f"{getattr(out, 'dtype', type(out).__name__)}")  # fmt: skip
+            raise ValueError(
+                f"out: expected a {want} {jnp.dtype(q.dtype)} array, got {_shape(out)} "
+                f"{getattr(out, 'dtype', type(out).__name__)}"
+            )
     name = resolve_backend(backend, q)
     meta.last_backend = name
-    return _prefill_jit(q, meta.table, raw, comp, topk_rows, attn_sink, out, shape=shape, sm_scale=float(sm_scale),
-                        backend=name)  # fmt: skip
+    return _prefill_jit(
+        q, meta.table, raw, comp, topk_rows, attn_sink, out, shape=shape, sm_scale=float(sm_scale), backend=name
+    )
 
 
 def build_indices(meta: KindMetadata, chunk: int, topk_indices=None):
@@ -365,8 +384,9 @@ def _indices_jit(table, topk_rows, c, t0, t1, *, size, shape):
     return _tile_indices(f, shape, c, jnp.minimum(k, f.L - 1), k < t1, topk_rows)
 
 
-def gather_workspace(meta: KindMetadata, chunk: int, raw_kv: KVSource, compressed_kv: KVSource | None = None,
-                     *, dtype=None):  # fmt: skip
+def gather_workspace(
+    meta: KindMetadata, chunk: int, raw_kv: KVSource, compressed_kv: KVSource | None = None, *, dtype=None
+):
     """The workspace `(workspace_rows, D)` after one chunk's gathers, by the layer call's code.
 
     Rows the chunk does not write stay 0. dtype: the workspace's (q's in a layer call); default
@@ -422,10 +442,13 @@ def _check_topk(topk_indices, meta: KindMetadata):
     if jnp.dtype(topk_indices.dtype) != jnp.int32:  # never cast silently: int64 ids could wrap
         raise TypeError(f"topk_indices: expected int32, got {jnp.dtype(topk_indices.dtype)}")
     if meta.num_tokens is not None and topk_indices.shape[0] < meta.num_tokens:
-        raise ValueError(f"topk_indices: {topk_indices.shape[0]} rows, but the step's batch has {meta.num_tokens} tokens")
+        raise ValueError(
+            f"topk_indices: {topk_indices.shape[0]} rows, but the step's batch has {meta.num_tokens} tokens"
+        )
     if topk_indices.shape[1] + meta.shape.window_size > meta.index_width:
         raise ValueError(f"topk_indices: top-k {topk_indices.shape[1]} does not fit index width {meta.index_width}")
     if isinstance(topk_indices, np.ndarray) and meta.plan is not None:  # on the host: free to check
-        check_topk_rows(topk_indices, meta.plan.token_index, meta.plan.token_position, meta.plan.compress_ratio, "topk_indices")
+        check_topk_rows(
+            topk_indices, meta.plan.token_index, meta.plan.token_position, meta.plan.compress_ratio, "topk_indices"
+        )
     return jnp.asarray(topk_indices)
-

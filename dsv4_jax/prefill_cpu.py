@@ -49,6 +49,16 @@ def layer(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_sca
     buffer the kernel writes into (aliased to the result)."""
     tokens, count = token_arrays(table)
     return cpu_attention.prefill_attention(
-        q, tokens, count, raw, comp, topk_rows, attn_sink, kind=shape.kind.name, window=shape.window_size,
-        compress_ratio=shape.compress_ratio, sm_scale=sm_scale, out=out,
-    )  # fmt: skip
+        q,
+        tokens,
+        count,
+        raw,
+        comp,
+        topk_rows,
+        attn_sink,
+        kind=shape.kind.name,
+        window=shape.window_size,
+        compress_ratio=shape.compress_ratio,
+        sm_scale=sm_scale,
+        out=out,
+    )

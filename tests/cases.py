@@ -61,10 +61,18 @@ class PrefillCase:
 
     def oracle(self):
         return P.oracle.prefill_attention(
-            self.q, self.raw, self.comp, self.seq_lens, self.query_lens, kind=self.kind,
-            compress_ratio=self.ratio, window_size=self.window_size, sm_scale=self.sm_scale, attn_sink=self.sink,
+            self.q,
+            self.raw,
+            self.comp,
+            self.seq_lens,
+            self.query_lens,
+            kind=self.kind,
+            compress_ratio=self.ratio,
+            window_size=self.window_size,
+            sm_scale=self.sm_scale,
+            attn_sink=self.sink,
             topk_rows=self.topk_rows if self.kind is P.LayerKind.CSA else None,
-        )  # fmt: skip
+        )
 
     def paged(self, which: str, seed: int = 0):
         """(pages, block_table) of `which` = "raw" or "comp", pages shuffled across requests."""
@@ -87,8 +95,7 @@ class PrefillCase:
         return pages, table
 
 
-def make_case(name, seq_lens, query_lens, ratio, *, kind=None, window_size=8, topk=6, H=4, D=32, seed=0,
-              block_size=16):  # fmt: skip
+def make_case(name, seq_lens, query_lens, ratio, *, kind=None, window_size=8, topk=6, H=4, D=32, seed=0, block_size=16):
     """kind: the layer kind; None means V4.0's kind of `ratio` (0 / 4 / 128)."""
     kind = v4_kind(ratio) if kind is None else P.LayerKind.of(kind)
     rng = np.random.default_rng(seed)
@@ -103,8 +110,9 @@ def make_case(name, seq_lens, query_lens, ratio, *, kind=None, window_size=8, to
             k = min(visible, topk)
             rows[t, :k] = rng.permutation(visible)[:k]
     sink = rng.standard_normal(H).astype(np.float32)
-    return PrefillCase(name, list(seq_lens), list(query_lens), ratio, window_size, topk, q, raw, comp, rows, sink,
-                       block_size, kind)  # fmt: skip
+    return PrefillCase(
+        name, list(seq_lens), list(query_lens), ratio, window_size, topk, q, raw, comp, rows, sink, block_size, kind
+    )
 
 
 def boundary_cases(ratio: int, window_size: int = 8, kind=None) -> list[PrefillCase]:

@@ -63,14 +63,20 @@ def comp_slots(ratio: int) -> int:
     return max(2, RAW_SLOTS // max(ratio, 1))
 
 
-def fp8_case(name, seq_lens, query_lens, ratio, *, seed=0, scale=1.0, **kw) -> tuple[PrefillCase, Fp8Pages, Fp8Pages | None]:
+def fp8_case(
+    name, seq_lens, query_lens, ratio, *, seed=0, scale=1.0, **kw
+) -> tuple[PrefillCase, Fp8Pages, Fp8Pages | None]:
     """(case with D = 512 and dequantized rows, raw pages, compressed pages or None).
 
     scale multiplies the latents before quantization (tiny and huge magnitudes: other scale bytes).
     """
     case = make_case(name, seq_lens, query_lens, ratio, D=D, seed=seed, **kw)
     raw = quantize_paged([x * scale for x in case.raw], RAW_SLOTS, seed + 11)
-    comp = quantize_paged([x * scale for x in case.comp], comp_slots(ratio), seed + 12) if case.kind.has_compressed else None
+    comp = (
+        quantize_paged([x * scale for x in case.comp], comp_slots(ratio), seed + 12)
+        if case.kind.has_compressed
+        else None
+    )
     case.raw = raw.rows
     if comp is not None:
         case.comp = comp.rows

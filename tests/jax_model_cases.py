@@ -3,9 +3,15 @@
 import numpy as np
 
 MODEL_OPTIONS = dict(
-    max_batch_size=4, max_model_len=512, max_num_batched_tokens=320, backend="xla",
-    min_tokens=64, min_workspace_rows=1024, token_tile=64, gather_tile=256,
-)  # fmt: skip
+    max_batch_size=4,
+    max_model_len=512,
+    max_num_batched_tokens=320,
+    backend="xla",
+    min_tokens=64,
+    min_workspace_rows=1024,
+    token_tile=64,
+    gather_tile=256,
+)
 
 
 def _prompt(n: int, seed: int) -> list[int]:

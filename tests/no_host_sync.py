@@ -13,8 +13,22 @@ from torch.overrides import TorchFunctionMode
 
 # Calls that read device values on the host, or whose output shape depends on device data.
 _SYNCING = {
-    "item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__", "__complex__",
-    "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "__format__", "__repr__",
+    "item",
+    "tolist",
+    "numpy",
+    "cpu",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "__complex__",
+    "nonzero",
+    "argwhere",
+    "masked_select",
+    "unique",
+    "unique_consecutive",
+    "__format__",
+    "__repr__",
 }
 
 

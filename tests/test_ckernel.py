@@ -38,9 +38,27 @@ def attend(q, kv, idx, scale, sink=None, topk_length=None, *, isa=None, threads=
     lse = np.zeros((T, H), np.float32)
     o = C.Outputs(out.ctypes.data, H * dv, dv, mx.ctypes.data, lse.ctypes.data, H)
     dtype = C.F32 if q.dtype == np.float32 else C.BF16
-    rc = LIB.dsv4_sparse_attention(q.ctypes.data, H * D, D, dtype, T, H, D, kv.ctypes.data, D, kv.shape[0],
-                                   idx.ctypes.data, idx.shape[1], idx.shape[1], _ptr(topk_length), scale, _ptr(sink),
-                                   ctypes.byref(o), threads, C.isa_code(isa))  # fmt: skip
+    rc = LIB.dsv4_sparse_attention(
+        q.ctypes.data,
+        H * D,
+        D,
+        dtype,
+        T,
+        H,
+        D,
+        kv.ctypes.data,
+        D,
+        kv.shape[0],
+        idx.ctypes.data,
+        idx.shape[1],
+        idx.shape[1],
+        _ptr(topk_length),
+        scale,
+        _ptr(sink),
+        ctypes.byref(o),
+        threads,
+        C.isa_code(isa),
+    )
     C.check(rc)
     return out, mx, lse
 
@@ -96,8 +114,9 @@ def test_fp8_decoder_is_bit_exact(isa):
     page = np.zeros((1, page_bytes(S)), np.uint8)
     got, exact = np.zeros(512, np.uint16), np.zeros(512, np.uint16)
     for byte in range(256):
-        d = np.concatenate([np.resize(np.roll(np.arange(256, dtype=np.uint8), byte), 448),
-                            rng.integers(0, 256, 128).astype(np.uint8)])  # fmt: skip
+        d = np.concatenate(
+            [np.resize(np.roll(np.arange(256, dtype=np.uint8), byte), 448), rng.integers(0, 256, 128).astype(np.uint8)]
+        )
         sc = np.array([byte, (byte + 1) % 256, 9, 10, 246, 247, (byte * 7) % 256, 0], np.uint8)
         page[0, :576], page[0, S * 576 : S * 576 + 8] = d, sc
         LIB.dsv4_decode_row_bf16(d.ctypes.data, sc.ctypes.data, exact.ctypes.data)
@@ -111,8 +130,10 @@ def test_fp8_decoder_is_bit_exact(isa):
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
-@pytest.mark.parametrize("shape", [(5, 64, 512, 300, 256), (3, 16, 576, 200, 130), (4, 8, 512, 90, 70),
-                                   (3, 20, 64, 50, 40), (3, 5, 30, 40, 33)])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape",
+    [(5, 64, 512, 300, 256), (3, 16, 576, 200, 130), (4, 8, 512, 90, 70), (3, 20, 64, 50, 40), (3, 5, 30, 40, 33)],
+)
 def test_attention_float32_matches_the_oracle(isa, shape):
     T, H, D, S, K = shape
     q, kv, idx, sink, tl = _case(sum(shape), T, H, D, S, K, np.float32)
@@ -170,14 +191,52 @@ def test_threads_and_sets_do_not_change_a_token_result():
 def test_bad_arguments_name_themselves():
     q, kv, idx, sink, tl = _case(0, 2, 16, 64, 20, 8, np.float32)
     o = C.Outputs(None, 0, 0, None, None, 0)
-    rc = LIB.dsv4_sparse_attention(q.ctypes.data, 1024, 64, 1, 2, 16, 64, kv.ctypes.data, 64, 20, idx.ctypes.data, 8,
-                                   8, None, 0.1, None, ctypes.byref(o), 1, -1)  # fmt: skip
+    rc = LIB.dsv4_sparse_attention(
+        q.ctypes.data,
+        1024,
+        64,
+        1,
+        2,
+        16,
+        64,
+        kv.ctypes.data,
+        64,
+        20,
+        idx.ctypes.data,
+        8,
+        8,
+        None,
+        0.1,
+        None,
+        ctypes.byref(o),
+        1,
+        -1,
+    )
     with pytest.raises(ValueError, match="out: NULL"):
         C.check(rc)
     for args, what in (((0, 16, 64, 1), "dtype"), ((1, 0, 64, 1), "H: expected >= 1"), ((1, 16, 64, 0), "threads")):
         dt, H, D, th = args
-        rc = LIB.dsv4_sparse_attention(q.ctypes.data, 1024, 64, 5 if what == "dtype" else dt, 2, H, D, kv.ctypes.data,
-                                       64, 20, idx.ctypes.data, 8, 8, None, 0.1, None, ctypes.byref(o), th, -1)  # fmt: skip
+        rc = LIB.dsv4_sparse_attention(
+            q.ctypes.data,
+            1024,
+            64,
+            5 if what == "dtype" else dt,
+            2,
+            H,
+            D,
+            kv.ctypes.data,
+            64,
+            20,
+            idx.ctypes.data,
+            8,
+            8,
+            None,
+            0.1,
+            None,
+            ctypes.byref(o),
+            th,
+            -1,
+        )
         with pytest.raises(ValueError, match=what):
             C.check(rc)
 

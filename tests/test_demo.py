@@ -6,9 +6,26 @@ import demo
 
 
 def test_demo_runs_attention_in_both_frameworks(capsys):
-    rc = demo.main(["--seq-lens", "40,300,9", "--query-lens", "5,17,9", "--window-size", "8",
-                    "--max-model-len", "512", "--max-num-batched-tokens", "32", "--heads", "4",
-                    "--head-dim", "64", "--index-topk", "16"])  # fmt: skip
+    rc = demo.main(
+        [
+            "--seq-lens",
+            "40,300,9",
+            "--query-lens",
+            "5,17,9",
+            "--window-size",
+            "8",
+            "--max-model-len",
+            "512",
+            "--max-num-batched-tokens",
+            "32",
+            "--heads",
+            "4",
+            "--head-dim",
+            "64",
+            "--index-topk",
+            "16",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "Sparse-attention kernel launches per prefill step" in out

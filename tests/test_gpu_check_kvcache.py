@@ -18,8 +18,14 @@ pytest.importorskip("triton")
 
 def test_kvcache_check_dry_run():
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    p = subprocess.run([sys.executable, "-m", "bench.gpu_check_kvcache", "--dry-run", "--iters", "1"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check_kvcache", "--dry-run", "--iters", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     text = p.stdout + p.stderr
     assert p.returncode == 0, text[-4000:]
     assert "[error in" not in text and "FAIL" not in text and "Traceback" not in text, text[-4000:]

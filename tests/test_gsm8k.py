@@ -18,7 +18,9 @@ import pytest
 from eval import generators as G
 from eval import gsm8k as E
 
-ANSWER_18 = "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"
+ANSWER_18 = (
+    "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"
+)
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -79,8 +81,10 @@ def test_normalize_steps_in_lm_eval_order():
 
 def test_score_output_both_metrics():
     s = E.score_output(" She makes $18.\nQuestion", ANSWER_18)
-    assert s == {"extracted": {"strict-match": "[invalid]", "flexible-extract": "$18."},
-                 "correct": {"strict-match": False, "flexible-extract": True}}
+    assert s == {
+        "extracted": {"strict-match": "[invalid]", "flexible-extract": "$18."},
+        "correct": {"strict-match": False, "flexible-extract": True},
+    }
 
 
 def test_truncate_at_stop_first_occurrence_wins():
@@ -97,7 +101,7 @@ def test_accuracy_and_lm_eval_stderr():
     a = E.accuracy(flags)
     assert (a["correct"], a["total"]) == (4, 7)
     assert a["accuracy"] == pytest.approx(4 / 7)
-    assert a["stderr"] == pytest.approx(statistics.stdev([float(f) for f in flags]) / 7 ** 0.5)
+    assert a["stderr"] == pytest.approx(statistics.stdev([float(f) for f in flags]) / 7**0.5)
     assert E.accuracy([True])["stderr"] is None
 
 
@@ -110,14 +114,18 @@ TEST = [{"question": f"test q{i}?", "answer": f"work\n#### {i * 2}"} for i in ra
 def test_zero_shot_prompt_exact():
     assert E.build_prompt(TEST[0], []) == "Question: test q0?\nAnswer:"
     assert [p.text for p in E.build_prompts(TEST, TRAIN, num_fewshot=0, limit=2)] == [
-        "Question: test q0?\nAnswer:", "Question: test q1?\nAnswer:"]
+        "Question: test q0?\nAnswer:",
+        "Question: test q1?\nAnswer:",
+    ]
 
 
 def test_two_shot_prompt_exact():
     text = E.build_prompt(TEST[1], [TRAIN[3], TRAIN[0]])
-    assert text == ("Question: train q3?\nAnswer: step 3\n#### 3\n\n"
-                    "Question: train q0?\nAnswer: step 0\n#### 0\n\n"
-                    "Question: test q1?\nAnswer:")
+    assert text == (
+        "Question: train q3?\nAnswer: step 3\n#### 3\n\n"
+        "Question: train q0?\nAnswer: step 0\n#### 0\n\n"
+        "Question: test q1?\nAnswer:"
+    )
 
 
 def lm_eval_sampler(train, num_fewshot, num_docs, seed):
@@ -160,8 +168,10 @@ def shared_gsm8k():
     for _, d in E.data_dir_candidates():
         if (d / "test.jsonl").is_file() and (d / "train.jsonl").is_file():
             return d
-    pytest.skip("GSM8K data absent: expected test.jsonl/train.jsonl in ../shared/gsm8k relative to the repo root "
-                "(or a shared/gsm8k above it, or $GSM8K_DIR)")
+    pytest.skip(
+        "GSM8K data absent: expected test.jsonl/train.jsonl in ../shared/gsm8k relative to the repo root "
+        "(or a shared/gsm8k above it, or $GSM8K_DIR)"
+    )
 
 
 def test_load_shared_gsm8k_and_score_gold_answers():
@@ -311,9 +321,16 @@ def test_evaluate_report_from_scripted_outputs():
     report = E.evaluate(ScriptedGenerator(SCRIPTS), prompts, TEST, batch_size=2, max_new_tokens=40, progress=False)
     p0, p1, p2 = report["problems"]
     assert (p0["output"], p0["stopped_by"], p0["correct"]) == (
-        " 2 * 0 = 0\n#### 0\n\n", "stop_string", {"strict-match": True, "flexible-extract": True})
+        " 2 * 0 = 0\n#### 0\n\n",
+        "stop_string",
+        {"strict-match": True, "flexible-extract": True},
+    )
     assert (p1["output"], p1["stopped_by"], p1["extracted"]["flexible-extract"], p1["correct"]) == (
-        " It is $2.", "eos", "$2.", {"strict-match": False, "flexible-extract": True})
+        " It is $2.",
+        "eos",
+        "$2.",
+        {"strict-match": False, "flexible-extract": True},
+    )
     assert (p2["stopped_by"], p2["extracted"]["strict-match"], p2["target"]) == ("max_new_tokens", "5", "4")
     assert [p["fewshot_ids"] for p in report["problems"]] == [list(p.fewshot_ids) for p in prompts]
     assert report["accuracy"]["strict-match"]["correct"] == 1
@@ -330,7 +347,7 @@ def test_evaluate_planner_figures_from_the_stats_hook():
     report = E.evaluate(gen, prompts, TEST, batch_size=2, max_new_tokens=4, progress=False)
     lens = [p["prompt_tokens"] for p in report["problems"]]
     cfg = P.PlanConfig(window_size=8, max_model_len=4096, max_num_batched_tokens=256)
-    expected = [P.plan_step(P.PrefillBatch(lens[i:i + 2], lens[i:i + 2]), cfg) for i in (0, 2)]
+    expected = [P.plan_step(P.PrefillBatch(lens[i : i + 2], lens[i : i + 2]), cfg) for i in (0, 2)]
     steps = report["planner"]["prefill_steps"]
     assert [s["chunks"] for s in steps] == [{k.name: kp.num_chunks for k, kp in e.kinds.items()} for e in expected]
     assert [s["peak_workspace_rows"] for s in steps] == [e.max_workspace_rows for e in expected]
@@ -341,8 +358,10 @@ def test_evaluate_planner_figures_from_the_stats_hook():
 def test_plan_figures_inputs():
     import planner as P
 
-    step = P.plan_step(P.PrefillBatch([300, 40], [300, 40]),
-                       P.PlanConfig(window_size=8, max_model_len=512, max_num_batched_tokens=512, policy="fixed"))
+    step = P.plan_step(
+        P.PrefillBatch([300, 40], [300, 40]),
+        P.PlanConfig(window_size=8, max_model_len=512, max_num_batched_tokens=512, policy="fixed"),
+    )
     chunks, peak = G.plan_figures(step)
     assert chunks == {k.name: step[k].num_chunks for k in P.LayerKind} and chunks["CSA"] == step["CSA"].num_chunks
     assert peak == step.max_workspace_rows > 0
@@ -371,8 +390,13 @@ def test_compare_runs_agreement_first_difference_and_flips():
     assert (chr(first["a_tokens"][0]), chr(first["b_tokens"][0])) == ("2", "3")
     assert c["accuracy_difference"] == {"strict-match": 0.0, "flexible-extract": pytest.approx(-1 / 3)}
     assert c["correctness_flips"] == {"strict-match": [], "flexible-extract": [1]}
-    other = E.evaluate(ScriptedGenerator(SCRIPTS), E.build_prompts(TEST, TRAIN, num_fewshot=0, limit=3), TEST,
-                       max_new_tokens=4, progress=False)
+    other = E.evaluate(
+        ScriptedGenerator(SCRIPTS),
+        E.build_prompts(TEST, TRAIN, num_fewshot=0, limit=3),
+        TEST,
+        max_new_tokens=4,
+        progress=False,
+    )
     with pytest.raises(ValueError, match="different prompts"):
         E.compare_runs(a, other)
 
@@ -385,10 +409,14 @@ def test_parse_and_apply_overrides():
     assert E.parse_overrides("planner=fixed,backend=reference") == want
     assert E.parse_overrides("batch_size=16") == {"batch_size": 16}
     assert E.parse_overrides("") == {}
-    for bad, msg in [("planner", "key=value"), ("color=red", "unknown key 'color'.*attention.*planner"),
-                     ("planner=a,planner=b", "twice"), ("planner=a,policy=b", "'policy / planner' given twice"),
-                     ("attention=eager,backend=xla", "'backend / attention' given twice"),
-                     ("batch_size=x", "batch_size must be an integer")]:  # fmt: skip
+    for bad, msg in [
+        ("planner", "key=value"),
+        ("color=red", "unknown key 'color'.*attention.*planner"),
+        ("planner=a,planner=b", "twice"),
+        ("planner=a,policy=b", "'policy / planner' given twice"),
+        ("attention=eager,backend=xla", "'backend / attention' given twice"),
+        ("batch_size=x", "batch_size must be an integer"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             E.parse_overrides(bad)
     base = E.RunConfig(checkpoint="ckpt")
@@ -433,9 +461,24 @@ def test_cli_compare_writes_report(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(E, "load_generator", fake_load)
     out = tmp_path / "r.json"
-    argv = ["--checkpoint", str(tmp_path / "ckpt"), "--data", str(tmp_path), "--limit", "3", "--num-fewshot", "2",
-            "--max-new-tokens", "40", "--output", str(out), "--no-progress",
-            "--compare", "attention=reference,planner=adaptive", "backend=reference,policy=fixed"]
+    argv = [
+        "--checkpoint",
+        str(tmp_path / "ckpt"),
+        "--data",
+        str(tmp_path),
+        "--limit",
+        "3",
+        "--num-fewshot",
+        "2",
+        "--max-new-tokens",
+        "40",
+        "--output",
+        str(out),
+        "--no-progress",
+        "--compare",
+        "attention=reference,planner=adaptive",
+        "backend=reference,policy=fixed",
+    ]
     assert E.main(argv) == 0
     assert [(c["backend"], c["policy"]) for c in loaded] == [("reference", "adaptive"), ("reference", "fixed")]
     report = json.loads(out.read_text())
@@ -496,15 +539,34 @@ def tiny_eager(tmp_path_factory):
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<bos>", "<eos>", "<pad>"])  # ids 256, 257, 258
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 256)])
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                                                     pad_token="<pad>")
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
     cfg = transformers.DeepseekV4Config(
-        vocab_size=260, hidden_size=32, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-        head_dim=64, q_lora_rank=32, partial_rotary_factor=0.25, o_groups=2, o_lora_rank=16,
+        vocab_size=260,
+        hidden_size=32,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        head_dim=64,
+        q_lora_rank=32,
+        partial_rotary_factor=0.25,
+        o_groups=2,
+        o_lora_rank=16,
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
-        mlp_layer_types=["hash_moe", "moe", "moe"], n_routed_experts=4, num_experts_per_tok=2, sliding_window=8,
-        index_n_heads=16, index_head_dim=32, index_topk=4, hc_mult=2, hc_sinkhorn_iters=3,
-        bos_token_id=256, eos_token_id=257, pad_token_id=258)
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        index_n_heads=16,
+        index_head_dim=32,
+        index_topk=4,
+        hc_mult=2,
+        hc_sinkhorn_iters=3,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+    )
     torch.manual_seed(0)
     model = transformers.DeepseekV4ForCausalLM(cfg).eval()
     with torch.no_grad():  # init leaves these at zero; give them real values
@@ -529,13 +591,15 @@ def test_eager_greedy_loop_equals_generate(tiny_eager):
     model, ckpt = tiny_eager
     gen = G.load_generator(ckpt, backend="eager", device="cpu")
     assert isinstance(gen, G.TorchEvalGenerator) and gen.batching == "per_request"
-    prompts = [gen.codec.encode("Question: " + "Tom has 12 apples and buys 30 more. " * 4 + "\nAnswer:"),
-               gen.codec.encode("Question: 2+2?\nAnswer:")]
+    prompts = [
+        gen.codec.encode("Question: " + "Tom has 12 apples and buys 30 more. " * 4 + "\nAnswer:"),
+        gen.codec.encode("Question: 2+2?\nAnswer:"),
+    ]
     assert prompts[0][0] == 256 and len(prompts[0]) > 128  # BOS added; long enough for an HCA entry
     out = gen.generate(prompts, 6, [])
     for p, o in zip(prompts, out):
         with torch.no_grad():
-            ref = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+            ref = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p) :].tolist()
         assert o == ref  # both stop after an EOS (257) or 6 tokens
 
 
@@ -550,8 +614,9 @@ def test_eager_left_padding_changes_logits(tiny_eager):
     with torch.no_grad():
         alone = model(input_ids=torch.tensor([b])).logits[0, -1]
         mask = torch.tensor([[1] * len(a), [0] * len(pad) + [1] * len(b)])
-        padded = model(input_ids=torch.tensor([a, pad + b]), attention_mask=mask,
-                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[1, -1]
+        padded = model(
+            input_ids=torch.tensor([a, pad + b]), attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
+        ).logits[1, -1]
     assert (alone - padded).abs().max() > 1e-3
 
 
@@ -560,8 +625,25 @@ def test_cli_end_to_end_on_tiny_eager_checkpoint(tiny_eager, tmp_path):
     write_split(tmp_path / "test.jsonl", TEST)
     write_split(tmp_path / "train.jsonl", TRAIN)
     out = tmp_path / "r.json"
-    argv = ["--checkpoint", str(ckpt), "--data", str(tmp_path), "--limit", "2", "--num-fewshot", "1",
-            "--max-new-tokens", "3", "--batch-size", "2", "--output", str(out), "--no-progress", "--attention", "eager"]
+    argv = [
+        "--checkpoint",
+        str(ckpt),
+        "--data",
+        str(tmp_path),
+        "--limit",
+        "2",
+        "--num-fewshot",
+        "1",
+        "--max-new-tokens",
+        "3",
+        "--batch-size",
+        "2",
+        "--output",
+        str(out),
+        "--no-progress",
+        "--attention",
+        "eager",
+    ]
     assert E.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["config"]["generator"]["batching"] == "per_request"
@@ -596,9 +678,24 @@ def test_cli_compare_eager_vs_our_ragged_batches(tiny_eager, tmp_path):
     write_split(tmp_path / "test.jsonl", test)
     write_split(tmp_path / "train.jsonl", TRAIN)
     out = tmp_path / "r.json"
-    argv = ["--checkpoint", str(ckpt), "--data", str(tmp_path), "--num-fewshot", "0", "--max-new-tokens", "8",
-            "--batch-size", "4", "--output", str(out), "--no-progress", "--compare", "attention=eager",
-            "attention=reference"]
+    argv = [
+        "--checkpoint",
+        str(ckpt),
+        "--data",
+        str(tmp_path),
+        "--num-fewshot",
+        "0",
+        "--max-new-tokens",
+        "8",
+        "--batch-size",
+        "4",
+        "--output",
+        str(out),
+        "--no-progress",
+        "--compare",
+        "attention=eager",
+        "attention=reference",
+    ]
     assert E.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["compare"]["problems"] == 4 and report["compare"]["identical_problems"] == 4
@@ -619,9 +716,24 @@ def test_cli_compare_torch_vs_jax(tiny_eager, tmp_path):
     write_split(tmp_path / "test.jsonl", test)
     write_split(tmp_path / "train.jsonl", TRAIN)
     out = tmp_path / "r.json"
-    argv = ["--checkpoint", str(ckpt), "--data", str(tmp_path), "--num-fewshot", "0", "--max-new-tokens", "6",
-            "--batch-size", "3", "--output", str(out), "--no-progress", "--compare", "framework=torch,attention=reference",
-            "framework=jax,attention=xla"]  # fmt: skip
+    argv = [
+        "--checkpoint",
+        str(ckpt),
+        "--data",
+        str(tmp_path),
+        "--num-fewshot",
+        "0",
+        "--max-new-tokens",
+        "6",
+        "--batch-size",
+        "3",
+        "--output",
+        str(out),
+        "--no-progress",
+        "--compare",
+        "framework=torch,attention=reference",
+        "framework=jax,attention=xla",
+    ]
     assert E.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["compare"]["problems"] == 3 and report["compare"]["identical_problems"] == 3

@@ -54,8 +54,9 @@ def ids_of(n, seed, rows=1):
 def calls(model, ids, bounds):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        return torch.cat([model(ids[:, a:b], past_key_values=cache, use_cache=True).logits
-                          for a, b in zip(bounds, bounds[1:])], 1)  # fmt: skip
+        return torch.cat(
+            [model(ids[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in zip(bounds, bounds[1:])], 1
+        )
 
 
 def err(a, b):

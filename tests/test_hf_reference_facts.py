@@ -84,8 +84,13 @@ def test_float64_model_keeps_float32_islands_and_chunking_is_exact_without_them(
     """In a .double() model, norms / mHC / RoPE / gate softmaxes / indexer scores still run in float32,
     so chunked and one-call logits differ at ~1e-7. Forcing those casts to float64 leaves ~1e-14:
     transformers' chunked prefill and decode are the same computation as its one-call prefill."""
-    model = transformers.DeepseekV4ForCausalLM.from_pretrained(
-        write_tiny_checkpoint(tmp_path / "ckpt"), experts_implementation="eager").double().eval()
+    model = (
+        transformers.DeepseekV4ForCausalLM.from_pretrained(
+            write_tiny_checkpoint(tmp_path / "ckpt"), experts_implementation="eager"
+        )
+        .double()
+        .eval()
+    )
     ids = torch.randint(3, 512, (1, 133), generator=torch.Generator().manual_seed(2))
     bounds = [0, 1, 37, 130, 132, 133]  # one-token calls, an HCA block closing inside a call, a decode step
     assert 1e-10 < _chunked_vs_single(model, ids, bounds) < 1e-4
@@ -105,6 +110,9 @@ def test_float64_model_keeps_float32_islands_and_chunking_is_exact_without_them(
 
     monkeypatch.setattr(torch.Tensor, "float", lambda self: to(self, torch.float64))
     monkeypatch.setattr(torch.Tensor, "to", to_f64)
-    monkeypatch.setattr(torch.Tensor, "softmax", lambda self, *a, **k: softmax(
-        self, *a, **({**k, "dtype": f64(k["dtype"])} if "dtype" in k else k)))
+    monkeypatch.setattr(
+        torch.Tensor,
+        "softmax",
+        lambda self, *a, **k: softmax(self, *a, **({**k, "dtype": f64(k["dtype"])} if "dtype" in k else k)),
+    )
     assert _chunked_vs_single(model, ids, bounds) < 1e-12

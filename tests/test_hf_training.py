@@ -88,7 +88,9 @@ def ours32(model32, ids):
     return gradients(model32, ids, sparse=True)
 
 
-@pytest.mark.parametrize("checkpointing", [None, False, True], ids=["plain", "checkpointing", "checkpointing-reentrant"])
+@pytest.mark.parametrize(
+    "checkpointing", [None, False, True], ids=["plain", "checkpointing", "checkpointing-reentrant"]
+)
 def test_gradients_equal_eager_in_float64(model64, ids, eager64, checkpointing):
     loss, grads = gradients(model64, ids, sparse=True, checkpointing=checkpointing)
     eager_loss, eager_grads = eager64

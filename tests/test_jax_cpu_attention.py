@@ -179,7 +179,9 @@ def test_threads_do_not_change_a_bit(monkeypatch):
 def test_vmap_runs_each_element():
     q, kv, idx, sink, tl = _case(4, T=4, H=16, D=64, S=50, K=32, dtype="float32")
     qs = jnp.stack([jnp.asarray(q), -jnp.asarray(q)])
-    f = lambda q: dsv4_jax.sparse_attention(q, jnp.asarray(kv), jnp.asarray(idx), 0.1, jnp.asarray(sink), jnp.asarray(tl), backend="cpu")  # noqa: E731
+    f = lambda q: dsv4_jax.sparse_attention(
+        q, jnp.asarray(kv), jnp.asarray(idx), 0.1, jnp.asarray(sink), jnp.asarray(tl), backend="cpu"
+    )  # noqa: E731
     batched = jax.vmap(f)(qs)
     for i in range(2):
         for a, b in zip(batched, f(qs[i])):
@@ -208,9 +210,27 @@ def test_torch_and_jax_give_identical_bits(dtype):
     outs = ckernel.Outputs(out.data_ptr(), H * 512, 512, ml.data_ptr(), lse.data_ptr(), H)
     lib = ckernel.library()
     code = ckernel.F32 if dtype == "float32" else ckernel.BF16
-    rc = lib.dsv4_sparse_attention(tq.data_ptr(), H * D, D, code, T, H, D, tkv.data_ptr(), D, tkv.shape[0],
-                                   tidx.data_ptr(), idx.shape[1], idx.shape[1], ttl.data_ptr(), 0.05,
-                                   tsink.data_ptr(), ctypes.byref(outs), 2, -1)  # fmt: skip
+    rc = lib.dsv4_sparse_attention(
+        tq.data_ptr(),
+        H * D,
+        D,
+        code,
+        T,
+        H,
+        D,
+        tkv.data_ptr(),
+        D,
+        tkv.shape[0],
+        tidx.data_ptr(),
+        idx.shape[1],
+        idx.shape[1],
+        ttl.data_ptr(),
+        0.05,
+        tsink.data_ptr(),
+        ctypes.byref(outs),
+        2,
+        -1,
+    )
     ckernel.check(rc)
     j = [jax.dlpack.from_dlpack(t) for t in (tq, tkv, tidx, tsink, ttl)]
     got = jax.jit(lambda q, kv, i, s, t: dsv4_jax.sparse_attention(q, kv, i, 0.05, s, t, backend="cpu"))(*j)
@@ -221,7 +241,9 @@ def test_torch_and_jax_give_identical_bits(dtype):
     for t_res, w_res, j_res in zip((out, ml, lse), wrapped, got):
         t_bits = t_res.view(bits if t_res.dtype == tdt else torch.int32).numpy()
         np.testing.assert_array_equal(t_bits, np.asarray(j_res).view(t_bits.dtype))
-        np.testing.assert_array_equal(t_bits, w_res.contiguous().view(bits if w_res.dtype == tdt else torch.int32).numpy())
+        np.testing.assert_array_equal(
+            t_bits, w_res.contiguous().view(bits if w_res.dtype == tdt else torch.int32).numpy()
+        )
 
 
 # --- backend choice, bad inputs, no backward ------------------------------------------------
@@ -237,10 +259,14 @@ def test_resolution_on_the_cpu():
         assert dsv4_jax.resolve_backend("auto", q) == dsv4_jax.resolve_backend("cpu", q) == "cpu"
     q16 = jnp.zeros((2, 16, 64), jnp.float16)
     assert dsv4_jax.resolve_backend("auto", q16) == "xla"  # the kernel takes bf16 / float32 only
-    with pytest.raises(dsv4_jax.BackendUnavailableError, match=r"backend 'cpu' cannot run here: .*float16.*backend='xla'"):
+    with pytest.raises(
+        dsv4_jax.BackendUnavailableError, match=r"backend 'cpu' cannot run here: .*float16.*backend='xla'"
+    ):
         dsv4_jax.resolve_backend("cpu", q16)
     with pytest.raises(dsv4_jax.BackendUnavailableError, match="float16"):
-        dsv4_jax.sparse_attention(q16, jnp.zeros((4, 64), jnp.float16), jnp.zeros((2, 4), jnp.int32), 0.1, backend="cpu")
+        dsv4_jax.sparse_attention(
+            q16, jnp.zeros((4, 64), jnp.float16), jnp.zeros((2, 4), jnp.int32), 0.1, backend="cpu"
+        )
     out = dsv4_jax.sparse_attention(q16, jnp.zeros((4, 64), jnp.float16), jnp.zeros((2, 4), jnp.int32), 0.1)
     assert out[0].dtype == jnp.float16  # "auto" ran xla
 
@@ -251,7 +277,9 @@ def test_unbuildable_kernel_is_reported(monkeypatch):
     q = jnp.zeros((2, 16, 64), jnp.float32)
     assert dsv4_jax.resolve_backend("auto", q) == "xla"
     assert "no C compiler" in dsv4_jax.available_backends()["cpu"]
-    with pytest.raises(dsv4_jax.BackendUnavailableError, match=r"backend 'cpu' cannot run here: RuntimeError: no C compiler"):
+    with pytest.raises(
+        dsv4_jax.BackendUnavailableError, match=r"backend 'cpu' cannot run here: RuntimeError: no C compiler"
+    ):
         dsv4_jax.resolve_backend("cpu", q)
     with pytest.raises(dsv4_jax.BackendUnavailableError, match="no C compiler"):
         cpu_attention.sparse_attention(q, jnp.zeros((4, 64)), jnp.zeros((2, 4), jnp.int32), 0.1)
@@ -270,7 +298,9 @@ def test_gradient_raises_instead_of_a_wrong_one():
     q, kv, idx, sink, tl = _case(5, T=3, H=16, D=64, S=20, K=8, dtype="float32")
 
     def loss(q, kv):
-        out, _, lse = dsv4_jax.sparse_attention(q, kv, jnp.asarray(idx), 0.1, jnp.asarray(sink), jnp.asarray(tl), backend="cpu")
+        out, _, lse = dsv4_jax.sparse_attention(
+            q, kv, jnp.asarray(idx), 0.1, jnp.asarray(sink), jnp.asarray(tl), backend="cpu"
+        )
         return out.sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
 
     args = (jnp.asarray(q), jnp.asarray(kv))

@@ -44,11 +44,15 @@ def _step(slots, prefix, query, B_pad=4, T_pad=16, num_slots=4):
     pos = np.concatenate([np.arange(p, p + q) for p, q in zip(prefix, query)])
     seq = np.array(prefix) + np.array(query)
     return A.StepInputs(
-        token_ids=np.zeros(T_pad, np.int32), positions=pad(pos, T_pad, 0), token_request=pad(req, T_pad, 0),
-        token_valid=pad(np.ones(T, bool), T_pad, False).astype(bool), slot=pad(slots, B_pad, num_slots),
-        prefix=pad(prefix, B_pad, 0), seq_len=pad(seq, B_pad, 0),
+        token_ids=np.zeros(T_pad, np.int32),
+        positions=pad(pos, T_pad, 0),
+        token_request=pad(req, T_pad, 0),
+        token_valid=pad(np.ones(T, bool), T_pad, False).astype(bool),
+        slot=pad(slots, B_pad, num_slots),
+        prefix=pad(prefix, B_pad, 0),
+        seq_len=pad(seq, B_pad, 0),
         token_start=pad(np.concatenate([[0], np.cumsum(query)[:-1]]), B_pad, T),
-    )  # fmt: skip
+    )
 
 
 def test_fp8_window_step_is_the_float_window_step_rounded():
@@ -68,9 +72,14 @@ def test_fp8_window_step_is_the_float_window_step_rounded():
             first = prefix - min(prefix, W - 1)  # what a prefill reads: the window history and the new tokens
             want = _rounded(rows[off[b] + first : off[b] + seq])
             out = JK.dequantize_and_gather_k_cache(
-                jnp.zeros((1, seq - first, D), jnp.bfloat16), paged.pages, jnp.asarray([seq], jnp.int32),
-                jnp.asarray([seq - first], jnp.int32), paged.block_table[b : b + 1], 64, 0,
-            )  # fmt: skip
+                jnp.zeros((1, seq - first, D), jnp.bfloat16),
+                paged.pages,
+                jnp.asarray([seq], jnp.int32),
+                jnp.asarray([seq - first], jnp.int32),
+                paged.block_table[b : b + 1],
+                64,
+                0,
+            )
             np.testing.assert_array_equal(np.asarray(out[0].astype(jnp.float32)), want)
 
 
@@ -78,8 +87,9 @@ def test_fp8_window_step_is_the_float_window_step_rounded():
 def checkpoint(tmp_path_factory):
     from tools.tiny_checkpoint import tiny_config, write_tiny_checkpoint
 
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("fp8-ckpt") / "hf", seed=0,
-                                 config=tiny_config(compress_ratios=(4,), num_hash_layers=0))  # fmt: skip
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("fp8-ckpt") / "hf", seed=0, config=tiny_config(compress_ratios=(4,), num_hash_layers=0)
+    )
 
 
 BOUNDS = [0, 37, 101, 148, 149, 150]  # chunked prefill (HCA entry 0 closes at 127), two decode steps
@@ -96,8 +106,16 @@ def test_fp8_model_end_to_end_close_to_torch_fp8_and_float(checkpoint):
     from tests.jax_model_cases import PROMPT_A
 
     ids = PROMPT_A[:150]
-    opts = dict(max_batch_size=4, max_model_len=512, max_num_batched_tokens=320, backend="xla", min_tokens=64,
-                min_workspace_rows=1024, token_tile=16, gather_tile=16)  # fmt: skip
+    opts = dict(
+        max_batch_size=4,
+        max_model_len=512,
+        max_num_batched_tokens=320,
+        backend="xla",
+        min_tokens=64,
+        min_workspace_rows=1024,
+        token_tile=16,
+        gather_tile=16,
+    )
     model = DeepseekV4.from_checkpoint(checkpoint, dtype="float32", kv_cache_dtype="fp8_ds_mla", **opts)
     cache, logits = model.init_cache(), []
     assert all(c["window"].dtype == jnp.uint8 and c["entries"].dtype == jnp.uint8 for c in cache)
@@ -114,8 +132,9 @@ def test_fp8_model_end_to_end_close_to_torch_fp8_and_float(checkpoint):
         try:
             c, t = DynamicCache(config=hf.config), torch.tensor([ids])
             with torch.no_grad():
-                return torch.cat([hf(t[:, a:b], past_key_values=c, use_cache=True).logits
-                                  for a, b in zip(BOUNDS, BOUNDS[1:])], 1)[0].numpy()  # fmt: skip
+                return torch.cat(
+                    [hf(t[:, a:b], past_key_values=c, use_cache=True).logits for a, b in zip(BOUNDS, BOUNDS[1:])], 1
+                )[0].numpy()
         finally:
             I.disable_sparse_prefill(hf)
 

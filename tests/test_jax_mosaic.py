@@ -121,7 +121,9 @@ FLASHMLA_CASES = [  # (H, D, K, topk_length per token): 512-2048 keys, every hea
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the oracle's exp(1e4 - lse)
-@pytest.mark.parametrize("H, D, K, topk_length", FLASHMLA_CASES, ids=[f"H{c[0]}-D{c[1]}-K{c[2]}" for c in FLASHMLA_CASES])
+@pytest.mark.parametrize(
+    "H, D, K, topk_length", FLASHMLA_CASES, ids=[f"H{c[0]}-D{c[1]}-K{c[2]}" for c in FLASHMLA_CASES]
+)
 def test_flashmla_style_cases(H, D, K, topk_length):
     q, kv, idx, sink, tl = _flashmla_case(H + D + K, len(topk_length), H, D, 4000, K, topk_length)
     out, max_logits, lse = _check_case(q, kv, idx, D**-0.5, sink, tl)
@@ -181,7 +183,12 @@ def _smem_recorder(monkeypatch):
 
 @pytest.mark.parametrize(
     "name, H, D, K",
-    [("V4-Flash", 64, 512, 640), ("V4-Pro", 128, 512, 1152), ("FlashMLA D=576", 128, 576, 2048), ("H=16", 16, 576, 100)],
+    [
+        ("V4-Flash", 64, 512, 640),
+        ("V4-Pro", 128, 512, 1152),
+        ("FlashMLA D=576", 128, 576, 2048),
+        ("H=16", 16, 576, 100),
+    ],
 )
 def test_lowering_for_sm90a(name, H, D, K, monkeypatch):
     """The non-interpreted kernel goes through Mosaic GPU's whole lowering (layout inference,
@@ -220,8 +227,9 @@ def test_backend_mosaic_through_sparse_attention():
     q, kv, idx, sink, tl = _flashmla_case(3, 2, 16, 512, 200, 100, [100, 57])
     q, kv = _bf16(q), _bf16(kv)
     assert dsv4_jax.resolve_backend("mosaic", q) == "mosaic_interpret"
-    eager = dsv4_jax.sparse_attention(q, kv[:, None], jnp.asarray(idx)[:, None], 0.05, jnp.asarray(sink),
-                                      jnp.asarray(tl), backend="mosaic")  # fmt: skip
+    eager = dsv4_jax.sparse_attention(
+        q, kv[:, None], jnp.asarray(idx)[:, None], 0.05, jnp.asarray(sink), jnp.asarray(tl), backend="mosaic"
+    )
     jitted = jax.jit(lambda *a: dsv4_jax.sparse_attention(*a[:3], 0.05, *a[3:], backend="mosaic"))(
         q, kv, jnp.asarray(idx), jnp.asarray(sink), jnp.asarray(tl)
     )
@@ -254,13 +262,23 @@ def test_auto_prefers_mosaic_on_hopper(monkeypatch):
     "change, message",
     [
         (dict(q=jnp.zeros((2, 48, 512), jnp.bfloat16)), "q: backend 'mosaic' serves .* heads, got H=48"),
-        (dict(q=jnp.zeros((2, 64, 256), jnp.bfloat16), kv=jnp.zeros((8, 256), jnp.bfloat16)), "q: .* head dims .* got D=256"),
-        (dict(q=jnp.zeros((2, 64, 512), jnp.float32), kv=jnp.zeros((8, 512), jnp.float32)), "q: backend 'mosaic' takes bfloat16 only"),
+        (
+            dict(q=jnp.zeros((2, 64, 256), jnp.bfloat16), kv=jnp.zeros((8, 256), jnp.bfloat16)),
+            "q: .* head dims .* got D=256",
+        ),
+        (
+            dict(q=jnp.zeros((2, 64, 512), jnp.float32), kv=jnp.zeros((8, 512), jnp.float32)),
+            "q: backend 'mosaic' takes bfloat16 only",
+        ),
     ],
 )
 def test_inputs_the_kernel_does_not_serve(change, message):
-    args = dict(q=jnp.zeros((2, 64, 512), jnp.bfloat16), kv=jnp.zeros((8, 512), jnp.bfloat16),
-                indices=jnp.zeros((2, 32), jnp.int32), sm_scale=0.1)  # fmt: skip
+    args = dict(
+        q=jnp.zeros((2, 64, 512), jnp.bfloat16),
+        kv=jnp.zeros((8, 512), jnp.bfloat16),
+        indices=jnp.zeros((2, 32), jnp.int32),
+        sm_scale=0.1,
+    )
     args.update(change)
     with pytest.raises(ValueError, match=message):
         M.sparse_attention_mosaic(**args, interpret=True)

@@ -60,8 +60,9 @@ def run(case, *, dtype="float32", cache="logical", backend="cpu", srcs=None, **c
     raw, comp = sources(case, cache, DTYPES[dtype]) if srcs is None else srcs
     q = jnp.asarray(smeta.pad_tokens(case.q).astype(DTYPES[dtype]))
     topk = smeta.pad_tokens(case.topk_rows) if case.kind is P.LayerKind.CSA else None
-    out = JP.prefill_attention(q, meta, raw, comp, sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink),
-                               topk_indices=topk, backend=backend)  # fmt: skip
+    out = JP.prefill_attention(
+        q, meta, raw, comp, sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink), topk_indices=topk, backend=backend
+    )
     assert meta.last_backend == ("cpu" if backend in ("cpu", "auto") else backend)
     assert out.shape == (smeta.padded_tokens,) + case.q.shape[1:2] + (min(case.q.shape[2], 512),)
     out = np.asarray(out)
@@ -114,7 +115,9 @@ def test_every_isa(isa, monkeypatch):
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 def test_model_shapes(ratio):
     """H 64 and 128 with D 512 (a V4 layer), W 128 and top-k 512, bf16, two plans."""
-    case = bf16_case(make_case("v4-shape", [700, 300], [200, 37], ratio, window_size=128, topk=512, H=64, D=512, seed=8))
+    case = bf16_case(
+        make_case("v4-shape", [700, 300], [200, 37], ratio, window_size=128, topk=512, H=64, D=512, seed=8)
+    )
     out = run(case, dtype="bfloat16", cache="paged")
     check_oracle(out, case, "bfloat16")
     np.testing.assert_array_equal(bits(run(case, dtype="bfloat16", policy="per_request")), bits(out))
@@ -125,7 +128,11 @@ def test_fp8_pages_equal_float_rows_of_the_same_values(ratio):
     """fp8_ds_mla pages, dequantized inside the kernel: the oracle on the rows the pages hold, and
     the same bits as float / bf16 rows holding those values, under every plan."""
     for case, raw, comp in fp8_cases(ratio):
-        fp8 = lambda p: None if p is None else JP.PagedKV(p.pages, p.block_table, kv_cache_dtype="fp8_ds_mla", block_size=p.block_size)  # noqa: E731
+        fp8 = lambda p: (
+            None
+            if p is None
+            else JP.PagedKV(p.pages, p.block_table, kv_cache_dtype="fp8_ds_mla", block_size=p.block_size)
+        )  # noqa: E731
         for dtype in DTYPES:
             got = run(case, dtype=dtype, srcs=(fp8(raw), fp8(comp)))
             if dtype == "float32":  # (bf16: the same bits as bf16 rows, checked against the oracle above)
@@ -150,13 +157,25 @@ def test_equals_the_generic_call_on_the_chunk_loops_workspace():
         raw, comp = sources(case, "paged", ml_dtypes.bfloat16)
         topk = smeta.pad_tokens(case.topk_rows) if case.kind is P.LayerKind.CSA else None
         q = jnp.asarray(smeta.pad_tokens(case.q).astype(ml_dtypes.bfloat16))
-        out = np.asarray(JP.prefill_attention(q, meta, raw, comp, sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink),
-                                              topk_indices=topk, backend="cpu"))  # fmt: skip
+        out = np.asarray(
+            JP.prefill_attention(
+                q,
+                meta,
+                raw,
+                comp,
+                sm_scale=case.sm_scale,
+                attn_sink=jnp.asarray(case.sink),
+                topk_indices=topk,
+                backend="cpu",
+            )
+        )
         for c in range(kp.num_chunks):
             ws = JP.gather_workspace(meta, c, raw, comp, dtype=jnp.bfloat16)
             idx, length = JP.build_indices(meta, c, topk)
             rows = kp.token_index[kp.chunk_token_starts[c] : kp.chunk_token_starts[c + 1]]
-            got, _, _ = dsv4_jax.sparse_attention(q[rows], ws, idx, case.sm_scale, jnp.asarray(case.sink), length, backend="cpu")
+            got, _, _ = dsv4_jax.sparse_attention(
+                q[rows], ws, idx, case.sm_scale, jnp.asarray(case.sink), length, backend="cpu"
+            )
             np.testing.assert_array_equal(bits(got), bits(out[rows]), err_msg=f"{case.name} ratio {ratio} chunk {c}")
 
 
@@ -172,7 +191,9 @@ def test_user_jit_and_padding_never_read():
     q = np.asarray(smeta.pad_tokens(case.q))
     topk = np.asarray(smeta.pad_tokens(case.topk_rows))
     kw = dict(sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink), backend="cpu")
-    eager = np.asarray(JP.prefill_attention(jnp.asarray(q), smeta[case.kind], raw, comp, topk_indices=jnp.asarray(topk), **kw))
+    eager = np.asarray(
+        JP.prefill_attention(jnp.asarray(q), smeta[case.kind], raw, comp, topk_indices=jnp.asarray(topk), **kw)
+    )
     q[T:], topk[T:] = np.nan, 2**31 - 1  # padding: NaN queries, junk top-k ids
     layer = jax.jit(lambda q, meta, raw, comp, topk: JP.prefill_attention(q, meta, raw, comp, topk_indices=topk, **kw))
     fresh = JP.build_step_metadata(step, index_topk=case.topk, **FAST)[case.kind]
@@ -195,7 +216,9 @@ def test_token_arrays_name_the_batch_request(policy):
     T = case.batch.num_tokens
     assert int(count) == T and (kp.num_chunks > 1 or policy == "fixed")
     owner = np.repeat(np.arange(len(case.query_lens)), case.query_lens)
-    np.testing.assert_array_equal(np.asarray(tokens)[:, :T], np.stack([kp.token_index, owner[kp.token_index], kp.token_position]))
+    np.testing.assert_array_equal(
+        np.asarray(tokens)[:, :T], np.stack([kp.token_index, owner[kp.token_index], kp.token_position])
+    )
 
 
 def test_ffi_handler_checks_traced_tokens():
@@ -207,8 +230,11 @@ def test_ffi_handler_checks_traced_tokens():
     q = jnp.asarray(rng.standard_normal((8, 2, 16)).astype(np.float32))
 
     def call(tokens, count):
-        f = jax.jit(lambda q, t, c, raw: cpu_attention.prefill_attention(q, t, c, raw, None, None, None, kind="SWA", window=4,
-                                                                        compress_ratio=1, sm_scale=0.25))  # fmt: skip
+        f = jax.jit(
+            lambda q, t, c, raw: cpu_attention.prefill_attention(
+                q, t, c, raw, None, None, None, kind="SWA", window=4, compress_ratio=1, sm_scale=0.25
+            )
+        )
         return np.asarray(f(q, jnp.asarray(tokens, jnp.int32), jnp.int32(count), kv))
 
     good = [[0, 1, 2, 5], [0, 0, 1, 1], [3, 4, 0, 9]]  # q row, request, position
@@ -238,7 +264,9 @@ def test_same_bits_as_the_kernel_called_through_ctypes(fmt):
     if fmt == "fp8":
         case, raw, comp = fp8_cases(4)[1]
         pages = [raw, comp]
-        srcs = tuple(JP.PagedKV(p.pages, p.block_table, kv_cache_dtype="fp8_ds_mla", block_size=p.block_size) for p in pages)
+        srcs = tuple(
+            JP.PagedKV(p.pages, p.block_table, kv_cache_dtype="fp8_ds_mla", block_size=p.block_size) for p in pages
+        )
     else:
         case = bf16_case(boundary_cases(4)[2])
         srcs = sources(case, "paged", ml_dtypes.bfloat16)
@@ -249,19 +277,56 @@ def test_same_bits_as_the_kernel_called_through_ctypes(fmt):
     row, pos = np.ascontiguousarray(kp.token_index, np.int32), np.ascontiguousarray(kp.token_position, np.int32)
     req = np.ascontiguousarray(owner[row])
     topk = np.ascontiguousarray(case.topk_rows, np.int32)
-    tk = ckernel.PrefillTokens(ckernel.KIND_CODES[case.kind.name], case.window_size, case.ratio, len(row), _ptr(row), _ptr(req),
-                               _ptr(pos), _ptr(topk), 0, topk.shape[1], topk.shape[1])  # fmt: skip
+    tk = ckernel.PrefillTokens(
+        ckernel.KIND_CODES[case.kind.name],
+        case.window_size,
+        case.ratio,
+        len(row),
+        _ptr(row),
+        _ptr(req),
+        _ptr(pos),
+        _ptr(topk),
+        0,
+        topk.shape[1],
+        topk.shape[1],
+    )
     keep = []
 
     def source(src):
         data, table = np.ascontiguousarray(np.asarray(src.pages)), np.ascontiguousarray(np.asarray(src.block_table))
         keep.extend([data, table])
         if src.fp8:
-            return ckernel.KVSource(1, ckernel.BF16, _ptr(data), 0, 0, data.shape[1], data.shape[0], src.page_size,
-                                    _ptr(table), 0, table.shape[1], table.shape[1], table.shape[0])  # fmt: skip
+            return ckernel.KVSource(
+                1,
+                ckernel.BF16,
+                _ptr(data),
+                0,
+                0,
+                data.shape[1],
+                data.shape[0],
+                src.page_size,
+                _ptr(table),
+                0,
+                table.shape[1],
+                table.shape[1],
+                table.shape[0],
+            )
         n, S, D = data.shape
-        return ckernel.KVSource(0, ckernel.BF16, _ptr(data), D, n * S, S * D, n, S, _ptr(table), 0, table.shape[1],
-                                table.shape[1], table.shape[0])  # fmt: skip
+        return ckernel.KVSource(
+            0,
+            ckernel.BF16,
+            _ptr(data),
+            D,
+            n * S,
+            S * D,
+            n,
+            S,
+            _ptr(table),
+            0,
+            table.shape[1],
+            table.shape[1],
+            table.shape[0],
+        )
 
     q = np.ascontiguousarray(case.q.astype(ml_dtypes.bfloat16))
     T, H, D = q.shape
@@ -270,8 +335,22 @@ def test_same_bits_as_the_kernel_called_through_ctypes(fmt):
     outs = ckernel.Outputs(_ptr(got), H * dv, dv, None, None, 0)
     sink = np.ascontiguousarray(case.sink, np.float32)
     r, c = source(srcs[0]), source(srcs[1])
-    rc = ckernel.library().dsv4_prefill_attention(_ptr(q), H * D, D, ckernel.BF16, H, D, ctypes.byref(tk), ctypes.byref(r),
-                                                   ctypes.byref(c), case.sm_scale, _ptr(sink), ctypes.byref(outs), 2, -1)  # fmt: skip
+    rc = ckernel.library().dsv4_prefill_attention(
+        _ptr(q),
+        H * D,
+        D,
+        ckernel.BF16,
+        H,
+        D,
+        ctypes.byref(tk),
+        ctypes.byref(r),
+        ctypes.byref(c),
+        case.sm_scale,
+        _ptr(sink),
+        ctypes.byref(outs),
+        2,
+        -1,
+    )
     ckernel.check(rc)
     np.testing.assert_array_equal(bits(got), bits(out))
 
@@ -288,7 +367,10 @@ def test_same_bits_as_dsv4_torch(fmt):
     if fmt == "fp8":
         case, raw, comp = fp8_cases(128)[1]
         kw = dict(kv_cache_dtype="fp8_ds_mla")
-        pages = [(torch.from_numpy(p.pages), torch.from_numpy(p.block_table), dict(kw, block_size=p.block_size)) for p in (raw, comp)]
+        pages = [
+            (torch.from_numpy(p.pages), torch.from_numpy(p.block_table), dict(kw, block_size=p.block_size))
+            for p in (raw, comp)
+        ]
     else:
         case = bf16_case(boundary_cases(128)[2])
         pages = []
@@ -297,12 +379,20 @@ def test_same_bits_as_dsv4_torch(fmt):
             pages.append((torch.from_numpy(p).to(torch.bfloat16), torch.from_numpy(t), {}))
     step = P.plan_step(case.batch, case.plan_config(policy="per_request"), [case.layer])
     tq = torch.from_numpy(case.q).to(torch.bfloat16)
-    t_out = TP.prefill_attention(tq, TP.build_step_metadata(step)[case.kind], *(TP.PagedKV(p, t, **k) for p, t, k in pages),
-                                 sm_scale=case.sm_scale, attn_sink=torch.from_numpy(case.sink), backend="cpu")  # fmt: skip
+    t_out = TP.prefill_attention(
+        tq,
+        TP.build_step_metadata(step)[case.kind],
+        *(TP.PagedKV(p, t, **k) for p, t, k in pages),
+        sm_scale=case.sm_scale,
+        attn_sink=torch.from_numpy(case.sink),
+        backend="cpu",
+    )
     srcs = [JP.PagedKV(jax.dlpack.from_dlpack(p), jax.dlpack.from_dlpack(t), **k) for p, t, k in pages]
     smeta = JP.build_step_metadata(step, **FAST)
     q = smeta.pad_tokens(jax.dlpack.from_dlpack(tq))
-    j_out = JP.prefill_attention(q, smeta[case.kind], *srcs, sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink), backend="cpu")
+    j_out = JP.prefill_attention(
+        q, smeta[case.kind], *srcs, sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink), backend="cpu"
+    )
     T = case.batch.num_tokens
     np.testing.assert_array_equal(t_out.view(torch.int16).numpy(), bits(np.asarray(j_out)[:T]).view(np.int16))
 

@@ -53,8 +53,17 @@ def test_fp8_workspace_exact_and_equal_to_torch(ratio):
         from dsv4_torch import prefill as TP
 
         t_meta = TP.build_step_metadata(step, index_topk=case.topk)[case.kind]
-        t_src = [TP.PagedKV(torch.from_numpy(p.pages), torch.from_numpy(p.block_table), kv_cache_dtype="fp8_ds_mla",
-                            block_size=p.block_size) if p else None for p in (raw, comp)]  # fmt: skip
+        t_src = [
+            TP.PagedKV(
+                torch.from_numpy(p.pages),
+                torch.from_numpy(p.block_table),
+                kv_cache_dtype="fp8_ds_mla",
+                block_size=p.block_size,
+            )
+            if p
+            else None
+            for p in (raw, comp)
+        ]
     except ImportError:  # the jax-only CI run (make test-jax-new) has no torch
         t_meta = None
     for c in range(kp.num_chunks):
@@ -79,8 +88,15 @@ def test_fp8_bad_inputs():
     fp8 = dict(kv_cache_dtype="fp8_ds_mla", block_size=S)
 
     def call(raw_kv, compressed_kv=_fp8(comp), q=q):
-        return JP.prefill_attention(q, meta, raw_kv, compressed_kv, sm_scale=case.sm_scale,
-                                    topk_indices=m.pad_tokens(case.topk_rows), backend="xla")  # fmt: skip
+        return JP.prefill_attention(
+            q,
+            meta,
+            raw_kv,
+            compressed_kv,
+            sm_scale=case.sm_scale,
+            topk_indices=m.pad_tokens(case.topk_rows),
+            backend="xla",
+        )
 
     with pytest.raises(TypeError, match=r"pages: fp8_ds_mla pages are uint8 bytes, got float32"):
         JP.PagedKV(raw.pages.astype(np.float32), raw.block_table, **fp8)
@@ -88,24 +104,39 @@ def test_fp8_bad_inputs():
         JP.PagedKV(raw.pages[:, None], raw.block_table)
     with pytest.raises(ValueError, match=r"block_size: required for fp8_ds_mla pages"):
         JP.PagedKV(raw.pages, raw.block_table, kv_cache_dtype="fp8_ds_mla")
-    with pytest.raises(ValueError, match=rf"pages: page stride {KV.page_bytes(S) - 576} bytes is not round_up\({S} \* 584, 576\)"):
+    with pytest.raises(
+        ValueError, match=rf"pages: page stride {KV.page_bytes(S) - 576} bytes is not round_up\({S} \* 584, 576\)"
+    ):
         JP.PagedKV(raw.pages[:, :-576], raw.block_table, **fp8)
-    with pytest.raises(ValueError, match=r"pages: a \(38, 16, 584\) array has a page stride of 9344 bytes, not page_bytes\(16\) = 9792"):
+    with pytest.raises(
+        ValueError, match=r"pages: a \(38, 16, 584\) array has a page stride of 9344 bytes, not page_bytes\(16\) = 9792"
+    ):
         JP.PagedKV(np.zeros((38, S, KV.SLOT_BYTES), np.uint8), raw.block_table, kv_cache_dtype="fp8_ds_mla")
     with pytest.raises(ValueError, match=r"kv_cache_dtype: expected one of \('auto', 'fp8_ds_mla'\), got 'fp8'"):
         JP.PagedKV(raw.pages, raw.block_table, kv_cache_dtype="fp8", block_size=S)
     bad = raw.block_table.copy()
     bad[1, 5] = raw.pages.shape[0]
-    with pytest.raises(ValueError, match=rf"raw_kv: block_table\[1\] lists page {raw.pages.shape[0]}, outside 0..{raw.pages.shape[0] - 1}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"raw_kv: block_table\[1\] lists page {raw.pages.shape[0]}, outside 0..{raw.pages.shape[0] - 1}",
+    ):
         call(JP.PagedKV(raw.pages, bad, **fp8))
-    with pytest.raises(ValueError, match=r"raw_kv: block_table covers 16 entries per request \(1 pages of 16\), but request 1 needs 517"):
+    with pytest.raises(
+        ValueError,
+        match=r"raw_kv: block_table covers 16 entries per request \(1 pages of 16\), but request 1 needs 517",
+    ):
         call(JP.PagedKV(raw.pages, raw.block_table[:, :1], **fp8))
-    with pytest.raises(TypeError, match=r"raw_kv: fp8_ds_mla pages dequantize to bf16 values: q must be bfloat16 or float32, got float16"):
+    with pytest.raises(
+        TypeError,
+        match=r"raw_kv: fp8_ds_mla pages dequantize to bf16 values: q must be bfloat16 or float32, got float16",
+    ):
         call(_fp8(raw), q=q.astype(jnp.float16))
     with pytest.raises(ValueError, match=r"raw_kv: fp8_ds_mla pages hold 512-dim rows, but q's head dim is 256"):
         call(_fp8(raw), q=q[..., :256])
     packed = JP.LogicalKV(raw.pages.reshape(-1)[: 10 * 512].reshape(10, 512), np.zeros(3, np.int32))
-    with pytest.raises(TypeError, match=r"raw_kv: dtype uint8 differs from q's float32 \(fp8_ds_mla bytes come as PagedKV"):
+    with pytest.raises(
+        TypeError, match=r"raw_kv: dtype uint8 differs from q's float32 \(fp8_ds_mla bytes come as PagedKV"
+    ):
         call(packed)
 
 
@@ -128,7 +159,10 @@ def test_cpu_gather_path_equals_tile_decode(monkeypatch):
     real = cpu_kvcache.gather_segments
     monkeypatch.setattr(cpu_kvcache, "gather_segments", lambda *a: calls.append(1) or real(*a))
     jax.clear_caches()  # the jitted layer call / gathers trace again, with and without the kernel
-    got = {dt: np.asarray(JP.prefill_attention(q.astype(dt), meta, _fp8(raw), _fp8(comp), **kw)) for dt in (jnp.float32, jnp.bfloat16)}
+    got = {
+        dt: np.asarray(JP.prefill_attention(q.astype(dt), meta, _fp8(raw), _fp8(comp), **kw))
+        for dt in (jnp.float32, jnp.bfloat16)
+    }
     ws = [np.asarray(JP.gather_workspace(meta, c, _fp8(raw), _fp8(comp))) for c in range(step[case.kind].num_chunks)]
     assert calls  # the kernel ran
     monkeypatch.setattr(JP, "_cpu_gather", lambda: False)

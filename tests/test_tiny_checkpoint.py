@@ -61,7 +61,9 @@ def test_command_line_writes_the_same_files(ckpt, tmp_path):
     out = tmp_path / "cli"
     subprocess.run(
         [sys.executable, "-m", "tools.tiny_checkpoint", "--out", str(out), "--names", "deepseek"],
-        check=True, cwd=ROOT, capture_output=True,
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
     )
     for f in FILES:
         assert (out / f).read_bytes() == (ckpt["deepseek"] / f).read_bytes(), f
@@ -75,8 +77,16 @@ def test_both_name_styles_load_to_identical_models(ckpt):
         assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], (style, info)
         loaded[style] = m
     hf, ds = loaded["hf"], loaded["deepseek"]
-    for field in ("layer_types", "mlp_layer_types", "partial_rotary_factor", "qk_rope_head_dim", "sliding_window",
-                  "compress_rates", "index_topk", "index_n_heads"):
+    for field in (
+        "layer_types",
+        "mlp_layer_types",
+        "partial_rotary_factor",
+        "qk_rope_head_dim",
+        "sliding_window",
+        "compress_rates",
+        "index_topk",
+        "index_n_heads",
+    ):
         assert getattr(hf.config, field) == getattr(ds.config, field), field
     s_hf, s_ds = hf.state_dict(), ds.state_dict()
     assert s_hf.keys() == s_ds.keys()
@@ -88,8 +98,11 @@ def test_both_name_styles_load_to_identical_models(ckpt):
     # The file holds the values we generated, under transformers' names.
     ref = init_tensors(tiny_config(), seed=0)
     assert s_hf.keys() == ref.keys()
-    for k in ("model.layers.2.self_attn.compressor.indexer.position_bias", "model.layers.0.mlp.gate.tid2eid",
-              "model.layers.3.mlp.experts.gate_up_proj"):
+    for k in (
+        "model.layers.2.self_attn.compressor.indexer.position_bias",
+        "model.layers.0.mlp.gate.tid2eid",
+        "model.layers.3.mlp.experts.gate_up_proj",
+    ):
         np.testing.assert_array_equal(s_hf[k].numpy(), ref[k])
 
 
@@ -137,7 +150,7 @@ def test_greedy_generate(ckpt, model):
     tok = transformers.AutoTokenizer.from_pretrained(ckpt["hf"])
     ids = tok(corpus()[7], return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
-    new = out[0, ids.shape[1]:]
+    new = out[0, ids.shape[1] :]
     assert new.shape[0] == 8 and new.unique().numel() > 1
     assert torch.equal(out, model.generate(ids, max_new_tokens=8, do_sample=False))
 
@@ -166,12 +179,15 @@ def test_bfloat16_checkpoint_holds_rounded_weights(ckpt, tmp_path):
             assert torch.equal(v, ref[k].to(torch.bfloat16).to(torch.float32)), k
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"names": "gguf"}, "names"),
-    ({"dtype": "float16"}, "dtype"),
-    ({"seed": -1}, "seed"),
-    ({"seed": 1.5}, "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"names": "gguf"}, "names"),
+        ({"dtype": "float16"}, "dtype"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 1.5}, "seed"),
+    ],
+)
 def test_bad_arguments_raise(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         write_tiny_checkpoint(tmp_path / "x", **kwargs)
@@ -188,8 +204,13 @@ def test_bad_preset_overrides_raise():
 def test_package_import_is_light():
     # dsv4_torch itself imports torch; the hf subpackage must not pull in transformers
     code = "import sys, dsv4_torch.hf; print('transformers' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert out.stdout.split() == ["False"]
 
 
@@ -246,8 +267,10 @@ def test_file_holds_init_tensors(tmp_path, names, dtype):
 
 
 def test_writer_does_not_import_torch(tmp_path):
-    code = ("import sys; from tools.tiny_checkpoint import write_tiny_checkpoint; "
-            f"write_tiny_checkpoint({str(tmp_path / 'c')!r}, names='deepseek', dtype='bfloat16'); "
-            "print(sorted(m for m in ('torch', 'transformers', 'jax') if m in sys.modules))")
+    code = (
+        "import sys; from tools.tiny_checkpoint import write_tiny_checkpoint; "
+        f"write_tiny_checkpoint({str(tmp_path / 'c')!r}, names='deepseek', dtype='bfloat16'); "
+        "print(sorted(m for m in ('torch', 'transformers', 'jax') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.split() == ["[]"]

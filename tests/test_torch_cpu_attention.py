@@ -52,14 +52,26 @@ def case(T, H, D, S, K, *, dtype="float32", seed=0, invalid=0.2, duplicates=0.1,
     s = C.random_sink(rng, H, sink)
     tl = rng.integers(-2, K + 5, T).astype(np.int32) if topk else None
     t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
-    return dict(q=t(q).to(DTYPES[dtype]), kv=t(kv).to(DTYPES[dtype]), indices=t(idx), sm_scale=D**-0.5, attn_sink=t(s),
-                topk_length=t(tl))  # fmt: skip
+    return dict(
+        q=t(q).to(DTYPES[dtype]),
+        kv=t(kv).to(DTYPES[dtype]),
+        indices=t(idx),
+        sm_scale=D**-0.5,
+        attn_sink=t(s),
+        topk_length=t(tl),
+    )
 
 
 def run_oracle(c):
     f64 = lambda t: None if t is None else t.detach().double().numpy()  # noqa: E731
-    return oracle.sparse_attention(f64(c["q"]), f64(c["kv"]), c["indices"].numpy(), c["sm_scale"], f64(c["attn_sink"]),
-                                   None if c["topk_length"] is None else c["topk_length"].numpy())  # fmt: skip
+    return oracle.sparse_attention(
+        f64(c["q"]),
+        f64(c["kv"]),
+        c["indices"].numpy(),
+        c["sm_scale"],
+        f64(c["attn_sink"]),
+        None if c["topk_length"] is None else c["topk_length"].numpy(),
+    )
 
 
 def check(c, **kw):
@@ -73,17 +85,24 @@ def check(c, **kw):
     want = run_oracle(c)
     dtype = "bfloat16" if c["q"].dtype == torch.bfloat16 else "float32"
     g = [x.detach().double().numpy() for x in got]
-    checks = [TOL.compare_out(g[0], want[0], want[0], dtype), TOL.compare_stat(g[1], want[1], want[1], dtype, "max_logits"),
-              TOL.compare_stat(g[2], want[2], want[2], dtype, "lse")]  # fmt: skip
+    checks = [
+        TOL.compare_out(g[0], want[0], want[0], dtype),
+        TOL.compare_stat(g[1], want[1], want[1], dtype, "max_logits"),
+        TOL.compare_stat(g[2], want[2], want[2], dtype, "lse"),
+    ]
     bad = [x.detail for x in checks if not x.passed]
     assert not bad, bad
     return got, want
 
 
 def same_bits(a, b):
-    return all(torch.equal(x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32),
-                           y.view(torch.int16) if y.dtype == torch.bfloat16 else y.view(torch.int32))
-               for x, y in zip(a, b))  # fmt: skip
+    return all(
+        torch.equal(
+            x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32),
+            y.view(torch.int16) if y.dtype == torch.bfloat16 else y.view(torch.int32),
+        )
+        for x, y in zip(a, b)
+    )
 
 
 # ----------------------------------------------------------------------------- the contract
@@ -232,12 +251,15 @@ def flashmla_case(seed, T, H, D, S, K, topk_length, invalid=0.2, duplicates=0.2)
     special = np.array([-np.inf, 0.0, 30.0, 1e4, np.inf], np.float32)
     sink = np.concatenate([special, rng.standard_normal(H - len(special)).astype(np.float32)])
     t = torch.from_numpy
-    return dict(q=t(q).bfloat16(), kv=t(kv).bfloat16(), indices=t(idx), sm_scale=D**-0.5, attn_sink=t(sink),
-                topk_length=t(tl))  # fmt: skip
+    return dict(
+        q=t(q).bfloat16(), kv=t(kv).bfloat16(), indices=t(idx), sm_scale=D**-0.5, attn_sink=t(sink), topk_length=t(tl)
+    )
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-@pytest.mark.parametrize("H, D, K, topk_length", FLASHMLA_CASES, ids=[f"H{c[0]}-D{c[1]}-K{c[2]}" for c in FLASHMLA_CASES])
+@pytest.mark.parametrize(
+    "H, D, K, topk_length", FLASHMLA_CASES, ids=[f"H{c[0]}-D{c[1]}-K{c[2]}" for c in FLASHMLA_CASES]
+)
 def test_flashmla_cases(isa, H, D, K, topk_length):
     c = flashmla_case(H + D + K, len(topk_length), H, D, 4000, K, topk_length)
     (out, max_logits, lse), _ = check(c)
@@ -350,7 +372,9 @@ def test_gradient_or_dropout_goes_to_reference():
 
 
 def test_kernel_that_cannot_build_is_reported(monkeypatch):
-    monkeypatch.setattr(ckernel, "attention_unavailable_reason", lambda: "no C compiler found ('cc' is not on PATH; set CC)")
+    monkeypatch.setattr(
+        ckernel, "attention_unavailable_reason", lambda: "no C compiler found ('cc' is not on PATH; set CC)"
+    )
     q = torch.zeros(1, 16, 64)
     assert resolve_backend("auto", q) == "reference"
     with pytest.raises(BackendUnavailableError, match="backend='cpu' cannot run here: no C compiler"):

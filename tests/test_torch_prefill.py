@@ -29,9 +29,15 @@ def run(case, *, policy="adaptive", paged=False, dtype=torch.float32, backend="r
             raw = TP.LogicalKV.from_list(raw)
             comp = TP.LogicalKV.from_list(comp) if comp else None
     out = TP.prefill_attention(
-        t(case.q), meta, raw, comp, sm_scale=case.sm_scale, attn_sink=torch.from_numpy(case.sink),
-        topk_indices=torch.from_numpy(case.topk_rows) if case.kind is P.LayerKind.CSA else None, backend=backend,
-    )  # fmt: skip
+        t(case.q),
+        meta,
+        raw,
+        comp,
+        sm_scale=case.sm_scale,
+        attn_sink=torch.from_numpy(case.sink),
+        topk_indices=torch.from_numpy(case.topk_rows) if case.kind is P.LayerKind.CSA else None,
+        backend=backend,
+    )
     return out, meta
 
 
@@ -105,7 +111,9 @@ def test_device_indices_equal_numpy_builder():
             meta = TP.build_step_metadata(step, index_topk=case.topk)[case.kind]
             kp = step[case.kind]
             for c, cm in zip(kp.chunks, meta.chunks):
-                want_idx, want_len = P.build_chunk_indices(kp, c, case.topk_rows if case.kind is P.LayerKind.CSA else None)
+                want_idx, want_len = P.build_chunk_indices(
+                    kp, c, case.topk_rows if case.kind is P.LayerKind.CSA else None
+                )
                 idx, length = TP.build_indices(meta, cm, torch.from_numpy(case.topk_rows))
                 np.testing.assert_array_equal(idx.numpy(), want_idx)
                 np.testing.assert_array_equal(length.numpy(), want_len)
@@ -126,14 +134,19 @@ def test_logical_kv_keeps_only_recent_rows():
     case = boundary_cases(0)[2]  # long prefixes
     want, _ = run(case)
     gath = case.batch.gather_lens(case.window_size)
-    keep = [x[int(s) - int(g):] for x, s, g in zip(case.raw, case.seq_lens, gath)]
+    keep = [x[int(s) - int(g) :] for x, s, g in zip(case.raw, case.seq_lens, gath)]
     starts = np.concatenate([[0], np.cumsum([len(k) for k in keep])[:-1]])
     offsets = torch.tensor(starts - (np.array(case.seq_lens) - gath))
     step = P.plan_step(case.batch, case.plan_config(), [case.layer])
     meta = TP.build_step_metadata(step)[case.kind]
-    got = TP.prefill_attention(torch.from_numpy(case.q), meta,
-                               TP.LogicalKV(torch.from_numpy(np.concatenate(keep)), offsets),
-                               sm_scale=case.sm_scale, attn_sink=torch.from_numpy(case.sink), backend="reference")
+    got = TP.prefill_attention(
+        torch.from_numpy(case.q),
+        meta,
+        TP.LogicalKV(torch.from_numpy(np.concatenate(keep)), offsets),
+        sm_scale=case.sm_scale,
+        attn_sink=torch.from_numpy(case.sink),
+        backend="reference",
+    )
     assert torch.equal(got, want)
 
 
@@ -145,8 +158,9 @@ def test_bad_inputs():
     raw = [torch.from_numpy(x) for x in case.raw]
     comp = [torch.from_numpy(x) for x in case.comp]
     rows = torch.from_numpy(case.topk_rows)
-    call = lambda **kw: TP.prefill_attention(**{**dict(q=q, meta=meta, raw_kv=raw, compressed_kv=comp,
-                                                     sm_scale=0.1, topk_indices=rows), **kw})  # fmt: skip
+    call = lambda **kw: TP.prefill_attention(
+        **{**dict(q=q, meta=meta, raw_kv=raw, compressed_kv=comp, sm_scale=0.1, topk_indices=rows), **kw}
+    )
     with pytest.raises(ValueError, match="q: 3 tokens"):
         call(q=q[:3])
     with pytest.raises(ValueError, match="topk_indices"):
@@ -179,11 +193,16 @@ def _layer(ratio, case_no=2):
     case = boundary_cases(ratio)[case_no]
     step = P.plan_step(case.batch, case.plan_config(), [case.layer])
     meta = TP.build_step_metadata(step, index_topk=case.topk)[case.kind]
-    kw = dict(q=torch.from_numpy(case.q), meta=meta, raw_kv=[torch.from_numpy(x) for x in case.raw],
-              compressed_kv=[torch.from_numpy(x) for x in case.comp] if case.kind.has_compressed else None,
-              sm_scale=case.sm_scale, attn_sink=torch.from_numpy(case.sink),
-              topk_indices=torch.from_numpy(case.topk_rows) if case.kind is P.LayerKind.CSA else None,
-              backend="reference")  # fmt: skip
+    kw = dict(
+        q=torch.from_numpy(case.q),
+        meta=meta,
+        raw_kv=[torch.from_numpy(x) for x in case.raw],
+        compressed_kv=[torch.from_numpy(x) for x in case.comp] if case.kind.has_compressed else None,
+        sm_scale=case.sm_scale,
+        attn_sink=torch.from_numpy(case.sink),
+        topk_indices=torch.from_numpy(case.topk_rows) if case.kind is P.LayerKind.CSA else None,
+        backend="reference",
+    )
     return (lambda **o: TP.prefill_attention(**{**kw, **o})), case, meta
 
 
@@ -221,9 +240,13 @@ def test_bad_cache_block_table_too_few_rows():
 def test_bad_cache_block_table_too_narrow():
     call, case, _ = _layer(4)  # seq_lens [300, 517, 260], raw pages of 16, compressed pages of 4
     raw, comp = _paged(case, "raw"), _paged(case, "comp")
-    with pytest.raises(ValueError, match=r"raw_kv.block_table: 32 pages of 16 entries hold 512, but request 1 needs 517"):
+    with pytest.raises(
+        ValueError, match=r"raw_kv.block_table: 32 pages of 16 entries hold 512, but request 1 needs 517"
+    ):
         call(raw_kv=TP.PagedKV(raw.pages, raw.block_table[:, :32]))
-    with pytest.raises(ValueError, match=r"compressed_kv.block_table: 32 pages of 4 entries hold 128, but request 1 needs 129"):
+    with pytest.raises(
+        ValueError, match=r"compressed_kv.block_table: 32 pages of 4 entries hold 128, but request 1 needs 129"
+    ):
         call(compressed_kv=TP.PagedKV(comp.pages, comp.block_table[:, :32]))
 
 

@@ -51,8 +51,20 @@ def caches(case, form, dtype):
     return paged("raw", 1), paged("comp", 2) if has_comp else None
 
 
-def run(case, raw=None, comp=None, *, form="list", dtype=torch.float32, policy="adaptive", backend="cpu", meta=None,
-        q=None, topk=None, **cfg):  # fmt: skip
+def run(
+    case,
+    raw=None,
+    comp=None,
+    *,
+    form="list",
+    dtype=torch.float32,
+    policy="adaptive",
+    backend="cpu",
+    meta=None,
+    q=None,
+    topk=None,
+    **cfg,
+):
     if meta is None:
         step = P.plan_step(case.batch, case.plan_config(policy=policy, **cfg), [case.layer])
         meta = TP.build_step_metadata(step, index_topk=case.topk)[case.kind]
@@ -62,8 +74,16 @@ def run(case, raw=None, comp=None, *, form="list", dtype=torch.float32, policy="
         q = torch.from_numpy(case.q).to(dtype)
     if topk is None and case.kind is P.LayerKind.CSA:
         topk = torch.from_numpy(case.topk_rows)
-    out = TP.prefill_attention(q, meta, raw, comp, sm_scale=case.sm_scale, attn_sink=torch.from_numpy(case.sink),
-                               topk_indices=topk, backend=backend)  # fmt: skip
+    out = TP.prefill_attention(
+        q,
+        meta,
+        raw,
+        comp,
+        sm_scale=case.sm_scale,
+        attn_sink=torch.from_numpy(case.sink),
+        topk_indices=topk,
+        backend=backend,
+    )
     return out, meta
 
 
@@ -76,7 +96,11 @@ def assert_oracle_close(out, want, dtype):
 
 def rounded(case):
     """The case with q and latents rounded to bf16 (the oracle of a bf16 run)."""
-    case.q, case.raw, case.comp = bf16_values(case.q), [bf16_values(x) for x in case.raw], [bf16_values(x) for x in case.comp]
+    case.q, case.raw, case.comp = (
+        bf16_values(case.q),
+        [bf16_values(x) for x in case.raw],
+        [bf16_values(x) for x in case.comp],
+    )
     return case
 
 
@@ -117,8 +141,13 @@ def test_bf16_within_flashmla_tolerance_every_form(ratio, case_no):
     base, _ = run(case, dtype=torch.bfloat16)
     assert base.dtype == torch.bfloat16
     assert_oracle_close(base, want, torch.bfloat16)
-    for kw in (dict(policy="per_request"), dict(policy="fixed", order="length"), dict(form="paged"), dict(form="logical"),
-               dict(form="paged64")):  # fmt: skip
+    for kw in (
+        dict(policy="per_request"),
+        dict(policy="fixed", order="length"),
+        dict(form="paged"),
+        dict(form="logical"),
+        dict(form="paged64"),
+    ):
         assert torch.equal(run(case, dtype=torch.bfloat16, **kw)[0], base), kw
 
 
@@ -155,8 +184,9 @@ def test_long_prefill_and_long_context(ratio):
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 def test_v4_flash_heads_bf16_pages(ratio):
     """V4-Flash's head count and latent dim, bf16 rows in pages of 64 slots."""
-    case = scaled(make_case("flash", [300, 77], [60, 77], ratio, window_size=128, topk=32, H=64, D=512, seed=7,
-                            block_size=64))  # fmt: skip
+    case = scaled(
+        make_case("flash", [300, 77], [60, 77], ratio, window_size=128, topk=32, H=64, D=512, seed=7, block_size=64)
+    )
     want, _, _ = case.oracle()
     out, _ = run(case, form="paged", dtype=torch.bfloat16)
     assert_oracle_close(out, want, torch.bfloat16)
@@ -214,8 +244,12 @@ def test_fp8_pages_match_oracle_and_row_pages(ratio):
         for dtype in (torch.float32, torch.bfloat16):
             fp8_out = out if dtype == torch.float32 else run(case, rk, ck, dtype=dtype)[0]
             # rows in q's dtype holding the dequantized values: the same bits
-            same = run(case, _rows_paged(case.raw, RAW_SLOTS, dtype), _rows_paged(case.comp, comp.block_size, dtype)
-                       if comp else None, dtype=dtype)[0]  # fmt: skip
+            same = run(
+                case,
+                _rows_paged(case.raw, RAW_SLOTS, dtype),
+                _rows_paged(case.comp, comp.block_size, dtype) if comp else None,
+                dtype=dtype,
+            )[0]
             assert torch.equal(fp8_out, same), (case.name, dtype)
             # vLLM's 3-D view, int64 block tables, any plan: the same bits
             view = (_fp8(raw, view=True, table_dtype=torch.int64), _fp8(comp, view=True) if comp else None)
@@ -289,8 +323,9 @@ def test_token_arrays_built_once_per_step():
 def test_every_kind_of_one_step():
     """One StepMetadata, all three kinds, each against its oracle."""
     seq, qry = [300, 9, 140, 64], [33, 9, 0, 20]
-    step = P.plan_step(P.PrefillBatch(seq, qry), P.PlanConfig(window_size=8, max_model_len=300, max_num_batched_tokens=33),
-                       P.V4_LAYERS)  # fmt: skip
+    step = P.plan_step(
+        P.PrefillBatch(seq, qry), P.PlanConfig(window_size=8, max_model_len=300, max_num_batched_tokens=33), P.V4_LAYERS
+    )
     meta = TP.build_step_metadata(step, index_topk=6)
     for i, kind in enumerate(P.LayerKind):
         case = make_case("step", seq, qry, P.contract.V4_RATIOS[kind], seed=11 + i)
@@ -315,8 +350,17 @@ def test_topk_int64_strided_and_out_buffers():
     raw, comp = caches(case, "list", torch.float32)
     T, H, dv = base.shape
     for out in (torch.full((T, H, dv), 7.0), torch.full((T, dv, H), 7.0).transpose(1, 2)):  # contiguous, strided
-        got = TP.prefill_attention(q, meta, raw, comp, sm_scale=case.sm_scale, attn_sink=torch.from_numpy(case.sink),
-                                   topk_indices=rows, out=out, backend="cpu")  # fmt: skip
+        got = TP.prefill_attention(
+            q,
+            meta,
+            raw,
+            comp,
+            sm_scale=case.sm_scale,
+            attn_sink=torch.from_numpy(case.sink),
+            topk_indices=rows,
+            out=out,
+            backend="cpu",
+        )
         assert got is out and torch.equal(out, base)
 
 
@@ -372,8 +416,9 @@ def test_gradient_or_dropout_needs_the_reference_backend():
     step = P.plan_step(case.batch, case.plan_config(), [case.layer])
     meta = TP.build_step_metadata(step, index_topk=case.topk)[case.kind]
     with pytest.raises(BackendUnavailableError, match="backend='cpu' has no attention dropout"):
-        TP.prefill_attention(torch.from_numpy(case.q), meta, raw, comp, sm_scale=case.sm_scale, backend="cpu",
-                             dropout_p=0.1)  # fmt: skip
+        TP.prefill_attention(
+            torch.from_numpy(case.q), meta, raw, comp, sm_scale=case.sm_scale, backend="cpu", dropout_p=0.1
+        )
     TP.prefill_attention(torch.from_numpy(case.q), meta, raw, comp, sm_scale=case.sm_scale, dropout_p=0.1)
     assert meta.last_backend == "reference"
 

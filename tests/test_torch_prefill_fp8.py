@@ -41,10 +41,15 @@ def run(case, raw, comp, *, dtype=torch.float32, policy="adaptive", **cfg):
     step = P.plan_step(case.batch, case.plan_config(policy=policy, **cfg), [case.layer])
     meta = TP.build_step_metadata(step, index_topk=case.topk)[case.kind]
     out = TP.prefill_attention(
-        torch.from_numpy(case.q).to(dtype), meta, raw, comp, sm_scale=case.sm_scale,
-        attn_sink=torch.from_numpy(case.sink), backend="reference",
+        torch.from_numpy(case.q).to(dtype),
+        meta,
+        raw,
+        comp,
+        sm_scale=case.sm_scale,
+        attn_sink=torch.from_numpy(case.sink),
+        backend="reference",
         topk_indices=torch.from_numpy(case.topk_rows) if case.kind is P.LayerKind.CSA else None,
-    )  # fmt: skip
+    )
     return out, meta
 
 
@@ -58,8 +63,12 @@ def test_fp8_pages_match_oracle_and_bf16_pages(ratio):
         # fp8 pages and float pages of the very same values: the same bits (float32 q; bf16 q below)
         for dtype in (torch.float32, torch.bfloat16) if case.name == "fp8-long-prefix" else (torch.float32,):
             fp8_out = out if dtype == torch.float32 else run(case, rk, ck, dtype=dtype)[0]
-            same = run(case, _bf16_paged(case.raw, RAW_SLOTS, dtype),
-                       _bf16_paged(case.comp, comp.block_size, dtype) if comp else None, dtype=dtype)[0]  # fmt: skip
+            same = run(
+                case,
+                _bf16_paged(case.raw, RAW_SLOTS, dtype),
+                _bf16_paged(case.comp, comp.block_size, dtype) if comp else None,
+                dtype=dtype,
+            )[0]
             assert torch.equal(fp8_out, same), (case.name, dtype)
         if case.name != "fp8-long-prefix":
             continue
@@ -73,7 +82,11 @@ def test_fp8_pages_match_oracle_and_bf16_pages(ratio):
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 def test_fp8_workspace_is_exactly_the_dequantized_rows(ratio):
     case, raw, comp = fp8_cases(ratio)[1]
-    step = P.plan_step(case.batch, case.plan_config(budget_rows=(max(case.seq_lens) // ratio if ratio else 0) + case.window_size + 13), [case.layer])
+    step = P.plan_step(
+        case.batch,
+        case.plan_config(budget_rows=(max(case.seq_lens) // ratio if ratio else 0) + case.window_size + 13),
+        [case.layer],
+    )
     meta = TP.build_step_metadata(step, index_topk=case.topk)[case.kind]
     kp = step[case.kind]
     assert kp.num_chunks > 1
@@ -157,9 +170,16 @@ def test_fp8_layer_call_makes_no_host_sync(monkeypatch):
     monkeypatch.setattr(ref_kernel, "SKIP_EMPTY_BLOCKS_ON_CPU", False)
     meta._index_rows = None  # the first layer call's index rows are guarded too
     with forbid_host_sync():
-        got = TP.prefill_attention(torch.from_numpy(case.q), meta, rk, ck, sm_scale=case.sm_scale,
-                                   attn_sink=torch.from_numpy(case.sink), backend="reference",
-                                   topk_indices=torch.from_numpy(case.topk_rows))  # fmt: skip
+        got = TP.prefill_attention(
+            torch.from_numpy(case.q),
+            meta,
+            rk,
+            ck,
+            sm_scale=case.sm_scale,
+            attn_sink=torch.from_numpy(case.sink),
+            backend="reference",
+            topk_indices=torch.from_numpy(case.topk_rows),
+        )
     assert torch.equal(got, want)
 
 
@@ -172,8 +192,15 @@ def test_fp8_bad_inputs():
     S = raw.block_size
 
     def call(raw_kv, compressed_kv=_fp8(comp), q=q):
-        return TP.prefill_attention(q, meta, raw_kv, compressed_kv, sm_scale=case.sm_scale,
-                                    topk_indices=torch.from_numpy(case.topk_rows), backend="reference")  # fmt: skip
+        return TP.prefill_attention(
+            q,
+            meta,
+            raw_kv,
+            compressed_kv,
+            sm_scale=case.sm_scale,
+            topk_indices=torch.from_numpy(case.topk_rows),
+            backend="reference",
+        )
 
     fp8 = dict(kv_cache_dtype="fp8_ds_mla", block_size=S)
     with pytest.raises(TypeError, match=r"pages: fp8_ds_mla pages are uint8 bytes, got torch.float32"):
@@ -182,7 +209,9 @@ def test_fp8_bad_inputs():
         TP.PagedKV(pages.view(pages.shape[0], 1, -1), table)
     with pytest.raises(ValueError, match=r"block_size: required for 2-D fp8_ds_mla pages"):
         TP.PagedKV(pages, table, kv_cache_dtype="fp8_ds_mla")
-    with pytest.raises(ValueError, match=rf"pages: page stride {KV.page_bytes(S) - 576} bytes is not round_up\({S} \* 584, 576\)"):
+    with pytest.raises(
+        ValueError, match=rf"pages: page stride {KV.page_bytes(S) - 576} bytes is not round_up\({S} \* 584, 576\)"
+    ):
         TP.PagedKV(pages[:, :-576].contiguous(), table, **fp8)
     with pytest.raises(ValueError, match=r"pages: page stride .* is not round_up\(8 \* 584, 576\)"):
         TP.PagedKV(pages, table, kv_cache_dtype="fp8_ds_mla", block_size=8)  # block_size disagrees with the stride
@@ -193,17 +222,25 @@ def test_fp8_bad_inputs():
     # out-of-range block table entries and too narrow tables, on the host, naming the argument
     bad = table.clone()
     bad[1, 31] = pages.shape[0]  # position 497 (the first the window reads) is on page 31
-    with pytest.raises(ValueError, match=rf"raw_kv.block_table: request 1 page 31 is {pages.shape[0]}, outside 0 .. {pages.shape[0] - 1}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"raw_kv.block_table: request 1 page 31 is {pages.shape[0]}, outside 0 .. {pages.shape[0] - 1}",
+    ):
         call(TP.PagedKV(pages, bad, **fp8))
     with pytest.raises(ValueError, match=r"raw_kv.block_table: 1 pages of 16 entries hold 16, but request 1 needs 517"):
         call(TP.PagedKV(pages, table[:, :1].contiguous(), **fp8))
     with pytest.raises(ValueError, match=r"raw_kv.block_table: 2 rows, but the step's batch has 3 requests"):
         call(TP.PagedKV(pages, table[:2], **fp8))
     # q must be 512-dim, bf16 or float32; uint8 rows as q-dtype rows are refused with a hint
-    with pytest.raises(TypeError, match=r"raw_kv: fp8_ds_mla pages dequantize to bf16 values: q must be bfloat16 or float32, got torch.float16"):
+    with pytest.raises(
+        TypeError,
+        match=r"raw_kv: fp8_ds_mla pages dequantize to bf16 values: q must be bfloat16 or float32, got torch.float16",
+    ):
         call(_fp8(raw), q=q.half())
     packed = TP.LogicalKV(pages.view(-1)[: 10 * KV.HEAD_DIM].view(10, KV.HEAD_DIM), torch.zeros(3, dtype=torch.int64))
-    with pytest.raises(TypeError, match=r"raw_kv: dtype torch.uint8 differs from q's torch.float32 \(fp8_ds_mla bytes come as PagedKV"):
+    with pytest.raises(
+        TypeError, match=r"raw_kv: dtype torch.uint8 differs from q's torch.float32 \(fp8_ds_mla bytes come as PagedKV"
+    ):
         call(packed)
     small, raw_s, comp_s = fp8_case("small-d", [9], [9], 0, window_size=8, H=2)
     small_meta = TP.build_step_metadata(P.plan_step(small.batch, small.plan_config(), [small.layer]))[small.kind]

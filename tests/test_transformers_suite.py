@@ -24,12 +24,26 @@ def _run(tests):
 
 
 def test_comparison_flags_regressions_and_checks_refusals():
-    plain = _run({"test_a": ("passed", ""), "test_b": ("passed", ""), "test_attention_outputs": ("passed", ""),
-                  "test_capture_outputs_decorator": ("passed", ""), "test_c": ("failed", "boom"),
-                  "test_d": ("skipped", "")})  # fmt: skip
-    ours = _run({"test_a": ("passed", ""), "test_b": ("failed", "ValueError: x"), "test_c": ("passed", ""),
-                 "test_attention_outputs": ("failed", f"ValueError: {S.REFUSAL_MESSAGE} (no dense weights)"),
-                 "test_capture_outputs_decorator": ("failed", "TypeError: something else"), "test_d": ("failed", "")})  # fmt: skip
+    plain = _run(
+        {
+            "test_a": ("passed", ""),
+            "test_b": ("passed", ""),
+            "test_attention_outputs": ("passed", ""),
+            "test_capture_outputs_decorator": ("passed", ""),
+            "test_c": ("failed", "boom"),
+            "test_d": ("skipped", ""),
+        }
+    )
+    ours = _run(
+        {
+            "test_a": ("passed", ""),
+            "test_b": ("failed", "ValueError: x"),
+            "test_c": ("passed", ""),
+            "test_attention_outputs": ("failed", f"ValueError: {S.REFUSAL_MESSAGE} (no dense weights)"),
+            "test_capture_outputs_decorator": ("failed", "TypeError: something else"),
+            "test_d": ("failed", ""),
+        }
+    )
     cmp = S.compare(plain, ours)
     assert cmp.regressions == {"test_b": "failed: ValueError: x"}
     assert list(cmp.refusals) == ["test_attention_outputs"]
@@ -44,8 +58,12 @@ def test_missing_files_raise_a_clear_reason(tmp_path, monkeypatch):
     monkeypatch.setenv("DSV4_TRANSFORMERS_TESTS", str(tmp_path / "empty"))
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "README").write_text("not a test tree")
-    monkeypatch.setattr(S, "_github_tests", lambda *a: (_ for _ in ()).throw(S.SuiteUnavailable("GitHub cannot be reached")))
-    with pytest.raises(S.SuiteUnavailable, match=r"test_modeling_deepseek_v4.py.*GitHub cannot be reached.*DSV4_TRANSFORMERS_TESTS"):
+    monkeypatch.setattr(
+        S, "_github_tests", lambda *a: (_ for _ in ()).throw(S.SuiteUnavailable("GitHub cannot be reached"))
+    )
+    with pytest.raises(
+        S.SuiteUnavailable, match=r"test_modeling_deepseek_v4.py.*GitHub cannot be reached.*DSV4_TRANSFORMERS_TESTS"
+    ):
         S.assemble("5.23.0", cache=tmp_path / "cache", log=lambda *a: None)
 
 
@@ -58,8 +76,9 @@ def test_transformers_deepseek_v4_model_tests_pass_through_our_path():
         pytest.skip(f"transformers' DeepSeek-V4 model tests are not available here: {e}")
     select = None if os.environ.get("DSV4_SUITE_FULL") else S.CI_SELECTION
     plain = S.run(tree, "plain", select=select, extra_paths=paths)
-    ours = S.run(tree, "ours", backend=os.environ.get("DSV4_SUITE_BACKEND", "reference"), select=select,
-                 extra_paths=paths)  # fmt: skip
+    ours = S.run(
+        tree, "ours", backend=os.environ.get("DSV4_SUITE_BACKEND", "reference"), select=select, extra_paths=paths
+    )
     cmp = S.compare(plain, ours)
     print(f"test tree from {tree.sources}; placeholders: {tree.placeholders}\n{cmp.summary()}")
     assert plain.count("passed") >= 10, "the plain run passed almost nothing: the tree is broken"

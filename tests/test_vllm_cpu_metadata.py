@@ -22,7 +22,7 @@ def _batch(seed: int, num_decodes: int = 2, num_prefills: int = 3, pad: int = 3,
     bt = g.permutation(q.shape[0] * width).reshape(q.shape[0], width).astype(np.int32)
     n = int(qsl[-1]) + pad
     slots = g.integers(0, 1000, n)
-    slots[int(qsl[-1]):] = -1
+    slots[int(qsl[-1]) :] = -1
     slots[g.integers(0, n, 2)] = -1  # replayed tokens write nothing
     return qsl, seq.astype(np.int32), bt, n, slots
 

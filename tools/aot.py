@@ -67,6 +67,7 @@ def triton_ir(T: int, H: int, D: int, S: int, K: int, tiling: dict) -> str:
 
     registration.lowering.lower_jaxpr_to_triton_module = capture
     try:
+
         def f(q, kv, idx, sink, topk_length):
             return sparse_attention_pallas(q, kv, idx, D**-0.5, sink, topk_length, interpret=False, **tiling)
 

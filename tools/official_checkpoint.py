@@ -32,9 +32,9 @@ import argparse
 import json
 import math
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -48,21 +48,48 @@ FP8_BLOCK = (128, 128)
 FP4_GROUP = 32
 EXPERT_FORMATS = ("fp4", "fp8")
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
-QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "ue8m0",
-                       "weight_block_size": list(FP8_BLOCK)}  # fmt: skip
+QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": list(FP8_BLOCK),
+}
 
 # DeepSeek leaf -> stored format. FP8: the attention projections, the indexer's wq_b, the shared
 # expert (and MTP's e_proj / h_proj); F32: mHC, sinks, position biases, router bias; I64: tid2eid.
-FP8_LEAVES = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
-              "attn.indexer.wq_b.weight", "ffn.shared_experts.w1.weight", "ffn.shared_experts.w2.weight",
-              "ffn.shared_experts.w3.weight", "e_proj.weight", "h_proj.weight")  # fmt: skip
-F32_LEAVES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-              "hc_head_fn", "hc_head_base", "hc_head_scale", "attn.attn_sink", "attn.compressor.ape",
-              "attn.indexer.compressor.ape", "ffn.gate.bias")  # fmt: skip
+FP8_LEAVES = (
+    "attn.wq_a.weight",
+    "attn.wq_b.weight",
+    "attn.wkv.weight",
+    "attn.wo_a.weight",
+    "attn.wo_b.weight",
+    "attn.indexer.wq_b.weight",
+    "ffn.shared_experts.w1.weight",
+    "ffn.shared_experts.w2.weight",
+    "ffn.shared_experts.w3.weight",
+    "e_proj.weight",
+    "h_proj.weight",
+)
+F32_LEAVES = (
+    "hc_attn_fn",
+    "hc_attn_base",
+    "hc_attn_scale",
+    "hc_ffn_fn",
+    "hc_ffn_base",
+    "hc_ffn_scale",
+    "hc_head_fn",
+    "hc_head_base",
+    "hc_head_scale",
+    "attn.attn_sink",
+    "attn.compressor.ape",
+    "attn.indexer.compressor.ape",
+    "ffn.gate.bias",
+)
 
 
 def _leaf_format(name: str) -> str:
-    """"fp8", "expert", "f32", "int" or "bf16" for a DeepSeek tensor name."""
+    """ "fp8", "expert", "f32", "int" or "bf16" for a DeepSeek tensor name."""
     if ".ffn.experts." in name:
         return "expert"
     if name.endswith("tid2eid"):
@@ -163,8 +190,10 @@ def _mtp_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:
     """A float32 MTP layer in DeepSeek's names: one sliding-window hash-routed layer like layer 0
     (from its own streams) plus e_proj / h_proj / enorm / hnorm / norm / hc_head_*."""
     one = {k: v for k, v in tiny_config(**{**_overrides(cfg), "compress_ratios": (0,), "num_hash_layers": 1}).items()}
-    layer = to_deepseek_names({k: v for k, v in init_tensors(one, seed + 7919).items() if k.startswith("model.layers.0.")})
-    out = {"mtp.0." + k[len("layers.0."):]: v for k, v in layer.items()}
+    layer = to_deepseek_names(
+        {k: v for k, v in init_tensors(one, seed + 7919).items() if k.startswith("model.layers.0.")}
+    )
+    out = {"mtp.0." + k[len("layers.0.") :]: v for k, v in layer.items()}
     hid, n = cfg["hidden_size"], cfg["hc_mult"]
     g = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(b"mtp")]))
     out["mtp.0.e_proj.weight"] = (g.standard_normal((hid, hid)) / math.sqrt(hid)).astype(np.float32)
@@ -207,8 +236,14 @@ class _Spec:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-_ST = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
-       np.dtype(ml_dtypes.float8_e8m0fnu): "F8_E8M0", np.dtype(np.int8): "I8", np.dtype(np.int64): "I64"}  # fmt: skip
+_ST = {
+    np.dtype(np.float32): "F32",
+    np.dtype(ml_dtypes.bfloat16): "BF16",
+    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
+    np.dtype(ml_dtypes.float8_e8m0fnu): "F8_E8M0",
+    np.dtype(np.int8): "I8",
+    np.dtype(np.int64): "I64",
+}
 
 
 def _write_file(path: Path, specs: list[_Spec]) -> None:
@@ -264,15 +299,26 @@ def _write_side_files(out: Path, cfg: dict, experts: str, tokenizer: bool = True
     if tokenizer:
         tok = build_tokenizer(cfg["vocab_size"])
         (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
-    _dump_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[1],
-        "pad_token": SPECIAL_TOKENS[2], "clean_up_tokenization_spaces": False,
-        "model_max_length": cfg["max_position_embeddings"],
-    })  # fmt: skip
-    _dump_json(out / "generation_config.json", {
-        "bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"], "pad_token_id": cfg["pad_token_id"],
-        "do_sample": False,
-    })  # fmt: skip
+    _dump_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": SPECIAL_TOKENS[0],
+            "eos_token": SPECIAL_TOKENS[1],
+            "pad_token": SPECIAL_TOKENS[2],
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": cfg["max_position_embeddings"],
+        },
+    )
+    _dump_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": cfg["bos_token_id"],
+            "eos_token_id": cfg["eos_token_id"],
+            "pad_token_id": cfg["pad_token_id"],
+            "do_sample": False,
+        },
+    )
 
 
 def write_official_checkpoint(out_dir, seed: int = 0, experts: str = "fp4", shards: int = 2, config=None) -> Path:
@@ -299,17 +345,28 @@ def write_official_checkpoint(out_dir, seed: int = 0, experts: str = "fp4", shar
 # ----------------------------------------------------------------------------- any size, random
 
 
-def flash_like_config(compress_ratios=(0, 4, 128), n_routed_experts: int = 256, vocab_size: int = 129280,
-                      num_hash_layers: int = 0) -> dict:  # fmt: skip
+def flash_like_config(
+    compress_ratios=(0, 4, 128), n_routed_experts: int = 256, vocab_size: int = 129280, num_hash_layers: int = 0
+) -> dict:
     """V4-Flash's geometry (hidden 4096, 64 heads of 512, q_lora 1024, 8 x 1024 output groups, 2048
     expert width, 64 x 128 indexer, window 128, top-6 routing, index_topk 512) with `compress_ratios`
     layers, `n_routed_experts` experts and `vocab_size` (transformers' config fields)."""
     return tiny_config(
-        compress_ratios=tuple(compress_ratios), num_hash_layers=num_hash_layers, vocab_size=vocab_size,
-        hidden_size=4096, moe_intermediate_size=2048, num_attention_heads=64, q_lora_rank=1024, o_groups=8,
-        o_lora_rank=1024, sliding_window=128, index_n_heads=64, index_topk=512, n_routed_experts=n_routed_experts,
+        compress_ratios=tuple(compress_ratios),
+        num_hash_layers=num_hash_layers,
+        vocab_size=vocab_size,
+        hidden_size=4096,
+        moe_intermediate_size=2048,
+        num_attention_heads=64,
+        q_lora_rank=1024,
+        o_groups=8,
+        o_lora_rank=1024,
+        sliding_window=128,
+        index_n_heads=64,
+        index_topk=512,
+        n_routed_experts=n_routed_experts,
         num_experts_per_tok=min(6, n_routed_experts),
-    )  # fmt: skip
+    )
 
 
 def vllm_cpu_config(**overrides) -> dict:
@@ -318,9 +375,21 @@ def vllm_cpu_config(**overrides) -> dict:
     (`hash_topk_cpu` / `biased_topk_cpu`), 128-multiples for the FP8 GEMMs (hidden 256, q_lora and
     o_lora 128, expert width 128), window 128, 16 query and indexer heads, head_dim 512; the tiny
     vocabulary (512) and layer pattern (SWA, SWA, CSA, HCA, CSA, HCA; 3 hash layers)."""
-    cfg = dict(hidden_size=256, num_attention_heads=16, q_lora_rank=128, o_groups=2, o_lora_rank=128,
-               moe_intermediate_size=128, n_routed_experts=64, num_experts_per_tok=6, index_topk=512,
-               index_n_heads=16, sliding_window=128, vocab_size=512, max_position_embeddings=8192)  # fmt: skip
+    cfg = dict(
+        hidden_size=256,
+        num_attention_heads=16,
+        q_lora_rank=128,
+        o_groups=2,
+        o_lora_rank=128,
+        moe_intermediate_size=128,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        index_topk=512,
+        index_n_heads=16,
+        sliding_window=128,
+        vocab_size=512,
+        max_position_embeddings=8192,
+    )
     cfg.update(overrides)
     return tiny_config(**cfg)
 
@@ -349,21 +418,45 @@ def _random_specs(cfg: dict, experts: str, seed: int, chunk_bytes: int = 64 << 2
             so, si = -(-shape[0] // FP8_BLOCK[0]), -(-shape[1] // FP8_BLOCK[1])
             # e4m3 values ~ N(0, 4^2) times 2^s with 4 * 2^s ~ 1 / sqrt(fan_in)
             s = -round(math.log2(4 * math.sqrt(fan_in)))
-            specs.append(_Spec(name, np.dtype(ml_dtypes.float8_e4m3fn), shape,
-                               _normal_chunks(g, shape, 4.0, ml_dtypes.float8_e4m3fn, chunk_bytes)))  # fmt: skip
+            specs.append(
+                _Spec(
+                    name,
+                    np.dtype(ml_dtypes.float8_e4m3fn),
+                    shape,
+                    _normal_chunks(g, shape, 4.0, ml_dtypes.float8_e4m3fn, chunk_bytes),
+                )
+            )
             if fmt == "expert":
-                specs.append(_Spec(name[:-7] + ".scale", np.dtype(np.float32), (so, si),
-                                   _const_chunks((so, si), np.float32(2.0**s), np.float32)))  # fmt: skip
+                specs.append(
+                    _Spec(
+                        name[:-7] + ".scale",
+                        np.dtype(np.float32),
+                        (so, si),
+                        _const_chunks((so, si), np.float32(2.0**s), np.float32),
+                    )
+                )
             else:
-                specs.append(_Spec(name[:-7] + ".scale", np.dtype(ml_dtypes.float8_e8m0fnu), (so, si),
-                                   _const_chunks((so, si), np.uint8(127 + s), ml_dtypes.float8_e8m0fnu)))  # fmt: skip
+                specs.append(
+                    _Spec(
+                        name[:-7] + ".scale",
+                        np.dtype(ml_dtypes.float8_e8m0fnu),
+                        (so, si),
+                        _const_chunks((so, si), np.uint8(127 + s), ml_dtypes.float8_e8m0fnu),
+                    )
+                )
         elif fmt == "expert":  # random nibbles: values +-{0 .. 6}, std ~2.9
             s = -round(math.log2(2.9 * math.sqrt(fan_in)))
             packed = (shape[0], shape[1] // 2)
             specs.append(_Spec(name, np.dtype(np.int8), packed, _byte_chunks(g, packed, chunk_bytes)))
             grid = (shape[0], shape[1] // FP4_GROUP)
-            specs.append(_Spec(name[:-7] + ".scale", np.dtype(ml_dtypes.float8_e8m0fnu), grid,
-                               _const_chunks(grid, np.uint8(127 + s), ml_dtypes.float8_e8m0fnu)))  # fmt: skip
+            specs.append(
+                _Spec(
+                    name[:-7] + ".scale",
+                    np.dtype(ml_dtypes.float8_e8m0fnu),
+                    grid,
+                    _const_chunks(grid, np.uint8(127 + s), ml_dtypes.float8_e8m0fnu),
+                )
+            )
         elif fmt == "int":
             specs.append(_Spec(name, np.dtype(np.int64), shape, _hash_chunks(g, shape, E)))
         else:
@@ -440,8 +533,9 @@ def official_layout(config: dict, experts: str = "fp4") -> list[tuple[str, np.dt
     return [(s.name, s.dtype, s.shape) for s in _random_specs(config, experts, 0)]
 
 
-def write_random_checkpoint(out_dir, config: dict, experts: str = "fp4", shards: int = 2, seed: int = 0,
-                            tokenizer: bool = False) -> Path:  # fmt: skip
+def write_random_checkpoint(
+    out_dir, config: dict, experts: str = "fp4", shards: int = 2, seed: int = 0, tokenizer: bool = False
+) -> Path:
     """A checkpoint of `config` (transformers' fields, e.g. `flash_like_config()`) in the official
     format from random values, streamed to disk; config.json and tokenizer configs beside it
     (tokenizer.json only with tokenizer=True: it is trained for the tiny vocabulary)."""
@@ -460,8 +554,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--experts", choices=EXPERT_FORMATS, default="fp4",
-                    help="fp4: V4-Flash's packed FP4 experts; fp8: V4-Flash-Base's FP8 experts with F32 scales")
+    ap.add_argument(
+        "--experts",
+        choices=EXPERT_FORMATS,
+        default="fp4",
+        help="fp4: V4-Flash's packed FP4 experts; fp8: V4-Flash-Base's FP8 experts with F32 scales",
+    )
     ap.add_argument("--shards", type=int, default=2)
     args = ap.parse_args(argv)
     print(write_official_checkpoint(args.out, seed=args.seed, experts=args.experts, shards=args.shards))

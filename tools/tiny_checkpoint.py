@@ -84,8 +84,12 @@ def deepseek_config(cfg: dict) -> dict:
 
     `compress_ratios` gets the trailing MTP slot (0) like the real file; transformers drops it.
     """
-    out = {k: v for k, v in cfg.items() if k not in ("layer_types", "mlp_layer_types", "rope_parameters",
-                                                     "compress_rates", "partial_rotary_factor", "dtype")}
+    out = {
+        k: v
+        for k, v in cfg.items()
+        if k
+        not in ("layer_types", "mlp_layer_types", "rope_parameters", "compress_rates", "partial_rotary_factor", "dtype")
+    }
     comp = cfg["rope_parameters"]["compress"]
     n_hash = sum(t == "hash_moe" for t in cfg["mlp_layer_types"])
     if cfg["mlp_layer_types"][:n_hash] != ["hash_moe"] * n_hash:
@@ -116,64 +120,76 @@ def parameter_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     for i, (ltype, mtype) in enumerate(zip(cfg["layer_types"], cfg["mlp_layer_types"])):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        shapes.update({
-            a + "q_a_proj.weight": (qr, hid),
-            a + "q_a_norm.weight": (qr,),
-            a + "q_b_proj.weight": (H * D, qr),
-            a + "kv_proj.weight": (D, hid),
-            a + "kv_norm.weight": (D,),
-            a + "o_a_proj.weight": (G * orank, H * D // G),
-            a + "o_b_proj.weight": (hid, G * orank),
-            a + "sinks": (H,),
-        })
+        shapes.update(
+            {
+                a + "q_a_proj.weight": (qr, hid),
+                a + "q_a_norm.weight": (qr,),
+                a + "q_b_proj.weight": (H * D, qr),
+                a + "kv_proj.weight": (D, hid),
+                a + "kv_norm.weight": (D,),
+                a + "o_a_proj.weight": (G * orank, H * D // G),
+                a + "o_b_proj.weight": (hid, G * orank),
+                a + "sinks": (H,),
+            }
+        )
         if ltype != "sliding_attention":
             r = int(rates[ltype])
             width = 2 * D if ltype == "compressed_sparse_attention" else D  # CSA: two overlapped series
             c = a + "compressor."
-            shapes.update({
-                c + "kv_proj.weight": (width, hid),
-                c + "gate_proj.weight": (width, hid),
-                c + "position_bias": (r, width),
-                c + "kv_norm.weight": (D,),
-            })
+            shapes.update(
+                {
+                    c + "kv_proj.weight": (width, hid),
+                    c + "gate_proj.weight": (width, hid),
+                    c + "position_bias": (r, width),
+                    c + "kv_norm.weight": (D,),
+                }
+            )
             if ltype == "compressed_sparse_attention":
                 x = c + "indexer."
-                shapes.update({
-                    x + "kv_proj.weight": (2 * idim, hid),
-                    x + "gate_proj.weight": (2 * idim, hid),
-                    x + "position_bias": (r, 2 * idim),
-                    x + "kv_norm.weight": (idim,),
-                    x + "q_b_proj.weight": (ih * idim, qr),
-                    x + "scorer.weights_proj.weight": (ih, hid),
-                })
+                shapes.update(
+                    {
+                        x + "kv_proj.weight": (2 * idim, hid),
+                        x + "gate_proj.weight": (2 * idim, hid),
+                        x + "position_bias": (r, 2 * idim),
+                        x + "kv_norm.weight": (idim,),
+                        x + "q_b_proj.weight": (ih * idim, qr),
+                        x + "scorer.weights_proj.weight": (ih, hid),
+                    }
+                )
         m = p + "mlp."
         shapes[m + "gate.weight"] = (E, hid)
         if mtype == "hash_moe":
             shapes[m + "gate.tid2eid"] = (V, k)
         else:
             shapes[m + "gate.e_score_correction_bias"] = (E,)
-        shapes.update({
-            m + "experts.gate_up_proj": (E, 2 * inter, hid),
-            m + "experts.down_proj": (E, hid, inter),
-            m + "shared_experts.gate_proj.weight": (inter, hid),
-            m + "shared_experts.up_proj.weight": (inter, hid),
-            m + "shared_experts.down_proj.weight": (hid, inter),
-            p + "input_layernorm.weight": (hid,),
-            p + "post_attention_layernorm.weight": (hid,),
-        })
+        shapes.update(
+            {
+                m + "experts.gate_up_proj": (E, 2 * inter, hid),
+                m + "experts.down_proj": (E, hid, inter),
+                m + "shared_experts.gate_proj.weight": (inter, hid),
+                m + "shared_experts.up_proj.weight": (inter, hid),
+                m + "shared_experts.down_proj.weight": (hid, inter),
+                p + "input_layernorm.weight": (hid,),
+                p + "post_attention_layernorm.weight": (hid,),
+            }
+        )
         for hc in ("attn_hc", "ffn_hc"):
-            shapes.update({
-                p + f"{hc}.fn": ((2 + nh) * nh, nh * hid),
-                p + f"{hc}.base": ((2 + nh) * nh,),
-                p + f"{hc}.scale": (3,),
-            })
-    shapes.update({
-        "model.norm.weight": (hid,),
-        "model.hc_head.hc_fn": (nh, nh * hid),
-        "model.hc_head.hc_base": (nh,),
-        "model.hc_head.hc_scale": (1,),
-        "lm_head.weight": (V, hid),
-    })
+            shapes.update(
+                {
+                    p + f"{hc}.fn": ((2 + nh) * nh, nh * hid),
+                    p + f"{hc}.base": ((2 + nh) * nh,),
+                    p + f"{hc}.scale": (3,),
+                }
+            )
+    shapes.update(
+        {
+            "model.norm.weight": (hid,),
+            "model.hc_head.hc_fn": (nh, nh * hid),
+            "model.hc_head.hc_base": (nh,),
+            "model.hc_head.hc_scale": (1,),
+            "lm_head.weight": (V, hid),
+        }
+    )
     return shapes
 
 
@@ -265,7 +281,7 @@ def to_deepseek_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             continue
         if not name.startswith("model.layers."):
             raise ValueError(f"tensors: no DeepSeek name for {name!r}")
-        i, rest = name[len("model.layers."):].split(".", 1)
+        i, rest = name[len("model.layers.") :].split(".", 1)
         p = f"layers.{i}."
         if rest == "mlp.experts.gate_up_proj":  # (E, 2I, hidden): gate rows then up rows
             inter = t.shape[1] // 2
@@ -288,11 +304,47 @@ def to_deepseek_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 # ----------------------------------------------------------------------------- tokenizer
 
-_NAMES = ["Ava", "Ben", "Chloe", "Dev", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jamal", "Kira", "Liam",
-          "Maya", "Noah", "Olga", "Pablo", "Quinn", "Rosa", "Sami", "Tara", "Umar", "Vera", "Wen", "Yusuf", "Zoe"]
-_ITEMS = [("apple", "apples"), ("marble", "marbles"), ("book", "books"), ("pencil", "pencils"),
-          ("cookie", "cookies"), ("sticker", "stickers"), ("shell", "shells"), ("card", "cards"),
-          ("egg", "eggs"), ("flower", "flowers"), ("coin", "coins"), ("box", "boxes")]
+_NAMES = [
+    "Ava",
+    "Ben",
+    "Chloe",
+    "Dev",
+    "Elena",
+    "Farid",
+    "Grace",
+    "Hugo",
+    "Ines",
+    "Jamal",
+    "Kira",
+    "Liam",
+    "Maya",
+    "Noah",
+    "Olga",
+    "Pablo",
+    "Quinn",
+    "Rosa",
+    "Sami",
+    "Tara",
+    "Umar",
+    "Vera",
+    "Wen",
+    "Yusuf",
+    "Zoe",
+]
+_ITEMS = [
+    ("apple", "apples"),
+    ("marble", "marbles"),
+    ("book", "books"),
+    ("pencil", "pencils"),
+    ("cookie", "cookies"),
+    ("sticker", "stickers"),
+    ("shell", "shells"),
+    ("card", "cards"),
+    ("egg", "eggs"),
+    ("flower", "flowers"),
+    ("coin", "coins"),
+    ("box", "boxes"),
+]
 
 
 def _problem(rng: random.Random) -> str:
@@ -302,27 +354,39 @@ def _problem(rng: random.Random) -> str:
     x, y, z = rng.randint(2, 60), rng.randint(2, 30), rng.randint(2, 9)
     kind = rng.randrange(6)
     if kind == 0:
-        return (f"{a} has {x} {many}. {b} gives {a} {y} more {many}. How many {many} does {a} have now?\n"
-                f"{a} has {x} + {y} = {x + y} {many}.\n#### {x + y}")
+        return (
+            f"{a} has {x} {many}. {b} gives {a} {y} more {many}. How many {many} does {a} have now?\n"
+            f"{a} has {x} + {y} = {x + y} {many}.\n#### {x + y}"
+        )
     if kind == 1:
         x = x + y
-        return (f"{a} had {x} {many} and gave {y} of them to {b}. How many {many} are left?\n"
-                f"{x} - {y} = {x - y}, so {x - y} {many} are left.\n#### {x - y}")
+        return (
+            f"{a} had {x} {many} and gave {y} of them to {b}. How many {many} are left?\n"
+            f"{x} - {y} = {x - y}, so {x - y} {many} are left.\n#### {x - y}"
+        )
     if kind == 2:
-        return (f"Each box holds {z} {many}. {a} buys {y} boxes. How many {many} does {a} buy?\n"
-                f"{y} * {z} = {y * z}.\n#### {y * z}")
+        return (
+            f"Each box holds {z} {many}. {a} buys {y} boxes. How many {many} does {a} buy?\n"
+            f"{y} * {z} = {y * z}.\n#### {y * z}"
+        )
     if kind == 3:
-        return (f"{a} shares {y * z} {many} equally among {z} friends. How many {many} does each friend get?\n"
-                f"{y * z} / {z} = {y}.\n#### {y}")
+        return (
+            f"{a} shares {y * z} {many} equally among {z} friends. How many {many} does each friend get?\n"
+            f"{y * z} / {z} = {y}.\n#### {y}"
+        )
     if kind == 4:
         price = rng.randint(1, 12)
-        return (f"A {one} costs ${price}. {a} buys {y} of them and pays with ${price * y + x}. "
-                f"How much change does {a} get?\nThe {many} cost {y} * {price} = ${price * y}. "
-                f"The change is {price * y + x} - {price * y} = ${x}.\n#### {x}")
+        return (
+            f"A {one} costs ${price}. {a} buys {y} of them and pays with ${price * y + x}. "
+            f"How much change does {a} get?\nThe {many} cost {y} * {price} = ${price * y}. "
+            f"The change is {price * y + x} - {price * y} = ${x}.\n#### {x}"
+        )
     w = rng.randint(2, 5)
     total = x + w * y
-    return (f"{a} reads {x} pages on Monday and {y} pages on each of the next {w} days. "
-            f"How many pages does {a} read in total?\n{x} + {w} * {y} = {x} + {w * y} = {total}.\n#### {total}")
+    return (
+        f"{a} reads {x} pages on Monday and {y} pages on each of the next {w} days. "
+        f"How many pages does {a} read in total?\n{x} + {w} * {y} = {x} + {w * y} = {total}.\n#### {total}"
+    )
 
 
 def corpus(num_problems: int = 600, seed: int = 1234) -> list[str]:
@@ -370,8 +434,9 @@ def _bfloat16():
     try:
         import ml_dtypes
     except ModuleNotFoundError:
-        raise ModuleNotFoundError("dtype='bfloat16': writing bfloat16 tensors needs ml_dtypes "
-                                  "(pip install ml_dtypes; jax installs it)") from None
+        raise ModuleNotFoundError(
+            "dtype='bfloat16': writing bfloat16 tensors needs ml_dtypes (pip install ml_dtypes; jax installs it)"
+        ) from None
     return ml_dtypes.bfloat16
 
 
@@ -415,20 +480,26 @@ def write_tiny_checkpoint(out_dir, seed: int = 0, names: str = "hf", dtype: str 
     _dump_json(out / "config.json", cfg if names == "hf" else deepseek_config(cfg))
     tok = build_tokenizer(cfg["vocab_size"])
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
-    _dump_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": SPECIAL_TOKENS[0],
-        "eos_token": SPECIAL_TOKENS[1],
-        "pad_token": SPECIAL_TOKENS[2],
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": cfg["max_position_embeddings"],
-    })
-    _dump_json(out / "generation_config.json", {
-        "bos_token_id": cfg["bos_token_id"],
-        "eos_token_id": cfg["eos_token_id"],
-        "pad_token_id": cfg["pad_token_id"],
-        "do_sample": False,
-    })
+    _dump_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": SPECIAL_TOKENS[0],
+            "eos_token": SPECIAL_TOKENS[1],
+            "pad_token": SPECIAL_TOKENS[2],
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": cfg["max_position_embeddings"],
+        },
+    )
+    _dump_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": cfg["bos_token_id"],
+            "eos_token_id": cfg["eos_token_id"],
+            "pad_token_id": cfg["pad_token_id"],
+            "do_sample": False,
+        },
+    )
     return out
 
 

@@ -50,19 +50,29 @@ PLACEHOLDERS = {
 }
 # The tests that ask for output_attentions: dense attention weights are what the sparse path avoids.
 EXPECTED_REFUSALS = {
-    "test_attention_outputs", "test_model_outputs_equivalence", "test_retain_grad_hidden_states_attentions",
+    "test_attention_outputs",
+    "test_model_outputs_equivalence",
+    "test_retain_grad_hidden_states_attentions",
     "test_capture_outputs_decorator",
-}  # fmt: skip
+}
 REFUSAL_MESSAGE = "output_attentions: not available with the sparse prefill path"
 # What CI runs (pytest -k; --full / DSV4_SUITE_FULL=1: everything): training and the three
 # checkpointing variants, a 16-bit cast, batching, determinism, embeddings, a refusal; left out
 # are the slowest forward tests (fp32/fp16 batched-vs-grouped, save/load, chunking) and the tests
 # that only build, save or inspect models.
-CI_SELECTION = " or ".join((
-    "test_training", "test_eager_matches_batched_and_grouped_inference_2_bf16", "test_batching_equivalence",
-    "test_determinism", "test_inputs_embeds_matches_input_ids", "test_resize_tokens_embeddings",
-    "test_hidden_states_output", "test_attention_outputs", "test_causal_lm_can_accept_training_kwargs",
-))
+CI_SELECTION = " or ".join(
+    (
+        "test_training",
+        "test_eager_matches_batched_and_grouped_inference_2_bf16",
+        "test_batching_equivalence",
+        "test_determinism",
+        "test_inputs_embeds_matches_input_ids",
+        "test_resize_tokens_embeddings",
+        "test_hidden_states_output",
+        "test_attention_outputs",
+        "test_causal_lm_can_accept_training_kwargs",
+    )
+)
 
 
 class SuiteUnavailable(RuntimeError):
@@ -139,7 +149,14 @@ def _assemble(version, root: Path, work: Path, local, cache: Path, log) -> Tree:
             path.write_text(f"{PLACEHOLDER_MARK}: transformers' {rel} was not available\n{text}")
         if path.read_text().startswith(PLACEHOLDER_MARK):
             placeholders.append(rel)
-    for d in ("tests", "tests/models", "tests/models/deepseek_v4", "tests/generation", "tests/exporters", "tests/utils"):
+    for d in (
+        "tests",
+        "tests/models",
+        "tests/models/deepseek_v4",
+        "tests/generation",
+        "tests/exporters",
+        "tests/utils",
+    ):
         (work / d).mkdir(parents=True, exist_ok=True)
         (work / d / "__init__.py").touch()
     summary = tests / "utils" / "tiny_model_summary.json"
@@ -171,8 +188,18 @@ def _sdist_tests(version: str, cache: Path, log) -> Path:
     tarball = out / f"transformers-{version}.tar.gz"
     if not tarball.exists():
         log(f"transformers suite: pip download transformers=={version} (sdist)")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", f"transformers=={version}",
-               "-d", str(out)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-binary",
+            ":all:",
+            "--no-deps",
+            f"transformers=={version}",
+            "-d",
+            str(out),
+        ]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -193,11 +220,31 @@ def _github_tests(version: str, work: Path, log) -> Path:
     dest = work / "github"
     log(f"transformers suite: git clone (sparse) huggingface/transformers v{version} tests/")
     steps = [
-        ["git", "clone", "--quiet", "--depth", "1", "--branch", f"v{version}", "--filter=blob:none", "--sparse",
-         "https://github.com/huggingface/transformers.git", str(dest)],
-        ["git", "-C", str(dest), "sparse-checkout", "set", "tests/models/deepseek_v4", "tests/generation",
-         "tests/exporters", "tests/utils"],
-    ]  # fmt: skip
+        [
+            "git",
+            "clone",
+            "--quiet",
+            "--depth",
+            "1",
+            "--branch",
+            f"v{version}",
+            "--filter=blob:none",
+            "--sparse",
+            "https://github.com/huggingface/transformers.git",
+            str(dest),
+        ],
+        [
+            "git",
+            "-C",
+            str(dest),
+            "sparse-checkout",
+            "set",
+            "tests/models/deepseek_v4",
+            "tests/generation",
+            "tests/exporters",
+            "tests/utils",
+        ],
+    ]
     env = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}
     for cmd in steps:
         try:
@@ -238,15 +285,26 @@ def ensure_test_dependencies(cache: Path = CACHE, log=print) -> list[str]:
     target = cache / "pydeps"
     if not (target / "parameterized").is_dir():
         log("transformers suite: pip install parameterized (into the cache)")
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(target), "parameterized"],
-                           capture_output=True, text=True, timeout=600)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--target", str(target), "parameterized"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if r.returncode != 0:
             raise SuiteUnavailable(f"cannot install parameterized: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
     return [str(target)]
 
 
-def run(tree: Tree, mode: str, *, backend: str = "reference", select: str | None = CI_SELECTION,
-        extra_paths=(), timeout: int = 3600) -> Run:  # fmt: skip
+def run(
+    tree: Tree,
+    mode: str,
+    *,
+    backend: str = "reference",
+    select: str | None = CI_SELECTION,
+    extra_paths=(),
+    timeout: int = 3600,
+) -> Run:
     """One pytest run of the DeepSeek-V4 model tests in a subprocess ("plain" or "ours")."""
     import time
 
@@ -255,11 +313,28 @@ def run(tree: Tree, mode: str, *, backend: str = "reference", select: str | None
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), *extra_paths, os.environ.get("PYTHONPATH", "")]),
-        "DSV4_SUITE_MODE": mode, "DSV4_SUITE_BACKEND": backend, "DSV4_SUITE_REPORT": report,
+        "DSV4_SUITE_MODE": mode,
+        "DSV4_SUITE_BACKEND": backend,
+        "DSV4_SUITE_REPORT": report,
         "TOKENIZERS_PARALLELISM": "false",
-    }  # fmt: skip
-    cmd = [sys.executable, "-m", "pytest", "-c", os.devnull, "--rootdir", str(tree.root), "-q", "-p", "no:cacheprovider",
-           "-p", "tools.suite_plugin", "-W", "ignore::pytest.PytestUnknownMarkWarning", TEST_FILE]  # fmt: skip
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-c",
+        os.devnull,
+        "--rootdir",
+        str(tree.root),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "tools.suite_plugin",
+        "-W",
+        "ignore::pytest.PytestUnknownMarkWarning",
+        TEST_FILE,
+    ]
     if select:
         cmd += ["-k", select]
     t0 = time.perf_counter()
@@ -270,8 +345,10 @@ def run(tree: Tree, mode: str, *, backend: str = "reference", select: str | None
     finally:
         os.unlink(report)
     if not data.get("tests"):
-        raise RuntimeError(f"{mode} run of transformers' tests collected nothing (exit {proc.returncode}):\n"
-                           + (proc.stdout + proc.stderr)[-3000:])  # fmt: skip
+        raise RuntimeError(
+            f"{mode} run of transformers' tests collected nothing (exit {proc.returncode}):\n"
+            + (proc.stdout + proc.stderr)[-3000:]
+        )
     tests = {nodeid.split("::")[-1]: rec for nodeid, rec in data["tests"].items()}
     return Run(mode, tests, data.get("models_enabled", 0), data.get("sparse_layer_calls", 0), proc.returncode, seconds)
 
@@ -292,8 +369,12 @@ class Comparison:
     def summary(self) -> str:
         lines = [f"{'':8} {'passed':>7} {'failed':>7} {'skipped':>8} {'seconds':>8}"]
         for r in (self.plain, self.ours):
-            lines.append(f"{r.mode:8} {r.count('passed'):7d} {r.count('failed'):7d} {r.count('skipped'):8d} {r.seconds:8.1f}")
-        lines.append(f"ours: {self.ours.models_enabled} models ran our path, {self.ours.sparse_layer_calls} sparse layer calls")
+            lines.append(
+                f"{r.mode:8} {r.count('passed'):7d} {r.count('failed'):7d} {r.count('skipped'):8d} {r.seconds:8.1f}"
+            )
+        lines.append(
+            f"ours: {self.ours.models_enabled} models ran our path, {self.ours.sparse_layer_calls} sparse layer calls"
+        )
         lines.append(f"expected refusals (output_attentions): {sorted(self.refusals)}")
         for name, msg in {**self.regressions, **self.bad_refusals}.items():
             lines.append(f"REGRESSION {name}: {msg}")
@@ -332,8 +413,11 @@ def main(argv=None) -> int:
     cmp = compare(plain, ours)
     print(cmp.summary())
     if args.json:
-        Path(args.json).write_text(json.dumps({"plain": plain.tests, "ours": ours.tests, "ok": cmp.ok,
-                                               "placeholders": tree.placeholders}, indent=1))  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps(
+                {"plain": plain.tests, "ours": ours.tests, "ok": cmp.ok, "placeholders": tree.placeholders}, indent=1
+            )
+        )
     return 0 if cmp.ok else 1
 
 

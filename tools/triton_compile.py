@@ -52,8 +52,11 @@ def ptxas_stats(ptx: str, arch: int) -> dict:
             path = os.path.join(bindir, exe)
             if not os.path.exists(path):
                 continue
-            res = subprocess.run([path, "-v", f"--gpu-name={gpu_name}", src, "-o", os.path.join(d, "k.cubin")],
-                                 capture_output=True, text=True)  # fmt: skip
+            res = subprocess.run(
+                [path, "-v", f"--gpu-name={gpu_name}", src, "-o", os.path.join(d, "k.cubin")],
+                capture_output=True,
+                text=True,
+            )
             text = res.stdout + res.stderr
             if res.returncode == 0:
                 return {**parse_ptxas_report(text), "ptxas_error": None}

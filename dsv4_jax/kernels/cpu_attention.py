@@ -61,14 +61,15 @@ def _no_backward(impl, what: str):
     return f
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sparse_call(sm_scale: float, nthreads: int):
     def impl(q, kv, indices, topk_length, sink):
         T, H, D = q.shape
         dv = 512 if D >= 512 else D
         stat = jax.ShapeDtypeStruct((T, H), jnp.float32)
-        call = jax.ffi.ffi_call(SPARSE_TARGET, (jax.ShapeDtypeStruct((T, H, dv), q.dtype), stat, stat),
-                                vmap_method="sequential")  # fmt: skip
+        call = jax.ffi.ffi_call(
+            SPARSE_TARGET, (jax.ShapeDtypeStruct((T, H, dv), q.dtype), stat, stat), vmap_method="sequential"
+        )
         return call(q, kv, indices, topk_length, sink, sm_scale=np.float32(sm_scale), threads=np.int64(nthreads))
 
     return _no_backward(impl, "sparse_attention")
@@ -86,7 +87,7 @@ def sparse_attention(q, kv, indices, sm_scale: float, attn_sink=None, topk_lengt
     return _sparse_call(float(sm_scale), threads())(q, kv, indices.astype(jnp.int32), topk, sink)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _prefill_call(attrs: tuple, into: bool):
     def impl(q, tokens, count, raw_data, raw_table, comp_data, comp_table, topk, sink, *out):
         T, H, D = q.shape
@@ -115,8 +116,21 @@ def source_arrays(src):
     return src.rows, src.offsets, LAYOUT_LOGICAL, 0
 
 
-def prefill_attention(q, tokens, count, raw, comp, topk_rows, attn_sink, *, kind: str, window: int,
-                      compress_ratio: int, sm_scale: float, out=None):  # fmt: skip
+def prefill_attention(
+    q,
+    tokens,
+    count,
+    raw,
+    comp,
+    topk_rows,
+    attn_sink,
+    *,
+    kind: str,
+    window: int,
+    compress_ratio: int,
+    sm_scale: float,
+    out=None,
+):
     """One prefill layer by the C kernel: out (T_q, H, d_v) in q's dtype.
 
     tokens: (3, n) int32, per token: q row, batch request (block-table row / offsets entry),
@@ -132,10 +146,28 @@ def prefill_attention(q, tokens, count, raw, comp, topk_rows, attn_sink, *, kind
     comp_data, comp_table, comp_layout, comp_bs = source_arrays(comp)
     topk = jnp.zeros((0, 0), jnp.int32) if topk_rows is None else topk_rows.astype(jnp.int32)
     sink = jnp.zeros((0,), jnp.float32) if attn_sink is None else attn_sink.astype(jnp.float32)
-    attrs = (("kind", KIND_CODES[kind]), ("window", window), ("compress_ratio", compress_ratio), ("sm_scale", sm_scale),
-             ("threads", threads()), ("raw_layout", raw_layout), ("raw_block_size", raw_bs),
-             ("comp_layout", comp_layout), ("comp_block_size", comp_bs))  # fmt: skip
+    attrs = (
+        ("kind", KIND_CODES[kind]),
+        ("window", window),
+        ("compress_ratio", compress_ratio),
+        ("sm_scale", sm_scale),
+        ("threads", threads()),
+        ("raw_layout", raw_layout),
+        ("raw_block_size", raw_bs),
+        ("comp_layout", comp_layout),
+        ("comp_block_size", comp_bs),
+    )
     count = jnp.reshape(jnp.asarray(count, jnp.int32), (1,))
     extra = () if out is None else (out,)
-    return _prefill_call(attrs, out is not None)(q, tokens.astype(jnp.int32), count, raw_data, raw_table.astype(jnp.int32),
-                                                 comp_data, comp_table.astype(jnp.int32), topk, sink, *extra)  # fmt: skip
+    return _prefill_call(attrs, out is not None)(
+        q,
+        tokens.astype(jnp.int32),
+        count,
+        raw_data,
+        raw_table.astype(jnp.int32),
+        comp_data,
+        comp_table.astype(jnp.int32),
+        topk,
+        sink,
+        *extra,
+    )

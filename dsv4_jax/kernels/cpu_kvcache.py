@@ -30,12 +30,23 @@ def gather_dequant(out, k_cache, seq, glen, bt, S: int, offset: int):
     to reuse its buffer): seq / glen / bt int32 ([R], [R], [R, B]), k_cache uint8 2-D pages."""
     _require()
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(out.shape, out.dtype), input_output_aliases={0: 0})
-    return call(out, k_cache, seq.astype(jnp.int32), glen.astype(jnp.int32), bt.astype(jnp.int32),
-                block_size=np.int64(S), offset=np.int64(offset), threads=np.int64(threads()),
-                min_rows=np.int64(ckernel.PARALLEL_ROWS), stream_bytes=np.int64(ckernel.STREAM_BYTES))  # fmt: skip
+    return call(
+        out,
+        k_cache,
+        seq.astype(jnp.int32),
+        glen.astype(jnp.int32),
+        bt.astype(jnp.int32),
+        block_size=np.int64(S),
+        offset=np.int64(offset),
+        threads=np.int64(threads()),
+        min_rows=np.int64(ckernel.PARALLEL_ROWS),
+        stream_bytes=np.int64(ckernel.STREAM_BYTES),
+    )
 
 
-def gather_segments(ws, k_cache, block_table, region_start, seg_request, seg_row_base, start, s0, s1, dst_offset, S: int):
+def gather_segments(
+    ws, k_cache, block_table, region_start, seg_request, seg_row_base, start, s0, s1, dst_offset, S: int
+):
     """The prefill's gather of one region of one chunk into the workspace `ws` (rows, 512), bf16
     or float32 (a new array, aliased): segment s in [s0, s1) owns region rows region_start[s] ..
     region_start[s + 1] - 1; its row j is entry start[s] + j (start None: j) of request
@@ -46,6 +57,17 @@ def gather_segments(ws, k_cache, block_table, region_start, seg_request, seg_row
     start = jnp.zeros((1,), i32) if start is None else start.astype(i32)
     bounds = jnp.stack([jnp.asarray(s0, i32), jnp.asarray(s1, i32), jnp.asarray(dst_offset, i32)])
     call = jax.ffi.ffi_call(SEGMENTS_TARGET, jax.ShapeDtypeStruct(ws.shape, ws.dtype), input_output_aliases={0: 0})
-    return call(ws, k_cache, block_table.astype(i32), region_start.astype(i32), seg_request.astype(i32),
-                seg_row_base.astype(i32), start, bounds, block_size=np.int64(S), threads=np.int64(threads()),
-                min_rows=np.int64(ckernel.PARALLEL_ROWS), stream_bytes=np.int64(ckernel.STREAM_BYTES))  # fmt: skip
+    return call(
+        ws,
+        k_cache,
+        block_table.astype(i32),
+        region_start.astype(i32),
+        seg_request.astype(i32),
+        seg_row_base.astype(i32),
+        start,
+        bounds,
+        block_size=np.int64(S),
+        threads=np.int64(threads()),
+        min_rows=np.int64(ckernel.PARALLEL_ROWS),
+        stream_bytes=np.int64(ckernel.STREAM_BYTES),
+    )

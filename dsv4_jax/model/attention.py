@@ -80,8 +80,11 @@ def init_cache(cfg: ModelConfig, num_slots: int, max_model_len: int, dtype, kv_c
             overlap = kind is LayerKind.CSA
             width = (2 if overlap else 1) * D
             ring = (2 if overlap else 1) * r
-            c["entries"] = (fp8_cache.entry_pages(num_slots, max_model_len, r) if fp8
-                            else jnp.zeros((num_slots, -(-max_model_len // r), D), dtype))  # fmt: skip
+            c["entries"] = (
+                fp8_cache.entry_pages(num_slots, max_model_len, r)
+                if fp8
+                else jnp.zeros((num_slots, -(-max_model_len // r), D), dtype)
+            )
             c["ring_kv"] = jnp.zeros((num_slots, ring, width), dtype)
             c["ring_gate"] = jnp.zeros((num_slots, ring, width), dtype)
         if kind is LayerKind.CSA:
@@ -119,8 +122,9 @@ def _window_step(window, kv, step: StepInputs):
     return raw, window
 
 
-def _compress(p, x, entries, ring_kv, ring_gate, step: StepInputs, cfg: ModelConfig, ratio: int, overlap: bool,
-              write=None):  # fmt: skip
+def _compress(
+    p, x, entries, ring_kv, ring_gate, step: StepInputs, cfg: ModelConfig, ratio: int, overlap: bool, write=None
+):
     """One compressor (section 8): emit this step's completed entries, update the ring.
 
     p: wkv, wgate (C, hidden), ape (ratio, C), norm (d,), with C = 2d (overlap) or d.
@@ -274,7 +278,15 @@ def attention(p, cache: dict, x, step: StepInputs, meta, cfg: ModelConfig, kind:
         overlap = kind is LayerKind.CSA
         cap = fp8_cache.entry_capacity(max_model_len, r) if fp8 else cache["entries"].shape[1]
         cache["entries"], cache["ring_kv"], cache["ring_gate"] = _compress(
-            p["compressor"], x, cache["entries"], cache["ring_kv"], cache["ring_gate"], step, cfg, r, overlap,
+            p["compressor"],
+            x,
+            cache["entries"],
+            cache["ring_kv"],
+            cache["ring_gate"],
+            step,
+            cfg,
+            r,
+            overlap,
             write=fp8_cache.entry_writer(cap) if fp8 else None,
         )
         if fp8:
@@ -295,5 +307,3 @@ def attention(p, cache: dict, x, step: StepInputs, meta, cfg: ModelConfig, kind:
     wo_a = dense(p["wo_a"], out.dtype).reshape(G, -1, H * D // G)  # (G * o_lora, H*D/G) -> per group
     y = jnp.einsum("tgi,goi->tgo", grouped, wo_a, precision=HIGHEST, preferred_element_type=F32)
     return linear(y.astype(x.dtype).reshape(T, -1), p["wo_b"]), cache
-
-

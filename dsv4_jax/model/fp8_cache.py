@@ -76,8 +76,9 @@ def window_step(ring, kv, step, window_size: int, max_model_len: int):
     table = jnp.clip(page_base[:, None] + j - (first // PAGE)[:, None], 0, P - 1).astype(jnp.int32)
     # the ring keeps each request's last Wc positions
     keep = step.token_valid & (step.positions >= step.seq_len[b] - Wc)
-    ring = kvcache.copy_slots(ring, jnp.where(keep, step.slot[b] * Wc + step.positions % Wc, -1), raw,
-                              jnp.where(keep, new_slot, 0), PAGE)  # fmt: skip
+    ring = kvcache.copy_slots(
+        ring, jnp.where(keep, step.slot[b] * Wc + step.positions % Wc, -1), raw, jnp.where(keep, new_slot, 0), PAGE
+    )
     return PagedKV(raw, table, kv_cache_dtype=FORMAT, block_size=PAGE), ring
 
 

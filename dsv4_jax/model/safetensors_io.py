@@ -36,14 +36,23 @@ SINGLE_NAME = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 
 ST_DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
     "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
-    "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
-    "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32), "U16": np.dtype(np.uint16), "U8": np.dtype(np.uint8),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8),
     "BOOL": np.dtype(np.bool_),
-}  # fmt: skip
+}
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 _PAGE = mmap.PAGESIZE
 
@@ -97,16 +106,23 @@ def read_header(path) -> tuple[dict[str, TensorInfo], dict]:
         if st not in ST_DTYPES:
             raise _bad(path, f"tensor {name!r} has unknown dtype {st!r} (known: {sorted(ST_DTYPES)})")
         shape, offsets = entry["shape"], entry["data_offsets"]
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
             raise _bad(path, f"corrupt header: tensor {name!r} has shape {shape!r}")
-        if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= data_size):  # fmt: skip
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_size
+        ):
             raise _bad(path, f"tensor {name!r} has data_offsets {offsets!r} outside the {data_size} data bytes")
         dtype = ST_DTYPES[st]
         nbytes = math.prod(shape) * dtype.itemsize
         if offsets[1] - offsets[0] != nbytes:
-            raise _bad(path, f"tensor {name!r}: {offsets[1] - offsets[0]} bytes for shape {shape} {st} ({nbytes} expected)")
+            raise _bad(
+                path, f"tensor {name!r}: {offsets[1] - offsets[0]} bytes for shape {shape} {st} ({nbytes} expected)"
+            )
         table[name] = TensorInfo(name, path, st, dtype, tuple(shape), data_start + offsets[0], nbytes)
         if nbytes:
             spans.append((offsets[0], offsets[1], name))
@@ -158,8 +174,10 @@ class CheckpointFiles:
         if wanted is not None:
             lost = sorted(n for n in wanted if n not in self.tensors)
             if lost:
-                raise ValueError(f"{wanted[lost[0]]}: the index lists tensor {lost[0]!r} there, but the file lacks it"
-                                 + (f" ({len(lost) - 1} more)" if len(lost) > 1 else ""))  # fmt: skip
+                raise ValueError(
+                    f"{wanted[lost[0]]}: the index lists tensor {lost[0]!r} there, but the file lacks it"
+                    + (f" ({len(lost) - 1} more)" if len(lost) > 1 else "")
+                )
 
     @staticmethod
     def _read_index(index_path: Path) -> tuple[list[Path], dict[str, Path]]:
@@ -174,8 +192,10 @@ class CheckpointFiles:
         files = sorted(set(wanted.values()))
         missing = [f for f in files if not f.is_file()]
         if missing:
-            raise ValueError(f"{index_path}: missing shard {missing[0].name!r} (holds e.g. tensor "
-                             f"{next(n for n, f in wanted.items() if f == missing[0])!r})")  # fmt: skip
+            raise ValueError(
+                f"{index_path}: missing shard {missing[0].name!r} (holds e.g. tensor "
+                f"{next(n for n, f in wanted.items() if f == missing[0])!r})"
+            )
         return files, wanted
 
     # ------------------------------------------------------------------ access

@@ -79,7 +79,9 @@ def _decoder_layers(model):
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
     if layers is None or type(model).__name__ not in ("DeepseekV4ForCausalLM", "DeepseekV4Model"):
-        raise TypeError(f"model: expected a transformers DeepseekV4ForCausalLM or DeepseekV4Model, got {type(model).__name__}")
+        raise TypeError(
+            f"model: expected a transformers DeepseekV4ForCausalLM or DeepseekV4Model, got {type(model).__name__}"
+        )
     return layers
 
 
@@ -94,8 +96,14 @@ def _wrapped_attention_function(records: dict):
     def recording(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         out, weights = original(module, query, key, value, attention_mask, scaling, dropout=dropout, **kwargs)
         if module in records:
-            records[module].update(query=query, key=key, attention_mask=attention_mask, scaling=scaling,
-                                   sink=kwargs.get("s_aux"), output=out)
+            records[module].update(
+                query=query,
+                key=key,
+                attention_mask=attention_mask,
+                scaling=scaling,
+                sink=kwargs.get("s_aux"),
+                output=out,
+            )
         return out, weights
 
     mod.eager_attention_forward = recording
@@ -141,21 +149,26 @@ def capture_attention_layers(model, input_ids: torch.Tensor, layer_idxs, past_ke
     if impl != "eager":
         raise ValueError(f"model: capture needs config._attn_implementation == 'eager', got {impl!r}")
     if "position_ids" in forward_kwargs or "attention_mask" in forward_kwargs:
-        raise ValueError("forward_kwargs: position_ids / attention_mask are not supported (positions come from the cache)")
+        raise ValueError(
+            "forward_kwargs: position_ids / attention_mask are not supported (positions come from the cache)"
+        )
 
     records = {layers[i].self_attn: {} for i in layer_idxs}
     handles = []
     for attn, record in records.items():
-        handles.append(attn.register_forward_pre_hook(
-            lambda m, args, kwargs, record=record: record.update(position_ids=kwargs["position_ids"]), with_kwargs=True
-        ))
-        handles.append(attn.o_a_proj.register_forward_pre_hook(
-            lambda m, args, record=record: record.update(derotated=args[0])
-        ))
+        handles.append(
+            attn.register_forward_pre_hook(
+                lambda m, args, kwargs, record=record: record.update(position_ids=kwargs["position_ids"]),
+                with_kwargs=True,
+            )
+        )
+        handles.append(
+            attn.o_a_proj.register_forward_pre_hook(lambda m, args, record=record: record.update(derotated=args[0]))
+        )
         if attn.layer_type == "compressed_sparse_attention":
-            handles.append(attn.compressor.indexer.register_forward_hook(
-                lambda m, a, out, record=record: record.update(topk=out)
-            ))
+            handles.append(
+                attn.compressor.indexer.register_forward_hook(lambda m, a, out, record=record: record.update(topk=out))
+            )
     try:
         with torch.no_grad(), _wrapped_attention_function(records):
             result = model(input_ids, past_key_values=past_key_values, **forward_kwargs)

@@ -62,8 +62,14 @@ def raw_kv(lstate: ragged.LayerState, kv: torch.Tensor, dev: dict[str, torch.Ten
     return PagedKV(pages, dev["raw_table"], kv_cache_dtype=FORMAT, block_size=S)
 
 
-def store_entries(cs: ragged.CompressorState, plan: ragged.CompressPlan, dev: dict[str, torch.Tensor],
-                  new_entries: torch.Tensor | None, device: torch.device, copy: bool = False) -> torch.Tensor:  # fmt: skip
+def store_entries(
+    cs: ragged.CompressorState,
+    plan: ragged.CompressPlan,
+    dev: dict[str, torch.Tensor],
+    new_entries: torch.Tensor | None,
+    device: torch.device,
+    copy: bool = False,
+) -> torch.Tensor:
     """The compressor's entry pages after this call: moved when the layout grew, new entries
     quantized. copy: write into a new tensor (a replayable forward keeps the old one as a layer's
     input state), else in place."""
@@ -75,8 +81,9 @@ def store_entries(cs: ragged.CompressorState, plan: ragged.CompressPlan, dev: di
     elif copy and new_entries is not None:
         cs.entries = cs.entries.clone()
     if new_entries is not None:
-        kvcache.quantize_and_insert_k_cache(new_entries.to(torch.bfloat16), cs.entries, dev["append_dst"], S,
-                                            validate=False)  # fmt: skip
+        kvcache.quantize_and_insert_k_cache(
+            new_entries.to(torch.bfloat16), cs.entries, dev["append_dst"], S, validate=False
+        )
     return cs.entries
 
 

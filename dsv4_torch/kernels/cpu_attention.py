@@ -71,8 +71,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _outputs(out: torch.Tensor, max_logits: torch.Tensor | None, lse: torch.Tensor | None) -> ckernel.Outputs:
     stat = max_logits if max_logits is not None else lse
-    return ckernel.Outputs(out.data_ptr(), out.stride(0), out.stride(1), _ptr(max_logits), _ptr(lse),
-                           0 if stat is None else stat.stride(0))  # fmt: skip
+    return ckernel.Outputs(
+        out.data_ptr(), out.stride(0), out.stride(1), _ptr(max_logits), _ptr(lse), 0 if stat is None else stat.stride(0)
+    )
 
 
 def _isa(isa: str | None) -> int:
@@ -127,11 +128,26 @@ def sparse_attention_cpu(
     S, K = kv.shape[0], indices.shape[1]
     outputs = _outputs(out, max_logits, lse)
     rc = lib.dsv4_sparse_attention(
-        q.data_ptr(), q.stride(0), q.stride(1), code, T, H, D,
-        kv.data_ptr(), kv.stride(0) if S else D, S, indices.data_ptr(), indices.stride(0) if K else 0, K,
-        _ptr(topk_length), float(sm_scale), _ptr(sink), ctypes.byref(outputs),
-        int(threads or torch.get_num_threads()), _isa(isa),
-    )  # fmt: skip
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        code,
+        T,
+        H,
+        D,
+        kv.data_ptr(),
+        kv.stride(0) if S else D,
+        S,
+        indices.data_ptr(),
+        indices.stride(0) if K else 0,
+        K,
+        _ptr(topk_length),
+        float(sm_scale),
+        _ptr(sink),
+        ctypes.byref(outputs),
+        int(threads or torch.get_num_threads()),
+        _isa(isa),
+    )
     ckernel.check(rc)
     return out, max_logits, lse
 
@@ -165,27 +181,49 @@ def _kv_source(src, name: str, q: torch.Tensor, keep: list) -> ckernel.KVSource:
         pages = src.pages
         if pages.device.type != "cpu":
             raise ValueError(f"{name}: the cpu backend reads CPU tensors, pages are on {pages.device}")
-        common = dict(data=pages.data_ptr(), num_pages=pages.shape[0], page_size=src.page_size, table=table.data_ptr(),
-                      table_int64=int(table.dtype == torch.int64), table_stride=table.stride(0) if table.shape[1] else 0,
-                      table_width=table.shape[1], table_rows=table.shape[0])  # fmt: skip
+        common = dict(
+            data=pages.data_ptr(),
+            num_pages=pages.shape[0],
+            page_size=src.page_size,
+            table=table.data_ptr(),
+            table_int64=int(table.dtype == torch.int64),
+            table_stride=table.stride(0) if table.shape[1] else 0,
+            table_width=table.shape[1],
+            table_rows=table.shape[0],
+        )
         if src.kv_cache_dtype == "fp8_ds_mla":
             return ckernel.KVSource(format=1, dtype=0, page_stride=pages.stride(0) * pages.element_size(), **common)
         if pages.shape[-1] > 1 and pages.stride(-1) != 1:
             pages = pages.contiguous()
             keep.append(pages)
             common["data"] = pages.data_ptr()
-        return ckernel.KVSource(format=0, dtype=_src_dtype(pages, q, name), row_stride=pages.stride(1),
-                                page_stride=pages.stride(0), **common)  # fmt: skip
+        return ckernel.KVSource(
+            format=0,
+            dtype=_src_dtype(pages, q, name),
+            row_stride=pages.stride(1),
+            page_stride=pages.stride(0),
+            **common,
+        )
     if isinstance(src, LogicalKV):
         rows, offsets = _unit_last(src.rows), src.offsets.contiguous()
         keep += [rows, offsets]
         if rows.device.type != "cpu":
             raise ValueError(f"{name}: the cpu backend reads CPU tensors, rows are on {rows.device}")
-        return ckernel.KVSource(format=0, dtype=_src_dtype(rows, q, name), data=rows.data_ptr(),
-                                row_stride=rows.stride(0), num_rows=rows.shape[0], table=offsets.data_ptr(),
-                                table_int64=int(offsets.dtype == torch.int64), table_stride=1, table_width=1,
-                                table_rows=offsets.shape[0])  # fmt: skip
-    raise TypeError(f"{name}: expected a PagedKV, a LogicalKV or a sequence of (len_i, D) tensors, got {type(src).__name__}")
+        return ckernel.KVSource(
+            format=0,
+            dtype=_src_dtype(rows, q, name),
+            data=rows.data_ptr(),
+            row_stride=rows.stride(0),
+            num_rows=rows.shape[0],
+            table=offsets.data_ptr(),
+            table_int64=int(offsets.dtype == torch.int64),
+            table_stride=1,
+            table_width=1,
+            table_rows=offsets.shape[0],
+        )
+    raise TypeError(
+        f"{name}: expected a PagedKV, a LogicalKV or a sequence of (len_i, D) tensors, got {type(src).__name__}"
+    )
 
 
 def _src_dtype(rows: torch.Tensor, q: torch.Tensor, name: str) -> int:
@@ -224,7 +262,9 @@ def prefill_attention_cpu(
     if out is None:
         out = torch.empty((T, H, d_v), dtype=q.dtype)
     elif tuple(out.shape) != (T, H, d_v) or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out: expected ({T}, {H}, {d_v}) {q.dtype} on cpu, got {tuple(out.shape)} {out.dtype} on {out.device}")
+        raise ValueError(
+            f"out: expected ({T}, {H}, {d_v}) {q.dtype} on cpu, got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
     kind = meta.kind
     if T == 0 or H == 0:
         return out
@@ -249,21 +289,43 @@ def prefill_attention_cpu(
         topk = _unit_last(topk_indices)
         keep.append(topk)
         topk_width = topk.shape[1]
-        topk_ptr, topk_int64, topk_stride = topk.data_ptr(), int(topk.dtype == torch.int64), topk.stride(0) if topk_width else 0
+        topk_ptr, topk_int64, topk_stride = (
+            topk.data_ptr(),
+            int(topk.dtype == torch.int64),
+            topk.stride(0) if topk_width else 0,
+        )
     tokens = ckernel.PrefillTokens(
-        kind=ckernel.KIND_CODES[kind.name], window=int(meta.plan.window_size),
-        compress_ratio=int(meta.plan.compress_ratio) if kind.has_compressed else 1, num_tokens=T,
-        token_row=tok[0].ctypes.data, token_request=tok[1].ctypes.data, token_position=tok[2].ctypes.data,
-        topk=topk_ptr, topk_int64=topk_int64, topk_stride=topk_stride, topk_width=topk_width,
-    )  # fmt: skip
+        kind=ckernel.KIND_CODES[kind.name],
+        window=int(meta.plan.window_size),
+        compress_ratio=int(meta.plan.compress_ratio) if kind.has_compressed else 1,
+        num_tokens=T,
+        token_row=tok[0].ctypes.data,
+        token_request=tok[1].ctypes.data,
+        token_position=tok[2].ctypes.data,
+        topk=topk_ptr,
+        topk_int64=topk_int64,
+        topk_stride=topk_stride,
+        topk_width=topk_width,
+    )
     dst = out if out.stride(-1) == 1 or d_v == 1 else torch.empty((T, H, d_v), dtype=q.dtype)
     sink = _sink(attn_sink)
     outputs = _outputs(dst, None, None)
     rc = lib.dsv4_prefill_attention(
-        q.data_ptr(), q.stride(0), q.stride(1), code, H, D, ctypes.byref(tokens), ctypes.byref(raw),
-        None if comp is None else ctypes.byref(comp), float(sm_scale), _ptr(sink), ctypes.byref(outputs),
-        int(threads or torch.get_num_threads()), _isa(isa),
-    )  # fmt: skip
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        code,
+        H,
+        D,
+        ctypes.byref(tokens),
+        ctypes.byref(raw),
+        None if comp is None else ctypes.byref(comp),
+        float(sm_scale),
+        _ptr(sink),
+        ctypes.byref(outputs),
+        int(threads or torch.get_num_threads()),
+        _isa(isa),
+    )
     ckernel.check(rc)
     if dst is not out:
         out.copy_(dst)

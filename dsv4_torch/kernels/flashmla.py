@@ -131,8 +131,9 @@ def sparse_attention_flashmla(
             q_g = torch.cat([q_g, q_g.new_zeros((T, padded - n, D))], dim=1)
             if sink_g is not None:
                 sink_g = torch.cat([sink_g, sink_g.new_full((padded - n,), -math.inf)])
-        res = fn(q_g.contiguous(), kv3, idx, float(sm_scale), d_v=FLASHMLA_D_V, attn_sink=sink_g,
-                 topk_length=tlen, **kwargs)
+        res = fn(
+            q_g.contiguous(), kv3, idx, float(sm_scale), d_v=FLASHMLA_D_V, attn_sink=sink_g, topk_length=tlen, **kwargs
+        )
         o_g, max_g, lse_g = res[0], res[1], res[2]  # newer wheels may append more outputs
         out[:, h0:h1] = o_g.reshape(T, padded, -1)[:, :n]
         max_logits[:, h0:h1] = max_g.reshape(T, padded)[:, :n]

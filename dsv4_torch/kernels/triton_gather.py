@@ -62,8 +62,19 @@ def _gather_rows_kernel(
         tl.store(out_ptr + b * stride_ob + (offset + i)[:, None] * stride_or + d[None, :], x, mask=m)
 
 
-def gather_rows(out, src, seq_lens, gather_lens, index, page_size, offset: int, *, block_r: int = 32,
-                workers: int | None = None, num_warps: int = 4):  # fmt: skip
+def gather_rows(
+    out,
+    src,
+    seq_lens,
+    gather_lens,
+    index,
+    page_size,
+    offset: int,
+    *,
+    block_r: int = 32,
+    workers: int | None = None,
+    num_warps: int = 4,
+):
     """Launch on checked arguments: out (R', rows, D) and src in one dtype with unit stride in
     the last dim; seq_lens / gather_lens (R,) contiguous; index the block-table rows (R, max_pages)
     (page_size = S) or the per-request offsets (R,) (page_size None)."""
@@ -76,11 +87,25 @@ def gather_rows(out, src, seq_lens, gather_lens, index, page_size, offset: int, 
     paged = page_size is not None
     nw = workers or default_workers(R, out.device)
     _gather_rows_kernel[(R, nw)](
-        out, out.stride(0), out.stride(1), src, src.stride(0), src.stride(1) if paged else 0,
-        seq_lens, gather_lens if gather_lens is not None else seq_lens, index, index.stride(0) if paged else 0,
-        offset, D, S=page_size if paged else 1, PAGED=paged, HAS_GLEN=gather_lens is not None,
-        BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(D), num_warps=num_warps,
-    )  # fmt: skip
+        out,
+        out.stride(0),
+        out.stride(1),
+        src,
+        src.stride(0),
+        src.stride(1) if paged else 0,
+        seq_lens,
+        gather_lens if gather_lens is not None else seq_lens,
+        index,
+        index.stride(0) if paged else 0,
+        offset,
+        D,
+        S=page_size if paged else 1,
+        PAGED=paged,
+        HAS_GLEN=gather_lens is not None,
+        BLOCK_R=block_r,
+        BLOCK_D=triton.next_power_of_2(D),
+        num_warps=num_warps,
+    )
 
 
 def compile_for(arch: int, *, D: int = 512, S: int = 64, block_r: int = 32, num_warps: int = 4) -> dict[str, str]:
@@ -89,17 +114,35 @@ def compile_for(arch: int, *, D: int = 512, S: int = 64, block_r: int = 32, num_
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig = {"out_ptr": "*bf16", "stride_ob": "i64", "stride_or": "i64", "src_ptr": "*bf16", "stride_sp": "i64",
-           "stride_ss": "i64", "seq_ptr": "*i64", "glen_ptr": "*i64", "idx_ptr": "*i32", "stride_idx": "i64",
-           "offset": "i32"}  # fmt: skip
+    sig = {
+        "out_ptr": "*bf16",
+        "stride_ob": "i64",
+        "stride_or": "i64",
+        "src_ptr": "*bf16",
+        "stride_sp": "i64",
+        "stride_ss": "i64",
+        "seq_ptr": "*i64",
+        "glen_ptr": "*i64",
+        "idx_ptr": "*i32",
+        "stride_idx": "i64",
+        "offset": "i32",
+    }
     names = list(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n != "offset"}
     out = {}
     for paged in (True, False):
-        const = {"D": D, "S": S if paged else 1, "PAGED": paged, "HAS_GLEN": True, "BLOCK_R": block_r,
-                 "BLOCK_D": triton.next_power_of_2(D)}  # fmt: skip
+        const = {
+            "D": D,
+            "S": S if paged else 1,
+            "PAGED": paged,
+            "HAS_GLEN": True,
+            "BLOCK_R": block_r,
+            "BLOCK_D": triton.next_power_of_2(D),
+        }
         src = ASTSource(_gather_rows_kernel, {**sig, **{k: "constexpr" for k in const}}, const, attrs)
-        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": 1})
+        kernel = triton.compile(
+            src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": 1}
+        )
         out["paged" if paged else "packed"] = kernel.asm["ptx"]
     return out
 

@@ -190,10 +190,16 @@ def quantize_insert(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.
         return
     u8, b16, stride = _cache_views(k_cache, S)
     _quantize_insert_kernel[(n,)](
-        k, k.stride(0), slot_mapping, u8, b16, stride, S=S,
+        k,
+        k.stride(0),
+        slot_mapping,
+        u8,
+        b16,
+        stride,
+        S=S,
         HW_CAST=(not soft_fp8(k.device)) if hw_cast is None else bool(hw_cast),
         num_warps=2,
-    )  # fmt: skip
+    )
 
 
 def default_workers(num_requests: int, device: torch.device) -> int:
@@ -206,8 +212,19 @@ def default_workers(num_requests: int, device: torch.device) -> int:
     return max(1, min(1024, -(-8 * sms // num_requests)))
 
 
-def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, S: int, offset: int, *,
-                   block_r: int = 32, workers: int | None = None, num_warps: int = 4):  # fmt: skip
+def gather_dequant(
+    out,
+    k_cache,
+    seq_lens,
+    gather_lens,
+    block_table,
+    S: int,
+    offset: int,
+    *,
+    block_r: int = 32,
+    workers: int | None = None,
+    num_warps: int = 4,
+):
     """Launch the reader on checked arguments (out bf16 with unit stride in dim 2)."""
     R = seq_lens.shape[0]
     if R == 0:
@@ -215,12 +232,23 @@ def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, S: int, off
     u8, b16, stride = _cache_views(k_cache, S)
     nw = workers or default_workers(R, out.device)
     _gather_dequant_kernel[(R, nw)](
-        out, out.stride(0), out.stride(1), u8, b16, stride,
-        seq_lens, gather_lens if gather_lens is not None else seq_lens,
-        block_table, block_table.stride(0), offset,
-        S=S, HAS_GLEN=gather_lens is not None, BLOCK_R=block_r, SOFT_FP8=soft_fp8(out.device),
+        out,
+        out.stride(0),
+        out.stride(1),
+        u8,
+        b16,
+        stride,
+        seq_lens,
+        gather_lens if gather_lens is not None else seq_lens,
+        block_table,
+        block_table.stride(0),
+        offset,
+        S=S,
+        HAS_GLEN=gather_lens is not None,
+        BLOCK_R=block_r,
+        SOFT_FP8=soft_fp8(out.device),
         num_warps=num_warps,
-    )  # fmt: skip
+    )
 
 
 def compile_for(arch: int, *, S: int = 64, block_r: int = 32, num_warps: int = 4) -> dict[str, str]:
@@ -236,18 +264,34 @@ def compile_for(arch: int, *, S: int = 64, block_r: int = 32, num_warps: int = 4
         sig = {**sig, **{k: "constexpr" for k in const}}
         names = [k for k, v in sig.items() if v != "constexpr"]
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n != "offset"}
-        kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
-                                options={"num_warps": warps, "num_stages": 1})  # fmt: skip
+        kernel = triton.compile(
+            ASTSource(fn, sig, const, attrs),
+            target=GPUTarget("cuda", arch, 32),
+            options={"num_warps": warps, "num_stages": 1},
+        )
         return kernel.asm["ptx"]
 
     common = {"cache_ptr": "*u8", "cache16_ptr": "*bf16", "page_stride": "i64"}
     insert_sig = {"k_ptr": "*bf16", "stride_kt": "i64", "slot_ptr": "*i64", **common}
-    gather_sig = {"out_ptr": "*bf16", "stride_ob": "i64", "stride_or": "i64", **common, "seq_ptr": "*i32",
-                  "glen_ptr": "*i32", "bt_ptr": "*i32", "stride_bt": "i64", "offset": "i32"}  # fmt: skip
+    gather_sig = {
+        "out_ptr": "*bf16",
+        "stride_ob": "i64",
+        "stride_or": "i64",
+        **common,
+        "seq_ptr": "*i32",
+        "glen_ptr": "*i32",
+        "bt_ptr": "*i32",
+        "stride_bt": "i64",
+        "offset": "i32",
+    }
     return {
         "insert": build(_quantize_insert_kernel, insert_sig, {"S": S, "HW_CAST": not soft}, 2),
-        "gather": build(_gather_dequant_kernel, gather_sig,
-                        {"S": S, "HAS_GLEN": True, "BLOCK_R": block_r, "SOFT_FP8": soft}, num_warps),
+        "gather": build(
+            _gather_dequant_kernel,
+            gather_sig,
+            {"S": S, "HAS_GLEN": True, "BLOCK_R": block_r, "SOFT_FP8": soft},
+            num_warps,
+        ),
     }
 
 

@@ -51,8 +51,16 @@ def _sparse_attention_kernel(
     out_ptr,  # [T, H, D_V]
     max_ptr,  # [T, H] float32
     lse_ptr,  # [T, H] float32
-    stride_qt, stride_qh, stride_kvs, stride_it, stride_ot, stride_oh, stride_mt,
-    S, H, K,
+    stride_qt,
+    stride_qh,
+    stride_kvs,
+    stride_it,
+    stride_ot,
+    stride_oh,
+    stride_mt,
+    S,
+    H,
+    K,
     scale_log2,  # sm_scale * log2(e): logits are kept in base 2
     D: tl.constexpr,
     D_V: tl.constexpr,
@@ -84,7 +92,9 @@ def _sparse_attention_kernel(
     if BLOCK_DT > 0:
         dt = tl.arange(0, BLOCK_DT)
         dt_ok = dt < D - D_V
-        q_tail = tl.load(q_rows + D_V + dt[None, :], mask=head_ok[:, None] & dt_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_DT]
+        q_tail = tl.load(
+            q_rows + D_V + dt[None, :], mask=head_ok[:, None] & dt_ok[None, :], other=0.0
+        )  # [BLOCK_H, BLOCK_DT]
         if F32_DOT:
             q_tail = q_tail.to(tl.float32)
 
@@ -110,7 +120,9 @@ def _sparse_attention_kernel(
         else:
             s = tl.dot(q_main, tl.trans(kv_main))  # [BLOCK_H, BLOCK_K]
         if BLOCK_DT > 0:
-            kv_tail = tl.load(rows + D_V + dt[None, :], mask=valid[:, None] & dt_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_DT]
+            kv_tail = tl.load(
+                rows + D_V + dt[None, :], mask=valid[:, None] & dt_ok[None, :], other=0.0
+            )  # [BLOCK_K, BLOCK_DT]
             if F32_DOT:
                 s += tl.dot(q_tail, tl.trans(kv_tail.to(tl.float32)), input_precision="ieee")
             else:
@@ -156,8 +168,11 @@ def _sparse_attention_kernel(
 
     if EMULATE_BF16:
         out = _round_to_bf16(out)
-    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dv[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dv_ok[None, :])
+    tl.store(
+        out_ptr + t * stride_ot + heads[:, None] * stride_oh + dv[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=head_ok[:, None] & dv_ok[None, :],
+    )
     tl.store(max_ptr + t * stride_mt + heads, max_logit, mask=head_ok)
     tl.store(lse_ptr + t * stride_mt + heads, lse, mask=head_ok)
 
@@ -168,8 +183,9 @@ TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
 # "only 0-dimensional arrays can be converted to Python scalars". Compiled kernels are unaffected.
 INTERPRETER_UNSUPPORTED = (
     f"Triton {triton.__version__}'s interpreter cannot run this kernel (needs Triton >= 3.9 on CPU)"
-    if INTERPRETED and TRITON_VERSION < (3, 9) else None
-)  # fmt: skip
+    if INTERPRETED and TRITON_VERSION < (3, 9)
+    else None
+)
 
 
 @dataclass(frozen=True)
@@ -192,7 +208,10 @@ class TritonConfig:
 
 
 def default_config(
-    num_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16, arch: int | None = None,
+    num_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.bfloat16,
+    arch: int | None = None,
     triton_version: tuple[int, int] | None = None,
 ) -> TritonConfig:
     """A starting point per GPU generation, untuned for speed (bench/gpu_check_torch.py sweeps).
@@ -300,12 +319,29 @@ def sparse_attention_triton(
     tail = D - d_v
     grid = (T * triton.cdiv(H, cfg.block_h),)  # 1-D: axis y would cap T at 65,535
     _sparse_attention_kernel[grid](
-        q, kv, indices, sink, tlen, out, max_logits, lse,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+        q,
+        kv,
+        indices,
+        sink,
+        tlen,
+        out,
+        max_logits,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        kv.stride(0),
+        indices.stride(0),
+        out.stride(0),
+        out.stride(1),
         max_logits.stride(0),
-        S, H, K, float(sm_scale) * _LOG2E,
-        D=D, D_V=d_v,
-        BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
+        S,
+        H,
+        K,
+        float(sm_scale) * _LOG2E,
+        D=D,
+        D_V=d_v,
+        BLOCK_H=cfg.block_h,
+        BLOCK_K=cfg.block_k,
         BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
         BLOCK_DT=0 if tail == 0 else max(16, triton.next_power_of_2(tail)),
         HAS_SINK=attn_sink is not None,
@@ -316,6 +352,7 @@ def sparse_attention_triton(
         # ... and its float32 -> bf16 cast truncates instead of rounding to nearest.
         EMULATE_BF16=INTERPRETED and q.dtype == torch.bfloat16,
         INTERPRETER=INTERPRETED,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out, max_logits, lse

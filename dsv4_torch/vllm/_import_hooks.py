@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 _lock = threading.Lock()
 _hooks: dict[str, list[Callable]] = {}
-_finder: "_PostImportFinder | None" = None
+_finder: _PostImportFinder | None = None
 
 
 class _HookedLoader(importlib.abc.Loader):

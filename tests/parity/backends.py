@@ -29,8 +29,8 @@ import dsv4_jax
 import dsv4_torch
 import planner as P
 from dsv4_jax import prefill as JP
-from planner.sizes import bucket
 from dsv4_torch import prefill as TP
+from planner.sizes import bucket
 
 GPU_ONLY = "needs an SM90/SM100 GPU"
 TORCH_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -73,10 +73,16 @@ class Status:
     interpreted: bool = False  # an interpreter: tiny shapes only
 
     def as_dict(self) -> dict:
-        return dict(available=self.available, reason=self.reason, mode=self.mode, kernel=self.kernel, interpreted=self.interpreted)
+        return dict(
+            available=self.available,
+            reason=self.reason,
+            mode=self.mode,
+            kernel=self.kernel,
+            interpreted=self.interpreted,
+        )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def machine_status() -> dict[str, Status]:
     """Every backend's status on this machine, from the packages' own `available_backends()`."""
     torch_av = dsv4_torch.available_backends()
@@ -106,8 +112,13 @@ def machine_status() -> dict[str, Status]:
     if jax_av["pallas_triton"] is None:
         out["jax.pallas"] = Status(True, None, "Pallas -> Triton (GPU)", "pallas_triton")
     else:
-        out["jax.pallas"] = Status(True, None, f"Pallas interpret (pallas_triton: {jax_av['pallas_triton']})",
-                                   "pallas_interpret", interpreted=True)  # fmt: skip
+        out["jax.pallas"] = Status(
+            True,
+            None,
+            f"Pallas interpret (pallas_triton: {jax_av['pallas_triton']})",
+            "pallas_interpret",
+            interpreted=True,
+        )
     reason = torch_av["flashmla"]
     if reason is None:
         out["torch.flashmla"] = Status(True, None, "FlashMLA (GPU)", "flashmla")
@@ -215,15 +226,23 @@ def run_kernel(name: str, x: KernelInputs):
     if fw == "numpy":
         f64 = lambda t: None if t is None else t.detach().cpu().double().numpy()  # noqa: E731
         res = P.oracle.sparse_attention(
-            f64(x.q), f64(x.kv), x.indices.cpu().numpy(), x.sm_scale, f64(x.attn_sink),
+            f64(x.q),
+            f64(x.kv),
+            x.indices.cpu().numpy(),
+            x.sm_scale,
+            f64(x.attn_sink),
             None if x.topk_length is None else x.topk_length.cpu().numpy(),
-        )  # fmt: skip
+        )
         return tuple(np.asarray(r, np.float64) for r in res)
     if fw == "torch":
-        res = dsv4_torch.sparse_attention(x.q, x.kv, x.indices, x.sm_scale, x.attn_sink, x.topk_length, backend=st.kernel)
+        res = dsv4_torch.sparse_attention(
+            x.q, x.kv, x.indices, x.sm_scale, x.attn_sink, x.topk_length, backend=st.kernel
+        )
         return tuple(to_numpy(r) for r in res)
     j = x.crossed()
-    res = dsv4_jax.sparse_attention(j["q"], j["kv"], j["indices"], x.sm_scale, j["attn_sink"], j["topk_length"], backend=st.kernel)
+    res = dsv4_jax.sparse_attention(
+        j["q"], j["kv"], j["indices"], x.sm_scale, j["attn_sink"], j["topk_length"], backend=st.kernel
+    )
     return tuple(to_numpy(r) for r in res)
 
 
@@ -277,9 +296,11 @@ class LayerInputs:
     comp: Cache | None
     _jax: dict = field(default_factory=dict)
 
-    def tokens(self, a: int, b: int) -> "LayerInputs":
+    def tokens(self, a: int, b: int) -> LayerInputs:
         """The same layer with query tokens a .. b-1 only (a step of a split prompt)."""
-        return LayerInputs(self.layer, self.q[a:b], self.sink, None if self.topk is None else self.topk[a:b], self.raw, self.comp)
+        return LayerInputs(
+            self.layer, self.q[a:b], self.sink, None if self.topk is None else self.topk[a:b], self.raw, self.comp
+        )
 
     def jax_q(self, padded: int):
         """q and top-k rows crossed to JAX and padded to `padded` tokens. The padding is NaN queries
@@ -294,8 +315,15 @@ class LayerInputs:
         return self._jax[("q", padded)], self._jax.get(("topk", padded)), self._jax["sink"]
 
 
-def run_prefill(name: str, step: P.StepPlan, layers: dict[P.LayerKind, LayerInputs], layout: str, topk: int,
-                sm_scale: float, jax_meta: dict | None = None):  # fmt: skip
+def run_prefill(
+    name: str,
+    step: P.StepPlan,
+    layers: dict[P.LayerKind, LayerInputs],
+    layout: str,
+    topk: int,
+    sm_scale: float,
+    jax_meta: dict | None = None,
+):
     """{kind: (T, H, d_v) float64 output} of one backend for one step (one plan, one cache layout).
 
     jax_meta: overrides of `JAX_PREFILL_META` (e.g. padded_tokens, to share one program)."""
@@ -307,10 +335,18 @@ def run_prefill(name: str, step: P.StepPlan, layers: dict[P.LayerKind, LayerInpu
         for kind, x in layers.items():
             f64 = lambda t: t.detach().cpu().double().numpy()  # noqa: E731
             res, _, _ = P.oracle.prefill_attention(
-                f64(x.q), x.raw.oracle(), None if x.comp is None else x.comp.oracle(), batch.seq_lens, batch.query_lens,
-                kind=kind, compress_ratio=x.layer.compress_ratio, window_size=step.config.window_size, sm_scale=sm_scale,
-                attn_sink=f64(x.sink), topk_rows=None if x.topk is None else x.topk.cpu().numpy(),
-            )  # fmt: skip
+                f64(x.q),
+                x.raw.oracle(),
+                None if x.comp is None else x.comp.oracle(),
+                batch.seq_lens,
+                batch.query_lens,
+                kind=kind,
+                compress_ratio=x.layer.compress_ratio,
+                window_size=step.config.window_size,
+                sm_scale=sm_scale,
+                attn_sink=f64(x.sink),
+                topk_rows=None if x.topk is None else x.topk.cpu().numpy(),
+            )
             out[kind] = res
         return out
     if fw == "torch":
@@ -320,9 +356,15 @@ def run_prefill(name: str, step: P.StepPlan, layers: dict[P.LayerKind, LayerInpu
             if x.q.dtype.is_floating_point:  # rows no chunk writes must never reach an output
                 meta.workspace(x.q.shape[2], x.q.dtype).fill_(float("nan"))
             res = TP.prefill_attention(
-                x.q, km, x.raw.torch_source(layout), None if x.comp is None else x.comp.torch_source(layout),
-                sm_scale=sm_scale, attn_sink=x.sink, topk_indices=x.topk, backend=st.kernel,
-            )  # fmt: skip
+                x.q,
+                km,
+                x.raw.torch_source(layout),
+                None if x.comp is None else x.comp.torch_source(layout),
+                sm_scale=sm_scale,
+                attn_sink=x.sink,
+                topk_indices=x.topk,
+                backend=st.kernel,
+            )
             if km.last_backend != st.kernel:
                 raise AssertionError(f"{name}: asked for {st.kernel!r}, ran {km.last_backend!r}")
             out[kind] = to_numpy(res)
@@ -333,9 +375,15 @@ def run_prefill(name: str, step: P.StepPlan, layers: dict[P.LayerKind, LayerInpu
         km = smeta[kind]
         q, topk_rows, sink = x.jax_q(smeta.padded_tokens)
         res = JP.prefill_attention(
-            q, km, x.raw.jax_source(layout), None if x.comp is None else x.comp.jax_source(layout),
-            sm_scale=sm_scale, attn_sink=sink, topk_indices=topk_rows, backend=st.kernel,
-        )  # fmt: skip
+            q,
+            km,
+            x.raw.jax_source(layout),
+            None if x.comp is None else x.comp.jax_source(layout),
+            sm_scale=sm_scale,
+            attn_sink=sink,
+            topk_indices=topk_rows,
+            backend=st.kernel,
+        )
         if km.last_backend != st.kernel:
             raise AssertionError(f"{name}: asked for {st.kernel!r}, ran {km.last_backend!r}")
         full = to_numpy(res)

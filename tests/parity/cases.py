@@ -95,8 +95,9 @@ def random_sink(rng, H, kind):
     return np.full(H, float(kind), np.float32)
 
 
-def random_kernel_case(klass, name, dtype, *, seed, T, H, D, S, K, invalid=0.2, duplicates=0.0,
-                       topk="random", sink="random", tiny=True) -> KernelCase:  # fmt: skip
+def random_kernel_case(
+    klass, name, dtype, *, seed, T, H, D, S, K, invalid=0.2, duplicates=0.0, topk="random", sink="random", tiny=True
+) -> KernelCase:
     """A random call. topk: "random" (0 .. K+3 per row), "none", or an int array."""
     rng = np.random.default_rng(seed)
     q, kv = random_inputs(rng, T, H, D, S, dtype)
@@ -133,7 +134,14 @@ def kernel_cases(dtypes=("float32", "bfloat16")) -> list[KernelCase]:
             return c
 
         case("random", "topk_length and sink", 1)
-        case("random", "no topk_length, no sink", 2, shape=dict(T=5, H=20, D=_d(dtype, 48), S=60, K=150), topk="none", sink=None)
+        case(
+            "random",
+            "no topk_length, no sink",
+            2,
+            shape=dict(T=5, H=20, D=_d(dtype, 48), S=60, K=150),
+            topk="none",
+            sink=None,
+        )
 
         # every invalid form mixed in, and rows made of one form only
         c = case("invalid indices", "all forms", 3, invalid=0.4)
@@ -250,8 +258,11 @@ class StepCase:
         long requests along their queries and packs few requests per chunk)."""
         policy, _ = variant
         c = self.first
-        kw = dict(window_size=c.window_size, max_model_len=max(max(c.seq_lens), 1),
-                  max_num_batched_tokens=max(max(c.query_lens), 1))  # fmt: skip
+        kw = dict(
+            window_size=c.window_size,
+            max_model_len=max(max(c.seq_lens), 1),
+            max_num_batched_tokens=max(max(c.query_lens), 1),
+        )
         kw.update(self.plan_kw)
         if policy == "adaptive+length-order":
             policy, kw["order"] = "adaptive", "length"
@@ -265,16 +276,35 @@ class StepCase:
     def describe(self) -> str:
         c = self.first
         T, H, D = c.q.shape
-        return f"{self.name} (seq_lens={c.seq_lens} query_lens={c.query_lens} W={c.window_size} topk={c.topk} H={H} D={D})"
+        return (
+            f"{self.name} (seq_lens={c.seq_lens} query_lens={c.query_lens} W={c.window_size} topk={c.topk} H={H} D={D})"
+        )
 
 
-def step_case(klass, name, seq_lens, query_lens, *, dtype="float32", window_size=8, topk=6, H=4, D=32, seed=0,
-              ratios=(0, 4, 128), family=None, topk_junk=False, **kw) -> StepCase:  # fmt: skip
+def step_case(
+    klass,
+    name,
+    seq_lens,
+    query_lens,
+    *,
+    dtype="float32",
+    window_size=8,
+    topk=6,
+    H=4,
+    D=32,
+    seed=0,
+    ratios=(0, 4, 128),
+    family=None,
+    topk_junk=False,
+    **kw,
+) -> StepCase:
     """A step over one batch with a layer per ratio (V4.0's kinds: 0 SWA, 4 CSA, 128 HCA), keyed by
     kind. topk_junk: CSA top-k rows hold arbitrary ids (future entries, negatives, huge) past each
     token's min((p+1)//r, topk) used entries, which every backend must ignore."""
-    cases = [make_case(name, seq_lens, query_lens, r, window_size=window_size, topk=topk, H=H, D=D, seed=seed * 10 + i)
-             for i, r in enumerate(ratios)]  # fmt: skip
+    cases = [
+        make_case(name, seq_lens, query_lens, r, window_size=window_size, topk=topk, H=H, D=D, seed=seed * 10 + i)
+        for i, r in enumerate(ratios)
+    ]
     layers = {c.kind: c for c in cases}
     if topk_junk and P.LayerKind.CSA in layers:
         c = layers[P.LayerKind.CSA]
@@ -283,7 +313,9 @@ def step_case(klass, name, seq_lens, query_lens, *, dtype="float32", window_size
         past = np.arange(topk)[None, :] >= used[:, None]
         noise = rng.choice(np.array([-1, -3, INT32_MIN, INT32_MAX, 10**6]), size=past.shape)
         future = (used[:, None] + rng.integers(0, 50, past.shape)).astype(np.int64)  # not visible yet
-        c.topk_rows = np.where(past, np.where(rng.random(past.shape) < 0.5, noise, future), c.topk_rows).astype(np.int32)
+        c.topk_rows = np.where(past, np.where(rng.random(past.shape) < 0.5, noise, future), c.topk_rows).astype(
+            np.int32
+        )
     if family is None:
         family = f"tiny-{DTYPE_TAG[dtype]}" if (window_size, topk, H, D) == (8, 6, 4, 32) else name
     return StepCase(klass, name, dtype, layers, family=family, **kw)
@@ -305,28 +337,107 @@ def step_cases() -> list[StepCase]:
         # chunked prefill: long prefixes, query chunks not aligned to 4, 128 or W
         step_case("long prefixes", "long-prefix", [300, 517, 260], [7, 13, 1], seed=3),
         # query_len == 0 requests (KV-transfer loads) first, between and last; a step of only those
-        step_case("ragged, query_len == 0", "zero-query", [40, 0, 200, 9, 64, 17, 300, 50], [0, 0, 5, 9, 0, 17, 0, 0], seed=4),
+        step_case(
+            "ragged, query_len == 0", "zero-query", [40, 0, 200, 9, 64, 17, 300, 50], [0, 0, 5, 9, 0, 17, 0, 0], seed=4
+        ),
         step_case("ragged, query_len == 0", "no queries at all", [40, 9], [0, 0], seed=5),
         # the indexer's rows past the used entries hold anything (ignored by contract)
-        step_case("top-k rows: junk past the used entries", "topk-junk", [9, 30, 41, 100], [9, 12, 6, 20], seed=11,
-                  topk_junk=True),  # fmt: skip
+        step_case(
+            "top-k rows: junk past the used entries",
+            "topk-junk",
+            [9, 30, 41, 100],
+            [9, 12, 6, 20],
+            seed=11,
+            topk_junk=True,
+        ),
         # the same classes in bf16 (against the fp32-or-better oracle on bf16-rounded inputs)
-        step_case("boundaries W, 4, 128", "boundaries", [W + 1, 5, 129, 131, 257, 12], [2, 2, 3, 4, 3, 12], seed=2,
-                  dtype="bfloat16", jax_layouts=("paged",)),  # fmt: skip
-        step_case("long prefixes", "long-prefix", [300, 517, 260], [7, 13, 1], seed=3, dtype="bfloat16", jax_layouts=("paged",)),
+        step_case(
+            "boundaries W, 4, 128",
+            "boundaries",
+            [W + 1, 5, 129, 131, 257, 12],
+            [2, 2, 3, 4, 3, 12],
+            seed=2,
+            dtype="bfloat16",
+            jax_layouts=("paged",),
+        ),
+        step_case(
+            "long prefixes",
+            "long-prefix",
+            [300, 517, 260],
+            [7, 13, 1],
+            seed=3,
+            dtype="bfloat16",
+            jax_layouts=("paged",),
+        ),
         # V4-Flash / V4-Pro: 64 / 128 heads, top-k 512 / 1024, W = 128: index widths 640 / 1152
-        step_case("V4-Flash: H=64, width 640", "v4-flash", [4200, 2100, 700], [3, 2, 0], window_size=128, topk=512, H=64, D=16,
-                  seed=6, variants=TWO_VARIANTS, jax_layouts=("paged",)),  # fmt: skip
-        step_case("V4-Pro: H=128, width 1152", "v4-pro", [4200, 300], [2, 3], window_size=128, topk=1024, H=128, D=16,
-                  seed=7, variants=TWO_VARIANTS, jax_layouts=("paged",)),  # fmt: skip
+        step_case(
+            "V4-Flash: H=64, width 640",
+            "v4-flash",
+            [4200, 2100, 700],
+            [3, 2, 0],
+            window_size=128,
+            topk=512,
+            H=64,
+            D=16,
+            seed=6,
+            variants=TWO_VARIANTS,
+            jax_layouts=("paged",),
+        ),
+        step_case(
+            "V4-Pro: H=128, width 1152",
+            "v4-pro",
+            [4200, 300],
+            [2, 3],
+            window_size=128,
+            topk=1024,
+            H=128,
+            D=16,
+            seed=7,
+            variants=TWO_VARIANTS,
+            jax_layouts=("paged",),
+        ),
         # one 300-token prompt over six steps (boundaries 37, 128, 136, 211, 256: multiples of
         # 4, 8 and 128 and not) against the same prompt in one step
-        step_case("prompt split over steps", "split", [300], [300], seed=8, tiny=False,
-                  splits=split_points(300, [37, 128, 136, 211, 256]), variants=(PRIMARY,), jax_layouts=("paged",)),  # fmt: skip
+        step_case(
+            "prompt split over steps",
+            "split",
+            [300],
+            [300],
+            seed=8,
+            tiny=False,
+            splits=split_points(300, [37, 128, 136, 211, 256]),
+            variants=(PRIMARY,),
+            jax_layouts=("paged",),
+        ),
         # a long context: 40000 tokens of prefix (312 HCA entries, 10000 CSA entries)
-        step_case("long context 40000", "long-context", [40000, 300], [4, 300], window_size=128, topk=64, H=2, D=16, seed=9,
-                  tiny=False, variants=FEW_VARIANTS, jax_layouts=("paged",)),  # fmt: skip
+        step_case(
+            "long context 40000",
+            "long-context",
+            [40000, 300],
+            [4, 300],
+            window_size=128,
+            topk=64,
+            H=2,
+            D=16,
+            seed=9,
+            tiny=False,
+            variants=FEW_VARIANTS,
+            jax_layouts=("paged",),
+        ),
         # FlashMLA's shapes in bf16: V4-Flash heads, D = 512
-        step_case("FlashMLA shape: H=64, D=512", "flashmla-shape", [700, 300, 130], [5, 3, 0], window_size=128, topk=512, H=64,
-                  D=512, seed=10, dtype="bfloat16", tiny=False, variants=FEW_VARIANTS, jax_layouts=("paged",)),  # fmt: skip
+        step_case(
+            "FlashMLA shape: H=64, D=512",
+            "flashmla-shape",
+            [700, 300, 130],
+            [5, 3, 0],
+            window_size=128,
+            topk=512,
+            H=64,
+            D=512,
+            seed=10,
+            dtype="bfloat16",
+            tiny=False,
+            variants=FEW_VARIANTS,
+            jax_layouts=("paged",),
+        ),
     ]

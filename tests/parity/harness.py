@@ -71,7 +71,7 @@ class Row:
     def add_pair(self, a: str, b: str, out: Agreement, stats=()):
         self.pairs.setdefault((a, b), []).append((out, list(stats)))
 
-    def merge(self, other: "Row") -> "Row":
+    def merge(self, other: Row) -> Row:
         self.cases += other.cases
         for k, v in other.pairs.items():
             self.pairs.setdefault(k, []).extend(v)
@@ -124,9 +124,13 @@ def kernel_inputs(case: KernelCase) -> B.KernelInputs:
     dt, dev = B.TORCH_DTYPES[case.dtype], B.TORCH_DEVICE
     t = lambda a, dtype=None: None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(dev, dtype)  # noqa: E731
     return B.KernelInputs(
-        q=t(case.q, dt), kv=t(case.kv, dt), indices=t(case.indices), sm_scale=case.sm_scale,
-        attn_sink=t(case.sink), topk_length=t(case.topk_length),
-    )  # fmt: skip
+        q=t(case.q, dt),
+        kv=t(case.kv, dt),
+        indices=t(case.indices),
+        sm_scale=case.sm_scale,
+        attn_sink=t(case.sink),
+        topk_length=t(case.topk_length),
+    )
 
 
 def check_crossing(inputs: B.KernelInputs) -> int:
@@ -166,7 +170,10 @@ def run_kernel_case(case: KernelCase, only=None) -> Row:
         oref, mref, lref = results["oracle"]
         for a, b in itertools.combinations(results, 2):
             (oa, ma, la), (ob, mb, lb) = results[a], results[b]
-            stats = [compare_stat(ma, mb, mref, case.dtype, "max_logits"), compare_stat(la, lb, lref, case.dtype, "lse")]
+            stats = [
+                compare_stat(ma, mb, mref, case.dtype, "max_logits"),
+                compare_stat(la, lb, lref, case.dtype, "lse"),
+            ]
             row.add_pair(a, b, compare_out(oa, ob, oref, case.dtype), stats)
     row.seconds = time.perf_counter() - t0
     return row
@@ -241,13 +248,19 @@ def check_step_crossing(layers: dict[P.LayerKind, B.LayerInputs], padded: int) -
     n = 0
     for x in layers.values():
         q, topk, sink = x.jax_q(padded)
-        pairs = [(x.q, q[: x.q.shape[0]]), (x.sink, sink)] + ([(x.topk, topk[: x.topk.shape[0]])] if x.topk is not None else [])
+        pairs = [(x.q, q[: x.q.shape[0]]), (x.sink, sink)] + (
+            [(x.topk, topk[: x.topk.shape[0]])] if x.topk is not None else []
+        )
         for cache in (x.raw, x.comp):
             if cache is None:
                 continue
             for layout in ("paged", "logical"):
                 src = cache.jax_source(layout)
-                pairs += [(cache.pages, src.pages), (cache.table, src.block_table)] if layout == "paged" else [(cache.rows, src.rows), (cache.offsets, src.offsets)]
+                pairs += (
+                    [(cache.pages, src.pages), (cache.table, src.block_table)]
+                    if layout == "paged"
+                    else [(cache.rows, src.rows), (cache.offsets, src.offsets)]
+                )
         for t, j in pairs:
             if not B.same_bits(t, j):
                 raise AssertionError("prefill inputs: bits differ after crossing to JAX by DLPack")
@@ -338,7 +351,9 @@ def bitwise_agreement(a: np.ndarray, b: np.ndarray, ref: np.ndarray, required: b
     max_abs = float(diff.max(initial=0.0))
     scale = float(np.abs(ref).max(initial=0.0))
     ok = max_abs == 0 or not required
-    return Agreement(max_abs, max_abs / scale if scale else 0.0, ok, "" if ok else f"{label}: not bitwise (max_abs {max_abs:.3g})")
+    return Agreement(
+        max_abs, max_abs / scale if scale else 0.0, ok, "" if ok else f"{label}: not bitwise (max_abs {max_abs:.3g})"
+    )
 
 
 def _run_split(name: str, case: StepCase, layers, sm_scale):

@@ -71,7 +71,10 @@ def capture_calls(seed: int = 0) -> dict[str, dict[str, list[Call]]]:
     layers = list(LAYERS.values())
     single, _ = capture_attention_layers(model, ids[:, :PROMPT_LEN], layers)
     cache = transformers.DynamicCache(config=model.config)
-    chunked = [capture_attention_layers(model, ids[:, a:b], layers, past_key_values=cache, use_cache=True)[0] for a, b in CHUNKS]
+    chunked = [
+        capture_attention_layers(model, ids[:, a:b], layers, past_key_values=cache, use_cache=True)[0]
+        for a, b in CHUNKS
+    ]
     out = {}
     for kind, i in LAYERS.items():
         cap = single[i]
@@ -86,7 +89,9 @@ def capture_calls(seed: int = 0) -> dict[str, dict[str, list[Call]]]:
             win = cap.window_kv.numpy()
             raw[a:b] = win[-(b - a) :]  # this call's new rows
             if not np.array_equal(raw[cap.window_start : b], win):
-                raise AssertionError(f"{kind} call {a}:{b}: transformers' window rows differ from the rows earlier calls wrote")
+                raise AssertionError(
+                    f"{kind} call {a}:{b}: transformers' window rows differ from the rows earlier calls wrote"
+                )
             if comp is not None:
                 entries = cap.compressed_kv.numpy()
                 old = ~np.isnan(comp[: entries.shape[0], 0])
@@ -127,7 +132,9 @@ def run_hf(calls: dict[str, dict[str, list[Call]]], *, index_topk: int = 8, dtyp
 def _run_set(kind, set_name, call_list, dtype, index_topk, only) -> Row:
     t0 = time.perf_counter()
     name = f"{kind} · {set_name} · {DTYPE_TAG[dtype]}"
-    row = Row("hf", name, [f"calls {[(c.capture.seq_len - c.capture.query_len, c.capture.seq_len) for c in call_list]}"])
+    row = Row(
+        "hf", name, [f"calls {[(c.capture.seq_len - c.capture.query_len, c.capture.seq_len) for c in call_list]}"]
+    )
     runnable = []
     for be in B.BACKENDS:
         if only is not None and be.name not in only:
@@ -159,7 +166,9 @@ def _run_set(kind, set_name, call_list, dtype, index_topk, only) -> Row:
             for v in variants[1:]:
                 if be.reference:
                     row.bitwise_required.add(be.name)
-                row.invariance.setdefault(be.name, []).append(bitwise_agreement(first, outputs[be.name][v], truth, be.reference, v))
+                row.invariance.setdefault(be.name, []).append(
+                    bitwise_agreement(first, outputs[be.name][v], truth, be.reference, v)
+                )
         for b, res in outputs.items():  # transformers against every run of every backend
             for out in res.values():
                 row.add_pair(TRUTH, b, compare_out(truth, out, truth, dtype))
@@ -172,7 +181,11 @@ def _run_set(kind, set_name, call_list, dtype, index_topk, only) -> Row:
 def _run_call(name: str, cap, layers, variant, index_topk: int) -> np.ndarray:
     """One backend's output for one captured call, as a one-request prefill step."""
     policy, layout = variant
-    cfg = P.PlanConfig(window_size=cap.window_size, max_model_len=CHUNKS[-1][1], max_num_batched_tokens=PROMPT_LEN, policy=policy)
+    cfg = P.PlanConfig(
+        window_size=cap.window_size, max_model_len=CHUNKS[-1][1], max_num_batched_tokens=PROMPT_LEN, policy=policy
+    )
     step = P.plan_step(P.PrefillBatch([cap.seq_len], [cap.query_len]), cfg, [(cap.kind, cap.compress_ratio)])
-    out = B.run_prefill(name, step, layers, layout, index_topk, cap.sm_scale, jax_meta=dict(padded_tokens=PADDED_TOKENS))
+    out = B.run_prefill(
+        name, step, layers, layout, index_topk, cap.sm_scale, jax_meta=dict(padded_tokens=PADDED_TOKENS)
+    )
     return out[cap.kind]

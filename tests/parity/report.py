@@ -31,8 +31,17 @@ from tests.parity.tolerances import TABLE
 
 LEVELS = ("kernel", "prefill", "hf")
 QUICK_FAMILY = "tiny-fp32"
-SHORT = {"oracle": "oracle", "torch.reference": "t.ref", "torch.cpu": "t.cpu", "jax.xla": "j.xla", "jax.cpu": "j.cpu",
-         "torch.triton": "t.triton", "jax.pallas": "j.pallas", "torch.flashmla": "t.flashmla", "transformers": "hf.eager"}  # fmt: skip
+SHORT = {
+    "oracle": "oracle",
+    "torch.reference": "t.ref",
+    "torch.cpu": "t.cpu",
+    "jax.xla": "j.xla",
+    "jax.cpu": "j.cpu",
+    "torch.triton": "t.triton",
+    "jax.pallas": "j.pallas",
+    "torch.flashmla": "t.flashmla",
+    "transformers": "hf.eager",
+}
 TITLES = {
     "kernel": "Kernel level: sparse_attention (row: case class · dtype)",
     "prefill": "Prefill level: whole steps, every plan and cache layout (row: case class · layer kind · dtype)",
@@ -53,7 +62,11 @@ def run(levels=LEVELS, quick=False, match=None, log=print) -> dict:
         log(f"kernel level: {len(cases)} cases ...")
         rows += H.run_kernel_cases(cases)
     if "prefill" in levels:
-        steps = [c for c in C.step_cases() if any(keep(c.row(r)) for r in c.layers) and (not quick or c.family == QUICK_FAMILY)]
+        steps = [
+            c
+            for c in C.step_cases()
+            if any(keep(c.row(r)) for r in c.layers) and (not quick or c.family == QUICK_FAMILY)
+        ]
         log(f"prefill level: {len(steps)} steps x SWA/CSA/HCA ...")
         rows += H.merge_rows([r for c in steps for r in H.run_step_case(c)])
     if "hf" in levels:
@@ -70,7 +83,11 @@ def environment() -> dict:
     import jax
     import torch
 
-    env = {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": __import__("os").cpu_count()}
+    env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": __import__("os").cpu_count(),
+    }
     for pkg in ("numpy", "torch", "jax", "jaxlib", "triton", "transformers"):
         try:
             env[pkg] = metadata.version(pkg)
@@ -78,7 +95,9 @@ def environment() -> dict:
             env[pkg] = None
     env["torch_device"] = str(B.TORCH_DEVICE)
     if torch.cuda.is_available():
-        env["cuda_device"] = f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})"
+        env["cuda_device"] = (
+            f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})"
+        )
     env["jax_devices"] = [str(d) for d in jax.devices()]
     return env
 
@@ -91,18 +110,22 @@ def _pair_dict(row: H.Row, a: str, b: str) -> dict:
 def to_json(rows: list[H.Row], seconds: float) -> dict:
     levels = {}
     for r in rows:
-        levels.setdefault(r.level, []).append({
-            "name": r.name,
-            "passed": r.passed,
-            "cases": r.cases,
-            "pairs": [_pair_dict(r, a, b) for a, b in r.pairs],
-            "plan_invariance": {k: {**r.invariant(k).as_dict(), "bitwise_required": k in r.bitwise_required} for k in r.invariance},
-            "not_run": {k: sorted(v) for k, v in r.not_run.items()},
-            "errors": r.errors,
-            "dlpack_tensors_checked": r.crossings,
-            "seconds": round(r.seconds, 3),
-            "backend_seconds": {k: round(v, 3) for k, v in r.backend_seconds.items()},
-        })  # fmt: skip
+        levels.setdefault(r.level, []).append(
+            {
+                "name": r.name,
+                "passed": r.passed,
+                "cases": r.cases,
+                "pairs": [_pair_dict(r, a, b) for a, b in r.pairs],
+                "plan_invariance": {
+                    k: {**r.invariant(k).as_dict(), "bitwise_required": k in r.bitwise_required} for k in r.invariance
+                },
+                "not_run": {k: sorted(v) for k, v in r.not_run.items()},
+                "errors": r.errors,
+                "dlpack_tensors_checked": r.crossings,
+                "seconds": round(r.seconds, 3),
+                "backend_seconds": {k: round(v, 3) for k, v in r.backend_seconds.items()},
+            }
+        )
     failed = [f for r in rows for f in r.failures()]
     return {
         "environment": environment(),
@@ -110,8 +133,13 @@ def to_json(rows: list[H.Row], seconds: float) -> dict:
         "tolerances": TABLE,
         "dlpack": {"probe": B.crossing_probe(), "tensors_checked_bitwise": sum(r.crossings for r in rows)},
         "levels": levels,
-        "summary": {"rows": len(rows), "failed_rows": sum(not r.passed for r in rows), "passed": not failed,
-                    "failures": failed, "seconds": round(seconds, 1)},  # fmt: skip
+        "summary": {
+            "rows": len(rows),
+            "failed_rows": sum(not r.passed for r in rows),
+            "passed": not failed,
+            "failures": failed,
+            "seconds": round(seconds, 1),
+        },
     }
 
 
@@ -143,14 +171,18 @@ def _table(header: list[str], body: list[list[str]]) -> str:
 def format_report(rep: dict) -> str:
     out = []
     env = rep["environment"]
-    out.append(f"dsv4-prefill parity report: torch {env['torch']} ({env['torch_device']}), jax {env['jax']} "
-               f"({', '.join(env['jax_devices'])}), triton {env['triton']}, transformers {env['transformers']}")  # fmt: skip
+    out.append(
+        f"dsv4-prefill parity report: torch {env['torch']} ({env['torch_device']}), jax {env['jax']} "
+        f"({', '.join(env['jax_devices'])}), triton {env['triton']}, transformers {env['transformers']}"
+    )
     out.append("")
     out.append("Backends")
     for name, st in rep["backends"].items():
         out.append(f"  {name:<16} {st['mode'] if st['available'] else 'UNAVAILABLE: ' + st['reason']}")
     out.append("")
-    out.append("Tolerances (cell = max|a-b| / max|a-b|÷max|oracle| and ok/FAIL; the oracle is float64 on the same inputs)")
+    out.append(
+        "Tolerances (cell = max|a-b| / max|a-b|÷max|oracle| and ok/FAIL; the oracle is float64 on the same inputs)"
+    )
     for dtype in ("float64", "float32", "bfloat16"):
         out.append(f"  {dtype:<9} out: {TABLE[dtype]['out']}; lse/max_logits: {TABLE[dtype]['lse, max_logits']}")
     out.append(f"  all       {TABLE['all']['special values']}; plans: {TABLE['all']['plans']}")
@@ -168,13 +200,20 @@ def format_report(rep: dict) -> str:
         out += ["", TITLES.get(level, level), _table(header, body)]
         inv_backends = [b for b in B.BY_NAME if any(b in r["plan_invariance"] for r in rows)]
         if inv_backends:
-            out += ["", "  Plan invariance: max |variant - primary| over plans and cache layouts (bitwise* = must be 0)"]
+            out += [
+                "",
+                "  Plan invariance: max |variant - primary| over plans and cache layouts (bitwise* = must be 0)",
+            ]
             body = []
             for r in rows:
                 cells = []
                 for b in inv_backends:
                     p = r["plan_invariance"].get(b)
-                    cells.append("-" if p is None else f"{_sci(p['max_abs'])}{'*' if p['bitwise_required'] else ''} {'ok' if p['passed'] else 'FAIL'}")
+                    cells.append(
+                        "-"
+                        if p is None
+                        else f"{_sci(p['max_abs'])}{'*' if p['bitwise_required'] else ''} {'ok' if p['passed'] else 'FAIL'}"
+                    )
                 body.append([r["name"]] + cells)
             out.append(_table(["row"] + [SHORT[b] for b in inv_backends], body))
         reasons = {}
@@ -191,9 +230,15 @@ def format_report(rep: dict) -> str:
         for e in errors:
             out.append(f"  ERROR {e}")
     dl = rep["dlpack"]
-    probe = ", ".join(f"{k}: {'bitwise' if v['to_jax_bitwise'] and v['round_trip_bitwise'] else 'BITS DIFFER'}"
-                      f"{' zero-copy' if v['zero_copy'] else ' copied'}" for k, v in dl["probe"].items())  # fmt: skip
-    out += ["", f"DLPack torch -> JAX: {dl['tensors_checked_bitwise']} case tensors checked bitwise equal after crossing; {probe}"]
+    probe = ", ".join(
+        f"{k}: {'bitwise' if v['to_jax_bitwise'] and v['round_trip_bitwise'] else 'BITS DIFFER'}"
+        f"{' zero-copy' if v['zero_copy'] else ' copied'}"
+        for k, v in dl["probe"].items()
+    )
+    out += [
+        "",
+        f"DLPack torch -> JAX: {dl['tensors_checked_bitwise']} case tensors checked bitwise equal after crossing; {probe}",
+    ]
     s = rep["summary"]
     verdict = "all rows passed" if s["passed"] else f"{s['failed_rows']} rows FAILED"
     out.append(f"Summary: {s['rows']} rows, {verdict}, {s['seconds']} s")
@@ -203,9 +248,13 @@ def format_report(rep: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--json", type=Path, help="also write the report as JSON here")
-    ap.add_argument("--quick", action="store_true", help="fp32 kernel rows, tiny fp32 prefill family, float64 transformers rows")
+    ap.add_argument(
+        "--quick", action="store_true", help="fp32 kernel rows, tiny fp32 prefill family, float64 transformers rows"
+    )
     ap.add_argument("--levels", default=",".join(LEVELS), help=f"comma-separated subset of {','.join(LEVELS)}")
     ap.add_argument("--match", help="only rows whose name contains this text (case-insensitive)")
     args = ap.parse_args(argv)

@@ -46,10 +46,20 @@ def kernel_case(draw):
         T, H, S = 8, 16, 64
         D, K = (64 if dtype == "float32" else 512), draw(st.sampled_from([128, 256]))
     return C.random_kernel_case(
-        "hypothesis", "random draw", dtype, seed=draw(st.integers(0, 2**31 - 1)), T=T, H=H, D=D, S=S, K=K,
-        invalid=draw(st.sampled_from([0.0, 0.2, 0.7, 1.0])), duplicates=draw(st.sampled_from([0.0, 0.3])),
-        topk=draw(st.sampled_from(["random", "none"])), sink=draw(st.sampled_from([None, "random", "mixed", 0.0])),
-    )  # fmt: skip
+        "hypothesis",
+        "random draw",
+        dtype,
+        seed=draw(st.integers(0, 2**31 - 1)),
+        T=T,
+        H=H,
+        D=D,
+        S=S,
+        K=K,
+        invalid=draw(st.sampled_from([0.0, 0.2, 0.7, 1.0])),
+        duplicates=draw(st.sampled_from([0.0, 0.3])),
+        topk=draw(st.sampled_from(["random", "none"])),
+        sink=draw(st.sampled_from([None, "random", "mixed", 0.0])),
+    )
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")  # Triton interpreter, huge sinks
@@ -64,8 +74,13 @@ def test_random_kernel_cases(case):
 def step_case(draw):
     n = draw(st.integers(1, 4))
     query = draw(st.lists(st.integers(0, 20), min_size=n, max_size=n))
-    prefix = draw(st.lists(st.sampled_from([0, 1, 3, 4, 7, 8, 9, 31, 127, 128, 129, 200, 255]) | st.integers(0, 280),
-                           min_size=n, max_size=n))  # fmt: skip
+    prefix = draw(
+        st.lists(
+            st.sampled_from([0, 1, 3, 4, 7, 8, 9, 31, 127, 128, 129, 200, 255]) | st.integers(0, 280),
+            min_size=n,
+            max_size=n,
+        )
+    )
     seq = [p + q for p, q in zip(prefix, query)]
     # engine limits above the batch's (they size the fixed plan and the adaptive budget)
     plan_kw = dict(
@@ -74,8 +89,17 @@ def step_case(draw):
         prefill_chunk_size=draw(st.sampled_from([1, 2, 4])),
     )
     # the tiny family's shapes (W=8, top-k 6, H=4, D=32), paged only for JAX: few programs to compile
-    return C.step_case("hypothesis", "random batch", seq, query, seed=draw(st.integers(0, 2**20)), plan_kw=plan_kw,
-                       topk_junk=draw(st.booleans()), variants=C.FEW_VARIANTS, jax_layouts=("paged",))  # fmt: skip
+    return C.step_case(
+        "hypothesis",
+        "random batch",
+        seq,
+        query,
+        seed=draw(st.integers(0, 2**20)),
+        plan_kw=plan_kw,
+        topk_junk=draw(st.booleans()),
+        variants=C.FEW_VARIANTS,
+        jax_layouts=("paged",),
+    )
 
 
 @parity_settings(ci_examples=4)

@@ -38,7 +38,10 @@ TABLE = {
         "(FlashMLA's test; oracle = float64 on the same bf16-rounded inputs)",
         "lse, max_logits": "|a-b| <= 1e-4 * max(1, |oracle|)",
     },
-    "all": {"special values": "same +inf/-inf pattern as the oracle, no NaN", "plans": "bitwise on torch.reference, torch.cpu, jax.xla and jax.cpu"},
+    "all": {
+        "special values": "same +inf/-inf pattern as the oracle, no NaN",
+        "plans": "bitwise on torch.reference, torch.cpu, jax.xla and jax.cpu",
+    },
 }
 
 
@@ -52,7 +55,12 @@ class Agreement:
     detail: str = ""
 
     def as_dict(self) -> dict:
-        return {"max_abs": _json_float(self.max_abs), "max_rel": _json_float(self.max_rel), "passed": self.passed, "detail": self.detail}
+        return {
+            "max_abs": _json_float(self.max_abs),
+            "max_rel": _json_float(self.max_rel),
+            "passed": self.passed,
+            "detail": self.detail,
+        }
 
 
 def _json_float(x: float):
@@ -78,7 +86,9 @@ def compare_out(a: np.ndarray, b: np.ndarray, ref: np.ndarray, dtype: str) -> Ag
         denom = float((a * a + b * b).sum())
         cos_diff = 0.0 if denom < 1e-12 else 1.0 - 2.0 * float((a * b).sum()) / denom
         if over.any():
-            return Agreement(max_abs, max_rel, False, f"{int(over.sum())} of {over.size} elements outside FlashMLA's bound")
+            return Agreement(
+                max_abs, max_rel, False, f"{int(over.sum())} of {over.size} elements outside FlashMLA's bound"
+            )
         if cos_diff > BF16_COS:
             return Agreement(max_abs, max_rel, False, f"cosine diff {cos_diff:.3g} > {BF16_COS}")
         return Agreement(max_abs, max_rel, True)
@@ -95,7 +105,9 @@ def compare_stat(a: np.ndarray, b: np.ndarray, ref: np.ndarray, dtype: str, name
     if np.isnan(a).any() or np.isnan(b).any():
         return Agreement(np.nan, np.nan, False, f"{name}: NaN")
     for side in (a, b):
-        if not (np.array_equal(np.isposinf(side), np.isposinf(ref)) and np.array_equal(np.isneginf(side), np.isneginf(ref))):
+        if not (
+            np.array_equal(np.isposinf(side), np.isposinf(ref)) and np.array_equal(np.isneginf(side), np.isneginf(ref))
+        ):
             return Agreement(np.inf, np.inf, False, f"{name}: +inf/-inf pattern differs from the oracle's")
     fin = np.isfinite(ref)
     if not fin.any():

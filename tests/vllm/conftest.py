@@ -15,6 +15,7 @@ import pytest
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
 def _have_vllm() -> bool:
     """vLLM installed (this directory itself can look like a namespace package named vllm)."""
     try:

@@ -118,22 +118,36 @@ def build_step(rng, sparse_swa, seq, qry, ratio):
     swa_cache, swa_table, raw = write_cache(rng, all_seq, SWA_BLOCK, [-(-s // SWA_BLOCK) for s in all_seq])
     p_seq, p_qry = np.array(seq), np.array(qry)
     md = sparse_swa.DeepseekSparseSWAMetadata(
-        block_table=swa_table, slot_mapping=torch.zeros(0, dtype=torch.int64), block_size=SWA_BLOCK,
-        seq_lens=seq_t, query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
-        num_decodes=nd, num_prefills=len(seq), num_decode_tokens=nt_d, num_prefill_tokens=int(p_qry.sum()),
-        prefill_seq_lens=seq_t[nd:], prefill_seq_lens_cpu=seq_t[nd:].clone(),
+        block_table=swa_table,
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        block_size=SWA_BLOCK,
+        seq_lens=seq_t,
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        num_decodes=nd,
+        num_prefills=len(seq),
+        num_decode_tokens=nt_d,
+        num_prefill_tokens=int(p_qry.sum()),
+        prefill_seq_lens=seq_t[nd:],
+        prefill_seq_lens_cpu=seq_t[nd:].clone(),
         prefill_gather_lens=torch.tensor(p_qry + np.minimum(p_seq - p_qry, W - 1), dtype=torch.int32),
         prefill_query_lens_cpu=torch.tensor(p_qry, dtype=torch.int32),
-        prefill_window_size=W, prefill_max_model_len=MAX_MODEL_LEN, prefill_max_num_batched_tokens=MAX_BATCHED,
-    )  # fmt: skip
+        prefill_window_size=W,
+        prefill_max_model_len=MAX_MODEL_LEN,
+        prefill_max_num_batched_tokens=MAX_BATCHED,
+    )
     T = int(p_qry.sum())
     pos = np.concatenate([np.arange(s - q, s) for s, q in zip(p_seq, p_qry)]).astype(np.int64)
-    q = (torch.randn(T, H, D, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30)))) * 0.5).to(torch.bfloat16)
+    q = (torch.randn(T, H, D, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30)))) * 0.5).to(
+        torch.bfloat16
+    )
     topk_buffer = torch.full((nt_d + T, TOPK), -1, dtype=torch.int32)
     attn_md, comp_cache, comp, topk_rows = None, None, None, None
     if ratio > 1:
         slots = BLOCK // ratio
-        comp_cache, comp_table, comp = write_cache(rng, [s // ratio for s in all_seq], slots, [-(-s // BLOCK) for s in all_seq])
+        comp_cache, comp_table, comp = write_cache(
+            rng, [s // ratio for s in all_seq], slots, [-(-s // BLOCK) for s in all_seq]
+        )
         visible = (pos + 1) // ratio
         if ratio == 4:  # the indexer's request-local top-k rows
             topk_rows = np.full((T, TOPK), -1, dtype=np.int64)
@@ -148,14 +162,23 @@ def build_step(rng, sparse_swa, seq, qry, ratio):
             c128a = torch.from_numpy(np.where(cols < visible[:, None], cols, -1).astype(np.int32))
         attn_md = SimpleNamespace(block_table=comp_table, block_size=BLOCK, c128a_prefill_topk_indices=c128a)
     layer = SimpleNamespace(
-        compress_ratio=ratio, window_size=W, max_image_tokens=0, max_num_batched_tokens=MAX_BATCHED,
-        PREFILL_CHUNK_SIZE=CHUNK_SIZE, scale=D**-0.5, topk_indices_buffer=topk_buffer,
+        compress_ratio=ratio,
+        window_size=W,
+        max_image_tokens=0,
+        max_num_batched_tokens=MAX_BATCHED,
+        PREFILL_CHUNK_SIZE=CHUNK_SIZE,
+        scale=D**-0.5,
+        topk_indices_buffer=topk_buffer,
         attn_sink=torch.from_numpy(rng.normal(size=H).astype(np.float32)),
-    )  # fmt: skip
+    )
     inputs = dict(
-        q=q, positions=torch.from_numpy(pos), compressed_k_cache=comp_cache, swa_k_cache=swa_cache,
-        attn_metadata=attn_md, swa_metadata=md,
-    )  # fmt: skip
+        q=q,
+        positions=torch.from_numpy(pos),
+        compressed_k_cache=comp_cache,
+        swa_k_cache=swa_cache,
+        attn_metadata=attn_md,
+        swa_metadata=md,
+    )
     logical = dict(raw=raw[nd:], comp=None if comp is None else comp[nd:], topk_rows=topk_rows)
     return layer, inputs, logical
 
@@ -180,10 +203,18 @@ def test_vllm_chunk_loop_with_plugin_plans_matches_oracle(vllm_loop, vllm_plan, 
     out, kernel_rows = run_loop(vllm_loop, layer, inputs)
     assert kernel_rows == [15, 5, 4]  # one kernel call per chunk, never an empty one
     ref, _, _ = oracle.prefill_attention(
-        inputs["q"].double().numpy(), logical["raw"], logical["comp"], SEQ, QRY,
-        kind=KINDS[ratio], compress_ratio=ratio if ratio > 1 else 0, window_size=W, sm_scale=layer.scale,
-        attn_sink=layer.attn_sink.double().numpy(), topk_rows=logical["topk_rows"],
-    )  # fmt: skip
+        inputs["q"].double().numpy(),
+        logical["raw"],
+        logical["comp"],
+        SEQ,
+        QRY,
+        kind=KINDS[ratio],
+        compress_ratio=ratio if ratio > 1 else 0,
+        window_size=W,
+        sm_scale=layer.scale,
+        attn_sink=layer.attn_sink.double().numpy(),
+        topk_rows=logical["topk_rows"],
+    )
     agreement = compare_out(out.double().numpy(), ref, ref, "bfloat16")
     assert agreement.passed, agreement
 

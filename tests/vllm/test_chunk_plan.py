@@ -57,7 +57,9 @@ def test_keyword_arguments_as_vllm_callers_pass_them(make_metadata, vllm_plan):
     # vLLM's PR #45061 example (spec section 4)
     assert md.get_prefill_chunk_plan(compress_ratio=4, prefill_chunk_size=4) == [(0, 10, 2048, 2143)]
     assert md.get_prefill_chunk_plan(compress_ratio=1, prefill_chunk_size=4) == [(0, 10, 0, 95)]
-    assert md.get_prefill_chunk_plan(compress_ratio=128, prefill_chunk_size=4, has_compressed=None) == [(0, 10, 64, 159)]
+    assert md.get_prefill_chunk_plan(compress_ratio=128, prefill_chunk_size=4, has_compressed=None) == [
+        (0, 10, 64, 159)
+    ]
     assert md.get_prefill_chunk_plan(compress_ratio=1, prefill_chunk_size=4, has_compressed=True) == vllm_plan(
         make_metadata(seq, qry, **limits), compress_ratio=1, prefill_chunk_size=4, has_compressed=True
     )
@@ -76,7 +78,6 @@ def test_no_prefills_and_bad_arguments(make_metadata):
     md = make_metadata([10], [11], window_size=128, max_model_len=1024, max_num_batched_tokens=64)
     with pytest.raises(ValueError, match="query_lens"):
         md.get_prefill_chunk_plan(4, 4)
-    import torch
 
     md = make_metadata([10], [5], window_size=128, max_model_len=1024, max_num_batched_tokens=64)
     md.prefill_seq_lens_cpu = md.prefill_seq_lens_cpu.to("meta")  # not on the host
@@ -91,7 +92,9 @@ def test_one_plan_per_kind_per_step(make_metadata, vllm_plan, model, monkeypatch
 
     calls = []
     real = planner.plan_kind
-    monkeypatch.setattr(planner, "plan_kind", lambda *a, **k: calls.append(max(1, a[2].compress_ratio)) or real(*a, **k))
+    monkeypatch.setattr(
+        planner, "plan_kind", lambda *a, **k: calls.append(max(1, a[2].compress_ratio)) or real(*a, **k)
+    )
     # vLLM's DeepseekV4Attention: compress_ratio = max(1, ratio) (SWA layers ask with 1)
     ratios = [max(1, spec.compress_ratio) for spec in ModelShape.from_name(model).layers]
     assert len(ratios) == {"v4-flash": 44, "v4-pro": 62}[model]
@@ -118,7 +121,9 @@ def test_cache_follows_reassigned_fields(make_metadata):
     first = md.get_prefill_chunk_plan(4, 1)
     md.prefill_seq_lens_cpu = torch.tensor([1000, 1000], dtype=torch.int32)
     assert md.get_prefill_chunk_plan(4, 1) != first
-    assert md.get_prefill_chunk_plan(4, 1) == make_metadata([1000, 1000], [10, 10], **limits).get_prefill_chunk_plan(4, 1)
+    assert md.get_prefill_chunk_plan(4, 1) == make_metadata([1000, 1000], [10, 10], **limits).get_prefill_chunk_plan(
+        4, 1
+    )
 
 
 def _runs(qry):
@@ -161,7 +166,10 @@ def test_zero_query_examples(make_metadata, vllm_plan):
     seq, qry = [100, 60000, 100], [10, 0, 10]
     theirs = vllm_plan(make_metadata(seq, qry, **limits), 4, 4)
     assert theirs == [(0, 3, 15000, 15000 + 127)]  # the load widens N to 15000 rows
-    assert make_metadata(seq, qry, **limits).get_prefill_chunk_plan(4, 4) == [(0, 1, 25, 25 + 100), (2, 3, 25, 25 + 100)]
+    assert make_metadata(seq, qry, **limits).get_prefill_chunk_plan(4, 4) == [
+        (0, 1, 25, 25 + 100),
+        (2, 3, 25, 25 + 100),
+    ]
     # only loads: vLLM plans a chunk with zero query rows (the FlashMLA crash); we plan nothing
     assert vllm_plan(make_metadata([500, 700], [0, 0], **limits), 4, 4) == [(0, 2, 175, 175 + 127)]
     assert make_metadata([500, 700], [0, 0], **limits).get_prefill_chunk_plan(4, 4) == []

@@ -37,8 +37,9 @@ def pytest_collection_modifyitems(config, items):
 def run_python(python, module: str, *args, env=None, timeout=3600) -> str:
     """`python -m module args...` from the repository root; its output, or a failure with its stderr tail."""
     e = dict(os.environ, **(env or {}))
-    done = subprocess.run([str(python), "-m", module, *map(str, args)], capture_output=True, text=True, env=e,
-                          timeout=timeout, cwd=ROOT)  # fmt: skip
+    done = subprocess.run(
+        [str(python), "-m", module, *map(str, args)], capture_output=True, text=True, env=e, timeout=timeout, cwd=ROOT
+    )
     assert done.returncode == 0, f"{module} failed ({done.returncode}):\n{done.stderr[-4000:]}"
     return done.stdout
 

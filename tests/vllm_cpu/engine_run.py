@@ -35,11 +35,19 @@ def main(spec_path: str, out_path: str) -> None:
 
     from dsv4_torch.vllm import cpu_engine, plugin
 
-    llm = LLM(model=spec["checkpoint"], max_model_len=spec.get("max_model_len", 4096),
-              max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096), max_num_seqs=spec.get("max_num_seqs", 16),
-              enforce_eager=True, dtype="bfloat16", seed=0, enable_prefix_caching=False)  # fmt: skip
-    sp = SamplingParams(max_tokens=spec["max_new_tokens"], temperature=0.0, logprobs=2, prompt_logprobs=2,
-                        ignore_eos=True)  # fmt: skip
+    llm = LLM(
+        model=spec["checkpoint"],
+        max_model_len=spec.get("max_model_len", 4096),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096),
+        max_num_seqs=spec.get("max_num_seqs", 16),
+        enforce_eager=True,
+        dtype="bfloat16",
+        seed=0,
+        enable_prefix_caching=False,
+    )
+    sp = SamplingParams(
+        max_tokens=spec["max_new_tokens"], temperature=0.0, logprobs=2, prompt_logprobs=2, ignore_eos=True
+    )
     out = {"plugin_active": plugin._registered, "runs": {}}
     for kernel in spec.get("kernels", ["dsv4"]):
         os.environ[cpu_engine.PREFILL_ENV] = kernel
@@ -53,8 +61,15 @@ def main(spec_path: str, out_path: str) -> None:
             seq = list(p) + gen
             rows = [_top(r.prompt_logprobs[i], seq[i]) for i in range(1, len(p))]
             rows += [_top(r.outputs[0].logprobs[j], gen[j]) for j in range(len(gen))]
-            runs.append({"generated": gen, "logprob": [x[0] for x in rows], "top1": [x[1] for x in rows],
-                         "top1_logprob": [x[2] for x in rows], "top2_logprob": [x[3] for x in rows]})  # fmt: skip
+            runs.append(
+                {
+                    "generated": gen,
+                    "logprob": [x[0] for x in rows],
+                    "top1": [x[1] for x in rows],
+                    "top1_logprob": [x[2] for x in rows],
+                    "top2_logprob": [x[3] for x in rows],
+                }
+            )
         stats = {k: cpu_engine.STATS[k] - before[k] for k in before if k != "threads"}
         stats["threads"] = cpu_engine.STATS["threads"]
         out["runs"][kernel] = {"requests": runs, "seconds": seconds, "stats": stats}

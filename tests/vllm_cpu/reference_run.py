@@ -24,16 +24,27 @@ def _rows(logits: np.ndarray, seq: list[int]) -> dict:
     lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
     nxt = np.asarray(seq[1:])
     top2 = np.sort(lp, axis=-1)[:, -2:]
-    return {"logprob": lp[np.arange(len(nxt)), nxt].tolist(), "top1": lp.argmax(-1).tolist(),
-            "top1_logprob": top2[:, 1].tolist(), "top2_logprob": top2[:, 0].tolist()}  # fmt: skip
+    return {
+        "logprob": lp[np.arange(len(nxt)), nxt].tolist(),
+        "top1": lp.argmax(-1).tolist(),
+        "top1_logprob": top2[:, 1].tolist(),
+        "top2_logprob": top2[:, 0].tolist(),
+    }
 
 
 def jax_logits(checkpoint: str, seqs: list[list[int]], dtype: str, kv_cache_dtype: str) -> list[np.ndarray]:
     from dsv4_jax.model import DeepseekV4
 
     longest = max(len(s) for s in seqs)
-    m = DeepseekV4.from_checkpoint(checkpoint, dtype=dtype, max_batch_size=len(seqs), max_model_len=max(4096, longest),
-                                   max_num_batched_tokens=longest, token_buckets="pow2", kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    m = DeepseekV4.from_checkpoint(
+        checkpoint,
+        dtype=dtype,
+        max_batch_size=len(seqs),
+        max_model_len=max(4096, longest),
+        max_num_batched_tokens=longest,
+        token_buckets="pow2",
+        kv_cache_dtype=kv_cache_dtype,
+    )
     out = []
     for i, s in enumerate(seqs):  # one request per step: no padding interplay between sequences
         _, o = m.step(m.init_cache(), [i], [0], [s], all_tokens=True)
@@ -65,8 +76,10 @@ def main(spec_path: str, out_path: str) -> None:
         t = time.perf_counter()
         fn = {"jax": jax_logits, "hf": hf_logits}[run["framework"]]
         logits = fn(spec["checkpoint"], seqs, run["dtype"], run.get("kv_cache_dtype", "auto"))
-        result[run["name"]] = {"requests": [_rows(lg, s) for lg, s in zip(logits, seqs)],
-                               "seconds": time.perf_counter() - t}  # fmt: skip
+        result[run["name"]] = {
+            "requests": [_rows(lg, s) for lg, s in zip(logits, seqs)],
+            "seconds": time.perf_counter() - t,
+        }
         print(run["name"], f"{time.perf_counter() - t:.1f}s", flush=True)
     with open(out_path, "w") as f:
         json.dump(result, f)

@@ -40,8 +40,14 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def vllm_runs(checkpoint, prompts, tmp_path_factory):
-    spec = {"checkpoint": str(checkpoint), "prompts": prompts, "max_new_tokens": NEW_TOKENS,
-            "max_num_batched_tokens": 1024, "max_model_len": 4096, "kernels": ["dsv4", "vllm"]}  # fmt: skip
+    spec = {
+        "checkpoint": str(checkpoint),
+        "prompts": prompts,
+        "max_new_tokens": NEW_TOKENS,
+        "max_num_batched_tokens": 1024,
+        "max_model_len": 4096,
+        "kernels": ["dsv4", "vllm"],
+    }
     return engine(spec, tmp_path_factory.mktemp("engine"))
 
 
@@ -51,14 +57,19 @@ def references(checkpoint, prompts, vllm_runs, tmp_path_factory):
         pytest.fail(f"{MAIN_PYTHON} missing: `make test-vllm-cpu` builds it (`make .venv/.installed`)")
     seqs = [p + r["generated"] for p, r in zip(prompts, vllm_runs["runs"]["dsv4"]["requests"])]
     tmp = tmp_path_factory.mktemp("refs")
-    spec = {"checkpoint": str(checkpoint), "sequences": seqs, "runs": [
-        {"name": "jax_fp32", "framework": "jax", "dtype": "float32"},
-        {"name": "jax_bf16_fp8", "framework": "jax", "dtype": "bfloat16", "kv_cache_dtype": "fp8_ds_mla"},
-        {"name": "hf_fp32", "framework": "hf", "dtype": "float32"},
-    ]}  # fmt: skip
+    spec = {
+        "checkpoint": str(checkpoint),
+        "sequences": seqs,
+        "runs": [
+            {"name": "jax_fp32", "framework": "jax", "dtype": "float32"},
+            {"name": "jax_bf16_fp8", "framework": "jax", "dtype": "bfloat16", "kv_cache_dtype": "fp8_ds_mla"},
+            {"name": "hf_fp32", "framework": "hf", "dtype": "float32"},
+        ],
+    }
     (tmp / "spec.json").write_text(json.dumps(spec))
-    run_python(MAIN_PYTHON, "tests.vllm_cpu.reference_run", tmp / "spec.json", tmp / "out.json",
-               env={"JAX_PLATFORMS": "cpu"})  # fmt: skip
+    run_python(
+        MAIN_PYTHON, "tests.vllm_cpu.reference_run", tmp / "spec.json", tmp / "out.json", env={"JAX_PLATFORMS": "cpu"}
+    )
     return json.loads((tmp / "out.json").read_text())
 
 
@@ -75,8 +86,13 @@ def _compare(run: dict, ref: dict, upto: list[int] | None = None) -> dict:
         dis_margins.extend(margin[dis].tolist())
         n += k
     d = np.concatenate(d)
-    return {"max": float(d.max()), "p99": float(np.quantile(d, 0.99)), "disagree": len(dis_margins),
-            "positions": n, "max_margin_at_disagreement": max(dis_margins, default=0.0)}  # fmt: skip
+    return {
+        "max": float(d.max()),
+        "p99": float(np.quantile(d, 0.99)),
+        "disagree": len(dis_margins),
+        "positions": n,
+        "max_margin_at_disagreement": max(dis_margins, default=0.0),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +105,9 @@ def envelope(references):
 
 def _within(name: str, got: dict, env: dict) -> None:
     print(name, got)
-    assert got["max"] <= SLACK * env["max"], f"{name}: logprobs differ by up to {got['max']:.4f}, envelope {env['max']:.4f}"
+    assert got["max"] <= SLACK * env["max"], (
+        f"{name}: logprobs differ by up to {got['max']:.4f}, envelope {env['max']:.4f}"
+    )
     assert got["p99"] <= SLACK * env["p99"], f"{name}: p99 difference {got['p99']:.4f}, envelope {env['p99']:.4f}"
     # A near-tie: the reference's top-1 leads by less than the envelope can move the gap between
     # two logprobs (each moves by up to env["max"], in opposite directions at worst).
@@ -98,7 +116,9 @@ def _within(name: str, got: dict, env: dict) -> None:
         f"{name}: argmax differs where the reference's top-1 leads by {got['max_margin_at_disagreement']:.4f} "
         f"nats (near-ties: <= {tie:.4f})"
     )
-    assert got["disagree"] <= SLACK * env["disagree"] + 2, f"{name}: {got['disagree']} disagreements, envelope {env['disagree']}"
+    assert got["disagree"] <= SLACK * env["disagree"] + 2, (
+        f"{name}: {got['disagree']} disagreements, envelope {env['disagree']}"
+    )
 
 
 def test_the_plugin_ran_our_kernel_on_every_prefill_token(vllm_runs, prompts):
@@ -132,5 +152,8 @@ def test_vllm_with_its_own_kernel_within_the_envelope(vllm_runs, references, pro
     for p, a, b in zip(prompts, ours, theirs):
         same = next((j for j, (x, y) in enumerate(zip(a["generated"], b["generated"])) if x != y), NEW_TOKENS)
         upto.append(len(p) - 1 + same)
-    _within("vLLM + plugin (vLLM's kernel) vs jax_fp32", _compare(vllm_runs["runs"]["vllm"], references["jax_fp32"], upto),
-            envelope)  # fmt: skip
+    _within(
+        "vLLM + plugin (vLLM's kernel) vs jax_fp32",
+        _compare(vllm_runs["runs"]["vllm"], references["jax_fp32"], upto),
+        envelope,
+    )

@@ -25,12 +25,29 @@ def data():
 
 def test_gsm8k_cli_through_vllm(checkpoint, data, tmp_path):
     out = tmp_path / "report.json"
-    stdout = run_python(sys.executable, "eval.gsm8k", "--checkpoint", checkpoint, "--framework", "vllm", "--limit", 3,
-                        "--num-fewshot", 1, "--max-new-tokens", 12, "--no-progress", "--output", out)  # fmt: skip
+    stdout = run_python(
+        sys.executable,
+        "eval.gsm8k",
+        "--checkpoint",
+        checkpoint,
+        "--framework",
+        "vllm",
+        "--limit",
+        3,
+        "--num-fewshot",
+        1,
+        "--max-new-tokens",
+        12,
+        "--no-progress",
+        "--output",
+        out,
+    )
     assert "gsm8k 3 problems, 1-shot" in stdout
     report = json.loads(out.read_text())
     g = report["a"]["config"]["generator"] if "a" in report else report["config"]["generator"]
-    assert g["framework"] == "vllm" and g["dtype"] == "bfloat16" and g["plugin_active"] and g["prefill_kernel"] == "dsv4"
+    assert (
+        g["framework"] == "vllm" and g["dtype"] == "bfloat16" and g["plugin_active"] and g["prefill_kernel"] == "dsv4"
+    )
     prompts = E.build_prompts(data.test, data.train, num_fewshot=1, limit=3)
     assert [p["prompt_id"] for p in report["problems"]] == [p.prompt_id for p in prompts]
     prompt_tokens = sum(p["prompt_tokens"] for p in report["problems"])

@@ -16,8 +16,9 @@ from tests.vllm_cpu.conftest import ROOT
 
 def _run(code: str, **env) -> list[str]:
     """Python code in a fresh interpreter (vLLM's platform and plugins are per process)."""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env=dict(os.environ, **env))  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(os.environ, **env)
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()
 
@@ -54,8 +55,12 @@ def test_loader_patches_the_cpu_path():
     amx = cpu_engine.cpu_features()["amx"]
     assert lines[-1] == "True True"  # AMX: vLLM's own gates; AVX512-BF16 without AMX: opened by the plugin
     if not amx:
-        off = _run(PATCHED.replace("print(sorted(mla.DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler(None, 3)))\n", ""),
-                   DSV4_PREFILL_VLLM_PLUGIN="off")  # fmt: skip
+        off = _run(
+            PATCHED.replace(
+                "print(sorted(mla.DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler(None, 3)))\n", ""
+            ),
+            DSV4_PREFILL_VLLM_PLUGIN="off",
+        )
         assert off[-3:] == ["False", "False False False False False False", "False False"]  # vLLM refuses this CPU
 
 
@@ -63,7 +68,6 @@ def test_loader_patches_the_cpu_path():
 def test_opened_gemm_kernels_match_torch():
     """fp8_scaled_mm_cpu (the FP8 block GEMM) and bmm_cpu (wo_a) on this CPU against torch.matmul."""
     import torch
-
     import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
 
     g = torch.Generator().manual_seed(0)
