@@ -147,6 +147,7 @@ def vllm_call(layer: Layer, threads: int):
     sink = torch.from_numpy(layer.sink)
 
     def call():
+        torch.set_num_threads(threads)
         torch.ops._C.flash_mla_with_kvcache_cpu(
             out, q, raw, window_slots, BLOCK, comp, comp_slots, comp_S, sink, D**-0.5
         )
@@ -183,6 +184,7 @@ def torch_call(layer: Layer, threads: int, backend: str):
     out = torch.empty((layer.T, H, 512), dtype=torch.bfloat16)
 
     def call():
+        torch.set_num_threads(threads)
         with torch.no_grad():
             return TP.prefill_attention(
                 q, meta, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk, backend=backend, out=out
@@ -295,7 +297,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument(
+        "--scaling",
+        action="store_true",
+        help="instead: torch.cpu (and vllm where installed) on 1 thread and on --threads, interleaved",
+    )
     args = ap.parse_args(argv)
+    if args.scaling:
+        return scaling(args)
     named = [c for c in args.contenders.split(",") if c]
     for c in named:
         if c not in CONTENDERS:
@@ -363,6 +372,32 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(threads=args.threads, matmul_gflops=mm, rows=rows, python=sys.version), f, indent=1)
+    return 0
+
+
+def scaling(args) -> int:
+    """torch.cpu (and vLLM's kernel) on 1 thread and on args.threads, interleaved in one run."""
+    who = [c for c in ("torch.cpu", "vllm") if available(c) is None]
+    n = args.threads
+    print("| case | kind | " + " | ".join(f"{c} 1 thread | {c} {n} threads | speedup" for c in who) + " |")
+    print("|---|---|" + "---:|---:|---:|" * len(who))
+    rows = []
+    for case in args.cases.split(","):
+        for kind in args.kinds.split(","):
+            layer = Layer(kind, *CASES[case])
+            calls = {}
+            for c in who:
+                for t in (1, n):
+                    make = vllm_call if c == "vllm" else lambda lay, th: torch_call(lay, th, "cpu")
+                    calls[(c, t)] = make(layer, t)
+            timed = time_calls(calls, args.repeats)
+            g = {k: layer.gflop() / v for k, v in timed.items()}
+            rows.append(dict(case=case, kind=kind, gflops={f"{c}@{t}": v for (c, t), v in g.items()}))
+            cells = [f"{g[(c, 1)]:.0f} | {g[(c, n)]:.0f} | {g[(c, n)] / g[(c, 1)]:.2f}x" for c in who]
+            print(f"| {case} | {kind} | " + " | ".join(cells) + " |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(threads=n, scaling=rows, python=sys.version), f, indent=1)
     return 0
 
 

@@ -260,7 +260,7 @@ def test_resolution_on_the_cpu():
     q16 = jnp.zeros((2, 16, 64), jnp.float16)
     assert dsv4_jax.resolve_backend("auto", q16) == "xla"  # the kernel takes bf16 / float32 only
     with pytest.raises(
-        dsv4_jax.BackendUnavailableError, match=r"backend 'cpu' cannot run here: .*float16.*backend='xla'"
+        dsv4_jax.BackendUnavailableError, match=r"backend='cpu' cannot run here: .*float16.*backend='xla'"
     ):
         dsv4_jax.resolve_backend("cpu", q16)
     with pytest.raises(dsv4_jax.BackendUnavailableError, match="float16"):
@@ -278,7 +278,7 @@ def test_unbuildable_kernel_is_reported(monkeypatch):
     assert dsv4_jax.resolve_backend("auto", q) == "xla"
     assert "no C compiler" in dsv4_jax.available_backends()["cpu"]
     with pytest.raises(
-        dsv4_jax.BackendUnavailableError, match=r"backend 'cpu' cannot run here: RuntimeError: no C compiler"
+        dsv4_jax.BackendUnavailableError, match=r"backend='cpu' cannot run here: RuntimeError: no C compiler"
     ):
         dsv4_jax.resolve_backend("cpu", q)
     with pytest.raises(dsv4_jax.BackendUnavailableError, match="no C compiler"):
@@ -305,6 +305,6 @@ def test_gradient_raises_instead_of_a_wrong_one():
 
     args = (jnp.asarray(q), jnp.asarray(kv))
     for f in (jax.grad(loss, argnums=(0, 1)), jax.jit(jax.grad(loss)), jax.value_and_grad(loss, argnums=1)):
-        with pytest.raises(NotImplementedError, match=r"sparse_attention: backend 'cpu' .* has no backward pass"):
+        with pytest.raises(NotImplementedError, match=r"sparse_attention: backend='cpu' .* has no backward pass"):
             f(*args)
     assert np.isfinite(float(loss(*args)))

@@ -409,7 +409,7 @@ def test_float16_runs_xla_and_a_named_cpu_raises():
     q = jnp.asarray(smeta.pad_tokens(case.q).astype(np.float16))
     JP.prefill_attention(q, meta, raw, sm_scale=case.sm_scale)
     assert meta.last_backend == "xla"
-    with pytest.raises(dsv4_jax.BackendUnavailableError, match=r"backend 'cpu' cannot run here: .*float16"):
+    with pytest.raises(dsv4_jax.BackendUnavailableError, match=r"backend='cpu' cannot run here: .*float16"):
         JP.prefill_attention(q, meta, raw, sm_scale=case.sm_scale, backend="cpu")
 
 
@@ -420,7 +420,7 @@ def test_gradient_raises():
     raw, comp = sources(case, "logical", np.float32)
     q = jnp.asarray(smeta.pad_tokens(case.q))
     f = lambda q: JP.prefill_attention(q, smeta[case.kind], raw, comp, sm_scale=0.2, backend="cpu").sum()  # noqa: E731
-    with pytest.raises(NotImplementedError, match=r"prefill_attention: backend 'cpu' .* has no backward pass"):
+    with pytest.raises(NotImplementedError, match=r"prefill_attention: backend='cpu' .* has no backward pass"):
         jax.grad(f)(q)
 
 

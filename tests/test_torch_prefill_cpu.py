@@ -290,7 +290,7 @@ def test_auto_resolves_once_per_layer_and_skips_the_chunk_loop(monkeypatch):
     def no_chunks(*a, **k):
         raise AssertionError("the chunk loop ran")
 
-    monkeypatch.setattr(TP, "sparse_attention", no_chunks)
+    monkeypatch.setattr(TP, "run_backend", no_chunks)
     monkeypatch.setattr(TP, "_gather", no_chunks)
     step = P.plan_step(case.batch, case.plan_config(budget_rows=160), [case.layer])
     meta = TP.build_step_metadata(step, index_topk=case.topk)

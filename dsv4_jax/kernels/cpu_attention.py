@@ -55,7 +55,7 @@ def _no_backward(impl, what: str):
         return impl(*args), None
 
     def bwd(_, g):
-        raise NotImplementedError(f"{what}: backend 'cpu' (the C kernel, an XLA FFI call) has no backward pass")
+        raise NotImplementedError(f"{what}: backend='cpu' (the C kernel, an XLA FFI call) has no backward pass")
 
     f.defvjp(fwd, bwd)
     return f
