@@ -15,8 +15,10 @@ import sys
 
 import pytest
 
+from eval import generator_base as B
 from eval import generators as G
 from eval import gsm8k as E
+from eval import gsm8k_task as T
 
 ANSWER_18 = (
     "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"
@@ -46,8 +48,8 @@ ANSWER_18 = (
     ],
 )
 def test_extractions(output, strict, flexible):
-    assert E.extract_strict(output) == strict
-    assert E.extract_flexible(output) == flexible
+    assert T.extract_strict(output) == strict
+    assert T.extract_flexible(output) == flexible
 
 
 @pytest.mark.parametrize(
@@ -69,18 +71,18 @@ def test_extractions(output, strict, flexible):
     ],
 )
 def test_exact_match(prediction, answer, correct):
-    assert E.exact_match(prediction, answer) is correct
+    assert T.exact_match(prediction, answer) is correct
 
 
 def test_normalize_steps_in_lm_eval_order():
-    assert E.normalize("a, b $c #### d #### 1,2$.") == "12"  # up to the LAST "#### ", then ",", "$", "."
-    assert E.normalize("ABC") == "abc"
-    assert E.reference_answer(ANSWER_18) == "18"
-    assert E.reference_answer("lines\nwith $5.\n#### 2,125") == "2125"
+    assert T.normalize("a, b $c #### d #### 1,2$.") == "12"  # up to the LAST "#### ", then ",", "$", "."
+    assert T.normalize("ABC") == "abc"
+    assert T.reference_answer(ANSWER_18) == "18"
+    assert T.reference_answer("lines\nwith $5.\n#### 2,125") == "2125"
 
 
 def test_score_output_both_metrics():
-    s = E.score_output(" She makes $18.\nQuestion", ANSWER_18)
+    s = T.score_output(" She makes $18.\nQuestion", ANSWER_18)
     assert s == {
         "extracted": {"strict-match": "[invalid]", "flexible-extract": "$18."},
         "correct": {"strict-match": False, "flexible-extract": True},
@@ -88,21 +90,21 @@ def test_score_output_both_metrics():
 
 
 def test_truncate_at_stop_first_occurrence_wins():
-    stops = E.STOP_STRINGS
-    assert E.truncate_at_stop(" 18\n\nQuestion: next", stops) == " 18\n\n"
-    assert E.truncate_at_stop("a<|im_end|>b Question: c", stops) == "a"
-    assert E.truncate_at_stop("a</s>", stops) == "a"
-    assert E.truncate_at_stop("no stop", stops) == "no stop"
-    assert E.truncate_at_stop("x<eos>y", ["", "<eos>"]) == "x"  # empty stop strings are ignored
+    stops = T.STOP_STRINGS
+    assert T.truncate_at_stop(" 18\n\nQuestion: next", stops) == " 18\n\n"
+    assert T.truncate_at_stop("a<|im_end|>b Question: c", stops) == "a"
+    assert T.truncate_at_stop("a</s>", stops) == "a"
+    assert T.truncate_at_stop("no stop", stops) == "no stop"
+    assert T.truncate_at_stop("x<eos>y", ["", "<eos>"]) == "x"  # empty stop strings are ignored
 
 
 def test_accuracy_and_lm_eval_stderr():
     flags = [True, False, True, True, False, False, True]
-    a = E.accuracy(flags)
+    a = T.accuracy(flags)
     assert (a["correct"], a["total"]) == (4, 7)
     assert a["accuracy"] == pytest.approx(4 / 7)
     assert a["stderr"] == pytest.approx(statistics.stdev([float(f) for f in flags]) / 7**0.5)
-    assert E.accuracy([True])["stderr"] is None
+    assert T.accuracy([True])["stderr"] is None
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -112,15 +114,15 @@ TEST = [{"question": f"test q{i}?", "answer": f"work\n#### {i * 2}"} for i in ra
 
 
 def test_zero_shot_prompt_exact():
-    assert E.build_prompt(TEST[0], []) == "Question: test q0?\nAnswer:"
-    assert [p.text for p in E.build_prompts(TEST, TRAIN, num_fewshot=0, limit=2)] == [
+    assert T.build_prompt(TEST[0], []) == "Question: test q0?\nAnswer:"
+    assert [p.text for p in T.build_prompts(TEST, TRAIN, num_fewshot=0, limit=2)] == [
         "Question: test q0?\nAnswer:",
         "Question: test q1?\nAnswer:",
     ]
 
 
 def test_two_shot_prompt_exact():
-    text = E.build_prompt(TEST[1], [TRAIN[3], TRAIN[0]])
+    text = T.build_prompt(TEST[1], [TRAIN[3], TRAIN[0]])
     assert text == (
         "Question: train q3?\nAnswer: step 3\n#### 3\n\n"
         "Question: train q0?\nAnswer: step 0\n#### 0\n\n"
@@ -135,37 +137,37 @@ def lm_eval_sampler(train, num_fewshot, num_docs, seed):
 
 
 def test_fewshot_matches_lm_eval_sampler_and_is_deterministic():
-    prompts = E.build_prompts(TEST, TRAIN, num_fewshot=5, seed=1234)
+    prompts = T.build_prompts(TEST, TRAIN, num_fewshot=5, seed=1234)
     expected = lm_eval_sampler(TRAIN, 5, len(TEST), 1234)
     for p, shots in zip(prompts, expected):
         assert [TRAIN[j] for j in p.fewshot_ids] == shots
-        assert p.text == E.build_prompt(TEST[p.doc_id], shots)
+        assert p.text == T.build_prompt(TEST[p.doc_id], shots)
         assert p.text.endswith(f"Question: {TEST[p.doc_id]['question']}\nAnswer:")  # the test question last
         assert p.text.count("Question:") == 6 and p.text.count("\n\n") == 5
     assert len({p.fewshot_ids for p in prompts}) > 1  # one generator for all docs: examples differ per doc
-    again = E.build_prompts(TEST, TRAIN, num_fewshot=5, seed=1234, limit=3)
+    again = T.build_prompts(TEST, TRAIN, num_fewshot=5, seed=1234, limit=3)
     assert [p.text for p in again] == [p.text for p in prompts[:3]]  # --limit keeps each doc's examples
-    other = E.build_prompts(TEST, TRAIN, num_fewshot=5, seed=7)
+    other = T.build_prompts(TEST, TRAIN, num_fewshot=5, seed=7)
     assert [p.fewshot_ids for p in other] != [p.fewshot_ids for p in prompts]
-    assert all(p.prompt_id == E.Prompt(p.doc_id, p.text, p.fewshot_ids).prompt_id for p in prompts)
+    assert all(p.prompt_id == T.Prompt(p.doc_id, p.text, p.fewshot_ids).prompt_id for p in prompts)
     assert len({p.prompt_id for p in prompts}) == len(prompts)
 
 
 def test_prompt_arguments_are_checked():
     with pytest.raises(ValueError, match="num_fewshot"):
-        E.build_prompts(TEST, TRAIN[:3], num_fewshot=5)
+        T.build_prompts(TEST, TRAIN[:3], num_fewshot=5)
     with pytest.raises(ValueError, match="num_fewshot"):
-        E.build_prompts(TEST, TRAIN, num_fewshot=-1)
+        T.build_prompts(TEST, TRAIN, num_fewshot=-1)
     with pytest.raises(ValueError, match="limit"):
-        E.build_prompts(TEST, TRAIN, limit=0)
-    assert len(E.build_prompts(TEST, TRAIN, limit=100)) == len(TEST)
+        T.build_prompts(TEST, TRAIN, limit=0)
+    assert len(T.build_prompts(TEST, TRAIN, limit=100)) == len(TEST)
 
 
 # ----------------------------------------------------------------------------- data
 
 
 def shared_gsm8k():
-    for _, d in E.data_dir_candidates():
+    for _, d in T.data_dir_candidates():
         if (d / "test.jsonl").is_file() and (d / "train.jsonl").is_file():
             return d
     pytest.skip(
@@ -176,20 +178,20 @@ def shared_gsm8k():
 
 def test_load_shared_gsm8k_and_score_gold_answers():
     d = shared_gsm8k()
-    data = E.load_gsm8k()
+    data = T.load_gsm8k()
     assert data.source == str(d.resolve())
     assert (len(data.test), len(data.train)) == (1319, 7473)
     assert data.test[0]["question"].startswith("Janet\u2019s ducks lay 16 eggs per day.")
     assert data.train[0]["question"].startswith("Natalia sold clips to 48 of her friends")
-    assert E.reference_answer(data.test[0]["answer"]) == "18"
-    assert all(re.fullmatch(r"-?[0-9.]+", E.reference_answer(doc["answer"])) for doc in data.test)
+    assert T.reference_answer(data.test[0]["answer"]) == "18"
+    assert all(re.fullmatch(r"-?[0-9.]+", T.reference_answer(doc["answer"])) for doc in data.test)
     # The gold answer text, scored as an output, is right under both extractions.
     for doc in data.test:
-        assert E.score_output(doc["answer"], doc["answer"])["correct"] == {m: True for m in E.METRICS}
+        assert T.score_output(doc["answer"], doc["answer"])["correct"] == {m: True for m in T.METRICS}
     # lm-eval's default 5-shot examples of test doc 0 (seed 1234): regression pin of the sampler.
-    first = E.build_prompts(data.test, data.train, num_fewshot=5, limit=1)[0]
+    first = T.build_prompts(data.test, data.train, num_fewshot=5, limit=1)[0]
     assert list(first.fewshot_ids) == [6374, 3610, 957, 61, 742]
-    assert E.load_gsm8k(d).test == data.test  # --data DIR gives the same
+    assert T.load_gsm8k(d).test == data.test  # --data DIR gives the same
 
 
 def write_split(path, docs):
@@ -199,23 +201,23 @@ def write_split(path, docs):
 def test_load_from_dir_and_errors(tmp_path, monkeypatch):
     write_split(tmp_path / "test.jsonl", TEST)
     write_split(tmp_path / "train.jsonl", TRAIN)
-    data = E.load_gsm8k(tmp_path)
+    data = T.load_gsm8k(tmp_path)
     assert data.test == TEST and data.train == TRAIN
     (tmp_path / "bad").mkdir()
     with pytest.raises(FileNotFoundError, match="train.jsonl"):
         write_split(tmp_path / "bad" / "test.jsonl", TEST)
-        E.load_gsm8k(tmp_path / "bad")
+        T.load_gsm8k(tmp_path / "bad")
     (tmp_path / "bad" / "train.jsonl").write_text('{"question": "q"}\n')
     with pytest.raises(ValueError, match=r"train.jsonl:1: expected an object with 'question' and 'answer'"):
-        E.load_gsm8k(tmp_path / "bad")
+        T.load_gsm8k(tmp_path / "bad")
     (tmp_path / "bad" / "train.jsonl").write_text('{"question": "q", "answer": "a"}\nnot json\n')
     with pytest.raises(ValueError, match=r"train.jsonl:2: not JSON"):
-        E.load_gsm8k(tmp_path / "bad")
+        T.load_gsm8k(tmp_path / "bad")
     # Nothing anywhere and no `datasets`: one error naming every place tried.
-    monkeypatch.setattr(E, "data_dir_candidates", lambda: [("shared folder", tmp_path / "nowhere")])
+    monkeypatch.setattr(T, "data_dir_candidates", lambda: [("shared folder", tmp_path / "nowhere")])
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(FileNotFoundError, match=r"nowhere.*`datasets` package is not installed.*--data DIR"):
-        E.load_gsm8k()
+        T.load_gsm8k()
 
 
 # ----------------------------------------------------------------------------- greedy driver on fakes
@@ -235,7 +237,7 @@ class CharCodec:
         return "".join(chr(i) for i in ids if i not in (1, 2))
 
 
-class ScriptedGenerator(G.Generator):
+class ScriptedGenerator(B.Generator):
     """Returns a scripted continuation per prompt (keyed by the prompt's last question), then EOS.
 
     Checks the driver's contract: decode gets exactly one token per session row, the pad id for
@@ -289,9 +291,9 @@ SCRIPTS = {
 @pytest.mark.parametrize("batching", ["per_request", "batched"])
 def test_driver_stops_on_stop_string_eos_and_length(batching):
     gen = ScriptedGenerator(SCRIPTS, batching)
-    prompts = [p for p in E.build_prompts(TEST, TRAIN, num_fewshot=1, limit=3)]
+    prompts = [p for p in T.build_prompts(TEST, TRAIN, num_fewshot=1, limit=3)]
     ids = [gen.codec.encode(p.text) for p in prompts]
-    out = gen.generate(ids, 40, E.STOP_STRINGS)
+    out = gen.generate(ids, 40, T.STOP_STRINGS)
     texts = [gen.codec.decode(o) for o in out]
     assert texts[0] == " 2 * 0 = 0\n#### 0\n\nQuestion:"  # stops on the token completing "Question:"
     assert out[1][-1] == 1 and texts[1] == " It is $2."  # EOS ends the request, and is kept
@@ -317,7 +319,7 @@ def test_driver_rejects_bad_input():
 
 
 def test_evaluate_report_from_scripted_outputs():
-    prompts = E.build_prompts(TEST, TRAIN, num_fewshot=2, limit=3)
+    prompts = T.build_prompts(TEST, TRAIN, num_fewshot=2, limit=3)
     report = E.evaluate(ScriptedGenerator(SCRIPTS), prompts, TEST, batch_size=2, max_new_tokens=40, progress=False)
     p0, p1, p2 = report["problems"]
     assert (p0["output"], p0["stopped_by"], p0["correct"]) == (
@@ -342,7 +344,7 @@ def test_evaluate_report_from_scripted_outputs():
 def test_evaluate_planner_figures_from_the_stats_hook():
     import planner as P
 
-    prompts = E.build_prompts(TEST, TRAIN, num_fewshot=1, limit=4)
+    prompts = T.build_prompts(TEST, TRAIN, num_fewshot=1, limit=4)
     gen = ScriptedGenerator(SCRIPTS, "batched", plans=True)
     report = E.evaluate(gen, prompts, TEST, batch_size=2, max_new_tokens=4, progress=False)
     lens = [p["prompt_tokens"] for p in report["problems"]]
@@ -362,21 +364,21 @@ def test_plan_figures_inputs():
         P.PrefillBatch([300, 40], [300, 40]),
         P.PlanConfig(window_size=8, max_model_len=512, max_num_batched_tokens=512, policy="fixed"),
     )
-    chunks, peak = G.plan_figures(step)
+    chunks, peak = B.plan_figures(step)
     assert chunks == {k.name: step[k].num_chunks for k in P.LayerKind} and chunks["CSA"] == step["CSA"].num_chunks
     assert peak == step.max_workspace_rows > 0
-    assert G.plan_figures(type("Meta", (), {"step_plan": step})()) == (chunks, peak)
-    assert G.plan_figures({"chunks": {"CSA": 2}, "peak_workspace_rows": 9}) == ({"CSA": 2}, 9)
-    assert G.plan_figures(None) == (None, None)
+    assert B.plan_figures(type("Meta", (), {"step_plan": step})()) == (chunks, peak)
+    assert B.plan_figures({"chunks": {"CSA": 2}, "peak_workspace_rows": 9}) == ({"CSA": 2}, 9)
+    assert B.plan_figures(None) == (None, None)
     with pytest.raises(TypeError, match="plan"):
-        G.plan_figures(42)
+        B.plan_figures(42)
 
 
 # ----------------------------------------------------------------------------- compare
 
 
 def test_compare_runs_agreement_first_difference_and_flips():
-    prompts = E.build_prompts(TEST, TRAIN, num_fewshot=1, limit=3)
+    prompts = T.build_prompts(TEST, TRAIN, num_fewshot=1, limit=3)
     a = E.evaluate(ScriptedGenerator(SCRIPTS), prompts, TEST, max_new_tokens=40, progress=False)
     changed = dict(SCRIPTS, **{"test q1?\nAnswer:": " It is $3."})
     b = E.evaluate(ScriptedGenerator(changed, "batched"), prompts, TEST, max_new_tokens=40, progress=False)
@@ -392,7 +394,7 @@ def test_compare_runs_agreement_first_difference_and_flips():
     assert c["correctness_flips"] == {"strict-match": [], "flexible-extract": [1]}
     other = E.evaluate(
         ScriptedGenerator(SCRIPTS),
-        E.build_prompts(TEST, TRAIN, num_fewshot=0, limit=3),
+        T.build_prompts(TEST, TRAIN, num_fewshot=0, limit=3),
         TEST,
         max_new_tokens=4,
         progress=False,
@@ -505,10 +507,10 @@ def has_module(name):
 def test_missing_components_fail_clearly(tmp_path):
     """Until issue 7 lands here, its absence is a clear SetupError (each check runs only then)."""
     if not has_module("dsv4_jax.model"):
-        with pytest.raises(G.SetupError, match=r"JAX DeepSeek-V4 model \(issue 7\)"):
+        with pytest.raises(B.SetupError, match=r"JAX DeepSeek-V4 model \(issue 7\)"):
             G.load_generator(tmp_path, framework="jax", backend="auto")
     if not has_module("tools.tiny_checkpoint"):
-        with pytest.raises(G.SetupError, match=r"tiny checkpoint writer"):
+        with pytest.raises(B.SetupError, match=r"tiny checkpoint writer"):
             E.ensure_tiny_checkpoint(tmp_path / "tiny")
     with pytest.raises(ValueError, match="backend: for framework='torch'"):
         G.load_generator(tmp_path, backend="pallas")
@@ -517,9 +519,9 @@ def test_missing_components_fail_clearly(tmp_path):
     with pytest.raises(ValueError, match="policy: expected one of"):
         G.load_generator(tmp_path, policy="greedy")
     with pytest.raises(ValueError, match="batching='batched' with backend='eager'"):
-        G.resolve_batching("batched", "eager")
-    assert G.resolve_batching("auto", "eager") == "per_request"
-    assert G.resolve_batching("auto", "reference") == "batched"
+        B.resolve_batching("batched", "eager")
+    assert B.resolve_batching("auto", "eager") == "per_request"
+    assert B.resolve_batching("auto", "reference") == "batched"
 
 
 # ----------------------------------------------------------------------------- transformers eager, tiny model
@@ -651,7 +653,7 @@ def test_cli_end_to_end_on_tiny_eager_checkpoint(tiny_eager, tmp_path):
     assert report["planner"] is None
     for p in report["problems"]:
         assert 1 <= len(p["generated_token_ids"]) <= 3
-        assert p["prompt_tokens"] == len(E.build_prompts(TEST, TRAIN, num_fewshot=1, limit=2)[p["doc_id"]].text) + 1
+        assert p["prompt_tokens"] == len(T.build_prompts(TEST, TRAIN, num_fewshot=1, limit=2)[p["doc_id"]].text) + 1
     t = report["throughput"]
     assert t["prefill"]["calls"] == 2 and t["prefill"]["tokens_per_s"] > 0
 

@@ -8,7 +8,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("planner", "dsv4_torch", "dsv4_jax")
+PACKAGES = ("planner", "dsv4_torch", "dsv4_jax", "eval")
+MAX_LINES = 600  # a library file longer than this is split by concern
 
 
 def _modules() -> dict[str, Path]:
@@ -100,3 +101,10 @@ def test_the_graph_is_read():
     modules = _modules()
     assert "planner.contract" in _imports("dsv4_jax.kernels.mosaic", modules["dsv4_jax.kernels.mosaic"], modules)
     assert "dsv4_torch.kernels.cpu_kvcache" in _imports("dsv4_torch.kvcache", modules["dsv4_torch.kvcache"], modules)
+
+
+def test_no_library_file_over_max_lines():
+    long = {
+        str(p.relative_to(ROOT)): n for p in _modules().values() if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"library files over {MAX_LINES} lines (split them by concern): {long}"

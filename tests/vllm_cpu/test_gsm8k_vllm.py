@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from eval import gsm8k as E
+from eval import gsm8k_task as T
 from tests.vllm_cpu.conftest import run_python
 
 LAYERS = 6
@@ -18,7 +19,7 @@ LAYERS = 6
 @pytest.fixture(scope="module")
 def data():
     try:
-        return E.load_gsm8k()
+        return T.load_gsm8k()
     except FileNotFoundError as e:
         pytest.skip(f"GSM8K data absent ({e})")
 
@@ -48,7 +49,7 @@ def test_gsm8k_cli_through_vllm(checkpoint, data, tmp_path):
     assert (
         g["framework"] == "vllm" and g["dtype"] == "bfloat16" and g["plugin_active"] and g["prefill_kernel"] == "dsv4"
     )
-    prompts = E.build_prompts(data.test, data.train, num_fewshot=1, limit=3)
+    prompts = T.build_prompts(data.test, data.train, num_fewshot=1, limit=3)
     assert [p["prompt_id"] for p in report["problems"]] == [p.prompt_id for p in prompts]
     prompt_tokens = sum(p["prompt_tokens"] for p in report["problems"])
     stats = g["plugin_stats"]
@@ -57,8 +58,8 @@ def test_gsm8k_cli_through_vllm(checkpoint, data, tmp_path):
     assert stats["dsv4_prefill_tokens"] <= LAYERS * prompt_tokens, stats
     for p in report["problems"]:
         assert 1 <= len(p["generated_token_ids"]) <= 12
-        assert not any(s in p["output"] for s in E.STOP_STRINGS)  # cut at the first stop string
-        assert p["correct"] == E.score_output(p["output"], data.test[p["doc_id"]]["answer"])["correct"]
+        assert not any(s in p["output"] for s in T.STOP_STRINGS)  # cut at the first stop string
+        assert p["correct"] == T.score_output(p["output"], data.test[p["doc_id"]]["answer"])["correct"]
     t = report["throughput"]
     assert t["prefill"]["tokens"] == prompt_tokens and t["prefill"]["seconds"] > 0
 
@@ -70,7 +71,7 @@ def test_vllm_framework_options_are_checked():
     cfg = E.apply_overrides(base, "framework=vllm")
     assert (cfg.backend, cfg.dtype) == ("auto", "bfloat16")
     assert E.apply_overrides(base, "framework=vllm,attention=vllm").backend == "vllm"
-    from eval.generators import VllmEvalGenerator
+    from eval.vllm_generator import VllmEvalGenerator
 
     with pytest.raises(ValueError, match="bfloat16"):
         VllmEvalGenerator.from_checkpoint("ckpt", dtype="float32")
