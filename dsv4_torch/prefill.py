@@ -11,7 +11,7 @@ host, so nothing syncs.
 
 Backend "cpu" (what "auto" runs on CPU tensors in bf16 / float32) has no chunk loop and no
 workspace: one call of the C kernel per layer reads every token's keys straight from the caches
-(`dsv4_torch.kernels.cpu_attention.prefill_attention_cpu`; fp8_ds_mla pages dequantized inside
+(`dsv4_torch.prefill_cpu`; fp8_ds_mla pages dequantized inside
 the kernel). Its result does not depend on the plan.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dsv4_torch import kvcache
+from dsv4_torch import kvcache, prefill_cpu
 from dsv4_torch.attention import (
     check_dropout,
     check_sink,
@@ -371,9 +371,7 @@ def prefill_attention(
     sm_scale = check_sm_scale(sm_scale)  # checked once per layer call, not per chunk
     check_sink(attn_sink, H, q.device)
     if name == "cpu":  # resolve_backend gives "cpu" only without gradient or dropout
-        from dsv4_torch.kernels.cpu_attention import prefill_attention_cpu
-
-        return prefill_attention_cpu(
+        return prefill_cpu.layer(
             q,
             meta,
             raw.source,

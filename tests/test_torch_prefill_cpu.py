@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import planner as P
-from dsv4_torch import BackendUnavailableError
+from dsv4_torch import BackendUnavailableError, prefill_cpu
 from dsv4_torch import prefill as TP
 from dsv4_torch.kernels import cpu_attention as CA
 from planner import ckernel
@@ -309,8 +309,8 @@ def test_token_arrays_built_once_per_step():
     step = P.plan_step(case.batch, case.plan_config(order="length", policy="per_request"), P.V4_LAYERS)
     meta = TP.build_step_metadata(step, index_topk=case.topk)
     assert meta.cpu_tokens is None
-    tok = CA.step_tokens(meta)
-    assert CA.step_tokens(meta) is tok and tok.dtype == np.int32 and not tok.flags.writeable
+    tok = prefill_cpu.step_tokens(meta)
+    assert prefill_cpu.step_tokens(meta) is tok and tok.dtype == np.int32 and not tok.flags.writeable
     b = case.batch
     np.testing.assert_array_equal(tok, np.stack([np.arange(b.num_tokens), b.token_request, b.token_position]))
     assert b.token_request.tolist() != step[P.LayerKind.CSA].token_request.tolist()  # not the plan's local slots

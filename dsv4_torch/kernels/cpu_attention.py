@@ -4,10 +4,10 @@ Two calls, one per C entry point (`planner/csrc/dsv4_cpu.h`):
 
 - `sparse_attention_cpu`: FlashMLA's `flash_mla_sparse_fwd` contract on a flat workspace
   (`lib.dsv4_sparse_attention`), what `dsv4_torch.sparse_attention(..., backend="cpu")` runs.
-- `prefill_attention_cpu`: one prefill layer straight from the caches, no workspace and no chunk
+- `prefill_attention`: one prefill layer straight from the caches, no workspace and no chunk
   loop (`lib.dsv4_prefill_attention`): rows in q's dtype (paged or logical) or vLLM's
   `fp8_ds_mla` pages, dequantized inside the kernel. `dsv4_torch.prefill.prefill_attention`
-  runs it when its backend resolves to "cpu".
+  runs it (through `dsv4_torch.prefill_cpu`) when its backend resolves to "cpu".
 
 Numerics (the kernel's): bf16 in -> bf16 products, fp32 accumulation, probabilities rounded to
 bf16 before the PV product (FlashMLA's); float32 in -> float32 throughout. A token's result
@@ -155,27 +155,10 @@ def sparse_attention_cpu(
 # ----------------------------------------------------------------------------- prefill
 
 
-def step_tokens(step) -> np.ndarray:
-    """The fused call's per-token arrays of a step, (3, T) int32 on the host: q row, batch
-    request (block-table / offsets row) and absolute position of each of the step's tokens, in
-    batch order. Built once per `StepMetadata` (O(tokens) host work, no device read) and kept on
-    it (`StepMetadata.cpu_tokens`); every layer kind of the step shares them: the plan does not
-    enter the fused call (its `token_request` is a chunk-local slot, not the batch request)."""
-    if step.cpu_tokens is None:
-        batch = step.step_plan.batch
-        tok = np.stack([batch.token_arange, batch.token_request, batch.token_position]).astype(np.int32)
-        tok.setflags(write=False)
-        step.cpu_tokens = tok
-    return step.cpu_tokens
-
-
 def _kv_source(src, name: str, q: torch.Tensor, keep: list) -> ckernel.KVSource:
-    """A `dsv4_kv_source` for a PagedKV, LogicalKV or per-request tensor list (packed here)."""
-    from dsv4_torch.prefill_kv import LogicalKV, PagedKV
-
-    if isinstance(src, (list, tuple)):
-        src = LogicalKV.from_list(src)
-    if isinstance(src, PagedKV):
+    """A `dsv4_kv_source` for a `dsv4_torch.prefill.PagedKV` (pages + block table) or
+    `LogicalKV` (rows + offsets)."""
+    if hasattr(src, "block_table"):
         table = _unit_last(src.block_table)
         keep.append(table)
         pages = src.pages
@@ -204,7 +187,7 @@ def _kv_source(src, name: str, q: torch.Tensor, keep: list) -> ckernel.KVSource:
             page_stride=pages.stride(0),
             **common,
         )
-    if isinstance(src, LogicalKV):
+    if hasattr(src, "offsets"):
         rows, offsets = _unit_last(src.rows), src.offsets.contiguous()
         keep += [rows, offsets]
         if rows.device.type != "cpu":
@@ -221,9 +204,7 @@ def _kv_source(src, name: str, q: torch.Tensor, keep: list) -> ckernel.KVSource:
             table_width=1,
             table_rows=offsets.shape[0],
         )
-    raise TypeError(
-        f"{name}: expected a PagedKV, a LogicalKV or a sequence of (len_i, D) tensors, got {type(src).__name__}"
-    )
+    raise TypeError(f"{name}: expected a PagedKV or a LogicalKV, got {type(src).__name__}")
 
 
 def _src_dtype(rows: torch.Tensor, q: torch.Tensor, name: str) -> int:
@@ -232,29 +213,31 @@ def _src_dtype(rows: torch.Tensor, q: torch.Tensor, name: str) -> int:
     return DTYPES[q.dtype]
 
 
-def prefill_attention_cpu(
+def prefill_attention(
     q: torch.Tensor,
-    meta,
+    tokens: np.ndarray,
     raw_kv,
     compressed_kv=None,
-    *,
-    sm_scale: float,
-    attn_sink: torch.Tensor | None = None,
     topk_indices: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    *,
+    kind: LayerKind,
+    window: int,
+    compress_ratio: int,
+    sm_scale: float,
     out: torch.Tensor | None = None,
     threads: int | None = None,
     isa: str | None = None,
 ) -> torch.Tensor:
     """One prefill layer (all the step's tokens) in one kernel call, straight from the caches.
 
-    The arguments are `dsv4_torch.prefill.prefill_attention`'s (which checks them, caches
-    included, and calls this for backend "cpu"): q (T, H, D) bf16/float32 CPU tensor, meta the
-    layer kind's `KindMetadata` (only its kind, window, ratio, top-k width and the step's batch
-    are read: the chunk plan does not enter the call, so the result is the same under every
-    plan), raw_kv / compressed_kv a `PagedKV` (rows in q's dtype, or fp8_ds_mla pages: 2-D or
-    vLLM's 3-D view, page stride = pages.stride(0) bytes), a `LogicalKV` or per-request tensors,
-    topk_indices (T, index_topk) int32/int64 for CSA. A key the caches do not hold reads as NaN
-    (never out of bounds). Returns out (T, H, d_v) q.dtype (written into `out` when given).
+    q (T, H, D) bf16/float32 CPU tensor; tokens (3, T) int32 host array: per token its q row,
+    batch request (block-table row / offsets entry) and absolute position (`dsv4_torch.prefill_cpu`
+    builds them once per step); raw_kv / compressed_kv a `PagedKV` (rows in q's dtype, or
+    fp8_ds_mla pages: 2-D or vLLM's 3-D view, page stride = pages.stride(0) bytes) or a
+    `LogicalKV` (compressed_kv None for SWA); topk_indices (T, index_topk) int32/int64 for CSA;
+    kind, window, compress_ratio: the layer's. A key the caches do not hold reads as NaN (never
+    out of bounds). Returns out (T, H, d_v) q.dtype (written into `out` when given).
     """
     code = _dtype_code(q)
     T, H, D = q.shape
@@ -265,7 +248,6 @@ def prefill_attention_cpu(
         raise ValueError(
             f"out: expected ({T}, {H}, {d_v}) {q.dtype} on cpu, got {tuple(out.shape)} {out.dtype} on {out.device}"
         )
-    kind = meta.kind
     if T == 0 or H == 0:
         return out
     lib = _library()
@@ -277,9 +259,12 @@ def prefill_attention_cpu(
         if compressed_kv is None:
             raise ValueError(f"compressed_kv: required for {kind.name} layers")
         comp = _kv_source(compressed_kv, "compressed_kv", q, keep)
-    tok = step_tokens(meta.step)
-    if tok.shape[1] != T:
-        raise ValueError(f"q: {T} tokens, but the step's batch has {tok.shape[1]}")
+    tok = tokens
+    if not isinstance(tok, np.ndarray) or tok.dtype != np.int32 or tok.shape != (3, T) or not tok.flags.c_contiguous:
+        raise ValueError(
+            f"tokens: expected a C-contiguous (3, {T}) int32 array, got "
+            f"{getattr(tok, 'shape', type(tok).__name__)} {getattr(tok, 'dtype', '')}"
+        )
     topk_ptr, topk_int64, topk_stride, topk_width = None, 0, 0, 0
     if kind is LayerKind.CSA:
         if not isinstance(topk_indices, torch.Tensor) or topk_indices.dim() != 2 or topk_indices.shape[0] != T:
@@ -296,8 +281,8 @@ def prefill_attention_cpu(
         )
     tokens = ckernel.PrefillTokens(
         kind=ckernel.KIND_CODES[kind.name],
-        window=int(meta.plan.window_size),
-        compress_ratio=int(meta.plan.compress_ratio) if kind.has_compressed else 1,
+        window=int(window),
+        compress_ratio=int(compress_ratio) if kind.has_compressed else 1,
         num_tokens=T,
         token_row=tok[0].ctypes.data,
         token_request=tok[1].ctypes.data,
