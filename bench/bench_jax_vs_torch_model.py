@@ -2,13 +2,16 @@
 
 Same tiny checkpoint, same prompts (a batch of equal-length random prompts, so transformers can
 run them as one unpadded batch, which it handles correctly), greedy decoding of the same number
-of tokens. JAX is warmed up once (compilation) and then timed for one run; transformers is timed
-for one run after a short warm-up. If this branch has `dsv4_torch.hf.enable_sparse_prefill`
-(transformers with our prefill path), that is timed too.
+of tokens. JAX is warmed up once (compilation), transformers once (allocator, lazy set-up); then
+each configuration is timed `--repeats` times and the medians reported. Several attention
+backends of each framework run side by side in one process (`--backend` for JAX, `--torch-backend`
+for transformers + our `enable_sparse_prefill`): by default "auto" (on CPU: the C kernel, backend
+"cpu") and the backend that ran before it ("xla" / "reference"), so one run shows before and after.
 
   python -m bench.bench_jax_vs_torch_model                      # writes a tiny checkpoint to a temp dir
   python -m bench.bench_jax_vs_torch_model --batch 4 --prompt-len 256 --new-tokens 32 --json out.json
   python -m bench.bench_jax_vs_torch_model --checkpoint DIR --dtype bfloat16
+  python -m bench.bench_jax_vs_torch_model --backend xla --torch-backend reference,cpu
 """
 
 from __future__ import annotations
@@ -22,12 +25,20 @@ import numpy as np
 from bench.common import checkpoint_or_tiny
 
 
-def jax_run(ckpt, prompts, new_tokens, args):
+def _median_run(run, repeats: int):
+    """(outputs, prefill seconds, decode seconds): medians of `repeats` timed runs."""
+    times = [run() for _ in range(repeats)]
+    for out, _, _ in times[1:]:
+        assert out == times[0][0], "greedy tokens changed between runs"
+    return times[0][0], float(np.median([t[1] for t in times])), float(np.median([t[2] for t in times]))
+
+
+def jax_run(ckpt, prompts, new_tokens, args, backend):
     from dsv4_jax.model.generate import JaxGenerator
 
     gen = JaxGenerator(
         ckpt,
-        backend=args.backend,
+        backend=backend,
         policy=args.policy,
         dtype=args.dtype,
         max_batch_size=len(prompts),
@@ -37,33 +48,41 @@ def jax_run(ckpt, prompts, new_tokens, args):
     t0 = time.perf_counter()
     gen.generate(prompts, new_tokens)  # warm-up: compiles every bucket the timed run uses
     warmup = time.perf_counter() - t0
-    gen.reset_stats()
-    outputs = gen.generate(prompts, new_tokens)
-    s = gen.stats
+    stats = []
+
+    def run():
+        gen.reset_stats()
+        out = gen.generate(prompts, new_tokens)
+        stats.append(dict(gen.stats))
+        return out, stats[-1]["prefill_seconds"], stats[-1]["decode_seconds"]
+
+    outputs, prefill_s, decode_s = _median_run(run, args.repeats)
+    s = stats[-1]
     return outputs, {
-        "prefill_tokens_per_s": s["prefill_tokens"] / s["prefill_seconds"],
-        "decode_tokens_per_s": s["decode_tokens"] / s["decode_seconds"],
-        "prefill_seconds": s["prefill_seconds"],
-        "decode_seconds": s["decode_seconds"],
+        "prefill_tokens_per_s": s["prefill_tokens"] / prefill_s,
+        "decode_tokens_per_s": s["decode_tokens"] / decode_s,
+        "prefill_seconds": prefill_s,
+        "decode_seconds": decode_s,
         "warmup_seconds": warmup,
-        "compile_seconds_in_timed_run": s["compile_seconds"],
+        "compile_seconds_in_timed_runs": sum(x["compile_seconds"] for x in stats),
         "compiles": s["compiles"],
         "prefill_steps": s["prefill_steps"],
         "decode_steps": s["decode_steps"],
     }
 
 
-def torch_run(ckpt, prompts, new_tokens, args, sparse_prefill=False):
+def torch_run(ckpt, prompts, new_tokens, args, backend=None):
+    """transformers' model: eager attention (backend None) or our sparse path on `backend`."""
     import torch
     import transformers
     from transformers import DynamicCache
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     model = transformers.DeepseekV4ForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
-    if sparse_prefill:
+    if backend is not None:
         from dsv4_torch.hf import enable_sparse_prefill
 
-        enable_sparse_prefill(model)
+        enable_sparse_prefill(model, backend=backend)
     ids = torch.tensor(prompts)
 
     def run():
@@ -81,9 +100,15 @@ def torch_run(ckpt, prompts, new_tokens, args, sparse_prefill=False):
         return torch.cat(out, 1).tolist(), t1 - t0, t2 - t1
 
     run()  # warm-up (allocator, lazy initialisation)
-    outputs, prefill_s, decode_s = run()
+    outputs, prefill_s, decode_s = _median_run(run, args.repeats)
     B = len(prompts)
+    ran = None
+    if backend is not None:
+        from dsv4_torch.hf import last_forward
+
+        ran = dict(last_forward(model).backends)
     return outputs, {
+        "backends_ran": ran,
         "prefill_tokens_per_s": B * len(prompts[0]) / prefill_s,
         "decode_tokens_per_s": B * (new_tokens - 1) / decode_s,
         "prefill_seconds": prefill_s,
@@ -98,7 +123,15 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    ap.add_argument("--backend", default="auto", help="JAX attention backend: auto, xla, pallas")
+    ap.add_argument(
+        "--backend", default="auto,xla", help="JAX attention backends, comma-separated (auto, cpu, xla, pallas)"
+    )
+    ap.add_argument(
+        "--torch-backend",
+        default="auto,reference",
+        help="backends of transformers + our sparse path, comma-separated (auto, cpu, reference, triton; '' for none)",
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (medians)")
     ap.add_argument(
         "--policy",
         "--planner",
@@ -113,6 +146,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.new_tokens < 2:
         ap.error("--new-tokens: need >= 2 (one from the prefill, the rest decoded)")
+    if args.repeats < 1:
+        ap.error(f"--repeats: need >= 1, got {args.repeats}")
+    args.backend = [b for b in args.backend.split(",") if b]
+    args.torch_backend = [b for b in args.torch_backend.split(",") if b]
+    if not args.backend:
+        ap.error("--backend: name at least one JAX backend")
 
     with checkpoint_or_tiny(args.checkpoint, dtype=args.dtype) as ckpt:
         return run(ckpt, args)
@@ -124,37 +163,33 @@ def run(ckpt: str, args) -> dict:
 
     import jax
 
-    import dsv4_torch.hf as hf_helpers
-
     results = {"setup": {**vars(args), "checkpoint": ckpt, "jax_devices": str(jax.devices())}}
-    jax_out, results["jax"] = jax_run(ckpt, prompts, args.new_tokens, args)
-    torch_out, results["torch_eager"] = torch_run(ckpt, prompts, args.new_tokens, args)
-    results["same_tokens_jax_vs_torch_eager"] = jax_out == torch_out
-    runs = ["torch_eager"]
-    if hasattr(hf_helpers, "enable_sparse_prefill") or "enable_sparse_prefill" in getattr(hf_helpers, "_LAZY", {}):
-        sparse_out, results["torch_sparse_prefill"] = torch_run(ckpt, prompts, args.new_tokens, args, True)
-        results["same_tokens_jax_vs_torch_sparse_prefill"] = jax_out == sparse_out
-        runs.append("torch_sparse_prefill")
-    else:
-        results["torch_sparse_prefill"] = "not in this branch (dsv4_torch.hf.enable_sparse_prefill missing)"
-
-    j = results["jax"]
+    outputs = {}
+    for b in args.backend:
+        outputs[f"jax.{b}"], results[f"jax.{b}"] = jax_run(ckpt, prompts, args.new_tokens, args, b)
+    outputs["torch_eager"], results["torch_eager"] = torch_run(ckpt, prompts, args.new_tokens, args)
+    for b in args.torch_backend:
+        outputs[f"torch_sparse.{b}"], results[f"torch_sparse.{b}"] = torch_run(ckpt, prompts, args.new_tokens, args, b)
+    eager = results["torch_eager"]
+    results["same_tokens_as_torch_eager"] = {k: v == outputs["torch_eager"] for k, v in outputs.items()}
     print(
         f"batch {args.batch} x prompt {args.prompt_len} + {args.new_tokens} new tokens, {args.dtype}, "
-        f"JAX backend {args.backend}, policy {args.policy}"
+        f"policy {args.policy}, medians of {args.repeats}"
     )
-    print(f"{'':22s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
-    print(f"{'jax':22s} {j['prefill_tokens_per_s']:14.1f} {j['decode_tokens_per_s']:13.1f}")
-    for name in runs:
+    print(f"{'':34s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'vs eager':>16s}  same tokens as eager")
+    for name in outputs:
         t = results[name]
-        print(f"{name:22s} {t['prefill_tokens_per_s']:14.1f} {t['decode_tokens_per_s']:13.1f}")
-        ratio = {k: j[f"{k}_tokens_per_s"] / t[f"{k}_tokens_per_s"] for k in ("prefill", "decode")}
-        results[f"ratio_jax_over_{name}"] = ratio
-        print(f"{'  jax / ' + name:22s} {ratio['prefill']:13.2f}x {ratio['decode']:12.2f}x")
-    print(
-        f"JAX warm-up (compilation) {j['warmup_seconds']:.1f} s, compiles {j['compiles']}; "
-        f"same greedy tokens as torch eager: {results['same_tokens_jax_vs_torch_eager']}"
-    )
+        ratio = {k: t[f"{k}_tokens_per_s"] / eager[f"{k}_tokens_per_s"] for k in ("prefill", "decode")}
+        t["over_torch_eager"] = ratio
+        ran = t.get("backends_ran")
+        label = name + (f" ({','.join(sorted(set(ran.values())))})" if ran else "")
+        print(
+            f"{label:34s} {t['prefill_tokens_per_s']:14.1f} {t['decode_tokens_per_s']:13.1f} "
+            f"{ratio['prefill']:6.2f}x {ratio['decode']:6.2f}x  {results['same_tokens_as_torch_eager'][name]}"
+        )
+    for b in args.backend:
+        j = results[f"jax.{b}"]
+        print(f"JAX {b}: warm-up (compilation) {j['warmup_seconds']:.1f} s, compiles {j['compiles']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)
