@@ -4,7 +4,9 @@
 //
 // Work is split by tokens: a work item is a tile of consecutive tokens, taken by the threads
 // from one atomic counter (a thread that is slow, for example because its core is busy with
-// another process, takes fewer tiles: more threads never make a call slower than fewer).
+// another process, takes fewer tiles, and a worker that starts late is not waited for: more
+// threads never make a call slower than fewer). A call wakes only as many threads as its work
+// (keys x heads x dims) pays for, so small calls (decode steps of a small model) run inline.
 // Every token's result depends only on its own keys and their order, never on the tiling or
 // the thread that ran it.
 //
@@ -16,6 +18,7 @@
 // is decoded once, not once per token.
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -145,8 +148,13 @@ int choose(int isa, int dtype, int64_t D, int64_t dv, TokenFn *fn) {
 // ---------------------------------------------------------------- thread pool
 
 // Workers sleep on a condition variable between calls; a call hands them `job(thread_id)` and
-// runs thread 0 itself. One call at a time uses the pool; a call that finds it busy (another
-// framework thread in a call) runs on its own thread only.
+// runs thread 0 itself. Work items are taken dynamically, so the caller never waits for a worker
+// that has not started: when the caller is done with the items it closes the call, waits only
+// for the workers that joined, and a worker that wakes later finds the call closed and sleeps
+// again. (On a busy machine, e.g. with OpenMP threads still spinning on the other cores after a
+// torch op, a late worker would otherwise hold the call up for a scheduler time slice.) One
+// call at a time uses the pool; a call that finds it busy (another framework thread in a call)
+// runs on its own thread only.
 class Pool {
   public:
     void run(int threads, const std::function<void(int)> &job) {
@@ -163,13 +171,15 @@ class Pool {
             std::lock_guard<std::mutex> g(mu_);
             job_ = &job;
             wanted_ = threads - 1;
-            pending_ = threads - 1;
+            open_ = true;
+            active_ = 0;
             generation_++;
         }
         cv_.notify_all();
         job(0);
         std::unique_lock<std::mutex> g(mu_);
-        done_cv_.wait(g, [&] { return pending_ == 0; });
+        open_ = false;  // no worker joins from now on
+        done_cv_.wait(g, [&] { return active_ == 0; });
         job_ = nullptr;
     }
 
@@ -196,12 +206,13 @@ class Pool {
                 std::unique_lock<std::mutex> g(mu_);
                 cv_.wait(g, [&] { return generation_ != seen; });
                 seen = generation_;
-                if (id > wanted_) continue;
+                if (id > wanted_ || !open_) continue;  // not wanted, or the call is over already
                 job = job_;
+                active_++;
             }
             (*job)(id);
             std::lock_guard<std::mutex> g(mu_);
-            if (--pending_ == 0) done_cv_.notify_one();
+            if (--active_ == 0 && !open_) done_cv_.notify_one();
         }
     }
 
@@ -210,7 +221,8 @@ class Pool {
     const std::function<void(int)> *job_ = nullptr;
     std::vector<int> workers_;
     uint64_t generation_ = 0;
-    int wanted_ = 0, pending_ = 0;
+    int wanted_ = 0, active_ = 0;
+    bool open_ = false;
 };
 
 // The process's pool. Never destroyed (detached workers outlive static destructors). A forked
@@ -252,6 +264,15 @@ void parallel_items(int64_t n, int threads, const std::function<void(int64_t)> &
         }
     });
     if (error) std::rethrow_exception(error);
+}
+
+// Threads worth waking for `flops` of work: a thread gets at least GRAIN_FLOPS (about 10-20 us
+// on one core), so a small call (a decode step of a small model) runs on the caller's thread
+// instead of paying a wake-up per worker.
+constexpr double GRAIN_FLOPS = 4e6;
+
+int threads_for(double flops, int threads) {
+    return (int)std::max<double>(1.0, std::min<double>((double)threads, std::ceil(flops / GRAIN_FLOPS)));
 }
 
 // ---------------------------------------------------------------- helpers
@@ -479,6 +500,7 @@ int dsv4_sparse_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dty
         Rows rows(dtype, D);
         const dsv4_outputs o = *outputs;
         // tiles of a few tokens: enough items to balance threads, few enough to stay cheap
+        threads = threads_for(2.0 * (double)T * (double)K * (double)H * (double)(D + dv), threads);
         const int64_t per = std::max<int64_t>(1, std::min<int64_t>(8, T / (8 * (int64_t)threads)));
         const int64_t items = (T + per - 1) / per;
         parallel_items(items, threads, [&](int64_t it) {
@@ -544,6 +566,18 @@ int dsv4_prefill_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dt
         Rows rows(dtype, D);
         const dsv4_outputs o = *outputs;
         const std::vector<Tile> tiles = make_tiles(tk);
+        {  // the call's work: each token's keys (window, then compressed part) x heads x (D + d_v)
+            double keys = 0;
+            for (int64_t t = 0; t < tk.num_tokens; t++) {
+                const int64_t p = tk.token_position[t];
+                keys += (double)std::min<int64_t>(tk.window, std::max<int64_t>(p + 1, 0));
+                if (tk.kind == 1)
+                    keys += (double)std::min<int64_t>(tk.topk_width, std::max<int64_t>((p + 1) / tk.compress_ratio, 0));
+                else if (tk.kind == 2)
+                    keys += (double)std::max<int64_t>((p + 1) / tk.compress_ratio, 0);
+            }
+            threads = threads_for(2.0 * keys * (double)H * (double)(D + dv), threads);
+        }
         const int64_t W = tk.window;
         const bool raw_fp8 = raw->format == 1, comp_fp8 = tk.kind != 0 && comp->format == 1;
         parallel_items((int64_t)tiles.size(), threads, [&](int64_t it) {
