@@ -74,6 +74,10 @@ def jax_run(ckpt, prompts, new_tokens, args, backend):
 def torch_run(ckpt, prompts, new_tokens, args, backend=None):
     """transformers' model: eager attention (backend None) or our sparse path on `backend`."""
     import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    import torch
     import transformers
     from transformers import DynamicCache
 
@@ -132,6 +136,7 @@ def main(argv=None):
         help="backends of transformers + our sparse path, comma-separated (auto, cpu, reference, triton; '' for none)",
     )
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (medians)")
+    ap.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own choice)")
     ap.add_argument(
         "--policy",
         "--planner",
@@ -148,6 +153,8 @@ def main(argv=None):
         ap.error("--new-tokens: need >= 2 (one from the prefill, the rest decoded)")
     if args.repeats < 1:
         ap.error(f"--repeats: need >= 1, got {args.repeats}")
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads: need >= 1, got {args.threads}")
     args.backend = [b for b in args.backend.split(",") if b]
     args.torch_backend = [b for b in args.torch_backend.split(",") if b]
     if not args.backend:
@@ -174,7 +181,7 @@ def run(ckpt: str, args) -> dict:
     results["same_tokens_as_torch_eager"] = {k: v == outputs["torch_eager"] for k, v in outputs.items()}
     print(
         f"batch {args.batch} x prompt {args.prompt_len} + {args.new_tokens} new tokens, {args.dtype}, "
-        f"policy {args.policy}, medians of {args.repeats}"
+        f"policy {args.policy}, medians of {args.repeats}, torch threads {args.threads or 'default'}"
     )
     print(f"{'':34s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'vs eager':>16s}  same tokens as eager")
     for name in outputs:
