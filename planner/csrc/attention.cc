@@ -277,6 +277,38 @@ int threads_for(double flops, int threads) {
 
 // ---------------------------------------------------------------- helpers
 
+// What every token of one call shares; run_token attends one token (q row and out row `row`)
+// over its key rows.
+struct CallArgs {
+    const void *q;
+    int64_t q_s0, q_s1, H, D, dv;
+    size_t esize;
+    float scale;
+    const float *sink;
+    dsv4_outputs o;
+    const void *zero_row;
+};
+
+void run_token(TokenFn fn, Scratch &sc, const CallArgs &c, int64_t row, const void *const *keys, int64_t n) {
+    TokenJob j;
+    j.q = static_cast<const char *>(c.q) + row * c.q_s0 * (int64_t)c.esize;
+    j.q_hs = c.q_s1;
+    j.H = c.H;
+    j.D = c.D;
+    j.dv = c.dv;
+    j.keys = keys;
+    j.n = n;
+    j.scale = c.scale;
+    j.sink = c.sink;
+    j.out = static_cast<char *>(c.o.out) + row * c.o.out_s0 * (int64_t)c.esize;
+    j.out_hs = c.o.out_s1;
+    j.max_logits = c.o.max_logits ? c.o.max_logits + row * c.o.stat_s0 : nullptr;
+    j.lse = c.o.lse ? c.o.lse + row * c.o.stat_s0 : nullptr;
+    j.zero_row = c.zero_row;
+    fn(j, sc);
+}
+
+
 thread_local Scratch t_scratch;
 
 int64_t value_dim(int64_t D) { return D >= 512 ? 512 : D; }
@@ -498,7 +530,7 @@ int dsv4_sparse_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dty
         if (int rc = choose(isa, dtype, D, dv, &fn)) return rc;
         const size_t esize = dtype == DSV4_BF16 ? 2 : 4;
         Rows rows(dtype, D);
-        const dsv4_outputs o = *outputs;
+        const CallArgs call{q, q_s0, q_s1, H, D, dv, esize, sm_scale, attn_sink, *outputs, rows.zero.data()};
         // tiles of a few tokens: enough items to balance threads, few enough to stay cheap
         threads = threads_for(2.0 * (double)T * (double)K * (double)H * (double)(D + dv), threads);
         const int64_t per = std::max<int64_t>(1, std::min<int64_t>(8, T / (8 * (int64_t)threads)));
@@ -515,22 +547,7 @@ int dsv4_sparse_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dty
                     int32_t i = row[c];
                     if (i >= 0 && i < S) keys[n++] = static_cast<const char *>(kv) + (int64_t)i * kv_s0 * (int64_t)esize;
                 }
-                TokenJob j;
-                j.q = static_cast<const char *>(q) + t * q_s0 * (int64_t)esize;
-                j.q_hs = q_s1;
-                j.H = H;
-                j.D = D;
-                j.dv = dv;
-                j.keys = keys;
-                j.n = n;
-                j.scale = sm_scale;
-                j.sink = attn_sink;
-                j.out = static_cast<char *>(o.out) + t * o.out_s0 * (int64_t)esize;
-                j.out_hs = o.out_s1;
-                j.max_logits = o.max_logits ? o.max_logits + t * o.stat_s0 : nullptr;
-                j.lse = o.lse ? o.lse + t * o.stat_s0 : nullptr;
-                j.zero_row = rows.zero.data();
-                fn(j, sc);
+                run_token(fn, sc, call, t, keys, n);
             }
         });
         return DSV4_OK;
@@ -564,7 +581,7 @@ int dsv4_prefill_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dt
         const size_t esize = dtype == DSV4_BF16 ? 2 : 4;
         const int64_t row_bytes = D * (int64_t)esize;
         Rows rows(dtype, D);
-        const dsv4_outputs o = *outputs;
+        const CallArgs call{q, q_s0, q_s1, H, D, dv, esize, sm_scale, attn_sink, *outputs, rows.zero.data()};
         const std::vector<Tile> tiles = make_tiles(tk);
         {  // the call's work: each token's keys (window, then compressed part) x heads x (D + d_v)
             double keys = 0;
@@ -663,23 +680,7 @@ int dsv4_prefill_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dt
                     const void *r = raw_fp8 ? stage + (pos - w_lo) * row_bytes : row_address(*raw, b, pos, esize);
                     keys[n++] = r ? r : rows.nan.data();
                 }
-                const int64_t qrow = tk.token_row[t];
-                TokenJob j;
-                j.q = static_cast<const char *>(q) + qrow * q_s0 * (int64_t)esize;
-                j.q_hs = q_s1;
-                j.H = H;
-                j.D = D;
-                j.dv = dv;
-                j.keys = keys;
-                j.n = n;
-                j.scale = sm_scale;
-                j.sink = attn_sink;
-                j.out = static_cast<char *>(o.out) + qrow * o.out_s0 * (int64_t)esize;
-                j.out_hs = o.out_s1;
-                j.max_logits = o.max_logits ? o.max_logits + qrow * o.stat_s0 : nullptr;
-                j.lse = o.lse ? o.lse + qrow * o.stat_s0 : nullptr;
-                j.zero_row = rows.zero.data();
-                fn(j, sc);
+                run_token(fn, sc, call, tk.token_row[t], keys, n);
             }
         });
         return DSV4_OK;

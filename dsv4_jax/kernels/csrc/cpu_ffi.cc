@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <string>
 #include <thread>
 #include <vector>
@@ -353,63 +354,49 @@ static ffi::Error PrefillAttention(ffi::AnyBuffer q, ffi::Buffer<ffi::S32> token
     return rc ? kernel_error(call, rc) : ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4PrefillAttention, PrefillAttention,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("kind")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("compress_ratio")
-                                  .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("threads")
-                                  .Attr<int64_t>("raw_layout")
-                                  .Attr<int64_t>("raw_block_size")
-                                  .Attr<int64_t>("comp_layout")
-                                  .Attr<int64_t>("comp_block_size"));
+// The prefill handlers' bindings: the inputs, then (the Into variant) the output buffer to reuse,
+// then the result and the attributes.
+template <typename B> auto prefill_inputs(B b) {
+    return std::move(b).template Arg<ffi::AnyBuffer>()
+        .template Arg<ffi::Buffer<ffi::S32>>()
+        .template Arg<ffi::Buffer<ffi::S32>>()
+        .template Arg<ffi::AnyBuffer>()
+        .template Arg<ffi::Buffer<ffi::S32>>()
+        .template Arg<ffi::AnyBuffer>()
+        .template Arg<ffi::Buffer<ffi::S32>>()
+        .template Arg<ffi::Buffer<ffi::S32>>()
+        .template Arg<ffi::Buffer<ffi::F32>>();
+}
+
+template <typename B> auto prefill_result(B b) {
+    return std::move(b).template Ret<ffi::AnyBuffer>()
+        .template Attr<int64_t>("kind")
+        .template Attr<int64_t>("window")
+        .template Attr<int64_t>("compress_ratio")
+        .template Attr<float>("sm_scale")
+        .template Attr<int64_t>("threads")
+        .template Attr<int64_t>("raw_layout")
+        .template Attr<int64_t>("raw_block_size")
+        .template Attr<int64_t>("comp_layout")
+        .template Attr<int64_t>("comp_block_size");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4PrefillAttention, PrefillAttention, prefill_result(prefill_inputs(ffi::Ffi::Bind())));
 
 // The same call writing into a caller's buffer: `out_in` (q's dtype, (T, H, d_v)) is aliased to
 // the result (input_output_aliases), so a donated buffer is reused instead of XLA allocating the
-// output afresh (for a long prefill, tens or hundreds of MB of new pages per call).
+// output afresh (for a long prefill, tens or hundreds of MB of new pages per call). Every row of
+// the result is written (a token's output, or zeros), so an unaliased out_in is not copied.
 static ffi::Error PrefillAttentionInto(ffi::AnyBuffer q, ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> count,
                                        ffi::AnyBuffer raw_data, ffi::Buffer<ffi::S32> raw_table, ffi::AnyBuffer comp_data,
                                        ffi::Buffer<ffi::S32> comp_table, ffi::Buffer<ffi::S32> topk,
-                                       ffi::Buffer<ffi::F32> sink, ffi::AnyBuffer out_in, ffi::Result<ffi::AnyBuffer> out,
+                                       ffi::Buffer<ffi::F32> sink, ffi::AnyBuffer /*out_in*/, ffi::Result<ffi::AnyBuffer> out,
                                        int64_t kind, int64_t window, int64_t compress_ratio, float sm_scale,
                                        int64_t threads, int64_t raw_layout, int64_t raw_block_size, int64_t comp_layout,
                                        int64_t comp_block_size) {
-    if (out_in.untyped_data() != out->untyped_data() && out_in.size_bytes() == out->size_bytes())
-        std::memcpy(out->untyped_data(), out_in.untyped_data(), out_in.size_bytes());  // not aliased: nothing to reuse
     return PrefillAttention(q, tokens, count, raw_data, raw_table, comp_data, comp_table, topk, sink, out, kind, window,
                             compress_ratio, sm_scale, threads, raw_layout, raw_block_size, comp_layout, comp_block_size);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4PrefillAttentionInto, PrefillAttentionInto,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("kind")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("compress_ratio")
-                                  .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("threads")
-                                  .Attr<int64_t>("raw_layout")
-                                  .Attr<int64_t>("raw_block_size")
-                                  .Attr<int64_t>("comp_layout")
-                                  .Attr<int64_t>("comp_block_size"));
+                              prefill_result(prefill_inputs(ffi::Ffi::Bind()).template Arg<ffi::AnyBuffer>()));
