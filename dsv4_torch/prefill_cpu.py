@@ -3,7 +3,7 @@
 Part of `dsv4_torch.prefill`: where the other backends loop over the plan's chunks (gather a
 workspace, build index rows, attend), the C kernel (`planner/csrc`, `dsv4_prefill_attention`,
 through ctypes) reads every token's keys from the caches itself: rows in q's dtype (`PagedKV`,
-`LogicalKV`, per-request tensors) or fp8_ds_mla pages, dequantized inside the kernel. No
+`LogicalKV`) or fp8_ds_mla pages, dequantized inside the kernel. No
 workspace, no chunk loop, no index rows. It takes per token the q row, the batch request (its
 block-table row / offsets entry) and the absolute position, built on the host once per step.
 
@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from dsv4_torch.kernels import cpu_attention
-from dsv4_torch.prefill_kv import LogicalKV
 
 
 def step_tokens(step) -> np.ndarray:
@@ -46,15 +45,12 @@ def layer(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The layer's output (T, H, d_v) in q's dtype. The arguments are
-    `dsv4_torch.prefill.prefill_attention`'s (checked there, caches included); meta the layer
+    `dsv4_torch.prefill.prefill_attention`'s, checked there and its caches as `PagedKV` or
+    `LogicalKV` (per-request lists packed there); meta the layer
     kind's `KindMetadata` (only its kind, window, ratio and the step's batch are read)."""
     tok = step_tokens(meta.step)
     if tok.shape[1] != q.shape[0]:
         raise ValueError(f"q: {q.shape[0]} tokens, but the step's batch has {tok.shape[1]}")
-    if isinstance(raw_kv, (list, tuple)):
-        raw_kv = LogicalKV.from_list(raw_kv)
-    if isinstance(compressed_kv, (list, tuple)):
-        compressed_kv = LogicalKV.from_list(compressed_kv)
     return cpu_attention.prefill_attention(
         q,
         tok,

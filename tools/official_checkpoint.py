@@ -39,7 +39,14 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from tools.tiny_checkpoint import build_tokenizer, deepseek_config, init_tensors, tiny_config, to_deepseek_names
+from tools.tiny_checkpoint import (
+    deepseek_config,
+    dump_json,
+    init_tensors,
+    tiny_config,
+    to_deepseek_names,
+    write_tokenizer_files,
+)
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -47,7 +54,6 @@ AMAX_FLOOR = 1e-4
 FP8_BLOCK = (128, 128)
 FP4_GROUP = 32
 EXPERT_FORMATS = ("fp4", "fp8")
-SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
 QUANTIZATION_CONFIG = {
     "quant_method": "fp8",
     "fmt": "e4m3",
@@ -290,35 +296,9 @@ def _write_sharded(out: Path, specs: list[_Spec], shards: int) -> list[Path]:
     return files
 
 
-def _dump_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
 def _write_side_files(out: Path, cfg: dict, experts: str, tokenizer: bool = True) -> None:
-    _dump_json(out / "config.json", official_config(cfg, experts))
-    if tokenizer:
-        tok = build_tokenizer(cfg["vocab_size"])
-        (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
-    _dump_json(
-        out / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": SPECIAL_TOKENS[0],
-            "eos_token": SPECIAL_TOKENS[1],
-            "pad_token": SPECIAL_TOKENS[2],
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": cfg["max_position_embeddings"],
-        },
-    )
-    _dump_json(
-        out / "generation_config.json",
-        {
-            "bos_token_id": cfg["bos_token_id"],
-            "eos_token_id": cfg["eos_token_id"],
-            "pad_token_id": cfg["pad_token_id"],
-            "do_sample": False,
-        },
-    )
+    dump_json(out / "config.json", official_config(cfg, experts))
+    write_tokenizer_files(out, cfg, tokenizer)
 
 
 def write_official_checkpoint(out_dir, seed: int = 0, experts: str = "fp4", shards: int = 2, config=None) -> Path:

@@ -440,8 +440,36 @@ def _bfloat16():
     return ml_dtypes.bfloat16
 
 
-def _dump_json(path: Path, obj) -> None:
+def dump_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_tokenizer_files(out: Path, cfg: dict, tokenizer: bool = True) -> None:
+    """tokenizer.json (unless `tokenizer` is False), tokenizer_config.json and generation_config.json
+    for a checkpoint of config `cfg` (transformers' names)."""
+    if tokenizer:
+        tok = build_tokenizer(cfg["vocab_size"])
+        (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
+    dump_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": SPECIAL_TOKENS[0],
+            "eos_token": SPECIAL_TOKENS[1],
+            "pad_token": SPECIAL_TOKENS[2],
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": cfg["max_position_embeddings"],
+        },
+    )
+    dump_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": cfg["bos_token_id"],
+            "eos_token_id": cfg["eos_token_id"],
+            "pad_token_id": cfg["pad_token_id"],
+            "do_sample": False,
+        },
+    )
 
 
 def write_tiny_checkpoint(out_dir, seed: int = 0, names: str = "hf", dtype: str = "float32", config=None) -> Path:
@@ -477,29 +505,8 @@ def write_tiny_checkpoint(out_dir, seed: int = 0, names: str = "hf", dtype: str 
     # transformers' loader expects of a checkpoint's metadata.
     save_file(dict(sorted(tensors.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
 
-    _dump_json(out / "config.json", cfg if names == "hf" else deepseek_config(cfg))
-    tok = build_tokenizer(cfg["vocab_size"])
-    (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
-    _dump_json(
-        out / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": SPECIAL_TOKENS[0],
-            "eos_token": SPECIAL_TOKENS[1],
-            "pad_token": SPECIAL_TOKENS[2],
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": cfg["max_position_embeddings"],
-        },
-    )
-    _dump_json(
-        out / "generation_config.json",
-        {
-            "bos_token_id": cfg["bos_token_id"],
-            "eos_token_id": cfg["eos_token_id"],
-            "pad_token_id": cfg["pad_token_id"],
-            "do_sample": False,
-        },
-    )
+    dump_json(out / "config.json", cfg if names == "hf" else deepseek_config(cfg))
+    write_tokenizer_files(out, cfg)
     return out
 
 
