@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -366,7 +367,7 @@ def main(argv=None) -> int:
             print(
                 f"| {case} | {kind} | {layer.gflop():.0f} | "
                 + " | ".join(f"{g[c]:.0f}" if c in g else "-" for c in runnable)
-                + f" | {vs:.2f}x | {100 * ours / mm['bf16']:.0f}% |",
+                + f" | {_cell(vs, '{:.2f}x')} | {_cell(100 * ours / mm['bf16'], '{:.0f}%')} |",
                 flush=True,
             )
     if args.json:
@@ -399,6 +400,11 @@ def scaling(args) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(threads=n, scaling=rows, python=sys.version), f, indent=1)
     return 0
+
+
+def _cell(value: float, fmt: str) -> str:
+    """A table cell: "-" where the figure does not exist (no vLLM, or no "cpu" contender in the run)."""
+    return "-" if math.isnan(value) else fmt.format(value)
 
 
 def time_calls(calls: dict, repeats: int) -> dict:
