@@ -138,7 +138,7 @@ def main(argv=None):
 
             fns["jax cpu (C kernel, FFI)"] = run_jax_c
         else:
-            from dsv4_jax.kernels import cpu_kvcache as JC
+            from dsv4_jax.kernels import cpu as JC
 
             print(f"jax cpu (C kernel, FFI): skipped, {JC.unavailable_reason()}")
 

@@ -5,7 +5,7 @@ For V4-Flash (H=64, width 640) and V4-Pro (H=128, width 1152), D=512, T=4096, S=
      FlashMLA's tolerance) and against the float64 oracle on a few tokens;
   2. its run time and TFLOPS (FlashMLA's convention: 2 * valid indices * H * (512 + 512) / time)
      for the default tiling and a few alternatives (pick the fastest for default_tuning);
-  3. the Mosaic GPU kernel (backend "mosaic", jax >= 0.12, SM90) against the xla reference,
+  3. the Mosaic GPU kernel (backend "mosaic_gpu", jax >= 0.12, SM90) against the xla reference,
      its compile time, run time and TFLOPS, before the Pallas alternatives (so the budget never
      skips it);
   4. FlashMLA on the same data when `flash_mla` and a CUDA torch are importable.
@@ -85,7 +85,7 @@ def main(argv=None):
         return 0
 
     print(f"jax {jax.__version__}; devices: {jax.devices()}")
-    missing = dsv4_jax.available_backends()["pallas_triton"]
+    missing = dsv4_jax.available_backends()["triton"]
     if DRY_RUN:
         print(f"DRY RUN on {jax.default_backend()}: Pallas interpreter, T=8; timings mean nothing")
     elif missing:
@@ -128,7 +128,7 @@ def main(argv=None):
             ml_err = np.max(np.abs(np.asarray(ml) - np.asarray(ref[1])))
             verdict = "PASS" if ok.all() and lse_err < 1e-4 else "FAIL"
             print(
-                f"   pallas_triton vs xla: {verdict}; out max abs err {err.max():.2e}, {(~ok).sum()} outside "
+                f"   triton vs xla: {verdict}; out max abs err {err.max():.2e}, {(~ok).sum()} outside "
                 f"FlashMLA tolerance; lse max rel err {lse_err:.2e}; max_logits max abs err {ml_err:.2e}"
             )
             return out, ml, lse
@@ -151,7 +151,7 @@ def main(argv=None):
             ok = (err < FLASHMLA_TOL["abs"]) | (err / (np.abs(ref[0]) + 1e-6) < FLASHMLA_TOL["rel"])
             lse_err = np.max(np.abs(np.asarray(got[2][pick]) - ref[2]))
             print(
-                f"   pallas_triton vs float64 oracle on 6 tokens: {'PASS' if ok.all() and lse_err < 1e-3 else 'FAIL'}"
+                f"   triton vs float64 oracle on 6 tokens: {'PASS' if ok.all() and lse_err < 1e-3 else 'FAIL'}"
                 f" (out max abs err {err.max():.2e}, lse max abs err {lse_err:.2e})"
             )
 
@@ -159,7 +159,10 @@ def main(argv=None):
             guarded(check_against_oracle)
 
         section(f"{name}: Mosaic GPU kernel")
-        mosaic_missing = dsv4_jax.available_backends()["mosaic_interpret" if DRY_RUN else "mosaic_gpu"]
+        from dsv4_jax import backends
+
+        mosaic = backends.ATTENTION["mosaic_gpu"]
+        mosaic_missing = mosaic.interpret_unavailable() if DRY_RUN else mosaic.unavailable(())
 
         def check_and_time_mosaic():
             from dsv4_jax.kernels.mosaic import sparse_attention_mosaic

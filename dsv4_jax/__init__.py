@@ -1,8 +1,9 @@
 """dsv4-prefill for JAX: DeepSeek-V4 sparse-attention prefill kernels (the twin of `dsv4_torch`).
 
 `sparse_attention` implements the FlashMLA sparse-attention contract on the JAX backends
-(`dsv4_jax.kernels`: Mosaic GPU on Hopper, Pallas lowered through Triton on NVIDIA GPUs, a
-tiled XLA reference, and the C++ CPU kernel of `planner/csrc` as XLA FFI calls);
+(`dsv4_jax.backends`, the table of the kernels in `dsv4_jax.kernels`: Mosaic GPU on Hopper,
+Pallas lowered through Triton on NVIDIA GPUs, a tiled XLA reference, and the C++ CPU kernel of
+`dsv4_cpu` as XLA FFI calls);
 `resolve_backend` says which one a call runs and `available_backends` which ones this machine
 has, with reasons for the others. `dsv4_jax.prefill` runs whole layers from a planner step plan;
 `dsv4_jax.model` is a JAX DeepSeek-V4 model on that path.

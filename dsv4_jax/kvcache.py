@@ -7,16 +7,15 @@ and values these match exactly), functional: each returns the new array.
     dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset) -> out
 
 Both work under `jax.jit` (block_size and offset are static Python ints; donate k_cache / out to
-update them in place). Backends (keyword `backend=`; `planner.contract.CACHE_BACKENDS["jax"]`):
-  "xla"               plain jnp / lax (gathers and scatters of whole slots), any platform
-                      (`dsv4_jax/kernels/xla_kvcache.py`, with the codec the kernels share);
-  "pallas_triton"     Pallas kernels lowered through Triton, NVIDIA GPUs
-                      (`dsv4_jax/kernels/pallas_kvcache.py`);
-  "pallas_interpret"  the same kernels under Pallas' interpreter (any platform; for tests);
-  "cpu"               the gather only: `planner.ckernel`'s C kernel as an XLA FFI call on CPU
-                      (`dsv4_jax/kernels/cpu_kvcache.py`, built once per machine), one pass per row;
-  "auto" = pallas_triton on an NVIDIA GPU; on CPU the gather runs "cpu" where it builds (else
-  xla: the same bits) and the writer xla; "pallas" = pallas_triton, else pallas_interpret.
+update them in place). Backends (keyword `backend=`; the table is `dsv4_jax.backends.CACHE`):
+  "xla"     plain jnp / lax (gathers and scatters of whole slots), any platform
+            (`dsv4_jax/kernels/xla_kvcache.py`, with the codec the kernels share);
+  "triton"  Pallas kernels lowered through Triton, NVIDIA GPUs (`dsv4_jax/kernels/pallas_kvcache.py`);
+            `interpret=True` runs them under Pallas' interpreter (any platform; for tests);
+  "cpu"     the gather only: `dsv4_cpu`'s C kernel as an XLA FFI call on CPU
+            (`dsv4_jax/kernels/cpu.py`, built once per machine), one pass per row;
+  "auto" = triton on an NVIDIA GPU; on CPU the gather runs "cpu" where it builds (else xla: the
+  same bits) and the writer xla.
 
 Checks: shapes and dtypes always. Values (`validate=True`, the default) when the arrays are
 concrete: slots, block-table entries and lengths against the pages and `out`, finiteness of k
@@ -37,11 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax import devices
+from dsv4_jax import backends
 from dsv4_jax.kernels import pallas_kvcache, xla_kvcache
 from planner import kvcache as ref
 from planner.checks import as_int
-from planner.contract import CACHE_BACKENDS, backend_unavailable
 from planner.kvcache import HEAD_DIM, SLOT_DATA_BYTES, SLOT_SCALE_BYTES, page_bytes
 
 __all__ = [
@@ -57,61 +55,37 @@ __all__ = [
 _INT_DTYPES = (jnp.dtype(jnp.int32), jnp.dtype(jnp.int64), jnp.dtype(jnp.uint32))
 
 
-BACKENDS = CACHE_BACKENDS["jax"]  # and "auto"; "pallas" resolves to pallas_triton or pallas_interpret
-CONCRETE_BACKENDS = tuple(b for b in BACKENDS if b != "pallas")
+BACKENDS = backends.CACHE_BACKENDS
 OPS = ("gather", "insert")
 
 
 def cpu_unavailable_reason() -> str | None:
     """Why the C gather kernel (backend "cpu") cannot run on this machine (None: it can)."""
-    from dsv4_jax.kernels import cpu_kvcache
+    from dsv4_jax.kernels import cpu
 
-    return cpu_kvcache.unavailable_reason()
+    return cpu.unavailable_reason()
 
 
-def resolve_backend(backend: str = "auto", *arrays, op: str = "gather") -> str:
-    """The concrete cache backend (one of `CONCRETE_BACKENDS`) a call (`op`: "gather" or "insert")
+def resolve_backend(backend: str = "auto", *arrays, op: str = "gather", interpret=False) -> str:
+    """The cache backend (a key of `dsv4_jax.backends.CACHE`) a call (`op`: "gather" or "insert")
     on `arrays` runs.
 
     Where it runs: the devices of the committed `arrays`, else JAX's default device
-    (`dsv4_jax.devices`). "auto": pallas_triton on NVIDIA GPUs; elsewhere the C kernel for gathers
-    on CPU where it builds, else xla. "pallas": pallas_triton on NVIDIA GPUs, else
-    pallas_interpret. A named backend that cannot run raises BackendUnavailableError saying why.
+    (`dsv4_jax.devices`). "auto": triton on NVIDIA GPUs; elsewhere the C kernel for gathers
+    on CPU where it builds, else xla. `interpret=True` runs the triton kernels in Pallas'
+    interpreter (any platform). A named backend that cannot run raises BackendUnavailableError
+    saying why.
     """
-    if not isinstance(backend, str) or backend not in ("auto",) + BACKENDS:
-        raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
-    if op not in OPS:
-        raise ValueError(f"op: expected one of {OPS}, got {op!r}")
-    gpu_missing = devices.pallas_triton_unavailable(arrays)
-    if backend == "auto":
-        if gpu_missing is None:
-            return "pallas_triton"
-        if op == "gather" and devices.platforms(arrays) == {"cpu"} and cpu_unavailable_reason() is None:
-            return "cpu"
-        return "xla"
-    if backend == "pallas":
-        return "pallas_interpret" if gpu_missing else "pallas_triton"
-    if backend == "pallas_triton" and gpu_missing:
-        raise backend_unavailable(backend, gpu_missing)
-    if backend == "cpu":
-        if op != "gather":
-            raise backend_unavailable(
-                "cpu",
-                "it has the gather only (dequantize_and_gather_k_cache); quantize_and_insert_k_cache on CPU "
-                "runs backend='xla'",
-            )
-        if (where := devices.platforms(arrays)) != {"cpu"}:
-            raise backend_unavailable("cpu", f"the arrays are on {sorted(where)}, not the CPU")
-        if (reason := cpu_unavailable_reason()) is not None:
-            raise backend_unavailable("cpu", reason)
-    return backend
+    return backends.resolve_cache_backend(backend, *arrays, op=op, interpret=interpret)
 
 
 # --------------------------------------------------------------------------------------------
 # writer
 
 
-def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size=64, *, backend="auto", validate=True):
+def quantize_and_insert_k_cache(
+    k, k_cache, slot_mapping, block_size=64, *, backend="auto", interpret=False, validate=True
+):
     """Quantize `k` into its slots of `k_cache`; returns the new pages (vLLM's writer).
 
     Args:
@@ -120,7 +94,7 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size=64, *, back
       slot_mapping: [T'] int32/int64, T' <= T: -1 skips a token; slot s -> page s // S, position
         s % S; each slot at most once, < num_blocks * S.
       block_size: slots per page S (a Python int).
-      backend, validate: module doc.
+      backend, interpret, validate: module doc.
     """
     S = ref.check_block_size(block_size, "block_size")
     num_blocks = _check_pages(k_cache, S)
@@ -133,7 +107,7 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size=64, *, back
     n = slot_mapping.shape[0]
     if n > k.shape[0]:
         raise ValueError(f"slot_mapping: {n} entries for {k.shape[0]} tokens of k (expected <= {k.shape[0]})")
-    name = resolve_backend(backend, k, k_cache, slot_mapping, op="insert")
+    name = resolve_backend(backend, k, k_cache, slot_mapping, op="insert", interpret=interpret)
     if validate and _concrete(k, slot_mapping):
         kk = np.asarray(jnp.asarray(k[:n], jnp.float32))
         bad = ~np.isfinite(kk)
@@ -145,9 +119,7 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size=64, *, back
         return k_cache
     if name == "xla":
         return xla_kvcache.quantize_insert(k[:n], k_cache, slot_mapping.astype(jnp.int32), S)
-    return pallas_kvcache.quantize_insert(
-        k[:n], k_cache, slot_mapping.astype(jnp.int32), S, interpret=name == "pallas_interpret"
-    )
+    return pallas_kvcache.quantize_insert(k[:n], k_cache, slot_mapping.astype(jnp.int32), S, interpret=bool(interpret))
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,7 +127,17 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size=64, *, back
 
 
 def dequantize_and_gather_k_cache(
-    out, k_cache, seq_lens, gather_lens, block_table, block_size=64, offset=0, *, backend="auto", validate=True
+    out,
+    k_cache,
+    seq_lens,
+    gather_lens,
+    block_table,
+    block_size=64,
+    offset=0,
+    *,
+    backend="auto",
+    interpret=False,
+    validate=True,
 ):
     """Gather and dequantize rows of paged requests into a copy of `out`; returns it (vLLM's reader).
 
@@ -168,7 +150,7 @@ def dequantize_and_gather_k_cache(
       block_table: [R'', max_blocks] int32, R'' >= R; entries holding a gathered position must be
         pages of k_cache (the rest are not read).
       block_size: slots per page S; offset: first row written (Python ints, static under jit).
-      backend, validate: module doc.
+      backend, interpret, validate: module doc.
     """
     S = ref.check_block_size(block_size, "block_size")
     num_blocks = _check_pages(k_cache, S)
@@ -191,7 +173,7 @@ def dequantize_and_gather_k_cache(
         raise
     if offset > out.shape[1]:
         raise ValueError(f"offset: {offset} is past out's {out.shape[1]} rows")
-    name = resolve_backend(backend, out, k_cache, seq_lens, block_table)
+    name = resolve_backend(backend, out, k_cache, seq_lens, block_table, interpret=interpret)
     if validate and _concrete(seq_lens, gather_lens, block_table):
         ref.check_gather_args(
             np.asarray(seq_lens),
@@ -210,10 +192,10 @@ def dequantize_and_gather_k_cache(
     if name == "xla":
         return xla_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
     if name == "cpu":
-        from dsv4_jax.kernels import cpu_kvcache
+        from dsv4_jax.kernels import cpu
 
-        return cpu_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
-    return pallas_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset, interpret=name == "pallas_interpret")
+        return cpu.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
+    return pallas_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset, interpret=bool(interpret))
 
 
 # --------------------------------------------------------------------------------------------

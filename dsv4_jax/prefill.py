@@ -55,6 +55,7 @@ count, cache sizes, top-k rows on the host) run when the metadata still carries 
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import NamedTuple
 
 import jax
@@ -62,9 +63,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dsv4_jax import backends
 from dsv4_jax import kvcache as jax_kvcache
-from dsv4_jax import prefill_cpu
-from dsv4_jax.attention import resolve_backend, sparse_attention
+from dsv4_jax.backends import resolve_backend, run_backend
 from dsv4_jax.prefill_kv import (  # noqa: F401  (the caches are part of this module's API)
     KVSource,
     LogicalKV,
@@ -152,9 +153,9 @@ def _gather_region(ws, src, f: _Fields, region_start, s0, s1, dst_offset, src_st
     (src_start[s] if given else 0) + j of request seg_request[s].
     """
     if isinstance(src, PagedKV) and src.fp8 and _cpu_gather():
-        from dsv4_jax.kernels import cpu_kvcache
+        from dsv4_jax.kernels import cpu
 
-        return cpu_kvcache.gather_segments(
+        return cpu.gather_segments(
             ws,
             src.pages,
             src.block_table,
@@ -240,17 +241,35 @@ def _tile_indices(f: _Fields, shape: KindShape, c, k, valid, topk_rows):
 TRACE_COUNT = {"prefill": 0}  # traces of `_prefill_jit`; each is one compilation
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "sm_scale", "backend", "fill"), donate_argnames=("out",))
+@functools.partial(
+    jax.jit, static_argnames=("shape", "sm_scale", "backend", "interpret", "fill"), donate_argnames=("out",)
+)
 def _prefill_jit(
-    q, table, raw, comp, topk_rows, attn_sink, out=None, *, shape: KindShape, sm_scale: float, backend: str, fill=0.0
+    q,
+    table,
+    raw,
+    comp,
+    topk_rows,
+    attn_sink,
+    out=None,
+    *,
+    shape: KindShape,
+    sm_scale: float,
+    backend: str,
+    interpret=False,
+    fill=0.0,
 ):
-    """The layer call. `out`: a donated buffer for the result (None: XLA allocates it). `fill`:
-    the workspace's initial value (tests pass NaN: rows no chunk wrote must never reach an output)."""
+    """The layer call on resolved backend `backend`. `out`: a donated buffer for the result (None:
+    XLA allocates it). `fill`: the workspace's initial value (tests pass NaN: rows no chunk wrote
+    must never reach an output)."""
     TRACE_COUNT["prefill"] += 1
     f = _Fields.of(table)
     T_q, H, D = q.shape
-    if backend == "cpu" and T_q:  # the C kernel reads the caches itself: one call, no workspace, no chunk loop
-        return prefill_cpu.layer(q, table, raw, comp, topk_rows, attn_sink, shape=shape, sm_scale=sm_scale, out=out)
+    fused = backends.ATTENTION[backend].fused_prefill
+    if fused and T_q:  # a kernel that reads the caches itself: one call, no workspace, no chunk loop
+        module, fn = fused.split(":")
+        layer = getattr(importlib.import_module(module), fn)
+        return layer(q, table, raw, comp, topk_rows, attn_sink, shape=shape, sm_scale=sm_scale, out=out)
     out = jnp.zeros((T_q, H, value_dim(D)), q.dtype)  # a donated `out` is free for XLA to reuse here
     if T_q == 0:
         return out
@@ -267,7 +286,7 @@ def _prefill_jit(
             k = jnp.minimum(k, f.L - 1)
             rows = f.tok_index[k]
             idx, length = _tile_indices(f, shape, c, k, valid, topk_rows)
-            o, _, _ = sparse_attention(q[rows], ws, idx, sm_scale, attn_sink, length, backend=backend)
+            o, _, _ = run_backend(backend, q[rows], ws, idx, sm_scale, attn_sink, length, interpret=interpret)
             return out.at[jnp.where(valid, rows, DROP)].set(o, mode="drop")
 
         return ws, _run_ladder(t1 - t0, shape.token_ladder, attend, out)
@@ -289,6 +308,7 @@ def prefill_attention(
     attn_sink=None,
     topk_indices=None,
     backend: str = "auto",
+    interpret=False,
     out=None,
 ):
     """Sparse prefill attention of one layer for all prefill tokens of the step. Jit-compatible.
@@ -308,11 +328,13 @@ def prefill_attention(
       sm_scale: softmax scale, a Python float. attn_sink: optional (H,) float32.
       topk_indices: CSA only: (T_q', topk) int32 (other dtypes: TypeError) with T_q' >= T, the indexer's request-local top-k
         entries per token (the first min((p+1)//r, topk) are used).
-      backend: passed to `sparse_attention` ("cpu": one C kernel call for the whole layer, see
-        the module docstring); the concrete one is recorded in `meta.last_backend`
-        when `meta` is the caller's object (outside `jax.jit`). Inside a user's `jax.jit` the
-        call gets a copy of `meta` that JAX rebuilt, so the caller's `last_backend` is not set;
-        `dsv4_jax.resolve_backend(backend)`, which this call uses, says which backend runs.
+      backend: `sparse_attention`'s ("cpu": one C kernel call for the whole layer, see the
+        module docstring), resolved once per call (`dsv4_jax.backends`); the backend that ran is
+        recorded in `meta.last_backend` when `meta` is the caller's object (outside `jax.jit`).
+        Inside a user's `jax.jit` the call gets a copy of `meta` that JAX rebuilt, so the
+        caller's `last_backend` is not set; `dsv4_jax.resolve_backend(backend, q)`, which this
+        call uses, says which backend runs.
+      interpret: run a Pallas backend in its interpreter (`sparse_attention`'s).
       out: optional (T_q, H, d_v) array in q's dtype, DONATED: the result is written into its
         memory (`out = prefill_attention(..., out=out)`; the array passed in is deleted). Saves
         allocating the output per call (outside a jitted model each call would otherwise get
@@ -353,10 +375,20 @@ def prefill_attention(
                 f"out: expected a {want} {jnp.dtype(q.dtype)} array, got {_shape(out)} "
                 f"{getattr(out, 'dtype', type(out).__name__)}"
             )
-    name = resolve_backend(backend, q)
+    name = resolve_backend(backend, q, interpret=interpret)
     meta.last_backend = name
     return _prefill_jit(
-        q, meta.table, raw, comp, topk_rows, attn_sink, out, shape=shape, sm_scale=float(sm_scale), backend=name
+        q,
+        meta.table,
+        raw,
+        comp,
+        topk_rows,
+        attn_sink,
+        out,
+        shape=shape,
+        sm_scale=float(sm_scale),
+        backend=name,
+        interpret=interpret,
     )
 
 

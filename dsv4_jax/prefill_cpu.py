@@ -1,7 +1,7 @@
 """The prefill layer call on backend "cpu": one C kernel call per layer, straight from the caches.
 
 Part of `dsv4_jax.prefill`: where the other backends loop over the plan's chunks (gather a
-workspace, build index rows, attend), the C kernel (`planner/csrc`, `dsv4_prefill_attention`,
+workspace, build index rows, attend), the C kernel (`dsv4_cpu`, `dsv4_prefill_attention`,
 an XLA FFI call) reads every token's keys from the caches itself: rows in q's dtype (`PagedKV`,
 `LogicalKV`) or fp8_ds_mla pages, dequantized inside the kernel. No workspace, no chunk loop,
 no index rows. It takes per token the q row, the batch request (its block-table row / offsets
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from dsv4_jax.kernels import cpu_attention
+from dsv4_jax.kernels import cpu
 from dsv4_jax.prefill_metadata import (
     CHUNK_SEG_START,
     CHUNK_TOKEN_START,
@@ -48,7 +48,7 @@ def layer(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_sca
     """The layer's output (T_q, H, d_v) in q's dtype; rows of no planned token are 0. out: a
     buffer the kernel writes into (aliased to the result)."""
     tokens, count = token_arrays(table)
-    return cpu_attention.prefill_attention(
+    return cpu.prefill_attention(
         q,
         tokens,
         count,

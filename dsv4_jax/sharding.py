@@ -53,6 +53,7 @@ def sparse_attention_head_sharded(
     mesh: Mesh,
     axis_name: str | None = None,
     backend: str = "auto",
+    interpret=False,
 ):
     """`dsv4_jax.sparse_attention` with heads split over one mesh axis.
 
@@ -73,7 +74,7 @@ def sparse_attention_head_sharded(
       topk_length: (T,) int32 or None: replicated.
       mesh: the device mesh.
       axis_name: the mesh axis that splits heads; may be omitted for a one-axis mesh.
-      backend: as in `dsv4_jax.sparse_attention`, chosen per device.
+      backend, interpret: as in `dsv4_jax.sparse_attention`, chosen per device.
 
     Returns:
       (out (T, H, d_v), max_logits (T, H), lse (T, H)), sharded on H over `axis_name`.
@@ -107,7 +108,7 @@ def sparse_attention_head_sharded(
         optional = list(optional)
         sink = optional.pop(0) if attn_sink is not None else None
         lengths = optional.pop(0) if topk_length is not None else None
-        return sparse_attention(q, kv, indices, sm_scale, sink, lengths, backend=backend)
+        return sparse_attention(q, kv, indices, sm_scale, sink, lengths, backend=backend, interpret=interpret)
 
     sharded = _shard_map(
         per_device,

@@ -2,7 +2,7 @@
 
 - "flashmla": the FlashMLA wheel, SM90/SM100 GPUs, bf16, D in {512, 576}.
 - "triton": our Triton kernel, any CUDA/ROCm GPU (CPU tensors under TRITON_INTERPRET=1).
-- "cpu": our C/C++ kernel (`planner/csrc`, built once per machine with the system compiler),
+- "cpu": our C/C++ kernel (`dsv4_cpu`, built once per machine with the system compiler),
   CPU tensors, bf16 / float32, any H and D; instruction set chosen at run time.
 - "reference": tiled plain torch, any device, bitwise tile invariant.
 - "auto": flashmla if it can serve the call, else triton on a GPU; on CPU "cpu" for bf16 /
@@ -13,8 +13,8 @@ tile). Whenever a gradient is required (grad mode on and q, kv or attn_sink requ
 "auto" resolves to "reference" and a named "triton" / "flashmla" / "cpu" raises
 `BackendUnavailableError`; a gradient is never dropped. The same holds for attention dropout.
 
-This module validates arguments, resolves the backend and dispatches; the kernels live in
-`dsv4_torch/kernels/`, one file each.
+This module validates arguments and dispatches; the backends' table (what each serves, why it
+cannot run, how it runs) is `dsv4_torch.backends`; the kernels live in `dsv4_torch/kernels/`.
 """
 
 from __future__ import annotations
@@ -24,14 +24,11 @@ import numbers
 
 import torch
 
-from dsv4_torch import devices
+from dsv4_torch.backends import BACKENDS, available_backends, resolve_backend, run_backend  # noqa: F401
 from planner.checks import sm_scale_value, sparse_attention_shapes
-from planner.contract import BACKENDS as CONTRACT_BACKENDS  # noqa: F401  (re-exported)
-from planner.contract import BackendUnavailableError, backend_unavailable
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = CONTRACT_BACKENDS["torch"]
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -100,143 +97,6 @@ def sparse_attention(
     return run_backend(name, q, kv, indices, sm_scale, attn_sink, topk_length, grad=grad, dropout_p=dropout_p)
 
 
-def run_backend(name: str, q, kv, indices, sm_scale: float, attn_sink, topk_length, *, grad: bool, dropout_p: float):
-    """Run resolved backend `name` on checked arguments (`sparse_attention` after `_validate` and
-    `resolve_backend`; the prefill's chunk loop, which resolves once per layer call and builds its
-    arguments itself). kv (S, D), indices (T, K); grad / dropout_p as resolved."""
-    if grad or dropout_p:  # the reference backend, with its backward / dropout
-        from dsv4_torch.kernels import reference
-
-        seed = _dropout_seed() if dropout_p else 0
-        if grad:
-            return reference.sparse_attention_reference_autograd(
-                q, kv, indices, sm_scale, attn_sink, topk_length, dropout_p=dropout_p, dropout_seed=seed
-            )
-        with torch.no_grad():
-            return reference.sparse_attention_reference(
-                q, kv, indices, sm_scale, attn_sink, topk_length, dropout_p=dropout_p, dropout_seed=seed
-            )
-    with torch.no_grad():
-        if name == "flashmla":
-            from dsv4_torch.kernels.flashmla import sparse_attention_flashmla as fn
-        elif name == "triton":
-            from dsv4_torch.kernels.triton_sparse import sparse_attention_triton as fn
-        elif name == "cpu":
-            from dsv4_torch.kernels.cpu_attention import sparse_attention_cpu as fn
-        else:
-            from dsv4_torch.kernels.reference import sparse_attention_reference as fn
-        if q.shape[0] == 0 or q.shape[1] == 0:  # never launch a kernel on zero rows
-            return _empty_result(q, name)
-        return fn(q, kv, indices, sm_scale, attn_sink, topk_length)
-
-
-def resolve_backend(backend: str, q: torch.Tensor, *, needs_grad: bool = False, dropout_p: float = 0.0) -> str:
-    """The concrete backend `sparse_attention(q, ..., backend=backend)` runs.
-
-    "auto" picks "flashmla" for bf16 q with D in {512, 576} on an SM90/SM100 GPU with the wheel
-    importable, else "triton" on any other CUDA/ROCm GPU (bf16/fp16/fp32) with Triton importable;
-    on CPU tensors "cpu" for bf16/fp32 q where the C kernel builds; else "reference" (float16 and
-    float64 on CPU among them). A named backend is checked and returned, or
-    BackendUnavailableError says why it cannot run for this q.
-
-    needs_grad / dropout_p > 0: the call needs a backward / attention dropout, which only the
-    reference backend has: "auto" gives "reference", "triton", "flashmla" and "cpu" raise.
-    """
-    if not isinstance(backend, str) or backend not in ("auto",) + BACKENDS:
-        raise ValueError(f"backend: expected one of 'auto', {', '.join(map(repr, BACKENDS))}; got {backend!r}")
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
-    if needs_grad or dropout_p:
-        if backend in ("auto", "reference"):
-            return "reference"
-        if needs_grad:
-            why = "no backward, and this call needs a gradient (grad mode is on and q, kv or attn_sink requires grad)"
-            fix = "run it under torch.no_grad()"
-        else:
-            why = f"no attention dropout, and this call asks for dropout_p={dropout_p}"
-            fix = "use dropout 0 (e.g. model.eval())"
-        raise BackendUnavailableError(f"backend={backend!r} has {why}; use backend='reference' (or 'auto'), or {fix}")
-    if backend == "auto":
-        if q.device.type == "cpu":  # never the Triton interpreter on CPU: it is for tests
-            return "cpu" if _unavailable_for("cpu", q) is None else "reference"
-        if q.device.type != "cuda":
-            return "reference"
-        for name in ("flashmla", "triton"):
-            if _unavailable_for(name, q) is None:
-                return name
-        return "reference"
-    reason = _unavailable_for(backend, q)
-    if reason is not None:
-        raise backend_unavailable(backend, reason)
-    return backend
-
-
-def available_backends() -> dict[str, str | None]:
-    """Each backend -> None if it can run on this machine, else the reason it cannot.
-
-    Checks the machine, not a particular call: flashmla may still refuse a call whose dtype or
-    head dim it does not take (`resolve_backend` says so per call).
-    """
-    reasons: dict[str, str | None] = {}
-    from dsv4_torch.kernels import flashmla
-
-    reasons["flashmla"] = flashmla.unavailable_reason(None)
-    triton_reason = devices.triton_import_error()
-    if triton_reason is None and not torch.cuda.is_available():
-        from dsv4_torch.kernels import triton_sparse
-
-        if not triton_sparse.INTERPRETED:
-            triton_reason = "no CUDA/ROCm GPU (CPU tensors need TRITON_INTERPRET=1 set before first import)"
-        else:
-            triton_reason = triton_sparse.INTERPRETER_UNSUPPORTED
-    reasons["triton"] = triton_reason
-    from dsv4_torch.kernels import cpu_attention
-
-    reasons["cpu"] = cpu_attention.unavailable_reason()
-    reasons["reference"] = None
-    return reasons
-
-
-def _unavailable_for(name: str, q: torch.Tensor) -> str | None:
-    """None if backend `name` can serve q's device, dtype and head dim, else why not."""
-    if name == "reference":
-        return None
-    if name == "cpu":
-        if q.device.type != "cpu":
-            return f"the cpu backend takes CPU tensors, q is on {q.device}"
-        if q.dtype not in (torch.bfloat16, torch.float32):
-            return f"the cpu backend takes bfloat16/float32, q is {q.dtype}"
-        from dsv4_torch.kernels import cpu_attention
-
-        return cpu_attention.unavailable_reason()
-    if name == "triton":
-        err = devices.triton_import_error()
-        if err is not None:
-            return err
-        if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            return f"the triton backend takes bfloat16/float16/float32, q is {q.dtype}"
-        if q.device.type == "cuda":
-            return None
-        from dsv4_torch.kernels import triton_sparse
-
-        if q.device.type == "cpu" and triton_sparse.INTERPRETED:
-            return triton_sparse.INTERPRETER_UNSUPPORTED
-        return (
-            f"q is on {q.device}; the triton backend needs a CUDA/ROCm tensor, or CPU tensors with "
-            "TRITON_INTERPRET=1 set before dsv4_torch.kernels.triton_sparse is first imported"
-        )
-    # flashmla
-    if q.device.type != "cuda":
-        return f"needs an SM90/SM100 GPU, q is on {q.device}"
-    if q.dtype != torch.bfloat16:
-        return f"FlashMLA takes bfloat16, q is {q.dtype}"
-    from dsv4_torch.kernels import flashmla
-
-    if q.ndim != 3 or q.shape[-1] not in flashmla.FLASHMLA_HEAD_DIMS:
-        return f"FlashMLA takes head dim D in {flashmla.FLASHMLA_HEAD_DIMS}, q has shape {tuple(q.shape)}"
-    return flashmla.unavailable_reason(q.device)
-
-
 def gradient_required(*tensors) -> bool:
     """Grad mode is on and one of the tensors (None allowed) requires grad."""
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
@@ -246,12 +106,6 @@ def check_dropout(dropout_p) -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
     return float(dropout_p)
-
-
-def _dropout_seed() -> int:
-    # From torch's default CPU generator: a CPU read, never a device sync; torch.manual_seed and
-    # torch.utils.checkpoint's RNG-state restore make it reproducible.
-    return int(torch.randint(0, 1 << 62, (1,), dtype=torch.int64).item())
 
 
 def _validate(q, kv, indices, sm_scale, attn_sink, topk_length):
@@ -315,15 +169,3 @@ def check_sink(attn_sink, H: int, device: torch.device | None = None) -> None:
 def _need_tensor(x, name: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-
-
-def _empty_result(q: torch.Tensor, backend: str):
-    from planner.contract import value_dim
-
-    T, H, D = q.shape
-    stat = torch.float64 if (q.dtype == torch.float64 and backend == "reference") else torch.float32
-    return (
-        torch.empty((T, H, value_dim(D)), dtype=q.dtype, device=q.device),
-        torch.empty((T, H), dtype=stat, device=q.device),
-        torch.empty((T, H), dtype=stat, device=q.device),
-    )

@@ -9,7 +9,7 @@ reference, whose bytes and values these match exactly):
 Backends (keyword `backend=`):
   "triton"     Triton kernels (`dsv4_torch/kernels/triton_kvcache.py`): CUDA/ROCm tensors, or CPU
                tensors under TRITON_INTERPRET=1 (slow; for tests).
-  "cpu"        the gather only: a C kernel for CPU tensors (`dsv4_torch/kernels/cpu_kvcache.py`,
+  "cpu"        the gather only: a C kernel for CPU tensors (`dsv4_torch/kernels/cpu.py`,
                compiled once per machine with the system C compiler), one pass over the rows.
   "reference"  vectorized torch, any device (on a GPU its gather syncs once for the row count).
   "auto"       triton for CUDA tensors; on CPU tensors the gather runs "cpu" where a C compiler
@@ -33,9 +33,8 @@ import sys
 
 import torch
 
-from dsv4_torch import devices
+from dsv4_torch import backends
 from planner import kvcache as ref
-from planner.contract import CACHE_BACKENDS, backend_unavailable
 from planner.kvcache import (
     HEAD_DIM,
     N_GROUPS,
@@ -46,7 +45,7 @@ from planner.kvcache import (
     page_bytes,
 )
 
-BACKENDS = CACHE_BACKENDS["torch"]
+BACKENDS = backends.CACHE_BACKENDS
 OPS = ("gather", "insert")
 _INT_DTYPES = (torch.int32, torch.int64)
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -66,57 +65,21 @@ __all__ = [
 
 def resolve_backend(backend: str = "auto", k_cache: torch.Tensor | None = None, op: str = "gather") -> str:
     """The backend a call (`op`: "gather" or "insert") on pages `k_cache` runs: "triton",
-    "cpu" or "reference" (`planner.contract.CACHE_BACKENDS["torch"]`).
+    "cpu" or "reference" (the table: `dsv4_torch.backends.CACHE`).
 
     "auto": triton for CUDA/ROCm pages; on CPU pages the C kernel for gathers where it builds,
     else reference (the same bits; the interpreter is for tests). A named backend that cannot
     run raises BackendUnavailableError saying why.
     """
-    if not isinstance(backend, str) or backend not in ("auto",) + BACKENDS:
-        raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
     if op not in OPS:
         raise ValueError(f"op: expected one of {OPS}, got {op!r}")
     device = k_cache.device if isinstance(k_cache, torch.Tensor) else torch.device("cpu")
-    if backend == "auto":
-        if device.type == "cuda" and _triton_reason(device) is None:
-            return "triton"
-        if op == "gather" and _cpu_reason(device) is None:
-            return "cpu"
-        return "reference"
-    if backend == "cpu" and op != "gather":
-        raise backend_unavailable(
-            "cpu",
-            "it has the gather only (dequantize_and_gather_k_cache); quantize_and_insert_k_cache on CPU "
-            "tensors runs backend='reference'",
-        )
-    reason = {"triton": _triton_reason, "cpu": _cpu_reason}.get(backend, lambda d: None)(device)
-    if reason is not None:
-        raise backend_unavailable(backend, reason)
-    return backend
+    return backends.resolve_cache_backend(backend, device, op)
 
 
 def cpu_unavailable_reason() -> str | None:
     """Why the C gather kernel cannot run on this machine (None: it can)."""
-    return _cpu_reason(torch.device("cpu"))
-
-
-def _cpu_reason(device: torch.device) -> str | None:
-    def built():
-        from dsv4_torch.kernels import cpu_kvcache
-
-        return cpu_kvcache.unavailable_reason()
-
-    return devices.cpu_unavailable(device, built)
-
-
-def _triton_reason(device: torch.device) -> str | None:
-    if (err := devices.triton_import_error()) is not None:
-        return err
-    try:
-        from dsv4_torch.kernels import triton_kvcache
-    except Exception as e:  # noqa: BLE001 - any import failure is the reason
-        return f"cannot import dsv4_torch.kernels.triton_kvcache ({type(e).__name__}: {e})"
-    return devices.triton_unavailable(device, interpreted=triton_kvcache.INTERPRETED, module=triton_kvcache.__name__)
+    return backends.CACHE["cpu"].unavailable(torch.device("cpu"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -303,9 +266,9 @@ def dequantize_and_gather_k_cache(
         triton_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
         return
     if name == "cpu":
-        from dsv4_torch.kernels import cpu_kvcache
+        from dsv4_torch.kernels import cpu
 
-        cpu_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
+        cpu.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
         return
     _gather_dequant_reference(out, k_cache, seq, glen, bt, S, offset)
 

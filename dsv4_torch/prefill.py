@@ -127,7 +127,7 @@ class _Rows:
         if self.index.device.type == "cpu":  # values are free to check on the host
             _check_source_values(self, name, needed, first)
         # CUDA/ROCm: one Triton kernel per region walks the block table / offsets (no row maps);
-        # fp8 pages on CPU: the C kernel (dsv4_torch.kernels.cpu_kvcache) where it builds
+        # fp8 pages on CPU: the C kernel (dsv4_torch.kernels.cpu) where it builds
         if self.fp8:
             name = kvcache.resolve_backend("auto", src.pages)
             self.kernel = None if name == "reference" else name
@@ -191,7 +191,7 @@ def _gather(ws: torch.Tensor, src: _Rows, meta: KindMetadata, chunk: ChunkMeta, 
 
     On a GPU: one Triton kernel per region reads the block table (or offsets) and writes the
     rows (`dsv4_torch.kernels.triton_gather`; fp8 pages: `triton_kvcache.gather_dequant`, which
-    dequantizes); fp8 pages on CPU: the C kernel `cpu_kvcache.gather_dequant`, the same walk;
+    dequantizes); fp8 pages on CPU: the C kernel `cpu.gather_dequant`, the same walk;
     elsewhere the row maps of a block of rows are formed on the device
     (`gather_map`) and the rows copied (or dequantized) with index ops. Nothing reads
     device values on the host; every step's size is a host number from the plan.
@@ -210,9 +210,9 @@ def _gather(ws: torch.Tensor, src: _Rows, meta: KindMetadata, chunk: ChunkMeta, 
         else:
             seq, glen, offset = meta.seg_seq_len[s0:s1], meta.seg_gather_len[s0:s1], chunk.N
         if src.fp8 and src.kernel == "cpu":
-            from dsv4_torch.kernels import cpu_kvcache
+            from dsv4_torch.kernels import cpu
 
-            cpu_kvcache.gather_dequant(out, src.pages, seq, glen, idx, src.page_size, offset)
+            cpu.gather_dequant(out, src.pages, seq, glen, idx, src.page_size, offset)
         elif src.fp8:
             from dsv4_torch.kernels import triton_kvcache
 

@@ -1,7 +1,7 @@
 """The prefill layer call on backend "cpu": one C kernel call per layer, straight from the caches.
 
 Part of `dsv4_torch.prefill`: where the other backends loop over the plan's chunks (gather a
-workspace, build index rows, attend), the C kernel (`planner/csrc`, `dsv4_prefill_attention`,
+workspace, build index rows, attend), the C kernel (`dsv4_cpu`, `dsv4_prefill_attention`,
 through ctypes) reads every token's keys from the caches itself: rows in q's dtype (`PagedKV`,
 `LogicalKV`) or fp8_ds_mla pages, dequantized inside the kernel. No
 workspace, no chunk loop, no index rows. It takes per token the q row, the batch request (its
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dsv4_torch.kernels import cpu_attention
+from dsv4_torch.kernels import cpu
 
 
 def step_tokens(step) -> np.ndarray:
@@ -51,14 +51,14 @@ def layer(
     tok = step_tokens(meta.step)
     if tok.shape[1] != q.shape[0]:
         raise ValueError(f"q: {q.shape[0]} tokens, but the step's batch has {tok.shape[1]}")
-    return cpu_attention.prefill_attention(
+    return cpu.prefill_attention(
         q,
         tok,
         raw_kv,
         compressed_kv,
         topk_indices,
         attn_sink,
-        kind=meta.kind,
+        kind=meta.kind.name,
         window=meta.plan.window_size,
         compress_ratio=meta.plan.compress_ratio,
         sm_scale=sm_scale,

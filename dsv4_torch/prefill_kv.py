@@ -2,7 +2,7 @@
 vLLM's fp8_ds_mla bytes) and `LogicalKV` (per-request rows packed in one tensor).
 
 Part of `dsv4_torch.prefill` (which re-exports them), in its own module so the kernels that read
-these caches (`dsv4_torch.kernels.cpu_attention`) need not import the prefill. The twin of
+these caches (`dsv4_torch.kernels.cpu`) need not import the prefill. The twin of
 `dsv4_jax.prefill_kv`.
 """
 

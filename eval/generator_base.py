@@ -40,7 +40,13 @@ from planner.contract import BACKENDS, POLICIES
 BATCHING = ("auto", "per_request", "batched")
 # `backend=` per framework: "eager" is transformers' own attention; the rest are our kernels
 TORCH_BACKENDS = ("eager", "auto") + BACKENDS["torch"]
-JAX_BACKENDS = ("auto", "xla", "cpu", "pallas")  # "cpu": the C kernel; "pallas": Triton on a GPU, interpreted elsewhere
+JAX_BACKENDS = (
+    "auto",
+    "xla",
+    "cpu",
+    "triton",
+    "mosaic_gpu",
+)  # "cpu": the C kernel; "triton": Pallas-Triton, NVIDIA GPUs
 # vLLM's CPU engine with our plugin: "auto" / "dsv4" = prefill attention through our CPU kernel,
 # "vllm" = vLLM's own flash_mla_with_kvcache_cpu (DSV4_PREFILL_VLLM_CPU_PREFILL)
 VLLM_BACKENDS = ("auto", "dsv4", "vllm")

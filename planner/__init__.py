@@ -7,7 +7,6 @@ contract they share (kinds, names, constants, formulas, presets) is `planner.con
 from planner import contract, oracle, sizes
 from planner.batch import PrefillBatch
 from planner.contract import (
-    BACKENDS,
     POLICIES,
     PRESETS,
     V4_LAYERS,
@@ -37,7 +36,6 @@ from planner.plan import (
 )
 
 __all__ = [
-    "BACKENDS",
     "BackendUnavailableError",
     "ChunkLayout",
     "KindPlan",

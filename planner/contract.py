@@ -7,8 +7,8 @@ fact has one home:
   kind plus its own compress ratio (`LayerSpec`), any integer >= 1 for a compressed kind.
   `layer_specs` reads a model config (transformers' `layer_types` + `compress_rates`, or
   DeepSeek's per-layer `compress_ratios`).
-* `POLICIES`, `ORDERS`, `SIZES`: the planning choices; `BACKENDS`: the sparse-attention kernels
-  per framework, `CACHE_BACKENDS`: the fp8_ds_mla cache writer/reader kernels per framework.
+* `POLICIES`, `ORDERS`, `SIZES`: the planning choices. (Each framework's kernels are its own
+  table: `dsv4_torch.backends`, `dsv4_jax.backends`.)
 * FlashMLA's kernel constants (`D_V`, `INDEX_ALIGN`, `FLASHMLA_HEADS`, `FLASHMLA_HEAD_DIMS`).
 * The per-request formulas (`has_compressed`, `compressed_len`, `gather_len`,
   `max_compressed_len`, `compressed_index_width`, `index_width_for`): vectorized, for ints and NumPy arrays alike.
@@ -205,17 +205,6 @@ def layer_specs(config: dict) -> tuple[LayerSpec, ...]:
 POLICIES = ("adaptive", "fixed", "per_request")  # `policy=`: the chunk plan
 ORDERS = ("batch", "length")  # `order=`: how the planner scans requests
 SIZES = ("bucket", "fine", "server")  # `sizes=`: how jitted prefill pads its static shapes
-BACKENDS = {  # `backend=`: the sparse-attention kernel, per framework ("auto" picks one)
-    "torch": ("flashmla", "triton", "cpu", "reference"),
-    "jax": ("xla", "cpu", "pallas", "pallas_triton", "pallas_interpret", "mosaic", "mosaic_gpu", "mosaic_interpret"),
-}
-# `backend=` of the fp8_ds_mla cache functions (`quantize_and_insert_k_cache`,
-# `dequantize_and_gather_k_cache`), per framework ("auto" picks one; JAX's "pallas" resolves to
-# pallas_triton or pallas_interpret). "cpu" is the C gather (`planner.ckernel`): gathers only.
-CACHE_BACKENDS = {
-    "torch": ("triton", "cpu", "reference"),
-    "jax": ("xla", "pallas", "pallas_triton", "pallas_interpret", "cpu"),
-}
 
 
 class BackendUnavailableError(RuntimeError):

@@ -56,3 +56,27 @@ def tiny_checkpoint_other_ratios(tmp_path_factory):
 def tiny_checkpoint_dir(tiny_checkpoints):
     """The tiny checkpoint with transformers' names."""
     return tiny_checkpoints["hf"]
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """JAX's default device becomes a pretend NVIDIA GPU (Hopper, compute capability 9.0):
+    uncommitted and traced arrays resolve "auto" as on a GPU machine; committed CPU arrays keep
+    their CPU. Returns the fake device."""
+    from types import SimpleNamespace
+
+    from dsv4_jax import devices
+
+    class FakeGPU:
+        platform = "gpu"
+        device_kind = "NVIDIA H100 80GB HBM3"
+        compute_capability = "9.0"
+        id = 0
+        client = SimpleNamespace(platform_version="cuda 12.8")
+
+        def __repr__(self):
+            return "FakeGPU(H100)"
+
+    gpu = FakeGPU()
+    monkeypatch.setattr(devices, "default_device", lambda: gpu)
+    return gpu

@@ -1,4 +1,4 @@
-"""The framework-free CPU kernels (planner/csrc, built by planner.ckernel), called through ctypes on
+"""The framework-free CPU kernels (dsv4_cpu, through its ctypes binding) on
 NumPy arrays: instruction-set choice, the fp8 slot decoder of every set, sparse attention on every
 set against the float64 oracle, thread invariance, argument errors, a forked child.
 
@@ -16,12 +16,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from planner import ckernel as C
+from dsv4_cpu import binding as C
 from planner import oracle
 
 LIB = C.library()
-LIB.dsv4_decode_row_bf16.argtypes = [ctypes.c_void_p] * 3
-LIB.dsv4_cpu_decode_row.argtypes = [ctypes.c_int32] + [ctypes.c_void_p] * 3
 RUNNABLE = [isa for isa, ok in C.isa_supported().items() if ok]
 
 
@@ -56,7 +54,7 @@ def attend(q, kv, idx, scale, sink=None, topk_length=None, *, isa=None, threads=
         scale,
         _ptr(sink),
         ctypes.byref(o),
-        threads,
+        ctypes.byref(C.parallel(threads)),
         C.isa_code(isa),
     )
     C.check(rc)
@@ -209,12 +207,12 @@ def test_bad_arguments_name_themselves():
         0.1,
         None,
         ctypes.byref(o),
-        1,
+        ctypes.byref(C.parallel(1)),
         -1,
     )
     with pytest.raises(ValueError, match="out: NULL"):
         C.check(rc)
-    for args, what in (((0, 16, 64, 1), "dtype"), ((1, 0, 64, 1), "H: expected >= 1"), ((1, 16, 64, 0), "threads")):
+    for args, what in (((0, 16, 64, 1), "dtype"), ((1, 0, 64, 1), "H: expected >= 1"), ((1, 16, 64, 0), "par.threads")):
         dt, H, D, th = args
         rc = LIB.dsv4_sparse_attention(
             q.ctypes.data,
@@ -234,7 +232,7 @@ def test_bad_arguments_name_themselves():
             0.1,
             None,
             ctypes.byref(o),
-            th,
+            ctypes.byref(C.Parallel(th, None, None, None)),
             -1,
         )
         with pytest.raises(ValueError, match=what):
@@ -265,6 +263,6 @@ def test_build_without_a_compiler_says_why(tmp_path):
     import sys
 
     env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), DSV4_PREFILL_CACHE=str(tmp_path))
-    code = "from planner import ckernel as C; print(C.attention_unavailable_reason())"
+    code = "from dsv4_cpu import binding as C; print(C.unavailable_reason())"
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert "no C compiler found" in res.stdout and "no-such-cc" in res.stdout

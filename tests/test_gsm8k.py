@@ -513,7 +513,7 @@ def test_missing_components_fail_clearly(tmp_path):
         with pytest.raises(B.SetupError, match=r"tiny checkpoint writer"):
             E.ensure_tiny_checkpoint(tmp_path / "tiny")
     with pytest.raises(ValueError, match="backend: for framework='torch'"):
-        G.load_generator(tmp_path, backend="pallas")
+        G.load_generator(tmp_path, backend="triton-jax")
     with pytest.raises(ValueError, match="backend: for framework='jax'"):
         G.load_generator(tmp_path, framework="jax", backend="eager")
     with pytest.raises(ValueError, match="policy: expected one of"):

@@ -17,12 +17,12 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
+from dsv4_cpu import binding as ckernel  # noqa: E402
 from dsv4_torch import BackendUnavailableError  # noqa: E402
 from dsv4_torch.hf import integration as I  # noqa: E402
 from dsv4_torch.hf import layer as L  # noqa: E402
-from planner import ckernel  # noqa: E402
 
-_REASON = ckernel.attention_unavailable_reason()
+_REASON = ckernel.unavailable_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"the C kernel cannot be built here: {_REASON}")
 
 TOL = 1e-5  # as tests/test_hf_integration.py: float32 logits against eager

@@ -1,4 +1,4 @@
-"""dsv4_jax's sparse-attention backend "cpu" (the C kernel of planner/csrc as an XLA FFI call).
+"""dsv4_jax's sparse-attention backend "cpu" (the C kernel of dsv4_cpu as an XLA FFI call).
 
 The FlashMLA contract against the float64 oracle on every instruction set this machine runs
 (`DSV4_PREFILL_CPU_ISA` caps the choice; the C code reads it on every call): sinks (none, -inf,
@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 
 import dsv4_jax
-from dsv4_jax.kernels import cpu_attention, cpu_ffi
-from planner import ckernel, oracle
+from dsv4_cpu import binding as ckernel
+from dsv4_jax.kernels import cpu as cpu_attention
+from planner import oracle
 
-if (_reason := cpu_ffi.unavailable_reason()) is not None:
+if (_reason := cpu_attention.unavailable_reason()) is not None:
     pytest.skip(f"the C kernel cannot be built here: {_reason}", allow_module_level=True)
 
 ISAS = [isa for isa, ok in ckernel.isa_supported().items() if ok]
@@ -167,13 +168,40 @@ def test_empty_and_degenerate_shapes():
         assert not out.any() and np.isposinf(lse).all() and np.isneginf(ml).all()
 
 
-def test_threads_do_not_change_a_bit(monkeypatch):
+def test_threads_do_not_change_a_bit():
+    """XLA's intra-op pool (the FFI handler's threads) gives the bits of one thread (ctypes)."""
     q, kv, idx, sink, tl = _case(3, T=40, H=64, D=512, S=200, K=192, dtype="bfloat16")
     many = _run(q, kv, idx, 0.05, sink, tl, "bfloat16", jit=True)
-    monkeypatch.setattr(cpu_attention, "threads", lambda: 1)
-    one = _run(q, kv, idx, 0.05, sink, tl, "bfloat16", jit=True)
-    for a, b in zip(many, one):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+    T, H, D = q.shape
+    q, kv = (np.ascontiguousarray(x.astype(ml_dtypes.bfloat16)) for x in (q, kv))
+    idx, tl, sink = (np.ascontiguousarray(x) for x in (idx, tl, sink))
+    out = np.zeros((T, H, 512), ml_dtypes.bfloat16)
+    ml, lse = np.zeros((T, H), np.float32), np.zeros((T, H), np.float32)
+    o = ckernel.Outputs(out.ctypes.data, H * 512, 512, ml.ctypes.data, lse.ctypes.data, H)
+    rc = ckernel.library().dsv4_sparse_attention(
+        q.ctypes.data,
+        H * D,
+        D,
+        ckernel.BF16,
+        T,
+        H,
+        D,
+        kv.ctypes.data,
+        D,
+        kv.shape[0],
+        idx.ctypes.data,
+        idx.shape[1],
+        idx.shape[1],
+        tl.ctypes.data,
+        0.05,
+        sink.ctypes.data,
+        ctypes.byref(o),
+        ctypes.byref(ckernel.parallel(1)),
+        -1,
+    )
+    ckernel.check(rc)
+    for a, b in zip(many, (out, ml, lse)):
+        np.testing.assert_array_equal(_bits(a), _bits(np.asarray(b)))
 
 
 def test_vmap_runs_each_element():
@@ -194,7 +222,7 @@ def test_vmap_runs_each_element():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_torch_and_jax_give_identical_bits(dtype):
     """The same tensors (torch, crossed to JAX by DLPack) through the kernel called by ctypes
-    (`planner.ckernel`), through `dsv4_torch.sparse_attention(backend="cpu")` and through JAX's
+    (`dsv4_cpu.binding`), through `dsv4_torch.sparse_attention(backend="cpu")` and through JAX's
     FFI call: identical bits in out, max_logits and lse."""
     try:
         import torch
@@ -228,7 +256,7 @@ def test_torch_and_jax_give_identical_bits(dtype):
         0.05,
         tsink.data_ptr(),
         ctypes.byref(outs),
-        2,
+        ctypes.byref(ckernel.parallel(2)),
         -1,
     )
     ckernel.check(rc)
@@ -253,17 +281,15 @@ def test_resolution_on_the_cpu():
     if jax.default_backend() != "cpu":
         pytest.skip("the default device is not the CPU")
     assert dsv4_jax.available_backends()["cpu"] is None
-    assert "cpu" in dsv4_jax.BACKENDS and "cpu" in dsv4_jax.attention.CONCRETE_BACKENDS
+    assert "cpu" in dsv4_jax.BACKENDS and "cpu" in dsv4_jax.backends.ATTENTION
     for dt in (jnp.bfloat16, jnp.float32):
         q = jnp.zeros((2, 16, 64), dt)
         assert dsv4_jax.resolve_backend("auto", q) == dsv4_jax.resolve_backend("cpu", q) == "cpu"
     q16 = jnp.zeros((2, 16, 64), jnp.float16)
     assert dsv4_jax.resolve_backend("auto", q16) == "xla"  # the kernel takes bf16 / float32 only
-    with pytest.raises(
-        dsv4_jax.BackendUnavailableError, match=r"backend='cpu' cannot run here: .*float16.*backend='xla'"
-    ):
+    with pytest.raises(TypeError, match=r"q: backend='cpu' takes bfloat16 / float32, got float16"):
         dsv4_jax.resolve_backend("cpu", q16)
-    with pytest.raises(dsv4_jax.BackendUnavailableError, match="float16"):
+    with pytest.raises(TypeError, match="float16"):
         dsv4_jax.sparse_attention(
             q16, jnp.zeros((4, 64), jnp.float16), jnp.zeros((2, 4), jnp.int32), 0.1, backend="cpu"
         )
@@ -273,7 +299,9 @@ def test_resolution_on_the_cpu():
 
 def test_unbuildable_kernel_is_reported(monkeypatch):
     """Where the library cannot be built: "auto" keeps xla, a named "cpu" raises with the reason."""
-    monkeypatch.setattr(cpu_ffi, "_state", {"error": "RuntimeError: no C compiler found ('cc' is not on PATH; set CC)"})
+    monkeypatch.setattr(
+        cpu_attention, "_state", {"error": "RuntimeError: no C compiler found ('cc' is not on PATH; set CC)"}
+    )
     q = jnp.zeros((2, 16, 64), jnp.float32)
     assert dsv4_jax.resolve_backend("auto", q) == "xla"
     assert "no C compiler" in dsv4_jax.available_backends()["cpu"]

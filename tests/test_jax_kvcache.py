@@ -40,7 +40,7 @@ def as_np(x):
 NB, T = 5, 24
 
 
-@pytest.mark.parametrize("backend, S", [("xla", 64), ("xla", 2), ("pallas_interpret", 16)])
+@pytest.mark.parametrize("backend, S", [("xla", 64), ("xla", 2), ("triton:interpret", 16)])
 def test_insert_bytes_equal_reference(backend, S):
     rng = np.random.default_rng(S)
     nb = NB
@@ -51,21 +51,27 @@ def test_insert_bytes_equal_reference(backend, S):
     want = cache.copy()
     P.quantize_and_insert_k_cache(k, want, slots, S)
     got = JK.quantize_and_insert_k_cache(
-        jnp.asarray(k, jnp.bfloat16), jnp.asarray(cache), jnp.asarray(slots), S, backend=backend
+        jnp.asarray(k, jnp.bfloat16), jnp.asarray(cache), jnp.asarray(slots), S, **_kw(backend)
     )
     assert got.dtype == jnp.uint8 and np.array_equal(np.asarray(got), want)
 
 
+def _kw(spec: str) -> dict:
+    """backend= / interpret= of a test's backend spec ("xla", "triton:interpret")."""
+    name, _, mode = spec.partition(":")
+    return dict(backend=name, interpret=mode == "interpret")
+
+
 def _need(backend):
     if backend == "cpu":
-        from dsv4_jax.kernels import cpu_kvcache
+        from dsv4_jax.kernels import cpu as cpu_kvcache
 
         if (reason := cpu_kvcache.unavailable_reason()) is not None:
             pytest.skip(f"the cpu backend's FFI kernel cannot be built here: {reason}")
 
 
 @pytest.mark.parametrize(
-    "backend, S, offset", [("xla", 64, 3), ("pallas_interpret", 2, 0), ("cpu", 64, 3), ("cpu", 2, 0)]
+    "backend, S, offset", [("xla", 64, 3), ("triton:interpret", 2, 0), ("cpu", 64, 3), ("cpu", 2, 0)]
 )
 def test_gather_equals_reference_on_any_bytes(backend, S, offset):
     """Random page bytes: every e4m3 code (NaN, subnormal) and scale byte 0..255; shuffled block
@@ -88,7 +94,7 @@ def test_gather_equals_reference_on_any_bytes(backend, S, offset):
         jnp.asarray(bt),
         S,
         offset,
-        backend=backend,
+        **_kw(backend),
     )
     assert got.dtype == jnp.bfloat16 and np.array_equal(as_np(got), want, equal_nan=True)
 

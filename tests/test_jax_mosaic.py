@@ -1,4 +1,4 @@
-"""The Mosaic GPU kernel (`dsv4_jax.kernels.mosaic`, backend "mosaic") on CPU, jax >= 0.12 only.
+"""The Mosaic GPU kernel (`dsv4_jax.kernels.mosaic`, backend "mosaic_gpu") on CPU, jax >= 0.12 only.
 
 1. Correctness in Mosaic GPU's interpret mode (simulated shared memory, warpgroups, barriers,
    TMA and wgmma) with race detection on: every run must match the float64 oracle on the same
@@ -11,7 +11,7 @@
    few seconds of tracing per new shape; the file adds 2-4 minutes to `make test-jax-new`.
 2. The real (compiled) kernel lowered for sm_90a on this CPU machine, so Mosaic GPU lowering
    errors (unsupported layouts, bank-conflicting transfers, shared memory over 227 KB) show in CI.
-3. Backend wiring: "mosaic" through `dsv4_jax.sparse_attention`, "auto" on a (pretend) Hopper,
+3. Backend wiring: "mosaic_gpu" (interpreted) through `dsv4_jax.sparse_attention`, "auto" on a (pretend) Hopper,
    and the ValueErrors for inputs the kernel does not serve.
 """
 
@@ -222,15 +222,17 @@ def test_lowering_for_sm90a(name, H, D, K, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 def test_backend_mosaic_through_sparse_attention():
-    """backend="mosaic" runs the interpreted kernel on CPU, eagerly and under jit, with the FlashMLA
-    layouts (S, 1, D) / (T, 1, K) and a width that is not a multiple of the 32-column block."""
+    """backend="mosaic_gpu", interpret=True runs the interpreted kernel on CPU, eagerly and under
+    jit, with the FlashMLA layouts (S, 1, D) / (T, 1, K) and a width that is not a multiple of the
+    32-column block."""
     q, kv, idx, sink, tl = _flashmla_case(3, 2, 16, 512, 200, 100, [100, 57])
     q, kv = _bf16(q), _bf16(kv)
-    assert dsv4_jax.resolve_backend("mosaic", q) == "mosaic_interpret"
+    kw = dict(backend="mosaic_gpu", interpret=True)
+    assert dsv4_jax.resolve_backend("mosaic_gpu", q, interpret=True) == "mosaic_gpu"
     eager = dsv4_jax.sparse_attention(
-        q, kv[:, None], jnp.asarray(idx)[:, None], 0.05, jnp.asarray(sink), jnp.asarray(tl), backend="mosaic"
+        q, kv[:, None], jnp.asarray(idx)[:, None], 0.05, jnp.asarray(sink), jnp.asarray(tl), **kw
     )
-    jitted = jax.jit(lambda *a: dsv4_jax.sparse_attention(*a[:3], 0.05, *a[3:], backend="mosaic"))(
+    jitted = jax.jit(lambda *a: dsv4_jax.sparse_attention(*a[:3], 0.05, *a[3:], **kw))(
         q, kv, jnp.asarray(idx), jnp.asarray(sink), jnp.asarray(tl)
     )
     for a, b in zip(eager, jitted):
@@ -239,36 +241,32 @@ def test_backend_mosaic_through_sparse_attention():
     _assert_within_bf16_bounds(got, _oracle(q, kv, idx, 0.05, sink, tl))
 
 
-def test_auto_prefers_mosaic_on_hopper(monkeypatch):
+def test_auto_prefers_mosaic_on_hopper(fake_gpu):
     """With a (pretend) SM90 GPU and jax >= 0.12, "auto" runs the Mosaic kernel for the inputs it
-    serves and Pallas-Triton for the others; "mosaic" on a GPU it cannot use raises."""
-    from dsv4_jax import attention as A
-
-    monkeypatch.setattr(A, "_pallas_triton_unavailable", lambda: None)
-    monkeypatch.setattr(A, "_mosaic_gpu_unavailable_for", lambda arrays: None)
+    serves and Pallas-Triton for the others; "mosaic_gpu" on a GPU it cannot use raises."""
     q = jnp.zeros((2, 64, 512), jnp.bfloat16)
     assert dsv4_jax.resolve_backend("auto", q) == "mosaic_gpu"
-    assert dsv4_jax.resolve_backend("mosaic", q) == "mosaic_gpu"
-    assert dsv4_jax.resolve_backend("auto", q.astype(jnp.float32)) == "pallas_triton"
-    assert dsv4_jax.resolve_backend("auto", jnp.zeros((2, 20, 512), jnp.bfloat16)) == "pallas_triton"
-    assert dsv4_jax.resolve_backend("auto", jnp.zeros((2, 64, 64), jnp.bfloat16)) == "pallas_triton"
-    monkeypatch.setattr(A, "_mosaic_gpu_unavailable_for", lambda arrays: "is a Hopper (SM90, wgmma) kernel, got 10.0")
-    assert dsv4_jax.resolve_backend("auto", q) == "pallas_triton"
+    assert dsv4_jax.resolve_backend("mosaic_gpu", q) == "mosaic_gpu"
+    assert dsv4_jax.resolve_backend("auto", q.astype(jnp.float32)) == "triton"
+    assert dsv4_jax.resolve_backend("auto", jnp.zeros((2, 20, 512), jnp.bfloat16)) == "triton"
+    assert dsv4_jax.resolve_backend("auto", jnp.zeros((2, 64, 64), jnp.bfloat16)) == "triton"
+    fake_gpu.compute_capability = "10.0"  # a Blackwell GPU: not the kernel's
+    assert dsv4_jax.resolve_backend("auto", q) == "triton"
     with pytest.raises(dsv4_jax.BackendUnavailableError, match="mosaic_gpu.*Hopper"):
-        dsv4_jax.resolve_backend("mosaic", q)
+        dsv4_jax.resolve_backend("mosaic_gpu", q)
 
 
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(q=jnp.zeros((2, 48, 512), jnp.bfloat16)), "q: backend 'mosaic' serves .* heads, got H=48"),
+        (dict(q=jnp.zeros((2, 48, 512), jnp.bfloat16)), "backend.'mosaic_gpu'.? serves .* heads, got H=48"),
         (
             dict(q=jnp.zeros((2, 64, 256), jnp.bfloat16), kv=jnp.zeros((8, 256), jnp.bfloat16)),
             "q: .* head dims .* got D=256",
         ),
         (
             dict(q=jnp.zeros((2, 64, 512), jnp.float32), kv=jnp.zeros((8, 512), jnp.float32)),
-            "q: backend 'mosaic' takes bfloat16 only",
+            "q: backend.'mosaic_gpu'.? takes bfloat16",
         ),
     ],
 )
@@ -282,5 +280,5 @@ def test_inputs_the_kernel_does_not_serve(change, message):
     args.update(change)
     with pytest.raises(ValueError, match=message):
         M.sparse_attention_mosaic(**args, interpret=True)
-    with pytest.raises(ValueError, match=message):  # the public entry point says the same
-        dsv4_jax.sparse_attention(**args, backend="mosaic")
+    with pytest.raises((ValueError, TypeError), match=message):  # the public entry point says the same
+        dsv4_jax.sparse_attention(**args, backend="mosaic_gpu", interpret=True)

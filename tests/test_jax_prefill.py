@@ -48,7 +48,9 @@ def caches(case, *, paged_kv=False, dtype=np.float32):
     return logical(case.raw, dtype), (logical(case.comp, dtype) if case.kind.has_compressed else None)
 
 
-def run(case, *, policy="adaptive", paged_kv=False, dtype=np.float32, backend="xla", meta_kw=FAST, **cfg):
+def run(
+    case, *, policy="adaptive", paged_kv=False, dtype=np.float32, backend="xla", interpret=False, meta_kw=FAST, **cfg
+):
     step = P.plan_step(case.batch, case.plan_config(policy=policy, **cfg), [case.layer])
     smeta = JP.build_step_metadata(step, index_topk=case.topk, **meta_kw)
     meta = smeta[case.kind]
@@ -63,6 +65,7 @@ def run(case, *, policy="adaptive", paged_kv=False, dtype=np.float32, backend="x
         attn_sink=jnp.asarray(case.sink),
         topk_indices=smeta.pad_tokens(case.topk_rows) if case.kind is P.LayerKind.CSA else None,
         backend=backend,
+        interpret=interpret,
     )
     assert out.shape == (smeta.padded_tokens,) + case.q.shape[1:] and out.dtype == q.dtype
     out = np.asarray(out)
@@ -150,11 +153,11 @@ def test_bf16_within_flashmla_tolerance():
     assert (err <= 8e-4 + (3 / 128) * np.abs(want)).all(), err.max()
 
 
-def test_pallas_interpret_small_case():
-    case = make_case("pallas", [9, 20], [3, 5], 4, window_size=8, topk=6, H=2, D=16, seed=7)
+def test_triton_interpreted_small_case():
+    case = make_case("triton", [9, 20], [3, 5], 4, window_size=8, topk=6, H=2, D=16, seed=7)
     want, _, _ = case.oracle()
-    out, meta = run(case, backend="pallas", meta_kw=dict(token_tile=16, gather_tile=16))
-    assert meta.last_backend == "pallas_interpret"
+    out, meta = run(case, backend="triton", interpret=True, meta_kw=dict(token_tile=16, gather_tile=16))
+    assert meta.last_backend == "triton"
     close(out, want)
 
 
@@ -613,10 +616,9 @@ def test_last_backend_outside_and_inside_a_user_jit():
     assert seen == [on_cpu] and fresh.last_backend is None
 
 
-def test_prefill_lowers_for_cuda_with_the_triton_kernel(monkeypatch):
+def test_prefill_lowers_for_cuda_with_the_triton_kernel(fake_gpu):
     """The whole layer call (loops, gathers, one Triton kernel per token tile size) lowers for
     CUDA with V4-Flash's CSA configuration, on a machine without a GPU."""
-    monkeypatch.setattr(dsv4_jax.attention, "_pallas_triton_unavailable", lambda: None)
     H, D, topk, W = 64, 512, 512, 128
     batch = P.PrefillBatch([5000, 300], [300, 300])
     cfg = P.PlanConfig(window_size=W, max_model_len=8192, max_num_batched_tokens=512)
@@ -626,7 +628,7 @@ def test_prefill_lowers_for_cuda_with_the_triton_kernel(monkeypatch):
     def layer(q, meta, raw_pages, comp_pages, block_table, comp_table, topk_rows, sink):
         raw, comp = JP.PagedKV(raw_pages, block_table), JP.PagedKV(comp_pages, comp_table)
         return JP.prefill_attention(
-            q, meta, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk_rows, backend="pallas_triton"
+            q, meta, raw, comp, sm_scale=D**-0.5, attn_sink=sink, topk_indices=topk_rows, backend="triton"
         )
 
     T = meta.padded_tokens

@@ -21,15 +21,15 @@ import pytest
 
 import dsv4_jax
 import planner as P
+from dsv4_cpu import binding as ckernel
 from dsv4_jax import prefill as JP
 from dsv4_jax import prefill_cpu
-from dsv4_jax.kernels import cpu_attention, cpu_ffi
-from planner import ckernel
+from dsv4_jax.kernels import cpu as cpu_attention
 from tests.cases import boundary_cases, make_case
 from tests.fp8_cases import fp8_cases
 from tests.test_jax_prefill import FAST, POLICIES, logical, paged
 
-if (_reason := cpu_ffi.unavailable_reason()) is not None:
+if (_reason := cpu_attention.unavailable_reason()) is not None:
     pytest.skip(f"the C kernel cannot be built here: {_reason}", allow_module_level=True)
 
 ISAS = [isa for isa, ok in ckernel.isa_supported().items() if ok]
@@ -289,6 +289,7 @@ def test_same_bits_as_the_kernel_called_through_ctypes(fmt):
         0,
         topk.shape[1],
         topk.shape[1],
+        topk.shape[0],
     )
     keep = []
 
@@ -340,6 +341,7 @@ def test_same_bits_as_the_kernel_called_through_ctypes(fmt):
         H * D,
         D,
         ckernel.BF16,
+        T,
         H,
         D,
         ctypes.byref(tk),
@@ -348,7 +350,7 @@ def test_same_bits_as_the_kernel_called_through_ctypes(fmt):
         case.sm_scale,
         _ptr(sink),
         ctypes.byref(outs),
-        2,
+        ctypes.byref(ckernel.parallel(2)),
         -1,
     )
     ckernel.check(rc)

@@ -145,7 +145,7 @@ def test_cpu_gather_path_equals_tile_decode(monkeypatch):
     the same bits as the tiles' exact decode it replaces, workspace and layer output."""
     import jax
 
-    from dsv4_jax.kernels import cpu_kvcache
+    from dsv4_jax.kernels import cpu as cpu_kvcache
 
     if (reason := cpu_kvcache.unavailable_reason()) is not None:
         pytest.skip(f"the cpu backend's FFI kernel cannot be built here: {reason}")

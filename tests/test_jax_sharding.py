@@ -46,23 +46,29 @@ CHECK = textwrap.dedent(
 
     for mesh_name, mesh in (("auto", auto_mesh), ("explicit", default_mesh)):
         by_heads = NamedSharding(mesh, P(None, "heads", None))
-        for backend in ("xla", "pallas_interpret"):
-            single = dsv4_jax.sparse_attention(q, kv, idx, 0.125, sink, topk_length, backend=backend)
+        for backend, interpret in (("xla", False), ("triton", True)):
+            single = dsv4_jax.sparse_attention(
+                q, kv, idx, 0.125, sink, topk_length, backend=backend, interpret=interpret
+            )
             # Jitted, inputs not placed on the mesh (single-device arrays).
             run = jax.jit(lambda q, kv, idx, sink, tl: sparse_attention_head_sharded(
-                q, kv, idx, 0.125, sink, tl, mesh=mesh, backend=backend))
+                q, kv, idx, 0.125, sink, tl, mesh=mesh, backend=backend, interpret=interpret))
             sharded = run(q, kv, idx, sink, topk_length)
             assert sharded[0].sharding.is_equivalent_to(by_heads, 3), sharded[0].sharding
             bitwise = assert_same(single, sharded)
             # Eager, the same unplaced inputs.
-            eager = sparse_attention_head_sharded(q, kv, idx, 0.125, sink, topk_length, mesh=mesh, backend=backend)
+            eager = sparse_attention_head_sharded(
+                q, kv, idx, 0.125, sink, topk_length, mesh=mesh, backend=backend, interpret=interpret
+            )
             assert eager[0].sharding.is_equivalent_to(by_heads, 3), eager[0].sharding
             assert_same(single, eager)
             # No sink / no lengths; q already placed by heads, kv placed replicated on the mesh.
             q_sharded = jax.device_put(q, by_heads)
             kv_placed = jax.device_put(kv, NamedSharding(mesh, P()))
-            plain = sparse_attention_head_sharded(q_sharded, kv_placed, idx, 0.125, mesh=mesh, backend=backend)
-            ref = dsv4_jax.sparse_attention(q, kv, idx, 0.125, backend=backend)
+            plain = sparse_attention_head_sharded(
+                q_sharded, kv_placed, idx, 0.125, mesh=mesh, backend=backend, interpret=interpret
+            )
+            ref = dsv4_jax.sparse_attention(q, kv, idx, 0.125, backend=backend, interpret=interpret)
             np.testing.assert_allclose(np.asarray(plain[0]), np.asarray(ref[0]), rtol=1e-6, atol=1e-7)
             print(mesh_name, backend, "bitwise" if bitwise else "close")
 

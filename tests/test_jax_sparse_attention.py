@@ -18,21 +18,28 @@ import numpy as np
 import pytest
 
 import dsv4_jax
+import dsv4_jax.kvcache
 from dsv4_jax.kernels.pallas_triton import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas
 from dsv4_jax.kernels.xla import sparse_attention_xla
 from planner import oracle
 from tools.aot import kernel_arg_specs, lower_for_cuda, triton_ir
 
-BACKENDS = ["xla", "pallas_interpret"]
+BACKENDS = ["xla", "triton:interpret"]  # a backend, or backend:interpret (its kernel in Pallas' interpreter)
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 BF16_OUT_TOL = dict(rtol=3 / 128, atol=8e-4)  # FlashMLA's tolerance against an fp32 reference
+
+
+def _kw(spec: str) -> dict:
+    """backend= / interpret= of a test's backend spec ("xla", "triton:interpret")."""
+    name, _, mode = spec.partition(":")
+    return dict(backend=name, interpret=mode == "interpret")
 
 
 @functools.cache
 def _jitted(backend: str, sm_scale: float):
     return jax.jit(
         lambda q, kv, idx, sink, topk_length: dsv4_jax.sparse_attention(
-            q, kv, idx, sm_scale, sink, topk_length, backend=backend
+            q, kv, idx, sm_scale, sink, topk_length, **_kw(backend)
         )
     )
 
@@ -198,7 +205,7 @@ def test_d576_value_dim_512(backend, dtype):
 @pytest.mark.parametrize("D", [40, 520])  # non-power-of-two value dim; D > 512 with an odd tail
 def test_general_head_dims_pallas(D):
     q, kv, idx, sink, topk_length = _case(6, T=2, H=3, D=D, S=20, K=32)
-    got = _run("pallas_interpret", q, kv, idx, 0.1, sink, topk_length)
+    got = _run("triton:interpret", q, kv, idx, 0.1, sink, topk_length)
     _assert_matches_oracle(got, q, kv, idx, 0.1, sink, topk_length)
 
 
@@ -246,7 +253,7 @@ def test_flashmla_layouts_and_eager_call(backend):
         64**-0.5,
         jnp.asarray(sink),
         jnp.asarray(topk_length),
-        backend=backend,
+        **_kw(backend),
     )
     _assert_matches_oracle(tuple(np.asarray(x) for x in got), q, kv, idx, 64**-0.5, sink, topk_length)
 
@@ -256,11 +263,11 @@ def test_empty_shapes(backend):
     rng = np.random.default_rng(8)
     q = jnp.asarray(rng.standard_normal((3, 4, 16)), jnp.float32)
     kv = jnp.asarray(rng.standard_normal((5, 16)), jnp.float32)
-    out, max_logits, lse = dsv4_jax.sparse_attention(q, kv, jnp.zeros((3, 0), jnp.int32), 1.0, backend=backend)
+    out, max_logits, lse = dsv4_jax.sparse_attention(q, kv, jnp.zeros((3, 0), jnp.int32), 1.0, **_kw(backend))
     assert out.shape == (3, 4, 16) and not np.any(np.asarray(out)) and np.all(np.isposinf(np.asarray(lse)))
-    out, max_logits, lse = dsv4_jax.sparse_attention(q[:0], kv, jnp.zeros((0, 8), jnp.int32), 1.0, backend=backend)
+    out, max_logits, lse = dsv4_jax.sparse_attention(q[:0], kv, jnp.zeros((0, 8), jnp.int32), 1.0, **_kw(backend))
     assert out.shape == (0, 4, 16) and lse.shape == (0, 4)
-    out, max_logits, lse = dsv4_jax.sparse_attention(q, kv[:0], jnp.zeros((3, 8), jnp.int32), 1.0, backend=backend)
+    out, max_logits, lse = dsv4_jax.sparse_attention(q, kv[:0], jnp.zeros((3, 8), jnp.int32), 1.0, **_kw(backend))
     assert np.all(np.isneginf(np.asarray(max_logits)))
 
 
@@ -309,25 +316,30 @@ def test_xla_plan_invariance():
 
 def test_backend_resolution_on_this_machine(caplog):
     available = dsv4_jax.available_backends()
-    assert set(available) == {"xla", "cpu", "pallas_triton", "pallas_interpret", "mosaic_gpu", "mosaic_interpret"}
-    assert available["xla"] is None and available["pallas_interpret"] is None
-    if available["mosaic_interpret"] is not None:  # jax < 0.12: both Mosaic backends say why
-        assert "jax >= 0.12" in available["mosaic_interpret"] and "jax >= 0.12" in available["mosaic_gpu"]
-        with pytest.raises(dsv4_jax.BackendUnavailableError, match="mosaic.*jax >= 0.12"):
-            dsv4_jax.resolve_backend("mosaic")
+    assert set(available) == {"xla", "cpu", "triton", "mosaic_gpu"}
+    assert available["xla"] is None
+    assert dsv4_jax.resolve_backend("triton", interpret=True) == "triton"  # Pallas' interpreter runs anywhere
+    mosaic_interpret = dsv4_jax.backends.ATTENTION["mosaic_gpu"].interpret_unavailable()
+    if mosaic_interpret is not None:  # jax < 0.12: the Mosaic GPU kernel says why, compiled or interpreted
+        assert "jax >= 0.12" in mosaic_interpret and "jax >= 0.12" in available["mosaic_gpu"]
+        with pytest.raises(dsv4_jax.BackendUnavailableError, match="mosaic_gpu.*jax >= 0.12"):
+            dsv4_jax.resolve_backend("mosaic_gpu", interpret=True)
     elif jax.default_backend() == "cpu":
-        assert dsv4_jax.resolve_backend("mosaic") == "mosaic_interpret"
-        with pytest.raises(dsv4_jax.BackendUnavailableError, match="mosaic_gpu.*NVIDIA GPU"):
+        assert dsv4_jax.resolve_backend("mosaic_gpu", interpret=True) == "mosaic_gpu"
+        with pytest.raises(dsv4_jax.BackendUnavailableError, match="mosaic_gpu.*NVIDIA GPU.*interpret=True"):
             dsv4_jax.resolve_backend("mosaic_gpu")
     if jax.default_backend() == "cpu":
-        assert "NVIDIA GPU" in available["pallas_triton"]
+        assert "NVIDIA GPU" in available["triton"]
         # the C kernel where it builds (tests/test_jax_cpu_attention.py), else the reference
         assert dsv4_jax.resolve_backend("auto") == ("cpu" if available["cpu"] is None else "xla")
-        assert dsv4_jax.resolve_backend("pallas") == "pallas_interpret"
-        with pytest.raises(RuntimeError, match="pallas_triton.*NVIDIA GPU"):
-            dsv4_jax.resolve_backend("pallas_triton")
+        with pytest.raises(RuntimeError, match="triton.*NVIDIA GPU.*interpret=True runs it"):
+            dsv4_jax.resolve_backend("triton")
     with pytest.raises(ValueError, match="backend"):
         dsv4_jax.resolve_backend("cuda")
+    with pytest.raises(ValueError, match="interpret=True must name its backend"):
+        dsv4_jax.resolve_backend("auto", interpret=True)
+    with pytest.raises(dsv4_jax.BackendUnavailableError, match="xla.*no interpret mode"):
+        dsv4_jax.resolve_backend("xla", interpret=True)
     q, kv, idx, _, _ = _case(0)
     with caplog.at_level(logging.DEBUG, logger="dsv4_jax"):
         dsv4_jax.sparse_attention(q, kv, jnp.asarray(idx), 0.125, backend="auto")
@@ -335,25 +347,45 @@ def test_backend_resolution_on_this_machine(caplog):
     assert any(f"'auto' -> {expected}" in r.getMessage() for r in caplog.records)
 
 
-def test_backend_follows_committed_arrays(monkeypatch, caplog):
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("pallas", "backend='triton'"),
+        ("pallas_triton", "backend='triton'"),
+        ("pallas_interpret", "backend='triton', interpret=True"),
+        ("mosaic", "backend='mosaic_gpu'"),
+        ("mosaic_interpret", "backend='mosaic_gpu', interpret=True"),
+    ],
+)
+def test_renamed_backends_point_to_the_new_name(old, new):
+    q, kv, idx, _, _ = _case(0)
+    for call in (
+        lambda: dsv4_jax.resolve_backend(old),
+        lambda: dsv4_jax.sparse_attention(q, kv, jnp.asarray(idx), 0.125, backend=old),
+        lambda: dsv4_jax.kvcache.resolve_backend(old),
+    ):
+        with pytest.raises(ValueError, match=f"backend={old!r} was renamed: use {re.escape(new)}"):
+            call()
+
+
+def test_backend_follows_committed_arrays(fake_gpu, caplog):
     """With a (pretend) capable GPU as the default device, arrays committed to the CPU still
     resolve "auto" to a CPU backend (the C kernel where it builds, else xla); uncommitted or
     traced arrays follow the default device."""
-    monkeypatch.setattr(dsv4_jax.attention, "_pallas_triton_unavailable", lambda: None)
     cpu = jax.devices("cpu")[0]
     q, kv, idx, _, _ = _case(0, T=2)
     committed = [jax.device_put(x, cpu) for x in (q, kv, jnp.asarray(idx))]
-    assert dsv4_jax.resolve_backend("auto") == "pallas_triton"
-    assert dsv4_jax.resolve_backend("auto", jnp.asarray(q)) == "pallas_triton"  # uncommitted
+    assert dsv4_jax.resolve_backend("auto") == "triton"
+    assert dsv4_jax.resolve_backend("auto", jnp.asarray(q)) == "triton"  # uncommitted
     on_cpu = "cpu" if dsv4_jax.available_backends(*committed)["cpu"] is None else "xla"
     assert dsv4_jax.resolve_backend("auto", *committed) == on_cpu
-    assert dsv4_jax.resolve_backend("pallas", *committed) == "pallas_interpret"
-    assert "NVIDIA GPU" in dsv4_jax.available_backends(*committed)["pallas_triton"]
-    with pytest.raises(RuntimeError, match="pallas_triton.*NVIDIA GPU.*cpu"):
-        dsv4_jax.resolve_backend("pallas_triton", committed[0])
+    assert dsv4_jax.resolve_backend("triton", *committed, interpret=True) == "triton"
+    assert "NVIDIA GPU" in dsv4_jax.available_backends(*committed)["triton"]
+    with pytest.raises(RuntimeError, match="triton.*NVIDIA GPU.*cpu"):
+        dsv4_jax.resolve_backend("triton", committed[0])
     seen = []
     jax.jit(lambda x: seen.append(dsv4_jax.resolve_backend("auto", x)) or x)(committed[0])
-    assert seen == ["pallas_triton"]  # traced: the caller's jit places it, default device rules
+    assert seen == ["triton"]  # traced: the caller's jit places it, default device rules
     with caplog.at_level(logging.DEBUG, logger="dsv4_jax"):
         got = dsv4_jax.sparse_attention(*committed, 0.125, backend="auto")
     assert any(f"'auto' -> {on_cpu}" in r.getMessage() for r in caplog.records)
@@ -383,7 +415,7 @@ def _bad_input_cases():
         (TypeError, "topk_length: expected int32", dict(topk_length=jnp.zeros((4,), jnp.float32))),
         (ValueError, "sm_scale: must be finite", dict(sm_scale=float("inf"))),
         (TypeError, "sm_scale: expected a real number", dict(sm_scale="big")),
-        (ValueError, "backend", dict(backend="triton")),
+        (ValueError, "backend='pallas' was renamed", dict(backend="pallas")),
     ], dict(q=q, kv=kv, indices=idx, sm_scale=0.25)
 
 

@@ -495,8 +495,8 @@ def test_cpu_kernel_fast_and_edge_paths():
     """The C kernel's three group paths (normal codes only; subnormal or NaN codes present; scale
     bytes outside 10..246) at their boundaries, and calls split across threads mid-request."""
     _need("cpu")
-    from dsv4_torch.kernels import cpu_kvcache
-    from planner import ckernel
+    from dsv4_cpu import binding
+    from dsv4_torch.kernels import cpu
 
     rng = np.random.default_rng(21)
     S, nb = 16, 9
@@ -519,15 +519,39 @@ def test_cpu_kernel_fast_and_edge_paths():
     want = np.zeros((R, nb * S, 512), np.float32)
     P.dequantize_and_gather_k_cache(want, cache, seq, gl, bt, S, 0)
     t = torch.from_numpy
-    for threads, parallel_rows in ((1, 4096), (3, 7), (5, 1)):
+    lib = binding.library()
+    seq64 = seq.astype(np.int64)
+    cum = np.concatenate([[0], np.cumsum(gl)]).astype(np.int64)
+    for threads, pieces in ((1, 1), (3, 3), (5, 7)):
         for dtype in (torch.bfloat16, torch.float32):
             got = torch.zeros((R, nb * S, 512), dtype=dtype)
-            old = ckernel.PARALLEL_ROWS
-            ckernel.PARALLEL_ROWS = parallel_rows
-            try:
-                cpu_kvcache.gather_dequant(got, t(cache), t(seq), t(gl), t(bt), S, 0, threads=threads)
-            finally:
-                ckernel.PARALLEL_ROWS = old
+            if pieces == 1:
+                cpu.gather_dequant(got, t(cache), t(seq), t(gl), t(bt), S, 0, threads=threads)
+            else:  # one thread's share at a time, split mid-request
+                n = int(cum[-1])
+                for k in range(pieces):
+                    lib.dsv4_gather_dequant_rows(
+                        got.data_ptr(),
+                        got.stride(0),
+                        got.stride(1),
+                        got.shape[1],
+                        int(dtype == torch.float32),
+                        0,
+                        cache.ctypes.data,
+                        cache.shape[1],
+                        nb,
+                        S,
+                        seq64.ctypes.data,
+                        cum.ctypes.data,
+                        bt.ctypes.data,
+                        1,
+                        bt.shape[1],
+                        bt.shape[1],
+                        0,
+                        R,
+                        n * k // pieces,
+                        n * (k + 1) // pieces,
+                    )
             g = got.float().numpy()
             assert np.array_equal(g, want, equal_nan=True), (threads, dtype)
             finite = ~np.isnan(want)

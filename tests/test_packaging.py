@@ -13,7 +13,7 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 def test_package_data_ships_every_c_and_cpp_source():
     data = PROJECT["tool"]["setuptools"]["package-data"]
-    packages = ("planner", "dsv4_torch", "dsv4_jax")
+    packages = ("planner", "dsv4_cpu", "dsv4_torch", "dsv4_jax")
     sources = [
         p for pkg in packages for p in (ROOT / pkg).glob("**/csrc/*") if p.suffix in (".c", ".cc", ".h", ".cpp", ".hpp")
     ]

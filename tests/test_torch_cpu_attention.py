@@ -1,4 +1,4 @@
-"""The torch backend "cpu" (`dsv4_torch.kernels.cpu_attention`, the C kernel of `planner/csrc`) of
+"""The torch backend "cpu" (`dsv4_torch.kernels.cpu_attention`, the C kernel of `dsv4_cpu`) of
 `sparse_attention`: FlashMLA's contract against the float64 oracle, on every instruction set this
 machine runs (DSV4_PREFILL_CPU_ISA caps the kernel's choice; `planner.ckernel.isa_supported()`).
 
@@ -21,13 +21,14 @@ import numpy as np
 import pytest
 import torch
 
+from dsv4_cpu import binding as ckernel
 from dsv4_torch import BackendUnavailableError, available_backends, resolve_backend, sparse_attention
-from dsv4_torch.kernels import cpu_attention as CA
-from planner import ckernel, oracle
+from dsv4_torch.kernels import cpu as CA
+from planner import oracle
 from tests.parity import cases as C
 from tests.parity import tolerances as TOL
 
-_REASON = ckernel.attention_unavailable_reason()
+_REASON = ckernel.unavailable_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"the C kernel cannot be built here: {_REASON}")
 ISAS = [] if _REASON is not None else [isa for isa, ok in ckernel.isa_supported().items() if ok]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -340,7 +341,7 @@ def test_auto_picks_cpu_for_bf16_and_fp32_on_cpu(caplog):
     for dtype in (torch.float16, torch.float64):
         q = torch.zeros(1, 16, 64, dtype=dtype)
         assert resolve_backend("auto", q) == "reference"
-        with pytest.raises(BackendUnavailableError, match=f"bfloat16/float32, q is {dtype}"):
+        with pytest.raises(TypeError, match=f"q: backend='cpu' takes bfloat16 / float32, got {dtype}"):
             resolve_backend("cpu", q)
     with caplog.at_level(logging.DEBUG, logger="dsv4_torch"):
         sparse_attention(**case(2, 16, 64, 10, 16, seed=14))
@@ -350,7 +351,7 @@ def test_auto_picks_cpu_for_bf16_and_fp32_on_cpu(caplog):
 
 def test_cpu_refuses_other_devices():
     q = torch.zeros(1, 16, 64, device="meta")
-    with pytest.raises(BackendUnavailableError, match="CPU tensors, q is on meta"):
+    with pytest.raises(BackendUnavailableError, match="tensors on meta: the cpu backend reads CPU tensors"):
         resolve_backend("cpu", q)
     assert resolve_backend("auto", q) == "reference"
 
@@ -372,14 +373,12 @@ def test_gradient_or_dropout_goes_to_reference():
 
 
 def test_kernel_that_cannot_build_is_reported(monkeypatch):
-    monkeypatch.setattr(
-        ckernel, "attention_unavailable_reason", lambda: "no C compiler found ('cc' is not on PATH; set CC)"
-    )
+    monkeypatch.setattr(CA, "_state", {"error": "RuntimeError: no C compiler found ('cc' is not on PATH; set CC)"})
     q = torch.zeros(1, 16, 64)
     assert resolve_backend("auto", q) == "reference"
-    with pytest.raises(BackendUnavailableError, match="backend='cpu' cannot run here: no C compiler"):
+    with pytest.raises(BackendUnavailableError, match="backend='cpu' cannot run here: RuntimeError: no C compiler"):
         resolve_backend("cpu", q)
-    assert available_backends()["cpu"].startswith("no C compiler")
+    assert available_backends()["cpu"].startswith("RuntimeError: no C compiler")
 
 
 # ----------------------------------------------------------------------------- bad inputs

@@ -16,16 +16,16 @@ import pytest
 import torch
 
 import planner as P
+from dsv4_cpu import binding as ckernel
 from dsv4_torch import BackendUnavailableError, prefill_cpu
 from dsv4_torch import prefill as TP
-from dsv4_torch.kernels import cpu_attention as CA
-from planner import ckernel
+from dsv4_torch.kernels import cpu as CA
 from planner import kvcache as KV
 from tests.cases import boundary_cases, make_case
 from tests.fp8_cases import RAW_SLOTS, bf16_values, fp8_case, fp8_cases
 from tests.parity import tolerances as TOL
 
-_REASON = ckernel.attention_unavailable_reason()
+_REASON = ckernel.unavailable_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"the C kernel cannot be built here: {_REASON}")
 
 POLICIES = ("adaptive", "fixed", "per_request")

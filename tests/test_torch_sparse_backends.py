@@ -217,8 +217,8 @@ def test_resolve_backend_on_cpu():
     if not GPU:
         with pytest.raises(BackendUnavailableError, match="SM90/SM100"):
             resolve_backend("flashmla", q)
-        with pytest.raises(BackendUnavailableError, match="bfloat16|float64"):
-            resolve_backend("triton", q.double())
+        with pytest.raises((TypeError, BackendUnavailableError), match="bfloat16|float64"):
+            resolve_backend("triton", q.double())  # TypeError where Triton runs here (interpreted), else unavailable
     with pytest.raises(ValueError, match="backend"):
         resolve_backend("cuda", q)
 

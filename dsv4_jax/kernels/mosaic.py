@@ -1,4 +1,4 @@
-"""Mosaic GPU sparse-attention kernel for Hopper (sm_90a), backend "mosaic".
+"""Mosaic GPU sparse-attention kernel for Hopper (sm_90a), backend "mosaic_gpu".
 
 The FlashMLA `flash_mla_sparse_fwd` contract (spec section 2) as a Pallas Mosaic GPU kernel
 (`plgpu.kernel`, warpgroup-level code, `wgmma`), with no Triton in the way. Needs jax >= 0.12;
@@ -138,13 +138,13 @@ def check_shapes(q, kv, indices) -> None:
     """ValueError naming the argument for anything outside what this kernel serves."""
     T, H, D = q.shape
     if jnp.dtype(q.dtype) != jnp.bfloat16:
-        raise ValueError(f"q: backend 'mosaic' takes bfloat16 only, got {jnp.dtype(q.dtype)}")
+        raise ValueError(f"q: backend 'mosaic_gpu' takes bfloat16 only, got {jnp.dtype(q.dtype)}")
     if jnp.dtype(kv.dtype) != jnp.bfloat16:
-        raise ValueError(f"kv: backend 'mosaic' takes bfloat16 only, got {jnp.dtype(kv.dtype)}")
+        raise ValueError(f"kv: backend 'mosaic_gpu' takes bfloat16 only, got {jnp.dtype(kv.dtype)}")
     if H not in HEADS:
-        raise ValueError(f"q: backend 'mosaic' serves {HEADS} heads, got H={H} (shape {tuple(q.shape)})")
+        raise ValueError(f"q: backend 'mosaic_gpu' serves {HEADS} heads, got H={H} (shape {tuple(q.shape)})")
     if D not in HEAD_DIMS:
-        raise ValueError(f"q: backend 'mosaic' serves head dims {HEAD_DIMS}, got D={D} (shape {tuple(q.shape)})")
+        raise ValueError(f"q: backend 'mosaic_gpu' serves head dims {HEAD_DIMS}, got D={D} (shape {tuple(q.shape)})")
     if kv.shape[0] >= 2**31 - 1:
         raise ValueError(f"kv: at most 2**31 - 2 rows, got {kv.shape[0]}")
 
@@ -438,7 +438,7 @@ def sparse_attention_mosaic(
     """
     reason = unavailable_reason()
     if reason:
-        raise backend_unavailable("mosaic", reason)
+        raise backend_unavailable("mosaic_gpu", reason)
     if jnp.ndim(q) != 3 or jnp.ndim(kv) != 2 or jnp.ndim(indices) != 2:
         raise ValueError(
             f"q, kv, indices: expected (T, H, D), (S, D), (T, K), got shapes {tuple(q.shape)}, "

@@ -1,7 +1,7 @@
 """Pallas kernels for vLLM's `fp8_ds_mla` KV cache pages (layout: `planner/kvcache.py`).
 
-`dsv4_jax.kvcache`'s "pallas_triton" backend (lowered through Triton, NVIDIA GPUs) and
-"pallas_interpret" (the same kernels under Pallas' interpreter, any platform; for tests):
+`dsv4_jax.kvcache`'s "triton" backend (lowered through Triton, NVIDIA GPUs; with
+`interpret=True` the same kernels under Pallas' interpreter, any platform, for tests):
 
 - `quantize_insert`: one program per token: its 512 bf16 dims as an [8, 64] tile (rows 0..6 the
   e4m3 groups, row 7 the RoPE dims), written into the token's slot with its 8 scale bytes.

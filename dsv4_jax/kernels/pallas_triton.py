@@ -1,4 +1,4 @@
-"""Pallas sparse-attention kernel for the Triton lowering ("pallas" backend).
+"""Pallas sparse-attention kernel for the Triton lowering (backend "triton").
 
 One program per (head block, d_v block, query token). It loads the token's q block once, then
 walks the token's index row in chunks of `block_k` columns, only as far as `topk_length[t]`:

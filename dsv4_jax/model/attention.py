@@ -230,7 +230,7 @@ def _index_topk(p, x, q_residual, entries, step: StepInputs, cfg: ModelConfig):
 # ----------------------------------------------------------------------------- attention (section 7)
 
 
-def _attend(q, meta, raw, comp, sink, topk, *, sm_scale, backend, mesh, axis):
+def _attend(q, meta, raw, comp, sink, topk, *, sm_scale, backend, interpret, mesh, axis):
     """`prefill_attention` for one layer; with a mesh, query heads are split over `axis`.
 
     The split is `dsv4_jax.sharding.sparse_attention_head_sharded`'s (q, sink and the output by
@@ -238,7 +238,7 @@ def _attend(q, meta, raw, comp, sink, topk, *, sm_scale, backend, mesh, axis):
     whole chunk loop (gathers, indices) for its heads. No communication inside; the check of
     replicated values is off because it cannot see through pallas_call.
     """
-    kw = dict(sm_scale=sm_scale, backend=backend)
+    kw = dict(sm_scale=sm_scale, backend=backend, interpret=interpret)
     if mesh is None:
         return prefill_attention(q, meta, raw, comp, attn_sink=sink, topk_indices=topk, **kw)
 

@@ -7,7 +7,7 @@
     gen.generate([[0, 71, 5, ...], [0, 9, ...]], max_new_tokens=256, stop_token_ids=(1,))  # ids
     gen.stats  # {"prefill_tokens": ..., "prefill_seconds": ..., "decode_tokens": ..., ...}
 
-`JaxGenerator(checkpoint_dir, backend="auto"|"xla"|"cpu"|"pallas", policy="adaptive"|"fixed"|
+`JaxGenerator(checkpoint_dir, backend="auto"|"xla"|"cpu"|"triton"|..., policy="adaptive"|"fixed"|
 "per_request", dtype="float32"|"bfloat16", *, weights="stored"|"dequantized", max_batch_size=8,
 max_model_len=4096, max_num_batched_tokens=512, mesh=None, axis=None, kv_cache_dtype="auto")`:
   loads the checkpoint (the official FP8/FP4 release, transformers' or DeepSeek's names; NumPy +

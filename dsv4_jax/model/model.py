@@ -2,7 +2,7 @@
 
 The math is transformers' `DeepseekV4ForCausalLM` (docs/transformers-dsv4.md, section numbers
 below refer to it); the attention core is the planner + `dsv4_jax.prefill.prefill_attention`
-(which calls `dsv4_jax.sparse_attention`, "xla" or "pallas", or runs the C kernel, "cpu").
+(which calls `dsv4_jax.sparse_attention`'s backends, or runs the C kernel, "cpu").
 
 Batches are ragged: one call (a *step*) takes any number of requests, each with its own cache
 slot, context length (`prefix`) and new tokens (`query_len` >= 1). The new tokens of all
@@ -44,6 +44,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dsv4_jax import backends
 from dsv4_jax.model import parallel
 from dsv4_jax.model.attention import StepInputs, attention, init_cache
 from dsv4_jax.model.checkpoint import DTYPES, load_checkpoint
@@ -59,7 +60,6 @@ from dsv4_jax.model.layers import (
 )
 from dsv4_jax.prefill import build_step_metadata
 from planner import (
-    BACKENDS,
     POLICIES,
     LayerKind,
     PlanConfig,
@@ -155,8 +155,9 @@ class DeepseekV4:
       dtype: the compute dtype ("float32", "bfloat16", "float16"; default: the embedding's dtype).
       max_batch_size: cache slots (requests in flight). max_model_len: tokens per request.
       max_num_batched_tokens: most new tokens of one request in one step (planner limit).
-      backend: "auto", "xla", "cpu" or "pallas" (see `dsv4_jax.sparse_attention`; "auto" on the
-        CPU is "cpu" for bf16 / float32 where the C kernel builds).
+      backend: "auto" or a backend of `dsv4_jax.backends.ATTENTION` (see `dsv4_jax.sparse_attention`;
+        "auto" on the CPU is "cpu" for bf16 / float32 where the C kernel builds).
+      interpret: run a Pallas backend in its interpreter (tests; `dsv4_jax.sparse_attention`).
       policy: "adaptive", "fixed" or "per_request" (`planner.PlanConfig.policy`).
       mesh, axis: optional; split the model over mesh axis `axis` (default the mesh's first):
         attention heads and the dense MLP tensor-parallel, routed experts expert-parallel,
@@ -180,6 +181,7 @@ class DeepseekV4:
         max_model_len: int = 4096,
         max_num_batched_tokens: int = 512,
         backend: str = "auto",
+        interpret=False,
         policy: str = "adaptive",
         mesh: Mesh | None = None,
         axis: str | None = None,
@@ -213,8 +215,7 @@ class DeepseekV4:
             raise ValueError(
                 f"params: expected the tree of dsv4_jax.model.checkpoint.load_params for {config.num_hidden_layers} layers"
             )
-        if backend != "auto" and backend not in BACKENDS["jax"]:
-            raise ValueError(f"backend: expected 'auto' or one of {BACKENDS['jax']}, got {backend!r}")
+        backends.check_name(backend, backends.ATTENTION)
         mesh, axis = parallel.resolve_mesh(mesh, axis)
         if mesh is not None:
             parallel.check_divisible(config, mesh, axis)
@@ -247,7 +248,7 @@ class DeepseekV4:
         self._min_workspace_rows = min_workspace_rows
         self._bucket_options = dict(token_tile=token_tile, gather_tile=gather_tile)
         self.kv_cache_dtype = kv_cache_dtype
-        self._opts = (("backend", backend), ("mesh", mesh), ("axis", axis))
+        self._opts = (("backend", backend), ("interpret", interpret), ("mesh", mesh), ("axis", axis))
         if kv_cache_dtype != "auto":  # static: the fp8 raw pages' block tables span max_model_len
             self._opts += (("kv_cache_dtype", kv_cache_dtype), ("max_model_len", max_model_len))
         # Hash layers keep their tid2eid table out of the layer parameters (a zero bias stands

@@ -1,6 +1,6 @@
 """Attention inside vLLM's CPU engine (`DeepseekV4CPUAttention.forward_mqa`, installed by
-`dsv4_torch.vllm.cpu_engine`): prefill tokens through our CPU kernel (`planner/csrc`,
-`dsv4_prefill_attention`, reading vLLM's fp8_ds_mla pages in place), decode tokens (and prefill
+`dsv4_torch.vllm.cpu_engine`): prefill tokens through our CPU kernel (`dsv4_cpu`,
+`dsv4_prefill_attention`, reading vLLM's fp8_ds_mla pages in place, on torch's threads), decode tokens (and prefill
 tokens with DSV4_PREFILL_VLLM_CPU_PREFILL=vllm) through vLLM's `flash_mla_with_kvcache_cpu`, fed
 slot lists built once per step per kind. Also the call counters and timers (`STATS`) that the
 engine's metadata builders add to.
@@ -8,7 +8,6 @@ engine's metadata builders add to.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import time
 
@@ -49,106 +48,66 @@ def timed(stat: str):
     return wrap
 
 
-def _kernel():
-    from planner import ckernel
-
-    return ckernel
-
-
-def _kv_source(cache, page_size: int, block_table):
-    ck = _kernel()
-    if cache.dtype.itemsize != 1 or cache.dim() < 2:
-        raise ValueError(f"dsv4-prefill: expected an fp8_ds_mla (uint8) cache, got {cache.dtype} {tuple(cache.shape)}")
-    if block_table.dtype not in (_torch().int32, _torch().int64) or block_table.dim() != 2:
-        raise ValueError(
-            f"dsv4-prefill: block table: expected int32/int64 [reqs, pages], got {block_table.dtype} "
-            f"{tuple(block_table.shape)}"
-        )
-    return ck.KVSource(
-        format=1,
-        dtype=ck.BF16,
-        data=cache.data_ptr(),
-        row_stride=0,
-        num_rows=0,
-        page_stride=cache.stride(0),
-        num_pages=cache.shape[0],
-        page_size=int(page_size),
-        table=block_table.data_ptr(),
-        table_int64=int(block_table.dtype == _torch().int64),
-        table_stride=block_table.stride(0),
-        table_width=block_table.shape[1],
-        table_rows=block_table.shape[0],
-    )
+def layer_kind(layer) -> str:
+    """The layer's kind as vLLM's model built it: CSA when it has an indexer, HCA when it has a
+    compressed cache without one (vLLM's `compress_ratio > 1`), else SWA."""
+    if getattr(layer, "indexer", None) is not None:
+        return "CSA"
+    return "HCA" if layer.compress_ratio > 1 else "SWA"
 
 
-def _torch():
-    import torch
+def _step_tokens(step: StepMetadata):
+    """(3, n) int32 host array of the step's prefill tokens (q row, request, position), made once
+    per step and kept on it."""
+    import numpy as np
 
-    return torch
+    tok = step.__dict__.get("_dsv4_tokens")
+    if tok is None:
+        tok = np.stack([step.prefill_row, step.prefill_request, step.prefill_position]).astype(np.int32)
+        step.__dict__["_dsv4_tokens"] = tok
+    return tok
 
 
 @timed("dsv4_prefill_seconds")
 def prefill_attention(layer, q, output, step: StepMetadata, swa_md, mla_md) -> None:
-    """Our CPU kernel on the step's prefill tokens of one layer, straight from vLLM's caches."""
+    """Our CPU kernel on the step's prefill tokens of one layer, straight from vLLM's caches
+    (fp8_ds_mla pages), on torch's threads (`dsv4_torch.kernels.cpu`)."""
     import torch
 
-    ck = _kernel()
-    lib = ck.library()
-    kind = "SWA" if layer.compress_ratio <= 1 else ("CSA" if layer.compress_ratio == 4 else "HCA")
-    if q.dtype != torch.bfloat16 or q.stride(-1) != 1 or output.dtype != torch.bfloat16 or output.stride(-1) != 1:
+    from dsv4_torch.kernels import cpu
+
+    kind = layer_kind(layer)
+    if q.dtype != torch.bfloat16 or output.dtype != torch.bfloat16 or output.stride(-1) != 1:
         raise ValueError(
             f"dsv4-prefill: q / out: expected bf16 with a contiguous last dim, got {q.dtype} {q.stride()} "
             f"/ {output.dtype} {output.stride()}"
         )
-    sink = layer.attn_sink
-    if sink.dtype != torch.float32 or not sink.is_contiguous():
-        sink = sink.float().contiguous()
-    topk, topk_stride, topk_width = None, 0, 0
-    if kind == "CSA":
-        buf = layer.topk_indices_buffer
-        topk, topk_stride, topk_width = buf.data_ptr(), buf.stride(0), layer.indexer.topk_tokens
-        if buf.dtype != torch.int32:
-            raise ValueError(f"dsv4-prefill: topk_indices_buffer: expected int32, got {buf.dtype}")
-    tokens = ck.PrefillTokens(
-        kind=ck.KIND_CODES[kind],
-        window=int(layer.window_size),
-        compress_ratio=max(1, int(layer.compress_ratio)),
-        num_tokens=step.num_prefill_tokens,
-        token_row=step.prefill_row.ctypes.data,
-        token_request=step.prefill_request.ctypes.data,
-        token_position=step.prefill_position.ctypes.data,
-        topk=topk,
-        topk_int64=0,
-        topk_stride=topk_stride,
-        topk_width=topk_width,
-    )
+    keep: list = []
     swa_cache = layer.swa_cache_layer.kv_cache
-    raw = _kv_source(swa_cache, swa_md.block_size, swa_md.block_table)
+    raw = cpu.paged_source(swa_cache, swa_md.block_table, swa_md.block_size, True, q.dtype, "swa_cache", keep)
     comp = None
     if kind != "SWA":
-        comp = _kv_source(layer.kv_cache, mla_md.block_size // layer.compress_ratio, mla_md.block_table)
-    outs = ck.Outputs(
-        out=output.data_ptr(), out_s0=output.stride(0), out_s1=output.stride(1), max_logits=None, lse=None, stat_s0=0
-    )
+        comp_bs = mla_md.block_size // layer.compress_ratio
+        comp = cpu.paged_source(layer.kv_cache, mla_md.block_table, comp_bs, True, q.dtype, "compressed_cache", keep)
+    topk = None
+    if kind == "CSA":
+        topk = layer.topk_indices_buffer[:, : layer.indexer.topk_tokens]
     threads = max(1, torch.get_num_threads())  # vLLM's worker binds its OpenMP threads to its cores
     STATS["threads"] = threads
-    rc = lib.dsv4_prefill_attention(
-        q.data_ptr(),
-        q.stride(0),
-        q.stride(1),
-        ck.BF16,
-        layer.n_local_heads,
-        q.shape[-1],
-        ctypes.byref(tokens),
-        ctypes.byref(raw),
-        ctypes.byref(comp) if comp is not None else None,
-        float(layer.scale),
-        sink.data_ptr(),
-        ctypes.byref(outs),
-        threads,
-        -1,
+    cpu.prefill_attention(
+        q,
+        _step_tokens(step),
+        raw,
+        comp,
+        topk,
+        layer.attn_sink,
+        kind=kind,
+        window=int(layer.window_size),
+        compress_ratio=max(1, int(layer.compress_ratio)),
+        sm_scale=float(layer.scale),
+        out=output,
+        threads=threads,
     )
-    ck.check(rc)
     STATS["dsv4_prefill_calls"] += 1
     STATS["dsv4_prefill_tokens"] += step.num_prefill_tokens
 
@@ -162,12 +121,13 @@ def vllm_attention(layer, q, output, step: StepMetadata, swa_md, mla_md, n: int)
     swa_cache = layer.swa_cache_layer.kv_cache
     window_2d = swa_cache.view(swa_cache.shape[0], -1)
     window_slots = torch.from_numpy(step.window_slots(swa_md.block_table, swa_md.block_size, layer.window_size, n))
-    if layer.compress_ratio <= 1:
+    kind = layer_kind(layer)
+    if kind == "SWA":
         comp_slots = window_slots.new_full((n, 0), -1)
         comp_2d, comp_bs = window_2d, 1
     else:
         comp_bs = mla_md.block_size // layer.compress_ratio
-        if layer.compress_ratio == 4:
+        if kind == "CSA":
             local = layer.topk_indices_buffer[:n].numpy()
             comp_slots = torch.from_numpy(local_to_global(local, step.request[:n], mla_md.block_table, comp_bs))
         else:
@@ -205,7 +165,7 @@ def forward_mqa(self, q, kv, positions, output) -> None:
     step = swa_md.__dict__.get(STEP_ATTR)
     if step is None:
         raise RuntimeError("dsv4-prefill: the SWA metadata has no step: its builder was not the plugin's")
-    mla_md = md.get(self.prefix) if self.compress_ratio > 1 else None
+    mla_md = md.get(self.prefix) if layer_kind(self) != "SWA" else None
     nd, nt = step.num_decode_tokens, step.num_actual_tokens
     if nt < q.shape[0]:
         output[nt:].zero_()

@@ -3,12 +3,12 @@
 Backends (in report order):
   oracle           planner.oracle, float64 NumPy: the reference of every comparison
   torch.reference  dsv4_torch, tiled plain torch (CPU or GPU)
-  torch.cpu        dsv4_torch's C kernel (planner/csrc) on CPU tensors; its prefill is one fused
+  torch.cpu        dsv4_torch's C kernel (dsv4_cpu) on CPU tensors; its prefill is one fused
                    call per layer, which never sees the plan (so bitwise plan-invariant)
   jax.xla          dsv4_jax, plain jnp (CPU or GPU)
-  jax.cpu          dsv4_jax's backend "cpu": the C kernel of planner/csrc as XLA FFI calls (CPU)
+  jax.cpu          dsv4_jax's backend "cpu": the C kernel of dsv4_cpu as XLA FFI calls (CPU)
   torch.triton     dsv4_torch's Triton kernel: a CUDA GPU, else Triton's interpreter on CPU
-  jax.pallas       dsv4_jax's Pallas kernel: Triton on an NVIDIA GPU, else Pallas' interpreter
+  jax.triton       dsv4_jax's Pallas-Triton kernel: on an NVIDIA GPU, else in Pallas' interpreter
   torch.flashmla   the FlashMLA wheel: SM90/SM100 GPUs, bf16, D in {512, 576}
 
 Inputs are built once as torch tensors and handed to JAX by DLPack (`jax.dlpack.from_dlpack`), so
@@ -56,7 +56,7 @@ BACKENDS = (
     Backend("jax.xla", "jax", ("float32", "bfloat16"), reference=True),
     Backend("jax.cpu", "jax", ("float32", "bfloat16"), reference=True),  # a token's bits never depend on the plan
     Backend("torch.triton", "torch", ("float32", "bfloat16")),
-    Backend("jax.pallas", "jax", ("float32", "bfloat16")),
+    Backend("jax.triton", "jax", ("float32", "bfloat16")),
     Backend("torch.flashmla", "torch", ("bfloat16",), head_dims=(512, 576)),
 )
 BY_NAME = {b.name: b for b in BACKENDS}
@@ -95,7 +95,7 @@ def machine_status() -> dict[str, Status]:
     elif torch_av["cpu"] is not None:
         out["torch.cpu"] = Status(False, torch_av["cpu"], "-", None)
     else:
-        from planner import ckernel
+        from dsv4_cpu import binding as ckernel
 
         out["torch.cpu"] = Status(True, None, f"C kernel ({ckernel.best_isa()})", "cpu")
     out["jax.xla"] = Status(True, None, f"plain jnp ({jax_platform})", "xla")
@@ -109,15 +109,11 @@ def machine_status() -> dict[str, Status]:
         out["torch.triton"] = Status(True, None, "Triton (GPU)", "triton")
     else:
         out["torch.triton"] = Status(True, None, "Triton interpreter (CPU)", "triton", interpreted=True)
-    if jax_av["pallas_triton"] is None:
-        out["jax.pallas"] = Status(True, None, "Pallas -> Triton (GPU)", "pallas_triton")
+    if jax_av["triton"] is None:
+        out["jax.triton"] = Status(True, None, "Pallas -> Triton (GPU)", "triton")
     else:
-        out["jax.pallas"] = Status(
-            True,
-            None,
-            f"Pallas interpret (pallas_triton: {jax_av['pallas_triton']})",
-            "pallas_interpret",
-            interpreted=True,
+        out["jax.triton"] = Status(
+            True, None, f"Pallas interpret (triton: {jax_av['triton']})", "triton", interpreted=True
         )
     reason = torch_av["flashmla"]
     if reason is None:
@@ -241,7 +237,14 @@ def run_kernel(name: str, x: KernelInputs):
         return tuple(to_numpy(r) for r in res)
     j = x.crossed()
     res = dsv4_jax.sparse_attention(
-        j["q"], j["kv"], j["indices"], x.sm_scale, j["attn_sink"], j["topk_length"], backend=st.kernel
+        j["q"],
+        j["kv"],
+        j["indices"],
+        x.sm_scale,
+        j["attn_sink"],
+        j["topk_length"],
+        backend=st.kernel,
+        interpret=st.interpreted,
     )
     return tuple(to_numpy(r) for r in res)
 
@@ -383,6 +386,7 @@ def run_prefill(
             attn_sink=sink,
             topk_indices=topk_rows,
             backend=st.kernel,
+            interpret=st.interpreted,
         )
         if km.last_backend != st.kernel:
             raise AssertionError(f"{name}: asked for {st.kernel!r}, ran {km.last_backend!r}")

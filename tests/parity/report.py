@@ -38,7 +38,7 @@ SHORT = {
     "jax.xla": "j.xla",
     "jax.cpu": "j.cpu",
     "torch.triton": "t.triton",
-    "jax.pallas": "j.pallas",
+    "jax.triton": "j.triton",
     "torch.flashmla": "t.flashmla",
     "transformers": "hf.eager",
 }

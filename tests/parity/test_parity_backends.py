@@ -31,13 +31,13 @@ def test_status_follows_the_packages():
     assert st["torch.triton"].available == (torch_av["triton"] is None)
     assert st["torch.flashmla"].available == (torch_av["flashmla"] is None)
     assert st["torch.cpu"].available == (torch_av["cpu"] is None and B.TORCH_DEVICE.type == "cpu")
-    assert st["jax.pallas"].kernel == ("pallas_triton" if jax_av["pallas_triton"] is None else "pallas_interpret")
+    assert st["jax.triton"].kernel == "triton" and st["jax.triton"].interpreted == (jax_av["triton"] is not None)
     assert st["jax.cpu"].available == (jax_av["cpu"] is None)
     for s in st.values():
         assert s.available or (isinstance(s.reason, str) and s.reason)
     if not torch.cuda.is_available():
         assert st["torch.flashmla"].reason.startswith(B.GPU_ONLY)
-        assert st["torch.triton"].interpreted and st["jax.pallas"].interpreted
+        assert st["torch.triton"].interpreted and st["jax.triton"].interpreted
 
 
 def test_why_not_names_the_constraint():
@@ -47,7 +47,7 @@ def test_why_not_names_the_constraint():
     if B.machine_status()["torch.flashmla"].available:
         assert "512" in B.why_not(fm, "bfloat16", 64, tiny=True)
         assert "float32" in B.why_not(fm, "float32", 512, tiny=True)
-    for name in ("torch.triton", "jax.pallas"):
+    for name in ("torch.triton", "jax.triton"):
         st = B.machine_status()[name]
         if st.available and st.interpreted:
             assert "interpreter" in B.why_not(B.BY_NAME[name], "float32", 64, tiny=False)

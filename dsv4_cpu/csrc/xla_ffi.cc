@@ -1,12 +1,13 @@
-// XLA FFI handlers of dsv4-prefill's CPU kernels (planner/csrc/dsv4_cpu.h) for JAX: built by
-// planner/ckernel.py together with the kernels, against jaxlib's FFI headers, and registered as
-// custom-call targets on the CPU platform by dsv4_jax/kernels/cpu_ffi.py.
+// XLA FFI handlers of dsv4-prefill's CPU kernels (dsv4_cpu.h) for JAX: built by dsv4_cpu/build.py
+// against jaxlib's FFI headers into a small library linked against the kernels' library (one copy
+// of the kernels per process, shared with the ctypes binding), and registered as custom-call
+// targets on the CPU platform by dsv4_jax/kernels/cpu_ffi.py. Parallel work runs on XLA's
+// intra-op thread pool (the FFI ThreadPool context), never on threads of our own.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <utility>
 #include <string>
-#include <thread>
+#include <utility>
 #include <vector>
 
 #include "dsv4_cpu.h"
@@ -14,29 +15,29 @@
 
 namespace ffi = xla::ffi;
 
-// Rows [0, n) in `t` contiguous ranges (t = threads, fewer for small calls), run(a, b) each:
-// t - 1 std::threads and the calling one.
-template <class F>
-static void parallel_rows(int64_t n, int64_t threads, int64_t min_rows, F run) {
-    const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, n / std::max<int64_t>(min_rows, 1)));
-    std::vector<std::thread> pool;
-    for (int64_t k = 1; k < t; k++) pool.emplace_back(run, n * k / t, n * (k + 1) / t);
-    run(0, n / t);
-    for (auto &th : pool) th.join();
-}
+namespace {
 
-extern "C" void dsv4_gather_dequant(void *out, int64_t out_s0, int64_t out_s1, int64_t out_rows, int out_f32, int stream,
-                                    const uint8_t *cache, int64_t page_stride, int64_t num_blocks, int64_t S,
-                                    const int64_t *seq, const int64_t *cum, const void *bt, int bt_int64,
-                                    int64_t bt_s0, int64_t bt_w, int64_t offset, int64_t R, int64_t row0,
-                                    int64_t row1);
+// The kernels' dsv4_parallel on XLA's intra-op pool: `threads` = its threads, tasks scheduled on it.
+struct XlaParallel {
+    ffi::ThreadPool *pool;
+    dsv4_parallel par;
+    explicit XlaParallel(ffi::ThreadPool &p) : pool(&p) {
+        par.threads = (int32_t)std::max<int64_t>(1, p.num_threads());
+        par.run = nullptr;
+        par.schedule = [](void *ctx, dsv4_task_fn fn, void *arg) {
+            static_cast<ffi::ThreadPool *>(ctx)->Schedule([fn, arg] { fn(arg); });
+        };
+        par.ctx = pool;
+    }
+};
+
+}  // namespace
 
 // out_in bf16 [R', rows, 512] (aliased to out), cache u8 [num_blocks, page_bytes], seq / glen
 // s32 [R], bt s32 [R, B]: vLLM's dequantize_and_gather_k_cache.
-static ffi::Error Gather(ffi::Buffer<ffi::BF16> out_in, ffi::Buffer<ffi::U8> cache, ffi::Buffer<ffi::S32> seq,
-                         ffi::Buffer<ffi::S32> glen, ffi::Buffer<ffi::S32> bt, ffi::ResultBuffer<ffi::BF16> out,
-                         int64_t block_size, int64_t offset, int64_t threads, int64_t min_rows,
-                         int64_t stream_bytes) {
+static ffi::Error Gather(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> out_in, ffi::Buffer<ffi::U8> cache,
+                         ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> glen, ffi::Buffer<ffi::S32> bt,
+                         ffi::ResultBuffer<ffi::BF16> out, int64_t block_size, int64_t offset) {
     void *o = out->untyped_data();
     if (o != out_in.untyped_data()) std::memcpy(o, out_in.untyped_data(), out_in.size_bytes());
     auto od = out_in.dimensions();
@@ -47,20 +48,20 @@ static ffi::Error Gather(ffi::Buffer<ffi::BF16> out_in, ffi::Buffer<ffi::U8> cac
     const int64_t R = static_cast<int64_t>(seq.element_count());
     if (static_cast<int64_t>(glen.element_count()) != R || bd[0] < R || od[0] < R)
         return ffi::Error::InvalidArgument("dsv4_gather_dequant: seq_lens, gather_lens, block_table, out disagree on R");
-    std::vector<int64_t> s64(R), cum(R + 1, 0);
+    if (block_size < 1 || cd[1] < block_size * 584)
+        return ffi::Error::InvalidArgument("dsv4_gather_dequant: pages of " + std::to_string(cd[1]) +
+                                           " bytes cannot hold block_size " + std::to_string(block_size) + " slots");
+    if (offset < 0) return ffi::Error::InvalidArgument("dsv4_gather_dequant: offset " + std::to_string(offset) + " < 0");
+    std::vector<int64_t> s64(R), g64(R);
     const int32_t *sp = seq.typed_data(), *gp = glen.typed_data();
     for (int64_t i = 0; i < R; i++) {
         s64[i] = sp[i];
-        cum[i + 1] = cum[i] + std::max<int64_t>(gp[i], 0);
+        g64[i] = gp[i];
     }
-    const int64_t n = cum[R];
-    if (n == 0) return ffi::Error::Success();
-    const int stream = n * 1024 > stream_bytes;
-    auto run = [&](int64_t a, int64_t b) {
-        dsv4_gather_dequant(o, od[1] * 512, 512, od[1], 0, stream, cache.typed_data(), cd[1], cd[0], block_size, s64.data(),
-                            cum.data(), bt.typed_data(), 0, bd[1], bd[1], offset, R, a, b);
-    };
-    parallel_rows(n, threads, min_rows, run);
+    XlaParallel xp(pool);
+    int rc = dsv4_gather_dequant(o, od[1] * 512, 512, od[1], 0, cache.typed_data(), cd[1], cd[0], block_size, s64.data(),
+                                 g64.data(), bt.typed_data(), 0, bd[1], bd[1], offset, R, &xp.par);
+    if (rc) return ffi::Error::InvalidArgument(std::string("dsv4_gather_dequant: ") + dsv4_cpu_last_error());
     return ffi::Error::Success();
 }
 
@@ -68,11 +69,12 @@ static ffi::Error Gather(ffi::Buffer<ffi::BF16> out_in, ffi::Buffer<ffi::U8> cac
 // or float32: segment s in [s0, s1) owns region rows region_start[s] .. region_start[s + 1];
 // its row j is entry start[s] + j of request seg_request[s], written to workspace row
 // seg_row_base[s] + dst_offset + j. bounds = (s0, s1, dst_offset), traced.
-static ffi::Error GatherSegments(ffi::AnyBuffer ws_in, ffi::Buffer<ffi::U8> cache, ffi::Buffer<ffi::S32> bt,
-                                 ffi::Buffer<ffi::S32> region_start, ffi::Buffer<ffi::S32> seg_request,
-                                 ffi::Buffer<ffi::S32> seg_row_base, ffi::Buffer<ffi::S32> start,
-                                 ffi::Buffer<ffi::S32> bounds, ffi::Result<ffi::AnyBuffer> ws, int64_t block_size,
-                                 int64_t threads, int64_t min_rows, int64_t stream_bytes) {
+static ffi::Error GatherSegments(ffi::ThreadPool pool, ffi::AnyBuffer ws_in, ffi::Buffer<ffi::U8> cache,
+                                 ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> region_start,
+                                 ffi::Buffer<ffi::S32> seg_request, ffi::Buffer<ffi::S32> seg_row_base,
+                                 ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> bounds, ffi::Result<ffi::AnyBuffer> ws,
+                                 int64_t block_size) {
+    const char *call = "dsv4_gather_segments: ";
     void *o = ws->untyped_data();
     if (o != ws_in.untyped_data()) std::memcpy(o, ws_in.untyped_data(), ws_in.size_bytes());
     auto wd = ws_in.dimensions();
@@ -80,39 +82,52 @@ static ffi::Error GatherSegments(ffi::AnyBuffer ws_in, ffi::Buffer<ffi::U8> cach
     auto bd = bt.dimensions();
     const bool f32 = ws_in.element_type() == ffi::DataType::F32;
     if (!f32 && ws_in.element_type() != ffi::DataType::BF16)
-        return ffi::Error::InvalidArgument("dsv4_gather_segments: the workspace must be bfloat16 or float32");
+        return ffi::Error::InvalidArgument(std::string(call) + "the workspace must be bfloat16 or float32");
     if (wd.size() != 2 || wd[1] != 512 || cd.size() != 2 || bd.size() != 2 || bounds.element_count() != 3)
-        return ffi::Error::InvalidArgument("dsv4_gather_segments: expected ws [rows, 512], 2-D pages and block table");
+        return ffi::Error::InvalidArgument(std::string(call) + "expected ws [rows, 512], 2-D pages and block table, 3 bounds");
+    if (block_size < 1 || cd[1] < block_size * 584)
+        return ffi::Error::InvalidArgument(std::string(call) + "pages of " + std::to_string(cd[1]) + " bytes cannot hold " +
+                                           std::to_string(block_size) + " slots");
     const int64_t L = static_cast<int64_t>(seg_request.element_count());
     const int64_t nrs = static_cast<int64_t>(region_start.element_count());
+    const int64_t nst = static_cast<int64_t>(start.element_count());
+    if (static_cast<int64_t>(seg_row_base.element_count()) != L || nrs < 1 || (nst != 1 && nst < L))
+        return ffi::Error::InvalidArgument(std::string(call) + "seg_request, seg_row_base (and start) must have one entry per "
+                                           "segment and region_start one more");
     const int32_t *b = bounds.typed_data();
     const int64_t s0 = std::max<int64_t>(b[0], 0), s1 = std::min<int64_t>({(int64_t)b[1], L, nrs - 1}), dst = b[2];
     if (s1 <= s0) return ffi::Error::Success();
     const int32_t *rs = region_start.typed_data(), *req = seg_request.typed_data(), *base = seg_row_base.typed_data();
     const int32_t *st = start.typed_data();
-    const int64_t nst = static_cast<int64_t>(start.element_count());
-    const int64_t first = rs[s0], n = rs[s1] - first;
+    for (int64_t s = s0; s < s1; s++)
+        if (rs[s + 1] < rs[s])
+            return ffi::Error::InvalidArgument(std::string(call) + "region_start decreases at segment " + std::to_string(s));
+    const int64_t first = rs[s0], n = (int64_t)rs[s1] - first;
     if (n <= 0) return ffi::Error::Success();
-    const int stream = n * 512 * (f32 ? 4 : 2) > stream_bytes;
+    const int stream = n * 512 * (f32 ? 4 : 2) > DSV4_GATHER_STREAM_BYTES;
     const int64_t esize = f32 ? 4 : 2;
     auto run = [&](int64_t a, int64_t e) {  // flat region rows [first + a, first + e)
         for (int64_t s = s0; s < s1; s++) {
             int64_t lo = std::max<int64_t>(rs[s] - first, a), hi = std::min<int64_t>(rs[s + 1] - first, e);
             if (hi <= lo) continue;
-            int64_t r = req[s], g = rs[s + 1] - rs[s], row = (int64_t)base[s] + dst;
-            if (r < 0 || r >= bd[0] || row < 0 || row > wd[0]) continue;  // not in the arrays: nothing to do
-            int64_t seq1 = (s < nst ? st[s] : 0) + g, cum1[2] = {0, g};
-            dsv4_gather_dequant((char *)o + row * 512 * esize, 0, 512, wd[0] - row, f32, stream, cache.typed_data(),
-                                cd[1], cd[0], block_size, &seq1, cum1, bt.typed_data() + r * bd[1], 0, 0, bd[1], 0, 1,
-                                lo - (rs[s] - first), hi - (rs[s] - first));
+            // a segment whose request or rows are not in the arrays (padding) writes nothing
+            int64_t r = req[s], g = (int64_t)rs[s + 1] - rs[s], row = (int64_t)base[s] + dst;
+            if (r < 0 || r >= bd[0] || row < 0 || row >= wd[0]) continue;
+            int64_t seq1 = (nst > 1 ? (int64_t)st[s] : 0) + g, cum1[2] = {0, g};
+            dsv4_gather_dequant_rows((char *)o + row * 512 * esize, 0, 512, wd[0] - row, f32, stream, cache.typed_data(),
+                                     cd[1], cd[0], block_size, &seq1, cum1, bt.typed_data() + r * bd[1], 0, 0, bd[1], 0, 1,
+                                     lo - (rs[s] - first), hi - (rs[s] - first));
         }
     };
-    parallel_rows(n, threads, min_rows, run);
+    XlaParallel xp(pool);
+    dsv4_parallel_for(&xp.par, n, DSV4_GATHER_PARALLEL_ROWS,
+                      [](void *arg, int64_t a, int64_t e) { (*static_cast<decltype(run) *>(arg))(a, e); }, &run);
     return ffi::Error::Success();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4GatherSegments, GatherSegments,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -122,13 +137,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4GatherSegments, GatherSegments,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("block_size")
-                                  .Attr<int64_t>("threads")
-                                  .Attr<int64_t>("min_rows")
-                                  .Attr<int64_t>("stream_bytes"));
+                                  .Attr<int64_t>("block_size"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4GatherDequant, Gather,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -136,10 +149,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4GatherDequant, Gather,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int64_t>("block_size")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<int64_t>("threads")
-                                  .Attr<int64_t>("min_rows")
-                                  .Attr<int64_t>("stream_bytes"));
+                                  .Attr<int64_t>("offset"));
 
 // ---------------------------------------------------------------- sparse attention ("cpu" backend)
 
@@ -170,10 +180,10 @@ ffi::Error bad(const char *call, const std::string &msg) { return ffi::Error::In
 // q [T, H, D] and kv [S, D] (bf16 or float32, the same), indices s32 [T, K], topk_length s32 [T]
 // or [0] (none), attn_sink f32 [H] or [0] (none) -> out [T, H, d_v] (q's dtype), max_logits and
 // lse f32 [T, H]: dsv4_sparse_attention (FlashMLA's flash_mla_sparse_fwd contract).
-static ffi::Error SparseAttention(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> indices,
+static ffi::Error SparseAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> indices,
                                   ffi::Buffer<ffi::S32> topk_length, ffi::Buffer<ffi::F32> sink,
                                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> max_logits,
-                                  ffi::Result<ffi::Buffer<ffi::F32>> lse, float sm_scale, int64_t threads) {
+                                  ffi::Result<ffi::Buffer<ffi::F32>> lse, float sm_scale) {
     const char *call = "dsv4_sparse_attention";
     auto qd = q.dimensions();
     auto kd = kv.dimensions();
@@ -195,14 +205,16 @@ static ffi::Error SparseAttention(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buff
     if (ns != 0 && ns != H) return bad(call, "attn_sink: expected " + std::to_string(H) + " entries or none, got " + std::to_string(ns));
     if (T == 0 || H == 0) return ffi::Error::Success();
     dsv4_outputs o{out->untyped_data(), H * dv, dv, max_logits->typed_data(), lse->typed_data(), H};
+    XlaParallel xp(pool);
     int rc = dsv4_sparse_attention(q.untyped_data(), H * D, D, dt, T, H, D, kv.untyped_data(), D, S, indices.typed_data(), K,
                                    K, nt ? topk_length.typed_data() : nullptr, sm_scale, ns ? sink.typed_data() : nullptr, &o,
-                                   (int32_t)std::max<int64_t>(1, threads), -1);
+                                   &xp.par, -1);
     return rc ? kernel_error(call, rc) : ffi::Error::Success();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SparseAttention, SparseAttention,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -211,8 +223,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SparseAttention, SparseAttention,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<float>("sm_scale"));
 
 // ---------------------------------------------------------------- one prefill layer ("cpu" backend)
 
@@ -281,12 +292,12 @@ static ffi::Error make_source(const char *call, const char *name, int64_t layout
 // first count[0] are real (the rest are padding, skipped); raw / comp caches (make_source; comp
 // ignored for SWA); topk s32 [rows, topk] (CSA; else ignored); attn_sink f32 [H] or [0]. out
 // [T_q, H, d_v]: the real tokens' rows, every other row 0.
-static ffi::Error PrefillAttention(ffi::AnyBuffer q, ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> count,
+static ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> count,
                                    ffi::AnyBuffer raw_data, ffi::Buffer<ffi::S32> raw_table, ffi::AnyBuffer comp_data,
                                    ffi::Buffer<ffi::S32> comp_table, ffi::Buffer<ffi::S32> topk, ffi::Buffer<ffi::F32> sink,
                                    ffi::Result<ffi::AnyBuffer> out, int64_t kind, int64_t window, int64_t compress_ratio,
-                                   float sm_scale, int64_t threads, int64_t raw_layout, int64_t raw_block_size,
-                                   int64_t comp_layout, int64_t comp_block_size) {
+                                   float sm_scale, int64_t raw_layout, int64_t raw_block_size, int64_t comp_layout,
+                                   int64_t comp_block_size) {
     const char *call = "dsv4_prefill_attention";
     auto qd = q.dimensions();
     auto kd = tokens.dimensions();
@@ -347,17 +358,20 @@ static ffi::Error PrefillAttention(ffi::AnyBuffer q, ffi::Buffer<ffi::S32> token
         tk.topk_int64 = 0;
         tk.topk_stride = pd[1];
         tk.topk_width = pd[1];
+        tk.topk_rows = pd[0];
     }
     dsv4_outputs outs{o, H * dv, dv, nullptr, nullptr, 0};
-    int rc = dsv4_prefill_attention(q.untyped_data(), H * D, D, dt, H, D, &tk, &raw, kind != 0 ? &comp : nullptr, sm_scale,
-                                    ns ? sink.typed_data() : nullptr, &outs, (int32_t)std::max<int64_t>(1, threads), -1);
+    XlaParallel xp(pool);
+    int rc = dsv4_prefill_attention(q.untyped_data(), H * D, D, dt, Tq, H, D, &tk, &raw, kind != 0 ? &comp : nullptr,
+                                    sm_scale, ns ? sink.typed_data() : nullptr, &outs, &xp.par, -1);
     return rc ? kernel_error(call, rc) : ffi::Error::Success();
 }
 
 // The prefill handlers' bindings: the inputs, then (the Into variant) the output buffer to reuse,
 // then the result and the attributes.
 template <typename B> auto prefill_inputs(B b) {
-    return std::move(b).template Arg<ffi::AnyBuffer>()
+    return std::move(b).template Ctx<ffi::ThreadPool>()
+        .template Arg<ffi::AnyBuffer>()
         .template Arg<ffi::Buffer<ffi::S32>>()
         .template Arg<ffi::Buffer<ffi::S32>>()
         .template Arg<ffi::AnyBuffer>()
@@ -374,7 +388,6 @@ template <typename B> auto prefill_result(B b) {
         .template Attr<int64_t>("window")
         .template Attr<int64_t>("compress_ratio")
         .template Attr<float>("sm_scale")
-        .template Attr<int64_t>("threads")
         .template Attr<int64_t>("raw_layout")
         .template Attr<int64_t>("raw_block_size")
         .template Attr<int64_t>("comp_layout")
@@ -387,15 +400,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4PrefillAttention, PrefillAttention, prefill_re
 // the result (input_output_aliases), so a donated buffer is reused instead of XLA allocating the
 // output afresh (for a long prefill, tens or hundreds of MB of new pages per call). Every row of
 // the result is written (a token's output, or zeros), so an unaliased out_in is not copied.
-static ffi::Error PrefillAttentionInto(ffi::AnyBuffer q, ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> count,
+static ffi::Error PrefillAttentionInto(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> count,
                                        ffi::AnyBuffer raw_data, ffi::Buffer<ffi::S32> raw_table, ffi::AnyBuffer comp_data,
                                        ffi::Buffer<ffi::S32> comp_table, ffi::Buffer<ffi::S32> topk,
                                        ffi::Buffer<ffi::F32> sink, ffi::AnyBuffer /*out_in*/, ffi::Result<ffi::AnyBuffer> out,
                                        int64_t kind, int64_t window, int64_t compress_ratio, float sm_scale,
-                                       int64_t threads, int64_t raw_layout, int64_t raw_block_size, int64_t comp_layout,
+                                       int64_t raw_layout, int64_t raw_block_size, int64_t comp_layout,
                                        int64_t comp_block_size) {
-    return PrefillAttention(q, tokens, count, raw_data, raw_table, comp_data, comp_table, topk, sink, out, kind, window,
-                            compress_ratio, sm_scale, threads, raw_layout, raw_block_size, comp_layout, comp_block_size);
+    return PrefillAttention(pool, q, tokens, count, raw_data, raw_table, comp_data, comp_table, topk, sink, out, kind,
+                            window, compress_ratio, sm_scale, raw_layout, raw_block_size, comp_layout, comp_block_size);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4PrefillAttentionInto, PrefillAttentionInto,

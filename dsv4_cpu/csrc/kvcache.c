@@ -1,5 +1,14 @@
 /* The fp8_ds_mla gather-dequantize for CPUs (vLLM's dequantize_and_gather_k_cache), shared by
-   both frameworks; see planner/ckernel.py for the design notes. Layout: planner/kvcache.py. */
+   both frameworks; the parallel entry point is gather.cc's dsv4_gather_dequant. Layout:
+   planner/kvcache.py (the NumPy reference these bits equal).
+
+   One pass per row: the page from the block table, the 448 e4m3 dims decoded, the RoPE dims
+   copied, scattered pages prefetched AHEAD rows ahead. Each 64-dim group is decoded with integer
+   math only (a thread that flushes float subnormals, as XLA's CPU threads do, gets the same
+   bits): scale bytes 10..246 in 16-lane vector code (GCC/Clang vector types), other scale bytes
+   (never written by vLLM's writer) by an exact scalar rounding. Every read and write is
+   bounds-checked: a row whose position or block-table entry is not a page of the cache comes out
+   NaN, rows past out_rows are not written. */
 #include <stdint.h>
 #include <string.h>
 #include <stddef.h>
@@ -164,11 +173,11 @@ static inline int64_t page_of(const void *bt, int bt_int64, int64_t i) {
    page bt[b * bt_s0 + pos / S] slot pos % S, written at element out + b * out_s0 +
    (offset + i) * out_s1 (bf16, or float32 holding the bf16 values) when offset + i < out_rows.
    stream: write with non-temporal stores (calls whose output is larger than the caches). */
-void dsv4_gather_dequant(void *out, int64_t out_s0, int64_t out_s1, int64_t out_rows, int out_f32, int stream,
-                         const uint8_t *cache, int64_t page_stride, int64_t num_blocks, int64_t S,
-                         const int64_t *seq, const int64_t *cum,
-                         const void *bt, int bt_int64, int64_t bt_s0, int64_t bt_w,
-                         int64_t offset, int64_t R, int64_t row0, int64_t row1) {
+void dsv4_gather_dequant_rows(void *out, int64_t out_s0, int64_t out_s1, int64_t out_rows, int out_f32, int stream,
+                              const uint8_t *cache, int64_t page_stride, int64_t num_blocks, int64_t S,
+                              const int64_t *seq, const int64_t *cum,
+                              const void *bt, int bt_int64, int64_t bt_s0, int64_t bt_w,
+                              int64_t offset, int64_t R, int64_t row0, int64_t row1) {
     int64_t lo = 0, hi = R; /* the request holding row0: cum[b] <= row0 < cum[b + 1] */
     while (hi - lo > 1) {
         int64_t mid = (lo + hi) / 2;

@@ -1,14 +1,11 @@
-// The CPU sparse-attention backend's entry points (dsv4_cpu.h): instruction-set choice at run
-// time, a small thread pool, the generic call on a flat workspace and the fused prefill call
-// that reads the caches directly.
+// The sparse-attention entry points (dsv4_cpu.h): the generic call on a flat workspace and the
+// fused prefill call that reads the caches directly.
 //
 // Work is split by tokens: a work item is a tile of consecutive tokens, taken by the threads
-// from one atomic counter (a thread that is slow, for example because its core is busy with
-// another process, takes fewer tiles, and a worker that starts late is not waited for: more
-// threads never make a call slower than fewer). A call wakes only as many threads as its work
-// (keys x heads x dims) pays for, so small calls (decode steps of a small model) run inline.
-// Every token's result depends only on its own keys and their order, never on the tiling or
-// the thread that ran it.
+// from one shared counter (runtime.cc's parallel_items: a thread that is slow or starts late takes
+// fewer tiles). A call uses only as many threads as its work (keys x heads x dims) pays for, so
+// small calls (decode steps of a small model) run inline. Every token's result depends only on
+// its own keys and their order, never on the tiling or the thread that ran it.
 //
 // Prefill (dsv4_prefill_attention): a tile is up to TILE_TOKENS consecutive tokens of one
 // request at consecutive positions. Keys in q's dtype are read in place (row pointers into the
@@ -19,260 +16,21 @@
 
 #include <algorithm>
 #include <cmath>
-#include <atomic>
-#include <condition_variable>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <functional>
-#include <limits>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include <pthread.h>
-#include <unistd.h>
-
-#include "attention_impl.h"
-#include "dsv4_cpu.h"
+#include "runtime.h"
 
 namespace dsv4 {
 namespace {
 
-thread_local std::string g_error;
-
-int fail(int code, const std::string &msg) {
-    g_error = msg;
-    return code;
-}
-
-// ---------------------------------------------------------------- instruction sets
-
-bool hw_supported(int isa) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    switch (isa) {
-        case DSV4_ISA_GENERIC:
-            return true;
-        case DSV4_ISA_AVX2:
-            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-        case DSV4_ISA_AVX512:
-            return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-        case DSV4_ISA_AVX512BF16:
-#if defined(DSV4_BUILT_AVX512BF16)
-            return hw_supported(DSV4_ISA_AVX512) && __builtin_cpu_supports("avx512bf16");
-#else
-            return false;
-#endif
-        default:
-            return false;  // AMX: no kernel yet
-    }
-#else
-    return isa == DSV4_ISA_GENERIC;
-#endif
-}
-
-bool built(int isa) {
-    switch (isa) {
-        case DSV4_ISA_GENERIC:
-            return true;
-#if defined(DSV4_BUILT_AVX2)
-        case DSV4_ISA_AVX2:
-            return true;
-#endif
-#if defined(DSV4_BUILT_AVX512)
-        case DSV4_ISA_AVX512:
-            return true;
-#endif
-#if defined(DSV4_BUILT_AVX512BF16)
-        case DSV4_ISA_AVX512BF16:
-            return true;
-#endif
-        default:
-            return false;
-    }
-}
-
-const char *const ISA_NAMES[] = {"generic", "avx2", "avx512", "avx512bf16", "amx"};
-
-int env_cap() {
-    const char *e = std::getenv("DSV4_PREFILL_CPU_ISA");
-    if (!e || !*e) return DSV4_ISA_AMX;
-    for (int i = 0; i <= DSV4_ISA_AMX; i++)
-        if (std::strcmp(e, ISA_NAMES[i]) == 0) return i;
-    return -1;  // unknown name: reported by dsv4_cpu_best_isa's callers
-}
-
-TokenFn kernel_for(int isa, int dtype, int64_t D, int64_t dv) {
-    switch (isa) {
-#if defined(DSV4_BUILT_AVX512BF16)
-        case DSV4_ISA_AVX512BF16:
-            return token_kernel_avx512bf16(dtype, D, dv);
-#endif
-#if defined(DSV4_BUILT_AVX512)
-        case DSV4_ISA_AVX512:
-            return token_kernel_avx512(dtype, D, dv);
-#endif
-#if defined(DSV4_BUILT_AVX2)
-        case DSV4_ISA_AVX2:
-            return token_kernel_avx2(dtype, D, dv);
-#endif
-        case DSV4_ISA_GENERIC:
-            return token_kernel_generic(dtype, D, dv);
-        default:
-            return nullptr;
-    }
-}
-
-// The kernel for a call: `isa` (-1: best allowed) or the highest set below it that has a kernel
-// for this dtype and shape (the bf16 kernel needs D and d_v multiples of 32; other shapes take
-// the fp32 kernel of the next set down, same contract).
-int choose(int isa, int dtype, int64_t D, int64_t dv, TokenFn *fn) {
-    int cap = env_cap();
-    if (cap < 0) return fail(DSV4_ERR_ISA, std::string("DSV4_PREFILL_CPU_ISA: unknown instruction set '") +
-                                               std::getenv("DSV4_PREFILL_CPU_ISA") +
-                                               "' (expected generic, avx2, avx512, avx512bf16 or amx)");
-    if (isa > DSV4_ISA_AMX || isa < -1) return fail(DSV4_ERR_ARG, "isa: expected -1 .. 4, got " + std::to_string(isa));
-    if (isa >= 0 && !(hw_supported(isa) && built(isa)))
-        return fail(DSV4_ERR_ISA, std::string("isa: ") + ISA_NAMES[isa] + " cannot run on this machine");
-    int top = isa >= 0 ? isa : std::min(cap, (int)DSV4_ISA_AMX);
-    for (int i = top; i >= 0; i--) {
-        if (!(hw_supported(i) && built(i))) continue;
-        if ((*fn = kernel_for(i, dtype, D, dv)) != nullptr) return DSV4_OK;
-    }
-    return fail(DSV4_ERR_ARG, "no kernel for D=" + std::to_string(D) + ", d_v=" + std::to_string(dv));
-}
-
-// ---------------------------------------------------------------- thread pool
-
-// Workers sleep on a condition variable between calls; a call hands them `job(thread_id)` and
-// runs thread 0 itself. Work items are taken dynamically, so the caller never waits for a worker
-// that has not started: when the caller is done with the items it closes the call, waits only
-// for the workers that joined, and a worker that wakes later finds the call closed and sleeps
-// again. (On a busy machine, e.g. with OpenMP threads still spinning on the other cores after a
-// torch op, a late worker would otherwise hold the call up for a scheduler time slice.) One
-// call at a time uses the pool; a call that finds it busy (another framework thread in a call)
-// runs on its own thread only.
-class Pool {
-  public:
-    void run(int threads, const std::function<void(int)> &job) {
-        if (threads <= 1) {
-            job(0);
-            return;
-        }
-        std::unique_lock<std::mutex> busy(call_mu_, std::try_to_lock);
-        if (!busy.owns_lock() || !ensure(threads - 1)) {
-            job(0);
-            return;
-        }
-        {
-            std::lock_guard<std::mutex> g(mu_);
-            job_ = &job;
-            wanted_ = threads - 1;
-            open_ = true;
-            active_ = 0;
-            generation_++;
-        }
-        cv_.notify_all();
-        job(0);
-        std::unique_lock<std::mutex> g(mu_);
-        open_ = false;  // no worker joins from now on
-        done_cv_.wait(g, [&] { return active_ == 0; });
-        job_ = nullptr;
-    }
-
-  private:
-    bool ensure(int n) {
-        try {
-            while ((int)workers_.size() < n) {
-                int id = (int)workers_.size() + 1;
-                std::thread t([this, id] { loop(id); });
-                t.detach();
-                workers_.push_back(id);
-            }
-        } catch (...) {
-            return false;
-        }
-        return true;
-    }
-
-    void loop(int id) {
-        uint64_t seen = 0;
-        for (;;) {
-            const std::function<void(int)> *job;
-            {
-                std::unique_lock<std::mutex> g(mu_);
-                cv_.wait(g, [&] { return generation_ != seen; });
-                seen = generation_;
-                if (id > wanted_ || !open_) continue;  // not wanted, or the call is over already
-                job = job_;
-                active_++;
-            }
-            (*job)(id);
-            std::lock_guard<std::mutex> g(mu_);
-            if (--active_ == 0 && !open_) done_cv_.notify_one();
-        }
-    }
-
-    std::mutex call_mu_, mu_;
-    std::condition_variable cv_, done_cv_;
-    const std::function<void(int)> *job_ = nullptr;
-    std::vector<int> workers_;
-    uint64_t generation_ = 0;
-    int wanted_ = 0, active_ = 0;
-    bool open_ = false;
-};
-
-// The process's pool. Never destroyed (detached workers outlive static destructors). A forked
-// child inherits none of the workers, and possibly a mutex a worker held at the fork: its first
-// use after the fork gets a new pool (the parent's is left as it was, unused).
-std::atomic<Pool *> g_pool{nullptr};
-
-void reset_pool_in_child() { g_pool.store(nullptr); }
-
-Pool &pool() {
-    Pool *p = g_pool.load();
-    if (p) return *p;
-    static std::once_flag registered;
-    std::call_once(registered, [] { pthread_atfork(nullptr, nullptr, reset_pool_in_child); });
-    Pool *fresh = new Pool();
-    if (!g_pool.compare_exchange_strong(p, fresh)) {
-        delete fresh;  // another thread installed one first
-        return *p;
-    }
-    return *fresh;
-}
-
-// Run work items 0 .. n-1 on up to `threads` threads; the first exception is rethrown.
-void parallel_items(int64_t n, int threads, const std::function<void(int64_t)> &item) {
-    if (n <= 0) return;
-    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, n));
-    std::atomic<int64_t> next{0};
-    std::atomic<bool> failed{false};
-    std::exception_ptr error;
-    std::mutex error_mu;
-    pool().run(threads, [&](int) {
-        for (int64_t i; !failed.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;) {
-            try {
-                item(i);
-            } catch (...) {
-                std::lock_guard<std::mutex> g(error_mu);
-                if (!failed.exchange(true)) error = std::current_exception();
-            }
-        }
-    });
-    if (error) std::rethrow_exception(error);
-}
-
-// Threads worth waking for `flops` of work: a thread gets at least GRAIN_FLOPS (about 10-20 us
-// on one core), so a small call (a decode step of a small model) runs on the caller's thread
-// instead of paying a wake-up per worker.
+// Threads worth using for `flops` of work: a thread gets at least GRAIN_FLOPS (about 10-20 us
+// on one core), so a small call (a decode step of a small model) runs on the caller's thread.
 constexpr double GRAIN_FLOPS = 4e6;
 
-int threads_for(double flops, int threads) {
-    return (int)std::max<double>(1.0, std::min<double>((double)threads, std::ceil(flops / GRAIN_FLOPS)));
+int threads_for(double flops) {
+    return (int)std::max<double>(1.0, std::min<double>((double)max_threads(), std::ceil(flops / GRAIN_FLOPS)));
 }
 
 // ---------------------------------------------------------------- helpers
@@ -326,24 +84,13 @@ int check_outputs(const dsv4_outputs *o, int64_t T) {
     return DSV4_OK;
 }
 
-int check_common(const void *q, int32_t dtype, int64_t H, int64_t D, int32_t threads) {
-    if (dtype != DSV4_BF16 && dtype != DSV4_F32) return fail(DSV4_ERR_ARG, "dtype: expected 0 (bf16) or 1 (float32)");
+int check_common(const void *q, int32_t dtype, int64_t H, int64_t D, const dsv4_parallel *par) {
+    if (dtype != DSV4_BF16 && dtype != DSV4_F32)
+        return fail(DSV4_ERR_ARG, "dtype: expected 0 (bf16) or 1 (float32), got " + std::to_string(dtype));
     if (H < 1) return fail(DSV4_ERR_ARG, "H: expected >= 1, got " + std::to_string(H));
     if (D < 1) return fail(DSV4_ERR_ARG, "D: expected >= 1, got " + std::to_string(D));
-    if (threads < 1) return fail(DSV4_ERR_ARG, "threads: expected >= 1, got " + std::to_string(threads));
-    (void)q;
-    return DSV4_OK;
-}
-
-template <class F>
-int guarded(F &&f) {
-    try {
-        return f();
-    } catch (const std::bad_alloc &) {
-        return fail(DSV4_ERR_MEMORY, "out of memory");
-    } catch (const std::exception &e) {
-        return fail(DSV4_ERR_ARG, e.what());
-    }
+    if (!q) return fail(DSV4_ERR_ARG, "q: NULL");
+    return check_parallel(par);
 }
 
 inline int64_t table_at(const dsv4_kv_source &s, int64_t i) {
@@ -385,18 +132,67 @@ bool fp8_address(const dsv4_kv_source &s, int64_t b, int64_t e, const uint8_t **
 }
 
 int check_source(const dsv4_kv_source *s, const char *name, int32_t dtype, int64_t D) {
-    if (!s) return fail(DSV4_ERR_ARG, std::string(name) + ": NULL");
-    if (s->format == 1) {
-        if (D != 512) return fail(DSV4_ERR_ARG, std::string(name) + ": fp8_ds_mla rows have D = 512, q has " + std::to_string(D));
+    const std::string n(name);
+    if (!s) return fail(DSV4_ERR_ARG, n + ": NULL");
+    if (s->num_rows < 0 || s->num_pages < 0 || s->page_size < 0 || s->table_rows < 0 || s->table_width < 0)
+        return fail(DSV4_ERR_ARG, n + ": negative num_rows / num_pages / page_size / table_rows / table_width");
+    if (s->table && s->table_rows > 1 && s->table_stride < (s->page_size > 0 ? s->table_width : 1))
+        return fail(DSV4_ERR_ARG, n + ": table_stride " + std::to_string(s->table_stride) + " is smaller than a table row");
+    if (!s->table && s->table_rows > 0) return fail(DSV4_ERR_ARG, n + ": table NULL with table_rows > 0");
+    if (!s->data && (s->num_rows > 0 || s->num_pages > 0)) return fail(DSV4_ERR_ARG, n + ": data NULL");
+    if (s->format == DSV4_FP8_DS_MLA) {
+        if (D != 512) return fail(DSV4_ERR_ARG, n + ": fp8_ds_mla rows have D = 512, q has " + std::to_string(D));
         if (s->page_size <= 0 || !s->table)
-            return fail(DSV4_ERR_ARG, std::string(name) + ": fp8_ds_mla pages need page_size > 0 and a block table");
-        if (s->page_stride < s->page_size * 584)
-            return fail(DSV4_ERR_ARG, std::string(name) + ": page_stride " + std::to_string(s->page_stride) + " < page_size * 584");
+            return fail(DSV4_ERR_ARG, n + ": fp8_ds_mla pages need page_size > 0 and a block table");
+        if (s->page_size > (int64_t(1) << 40) / 584 || s->page_stride < s->page_size * 584)
+            return fail(DSV4_ERR_ARG, n + ": page_stride " + std::to_string(s->page_stride) + " < page_size * 584");
         return DSV4_OK;
     }
-    if (s->format != 0) return fail(DSV4_ERR_ARG, std::string(name) + ": format must be 0 (rows) or 1 (fp8_ds_mla)");
-    if (s->dtype != dtype) return fail(DSV4_ERR_ARG, std::string(name) + ": rows must hold q's dtype");
-    if (s->page_size > 0 && !s->table) return fail(DSV4_ERR_ARG, std::string(name) + ": paged rows need a block table");
+    if (s->format != DSV4_ROWS) return fail(DSV4_ERR_ARG, n + ": format must be 0 (rows) or 1 (fp8_ds_mla)");
+    if (s->dtype != dtype) return fail(DSV4_ERR_ARG, n + ": rows must hold q's dtype");
+    if (s->row_stride < D && (s->num_rows > 1 || s->page_size > 1))
+        return fail(DSV4_ERR_ARG, n + ": row_stride " + std::to_string(s->row_stride) + " < D");
+    if (s->page_size > 0 && !s->table) return fail(DSV4_ERR_ARG, n + ": paged rows need a block table");
+    return DSV4_OK;
+}
+
+// Entries of request b the source can address: 0 .. capacity - 1 (a logical source's rows up to
+// its end from the request's offset, the slots of the pages its block-table row names); -1:
+// request b has no table row.
+int64_t capacity(const dsv4_kv_source &s, int64_t b) {
+    if (s.page_size > 0) return b < s.table_rows ? s.table_width * s.page_size : -1;
+    if (!s.table) return s.num_rows;
+    if (b >= s.table_rows) return -1;
+    return std::max<int64_t>(0, s.num_rows - table_at(s, b));  // a negative offset: rows before 0 read NaN
+}
+
+// Every token's row, request and position, before any pointer is formed from them.
+int check_tokens(const dsv4_prefill_tokens &tk, int64_t q_rows, const dsv4_kv_source &raw, const dsv4_kv_source *comp) {
+    auto bad = [](int64_t t, const std::string &what) {
+        return fail(DSV4_ERR_ARG, "tokens[" + std::to_string(t) + "]: " + what);
+    };
+    for (int64_t t = 0; t < tk.num_tokens; t++) {
+        const int64_t row = tk.token_row[t], b = tk.token_request[t], p = tk.token_position[t];
+        if (row < 0 || row >= q_rows)
+            return bad(t, "row " + std::to_string(row) + " outside q's rows 0.." + std::to_string(q_rows - 1));
+        if (tk.kind == DSV4_CSA && row >= tk.topk_rows)
+            return bad(t, "row " + std::to_string(row) + " outside topk's " + std::to_string(tk.topk_rows) + " rows");
+        if (p < 0 || p >= DSV4_MAX_POSITION)
+            return bad(t, "position " + std::to_string(p) + " outside 0.." + std::to_string(DSV4_MAX_POSITION - 1));
+        if (b < 0) return bad(t, "request " + std::to_string(b) + " < 0");
+        const int64_t raw_cap = capacity(raw, b);
+        if (raw_cap < 0) return bad(t, "request " + std::to_string(b) + " has no row in raw's table (" + std::to_string(raw.table_rows) + " rows)");
+        if (p >= raw_cap)
+            return bad(t, "position " + std::to_string(p) + " of request " + std::to_string(b) +
+                              " is past what raw addresses (" + std::to_string(raw_cap) + " entries)");
+        if (comp) {
+            const int64_t cap = capacity(*comp, b), vis = (p + 1) / tk.compress_ratio;
+            if (cap < 0) return bad(t, "request " + std::to_string(b) + " has no row in comp's table (" + std::to_string(comp->table_rows) + " rows)");
+            if (vis > cap)
+                return bad(t, "position " + std::to_string(p) + " of request " + std::to_string(b) + " sees " +
+                                  std::to_string(vis) + " compressed entries, comp addresses " + std::to_string(cap));
+        }
+    }
     return DSV4_OK;
 }
 
@@ -414,7 +210,7 @@ std::vector<Tile> make_tiles(const dsv4_prefill_tokens &tk) {
     while (t < T) {
         int64_t e = t + 1;
         while (e < T && e - t < TILE_TOKENS && tk.token_request[e] == tk.token_request[t] &&
-               tk.token_position[e] == tk.token_position[e - 1] + 1)
+               (int64_t)tk.token_position[e] == (int64_t)tk.token_position[e - 1] + 1)
             e++;
         tiles.push_back({t, e});
         t = e;
@@ -467,15 +263,6 @@ struct Staging {
 };
 thread_local Staging t_staging;
 
-// The fastest bit-exact slot decoder among the instruction sets the call may use (max_isa).
-RowDecodeFn row_decoder(int max_isa) {
-#if defined(DSV4_BUILT_AVX512)
-    if (max_isa >= DSV4_ISA_AVX512 && hw_supported(DSV4_ISA_AVX512)) return row_decoder_avx512();
-#endif
-    (void)max_isa;
-    return nullptr;
-}
-
 void decode_to(const uint8_t *d, const uint8_t *sc, void *dst, int32_t dtype, RowDecodeFn fast) {
     if (dtype == DSV4_BF16) {
         if (!fast || !fast(d, sc, static_cast<uint16_t *>(dst))) dsv4_decode_row_bf16(d, sc, static_cast<uint16_t *>(dst));
@@ -494,37 +281,21 @@ using namespace dsv4;
 
 extern "C" {
 
-const char *dsv4_cpu_last_error(void) { return g_error.c_str(); }
-
-const char *dsv4_cpu_isa_name(int32_t isa) { return (isa >= 0 && isa <= DSV4_ISA_AMX) ? ISA_NAMES[isa] : "unknown"; }
-
-int dsv4_cpu_isa_supported(int32_t isa) { return (isa >= 0 && isa <= DSV4_ISA_AMX && hw_supported(isa) && built(isa)) ? 1 : 0; }
-
-int dsv4_cpu_best_isa(int32_t dtype) {
-    int cap = env_cap();
-    if (cap < 0) return -1;
-    for (int i = cap; i >= 0; i--)
-        if (hw_supported(i) && built(i) && kernel_for(i, dtype, 512, 512)) return i;
-    return DSV4_ISA_GENERIC;
-}
-
-int dsv4_cpu_decode_row(int32_t isa, const uint8_t *d, const uint8_t *sc, uint16_t *o) {
-    if (isa < -1 || isa > DSV4_ISA_AMX) return fail(DSV4_ERR_ARG, "isa: expected -1 .. 4, got " + std::to_string(isa));
-    if (isa >= 0 && !(hw_supported(isa) && built(isa)))
-        return fail(DSV4_ERR_ISA, std::string("isa: ") + ISA_NAMES[isa] + " cannot run on this machine");
-    decode_to(d, sc, o, DSV4_BF16, row_decoder(isa >= 0 ? isa : std::min(env_cap(), (int)DSV4_ISA_AMX)));
-    return DSV4_OK;
-}
-
 int dsv4_sparse_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dtype, int64_t T, int64_t H, int64_t D,
                           const void *kv, int64_t kv_s0, int64_t S, const int32_t *indices, int64_t idx_s0, int64_t K,
                           const int32_t *topk_length, float sm_scale, const float *attn_sink,
-                          const dsv4_outputs *outputs, int32_t threads, int32_t isa) {
+                          const dsv4_outputs *outputs, const dsv4_parallel *par, int32_t isa) {
     return guarded([&]() -> int {
-        if (int rc = check_common(q, dtype, H, D, threads)) return rc;
+        if (int rc = check_common(q, dtype, H, D, par)) return rc;
         if (int rc = check_outputs(outputs, T)) return rc;
-        if (T < 0 || K < 0 || S < 0) return fail(DSV4_ERR_ARG, "T, K, S: expected >= 0");
+        if (T < 0 || K < 0 || S < 0)
+            return fail(DSV4_ERR_ARG, "T, K, S: expected >= 0, got " + std::to_string(T) + ", " + std::to_string(K) + ", " +
+                                          std::to_string(S));
         if (T > 0 && K > 0 && !indices) return fail(DSV4_ERR_ARG, "indices: NULL");
+        if (T > 0 && K > 0 && idx_s0 < K && T > 1)
+            return fail(DSV4_ERR_ARG, "idx_s0: " + std::to_string(idx_s0) + " < K = " + std::to_string(K));
+        if (S > 0 && !kv) return fail(DSV4_ERR_ARG, "kv: NULL");
+        ParallelScope scope(par);
         const int64_t dv = value_dim(D);
         TokenFn fn;
         if (int rc = choose(isa, dtype, D, dv, &fn)) return rc;
@@ -532,7 +303,7 @@ int dsv4_sparse_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dty
         Rows rows(dtype, D);
         const CallArgs call{q, q_s0, q_s1, H, D, dv, esize, sm_scale, attn_sink, *outputs, rows.zero.data()};
         // tiles of a few tokens: enough items to balance threads, few enough to stay cheap
-        threads = threads_for(2.0 * (double)T * (double)K * (double)H * (double)(D + dv), threads);
+        const int threads = threads_for(2.0 * (double)T * (double)K * (double)H * (double)(D + dv));
         const int64_t per = std::max<int64_t>(1, std::min<int64_t>(8, T / (8 * (int64_t)threads)));
         const int64_t items = (T + per - 1) / per;
         parallel_items(items, threads, [&](int64_t it) {
@@ -554,35 +325,47 @@ int dsv4_sparse_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dty
     });
 }
 
-int dsv4_prefill_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dtype, int64_t H, int64_t D,
-                           const dsv4_prefill_tokens *tokens, const dsv4_kv_source *raw, const dsv4_kv_source *comp,
-                           float sm_scale, const float *attn_sink, const dsv4_outputs *outputs, int32_t threads,
-                           int32_t isa) {
+int dsv4_prefill_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dtype, int64_t q_rows, int64_t H,
+                           int64_t D, const dsv4_prefill_tokens *tokens, const dsv4_kv_source *raw,
+                           const dsv4_kv_source *comp, float sm_scale, const float *attn_sink,
+                           const dsv4_outputs *outputs, const dsv4_parallel *par, int32_t isa) {
     return guarded([&]() -> int {
-        if (int rc = check_common(q, dtype, H, D, threads)) return rc;
+        if (int rc = check_common(q, dtype, H, D, par)) return rc;
         if (!tokens) return fail(DSV4_ERR_ARG, "tokens: NULL");
         const dsv4_prefill_tokens tk = *tokens;
-        if (tk.kind < 0 || tk.kind > 2) return fail(DSV4_ERR_ARG, "kind: expected 0 (SWA), 1 (CSA) or 2 (HCA)");
+        if (q_rows < 0) return fail(DSV4_ERR_ARG, "q_rows: expected >= 0, got " + std::to_string(q_rows));
+        if (tk.kind < 0 || tk.kind > 2)
+            return fail(DSV4_ERR_ARG, "kind: expected 0 (SWA), 1 (CSA) or 2 (HCA), got " + std::to_string(tk.kind));
         if (tk.window < 1) return fail(DSV4_ERR_ARG, "window: expected >= 1, got " + std::to_string(tk.window));
         if (tk.kind != 0 && tk.compress_ratio < 1)
             return fail(DSV4_ERR_ARG, "compress_ratio: expected >= 1, got " + std::to_string(tk.compress_ratio));
         if (tk.num_tokens < 0) return fail(DSV4_ERR_ARG, "num_tokens: expected >= 0");
         if (tk.num_tokens > 0 && (!tk.token_row || !tk.token_request || !tk.token_position))
             return fail(DSV4_ERR_ARG, "token_row / token_request / token_position: NULL");
-        if (tk.kind == 1 && tk.num_tokens > 0 && tk.topk_width > 0 && !tk.topk) return fail(DSV4_ERR_ARG, "topk: NULL for a CSA layer");
+        if (tk.kind == DSV4_CSA) {
+            if (tk.topk_width < 0 || tk.topk_rows < 0)
+                return fail(DSV4_ERR_ARG, "topk_width / topk_rows: expected >= 0");
+            if (tk.num_tokens > 0 && tk.topk_width > 0 && !tk.topk) return fail(DSV4_ERR_ARG, "topk: NULL for a CSA layer");
+            if (tk.topk_rows > 1 && tk.topk_stride < tk.topk_width)
+                return fail(DSV4_ERR_ARG, "topk_stride: " + std::to_string(tk.topk_stride) + " < topk_width " +
+                                              std::to_string(tk.topk_width));
+        }
         if (int rc = check_outputs(outputs, tk.num_tokens)) return rc;
         if (int rc = check_source(raw, "raw", dtype, D)) return rc;
-        if (tk.kind != 0)
+        if (tk.kind != DSV4_SWA)
             if (int rc = check_source(comp, "comp", dtype, D)) return rc;
+        if (int rc = check_tokens(tk, q_rows, *raw, tk.kind != DSV4_SWA ? comp : nullptr)) return rc;
+        ParallelScope scope(par);
         const int64_t dv = value_dim(D);
         TokenFn fn;
         if (int rc = choose(isa, dtype, D, dv, &fn)) return rc;
-        const RowDecodeFn fast = row_decoder(isa >= 0 ? isa : std::min(env_cap(), (int)DSV4_ISA_AMX));
+        const RowDecodeFn fast = row_decoder(isa_ceiling(isa));
         const size_t esize = dtype == DSV4_BF16 ? 2 : 4;
         const int64_t row_bytes = D * (int64_t)esize;
         Rows rows(dtype, D);
         const CallArgs call{q, q_s0, q_s1, H, D, dv, esize, sm_scale, attn_sink, *outputs, rows.zero.data()};
         const std::vector<Tile> tiles = make_tiles(tk);
+        int threads;
         {  // the call's work: each token's keys (window, then compressed part) x heads x (D + d_v)
             double keys = 0;
             for (int64_t t = 0; t < tk.num_tokens; t++) {
@@ -593,7 +376,7 @@ int dsv4_prefill_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dt
                 else if (tk.kind == 2)
                     keys += (double)std::max<int64_t>((p + 1) / tk.compress_ratio, 0);
             }
-            threads = threads_for(2.0 * keys * (double)H * (double)(D + dv), threads);
+            threads = threads_for(2.0 * keys * (double)H * (double)(D + dv));
         }
         const int64_t W = tk.window;
         const bool raw_fp8 = raw->format == 1, comp_fp8 = tk.kind != 0 && comp->format == 1;

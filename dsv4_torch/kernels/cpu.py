@@ -1,0 +1,475 @@
+"""The backend "cpu": the C/C++ kernels of `dsv4_cpu` on CPU tensors, through its ctypes binding.
+
+Three calls, one per C entry point (`dsv4_cpu/csrc/dsv4_cpu.h`), each on torch's own intra-op
+threads (`at::parallel_for`, through the small `torch_parallel.cc` library built against the
+installed torch), so the kernels never compete with torch's OpenMP threads for the cores:
+
+- `sparse_attention_cpu`: FlashMLA's `flash_mla_sparse_fwd` contract on a flat workspace, what
+  `dsv4_torch.sparse_attention(..., backend="cpu")` runs.
+- `prefill_attention`: one prefill layer straight from the caches, no workspace and no chunk loop:
+  rows in q's dtype (paged or logical) or vLLM's `fp8_ds_mla` pages, dequantized inside the
+  kernel. `dsv4_torch.prefill.prefill_attention` (through `dsv4_torch.prefill_cpu`) and vLLM's CPU
+  engine (`dsv4_torch.vllm.cpu_attention`) run it.
+- `gather_dequant`: vLLM's `dequantize_and_gather_k_cache` on fp8_ds_mla pages (backend "cpu"
+  of `dsv4_torch.kvcache`; the torch prefill's gathers on CPU).
+
+Numerics (the kernels'): bf16 in -> bf16 products, fp32 accumulation, probabilities rounded to
+bf16 before the PV product (FlashMLA's); float32 in -> float32 throughout. A token's result
+depends only on its own keys and their order: not on threads, tiles, chunk plans or the cache
+layout. Threads: `torch.get_num_threads()`. Instruction set: the best this machine runs
+(`dsv4_cpu.isa_supported()`), capped by `DSV4_PREFILL_CPU_ISA=generic|avx2|avx512|avx512bf16`.
+No backward and no dropout: `dsv4_torch.attention` refuses such calls for this backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import numpy as np
+import torch
+
+from dsv4_cpu import binding, build
+from planner.contract import backend_unavailable, value_dim
+
+DTYPES = {torch.bfloat16: binding.BF16, torch.float32: binding.F32}
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def torch_parallel_library() -> str:
+    """The path of torch's parallel-for library for this torch (built on first use)."""
+    root = os.path.dirname(os.path.abspath(torch.__file__))
+    include = (os.path.join(root, "include"), os.path.join(root, "include", "torch", "csrc", "api", "include"))
+    return build.build_torch(
+        include, os.path.join(root, "lib"), bool(torch._C._GLIBCXX_USE_CXX11_ABI), torch.__version__
+    )
+
+
+def _runner() -> int:
+    """The address of `dsv4_torch_parallel_run` (at::parallel_for), loaded once."""
+    with _lock:
+        if "run" not in _state:
+            if "error" in _state:
+                raise RuntimeError(_state["error"])
+            try:
+                binding.library()
+                lib = ctypes.CDLL(torch_parallel_library())
+                _state["lib"] = lib  # kept loaded
+                _state["run"] = ctypes.cast(lib.dsv4_torch_parallel_run, ctypes.c_void_p).value
+            except Exception as e:  # noqa: BLE001 - any build or load failure is the reason
+                _state["error"] = f"{type(e).__name__}: {e}"
+                raise RuntimeError(_state["error"]) from None
+        return _state["run"]
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels and torch's parallel-for build (or are built) here, else why not."""
+    try:
+        _runner()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _library():
+    try:
+        _runner()
+        return binding.library()
+    except RuntimeError as e:
+        raise backend_unavailable("cpu", str(e)) from None
+
+
+def _parallel(threads: int | None) -> binding.Parallel:
+    return binding.parallel(int(threads or torch.get_num_threads()), _runner())
+
+
+def _dtype_code(q: torch.Tensor) -> int:
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    if q.device.type != "cpu":
+        raise ValueError(f"q: the cpu backend takes CPU tensors, q is on {q.device}")
+    if q.dtype not in DTYPES:
+        raise TypeError(f"q: the cpu backend takes bfloat16 or float32, got {q.dtype}")
+    return DTYPES[q.dtype]
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dim is contiguous (any other strides are passed on), else a copy."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _sink(attn_sink: torch.Tensor | None) -> torch.Tensor | None:
+    if attn_sink is None:
+        return None
+    return attn_sink.detach().to(torch.float32).contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _outputs(out: torch.Tensor, max_logits: torch.Tensor | None, lse: torch.Tensor | None) -> binding.Outputs:
+    stat = max_logits if max_logits is not None else lse
+    return binding.Outputs(
+        out.data_ptr(), out.stride(0), out.stride(1), _ptr(max_logits), _ptr(lse), 0 if stat is None else stat.stride(0)
+    )
+
+
+def _cpu(t: torch.Tensor | None, name: str) -> None:
+    if t is not None and t.device.type != "cpu":
+        raise ValueError(f"{name}: the cpu backend takes CPU tensors, {name} is on {t.device}")
+
+
+def sparse_attention_cpu(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    *,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashMLA's sparse attention on CPU tensors (the contract of `dsv4_torch.sparse_attention`,
+    which validates the arguments and calls this for backend "cpu").
+
+    q (T, H, D) and kv (S, D) bfloat16 or float32, indices (T, K) int32, topk_length (T,) int32
+    or None, attn_sink (H,) float32/float64 or None. Inputs whose last dim is not contiguous are
+    copied; other strides are read as they are. threads: default `torch.get_num_threads()`;
+    isa: an instruction set name (default: the best allowed, see the module doc).
+
+    Returns out (T, H, d_v) q.dtype, max_logits and lse (T, H) float32.
+    """
+    code = _dtype_code(q)
+    T, H, D = q.shape
+    d_v = value_dim(D)
+    out = torch.empty((T, H, d_v), dtype=q.dtype)
+    max_logits = torch.empty((T, H), dtype=torch.float32)
+    lse = torch.empty((T, H), dtype=torch.float32)
+    if T == 0 or H == 0:
+        return out, max_logits, lse
+    for name, t in (("kv", kv), ("indices", indices), ("attn_sink", attn_sink), ("topk_length", topk_length)):
+        _cpu(t, name)
+    if kv.dtype != q.dtype:
+        raise TypeError(f"kv: dtype {kv.dtype} does not match q's dtype {q.dtype}")
+    if kv.dim() != 2 or kv.shape[1] != D:
+        raise ValueError(f"kv: expected ({kv.shape[0] if kv.dim() else 'S'}, {D}), got {tuple(kv.shape)}")
+    if indices.dim() != 2 or indices.shape[0] != T:
+        raise ValueError(f"indices: expected ({T}, K), got {tuple(indices.shape)}")
+    if indices.dtype != torch.int32:
+        raise TypeError(f"indices: expected int32, got {indices.dtype}")
+    if topk_length is not None:
+        if topk_length.dtype != torch.int32:
+            raise TypeError(f"topk_length: expected int32, got {topk_length.dtype}")
+        if tuple(topk_length.shape) != (T,):
+            raise ValueError(f"topk_length: expected ({T},), got {tuple(topk_length.shape)}")
+        topk_length = topk_length.contiguous()
+    if attn_sink is not None and tuple(attn_sink.shape) != (H,):
+        raise ValueError(f"attn_sink: expected ({H},), got {tuple(attn_sink.shape)}")
+    lib = _library()
+    q, kv, indices = _unit_last(q.detach()), _unit_last(kv.detach()), _unit_last(indices)
+    sink = _sink(attn_sink)
+    S, K = kv.shape[0], indices.shape[1]
+    outputs = _outputs(out, max_logits, lse)
+    par = _parallel(threads)
+    rc = lib.dsv4_sparse_attention(
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        code,
+        T,
+        H,
+        D,
+        kv.data_ptr(),
+        kv.stride(0) if S else D,
+        S,
+        indices.data_ptr(),
+        indices.stride(0) if K else 0,
+        K,
+        _ptr(topk_length),
+        float(sm_scale),
+        _ptr(sink),
+        ctypes.byref(outputs),
+        ctypes.byref(par),
+        binding.isa_code(isa),
+    )
+    binding.check(rc)
+    return out, max_logits, lse
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+def paged_source(
+    pages: torch.Tensor, block_table: torch.Tensor, page_size: int, fp8: bool, q_dtype, name: str, keep: list
+):
+    """A `dsv4_kv_source` for pages + a block table: fp8_ds_mla pages (uint8, page stride =
+    pages.stride(0) bytes; 2-D or vLLM's 3-D view) or rows of q's dtype (pages, page_size, D)."""
+    _cpu(pages, name)
+    _cpu(block_table, f"{name}.block_table")
+    if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"{name}.block_table: expected int32/int64 (requests, pages), got {block_table.dtype} {tuple(block_table.shape)}"
+        )
+    table = _unit_last(block_table)
+    keep.append(table)
+    common = dict(
+        num_pages=pages.shape[0],
+        page_size=int(page_size),
+        table=table.data_ptr(),
+        table_int64=int(table.dtype == torch.int64),
+        table_stride=table.stride(0) if table.shape[1] else 0,
+        table_width=table.shape[1],
+        table_rows=table.shape[0],
+    )
+    if fp8:
+        page_bytes = fp8_page_bytes(pages, name)
+        if page_bytes < page_size * binding.FP8_SLOT_BYTES:
+            raise ValueError(
+                f"{name}: pages of {page_bytes} bytes cannot hold {page_size} fp8_ds_mla slots "
+                f"({page_size * binding.FP8_SLOT_BYTES} bytes)"
+            )
+        return binding.KVSource(
+            format=binding.FP8_DS_MLA, dtype=0, data=pages.data_ptr(), page_stride=page_bytes, **common
+        )
+    if pages.dim() != 3 or pages.shape[1] != page_size:
+        raise ValueError(f"{name}: expected pages (num_pages, {page_size}, D), got {tuple(pages.shape)}")
+    if pages.shape[-1] > 1 and pages.stride(-1) != 1:
+        pages = pages.contiguous()
+        keep.append(pages)
+    return binding.KVSource(
+        format=binding.ROWS,
+        dtype=_src_dtype(pages, q_dtype, name),
+        data=pages.data_ptr(),
+        row_stride=pages.stride(1),
+        page_stride=pages.stride(0),
+        **common,
+    )
+
+
+def fp8_page_bytes(pages: torch.Tensor, name: str) -> int:
+    """The bytes of one fp8_ds_mla page (uint8 pages, 2-D, or vLLM's nominal 3-D view whose
+    page stride may exceed its slots): the page stride, after checking each page is contiguous."""
+    if pages.element_size() != 1 or pages.dim() not in (2, 3):
+        raise ValueError(
+            f"{name}: expected fp8_ds_mla pages (uint8, 2-D or 3-D), got {pages.dtype} {tuple(pages.shape)}"
+        )
+    inner = pages.shape[1:]
+    want = (1,) if pages.dim() == 2 else (inner[1], 1)
+    if pages.numel() and tuple(pages.stride()[1:]) != want and min(inner) > 1:
+        raise ValueError(f"{name}: each page must be contiguous, got strides {pages.stride()}")
+    size = int(np.prod(inner))
+    return int(pages.stride(0)) if pages.shape[0] > 1 else size
+
+
+def _kv_source(src, name: str, q: torch.Tensor, keep: list) -> binding.KVSource:
+    """A `dsv4_kv_source` for a `dsv4_torch.prefill.PagedKV` (pages + block table) or
+    `LogicalKV` (rows + offsets)."""
+    if hasattr(src, "block_table"):
+        fp8 = src.kv_cache_dtype == "fp8_ds_mla"
+        return paged_source(src.pages, src.block_table, src.page_size, fp8, q.dtype, name, keep)
+    if hasattr(src, "offsets"):
+        rows, offsets = _unit_last(src.rows), src.offsets.contiguous()
+        _cpu(rows, name)
+        if rows.dim() != 2 or offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"{name}: expected rows (S, D) and int offsets (B,), got {tuple(rows.shape)} {offsets.dtype}"
+            )
+        keep += [rows, offsets]
+        return binding.KVSource(
+            format=binding.ROWS,
+            dtype=_src_dtype(rows, q.dtype, name),
+            data=rows.data_ptr(),
+            row_stride=rows.stride(0),
+            num_rows=rows.shape[0],
+            table=offsets.data_ptr(),
+            table_int64=int(offsets.dtype == torch.int64),
+            table_stride=1,
+            table_width=1,
+            table_rows=offsets.shape[0],
+        )
+    raise TypeError(f"{name}: expected a PagedKV or a LogicalKV, got {type(src).__name__}")
+
+
+def _src_dtype(rows: torch.Tensor, q_dtype, name: str) -> int:
+    if rows.dtype != q_dtype:
+        raise TypeError(f"{name}: dtype {rows.dtype} differs from q's {q_dtype}")
+    return DTYPES[q_dtype]
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    tokens: np.ndarray,
+    raw_kv,
+    compressed_kv=None,
+    topk_indices: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    *,
+    kind: str,
+    window: int,
+    compress_ratio: int,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """One prefill layer (all the step's tokens) in one kernel call, straight from the caches.
+
+    q (T, H, D) bf16/float32 CPU tensor; tokens (3, n) int32 host array: per token its q row,
+    batch request (block-table row / offsets entry) and absolute position (`dsv4_torch.prefill_cpu`
+    builds them once per step); raw_kv / compressed_kv a `PagedKV` (rows in q's dtype, or
+    fp8_ds_mla pages: 2-D or vLLM's 3-D view, page stride = pages.stride(0) bytes), a `LogicalKV`,
+    or a ready `dsv4_cpu.binding.KVSource` (compressed_kv None for SWA); topk_indices (rows,
+    index_topk) int32/int64 for CSA (read at each token's q row); kind "SWA" / "CSA" / "HCA",
+    window, compress_ratio: the layer's. Every token's row, request and position are checked by
+    the kernel before it reads anything (ValueError naming the token). Returns out (T, H, d_v)
+    q.dtype (written into `out` when given; rows no token names are left as they were).
+    """
+    code = _dtype_code(q)
+    T, H, D = q.shape
+    d_v = value_dim(D)
+    kind_code = binding.kind_code(kind)
+    if out is None:
+        out = torch.empty((T, H, d_v), dtype=q.dtype)
+    elif tuple(out.shape) != (T, H, d_v) or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"out: expected ({T}, {H}, {d_v}) {q.dtype} on cpu, got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    tok = tokens
+    if not isinstance(tok, np.ndarray) or tok.dtype != np.int32 or tok.ndim != 2 or tok.shape[0] != 3:
+        raise ValueError(
+            f"tokens: expected a (3, n) int32 array, got {getattr(tok, 'shape', type(tok).__name__)} {getattr(tok, 'dtype', '')}"
+        )
+    tok = np.ascontiguousarray(tok)
+    n = tok.shape[1]
+    if n == 0 or H == 0:
+        return out
+    lib = _library()
+    keep: list = []
+    q = _unit_last(q.detach())
+    raw = raw_kv if isinstance(raw_kv, binding.KVSource) else _kv_source(raw_kv, "raw_kv", q, keep)
+    comp = None
+    if kind != "SWA":
+        if compressed_kv is None:
+            raise ValueError(f"compressed_kv: required for {kind} layers")
+        if isinstance(compressed_kv, binding.KVSource):
+            comp = compressed_kv
+        else:
+            comp = _kv_source(compressed_kv, "compressed_kv", q, keep)
+    topk_ptr, topk_int64, topk_stride, topk_width, topk_rows = None, 0, 0, 0, 0
+    if kind == "CSA":
+        if not isinstance(topk_indices, torch.Tensor) or topk_indices.dim() != 2:
+            raise ValueError("topk_indices: expected a (rows, index_topk) tensor for a CSA layer")
+        _cpu(topk_indices, "topk_indices")
+        if topk_indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"topk_indices: expected int32 or int64, got {topk_indices.dtype}")
+        topk = _unit_last(topk_indices)
+        keep.append(topk)
+        topk_rows, topk_width = topk.shape
+        topk_ptr, topk_int64, topk_stride = topk.data_ptr(), int(topk.dtype == torch.int64), topk.stride(0)
+    if attn_sink is not None and tuple(attn_sink.shape) != (H,):
+        raise ValueError(f"attn_sink: expected ({H},), got {tuple(attn_sink.shape)}")
+    ratio = int(compress_ratio) if kind != "SWA" else 1
+    tokens_c = binding.PrefillTokens(
+        kind_code,
+        int(window),
+        ratio,
+        n,
+        tok[0].ctypes.data,
+        tok[1].ctypes.data,
+        tok[2].ctypes.data,
+        topk_ptr,
+        topk_int64,
+        topk_stride,
+        topk_width,
+        topk_rows,
+    )
+    dst = out if out.stride(-1) == 1 or d_v == 1 else torch.empty((T, H, d_v), dtype=q.dtype)
+    sink = _sink(attn_sink)
+    outputs = _outputs(dst, None, None)
+    par = _parallel(threads)
+    rc = lib.dsv4_prefill_attention(
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        code,
+        T,
+        H,
+        D,
+        ctypes.byref(tokens_c),
+        ctypes.byref(raw),
+        None if comp is None else ctypes.byref(comp),
+        float(sm_scale),
+        _ptr(sink),
+        ctypes.byref(outputs),
+        ctypes.byref(par),
+        binding.isa_code(isa),
+    )
+    binding.check(rc)
+    if dst is not out:
+        out.copy_(dst)
+    return out
+
+
+# ----------------------------------------------------------------------------- gather
+
+
+def gather_dequant(
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    seq: torch.Tensor,
+    glen: torch.Tensor | None,
+    bt: torch.Tensor,
+    S: int,
+    offset: int,
+    *,
+    threads: int | None = None,
+) -> None:
+    """`dequantize_and_gather_k_cache` on CPU tensors, in place: out bf16 or float32
+    [R', rows, 512] (last dim unit stride), k_cache uint8 pages (stride(0) the page stride),
+    seq / glen int [R] (glen None: all seq positions), bt int32/int64 [R'', B] (unit stride in
+    dim 1). Rows whose page (or position: a gather length above the sequence length) is not in
+    k_cache come out NaN; nothing outside the tensors is read or written."""
+    lib = _library()
+    if out.dtype not in (torch.bfloat16, torch.float32) or out.dim() != 3 or out.shape[2] != 512 or out.stride(2) != 1:
+        raise ValueError(
+            f"out: expected bfloat16 or float32 (R, rows, 512) with unit stride in the last dim, got {out.dtype} "
+            f"{tuple(out.shape)} {out.stride()}"
+        )
+    if bt.dim() != 2 or bt.dtype not in (torch.int32, torch.int64) or (bt.shape[1] > 1 and bt.stride(1) != 1):
+        raise ValueError(
+            f"block_table: expected int32/int64 (R, B) with unit stride in dim 1, got {bt.dtype} {bt.stride()}"
+        )
+    R = seq.shape[0]
+    if out.shape[0] < R or bt.shape[0] < R:
+        raise ValueError(f"out / block_table: {out.shape[0]} / {bt.shape[0]} rows for {R} requests")
+    page_bytes = fp8_page_bytes(k_cache, "k_cache")
+    # the per-request arrays on the host (CPU tensors: no copy), as NumPy: O(requests)
+    seq64 = np.ascontiguousarray(seq.detach().numpy(), dtype=np.int64)
+    g64 = None if glen is None else np.ascontiguousarray(glen.detach().numpy(), dtype=np.int64)
+    par = _parallel(threads)
+    rc = lib.dsv4_gather_dequant(
+        out.data_ptr(),
+        out.stride(0),
+        out.stride(1),
+        out.shape[1],
+        int(out.dtype == torch.float32),
+        k_cache.data_ptr(),
+        page_bytes,
+        k_cache.shape[0],
+        int(S),
+        seq64.ctypes.data,
+        None if g64 is None else g64.ctypes.data,
+        bt.data_ptr(),
+        int(bt.dtype == torch.int64),
+        bt.stride(0),
+        bt.shape[1],
+        int(offset),
+        R,
+        ctypes.byref(par),
+    )
+    binding.check(rc)
