@@ -14,15 +14,28 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[torch,jax,hf,eval,bench,test]"
 	touch $(STAMP)
 
-.PHONY: demo test lint format
+.PHONY: demo test lint format test-sanitize
 demo: $(STAMP)
 	$(PY) demo.py
 
-# A skip whose reason is not on tests/conftest.py's allow-list fails the run.
+# A skip whose reason is not on tests/skip_guard.py's allow-list fails the run.
 test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2
 	@if [ -n "$(JAX_NEW_PYTHON)" ]; then $(MAKE) --no-print-directory test-jax-new; \
 	else echo "test: no jax >= 0.11 run (no Python >= 3.12 here)"; fi
+	$(MAKE) --no-print-directory test-sanitize
+
+# The native library (dsv4_cpu) built with AddressSanitizer + UndefinedBehaviorSanitizer (its own
+# cache keys; DSV4_CPU_SANITIZE=1), the sanitizer runtimes preloaded into Python: the kernel tests
+# and a seeded fuzz of hostile inputs through both frameworks' entry points, and a check that an
+# out-of-bounds read really is caught. Part of `make test`.
+SANITIZE_CC := $(or $(CC),cc)
+test-sanitize: $(STAMP)
+	DSV4_CPU_SANITIZE=1 \
+	LD_PRELOAD="$$($(SANITIZE_CC) -print-file-name=libasan.so) $$($(SANITIZE_CC) -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:detect_odr_violation=0:alloc_dealloc_mismatch=0:abort_on_error=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	$(PY) -m pytest -q -n 2 -p no:cacheprovider tests/cpu/test_kernels.py tests/cpu/test_fuzz.py tests/cpu/test_sanitizer.py
 
 # ruff (pyproject.toml [tool.ruff]): lint and the formatter's check; `make format` applies both fixes.
 lint: $(STAMP)
@@ -43,9 +56,9 @@ test-transformers-suite: $(STAMP)
 JAX_NEW_PYTHON ?= $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/3.1[23]*/bin/python; do \
 	$$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $$p && break; done)
 JAX_NEW_VENV := .venv-jax-new
-JAX_TESTS := tests/test_planner.py tests/test_layout_oracle.py tests/test_jax_sparse_attention.py tests/test_jax_mosaic.py \
-	tests/test_jax_sharding.py tests/test_jax_prefill.py tests/test_jax_kvcache.py \
-	tests/test_jax_prefill_fp8.py tests/test_jax_cpu_attention.py tests/test_jax_prefill_cpu.py
+JAX_TESTS := tests/planner/test_planner.py tests/planner/test_layout_oracle.py tests/jax/test_sparse_attention.py tests/jax/test_mosaic.py \
+	tests/jax/test_sharding.py tests/jax/test_prefill.py tests/jax/test_kvcache.py \
+	tests/jax/test_prefill_fp8.py tests/jax/test_cpu_attention.py tests/jax/test_prefill_cpu.py tests/cpu/test_kernels.py
 
 .PHONY: test-jax-new
 test-jax-new:

@@ -80,14 +80,15 @@ def cache_dir() -> str:
     d = os.path.abspath(d)
     try:
         os.makedirs(os.path.dirname(d), exist_ok=True)
-        os.mkdir(d, 0o700)
-    except FileExistsError:
-        pass
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        check_private_dir(d)
     except OSError as e:
         raise RuntimeError(
             f"cannot create the kernel cache {d!r} ({e.strerror}); set DSV4_PREFILL_CACHE to a directory you own"
         ) from None
-    check_private_dir(d)
     return d
 
 

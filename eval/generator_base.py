@@ -35,21 +35,31 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from planner.contract import BACKENDS, POLICIES
+from planner.contract import POLICIES
 
 BATCHING = ("auto", "per_request", "batched")
-# `backend=` per framework: "eager" is transformers' own attention; the rest are our kernels
-TORCH_BACKENDS = ("eager", "auto") + BACKENDS["torch"]
-JAX_BACKENDS = (
-    "auto",
-    "xla",
-    "cpu",
-    "triton",
-    "mosaic_gpu",
-)  # "cpu": the C kernel; "triton": Pallas-Triton, NVIDIA GPUs
 # vLLM's CPU engine with our plugin: "auto" / "dsv4" = prefill attention through our CPU kernel,
 # "vllm" = vLLM's own flash_mla_with_kvcache_cpu (DSV4_PREFILL_VLLM_CPU_PREFILL)
 VLLM_BACKENDS = ("auto", "dsv4", "vllm")
+
+
+def framework_backends(framework: str) -> tuple[str, ...]:
+    """`backend=` choices of a framework: torch's "eager" (transformers' own attention) and "auto",
+    then the kernels of each framework's table (`dsv4_torch.backends`, `dsv4_jax.backends`; read
+    here, so only that framework is imported); vLLM's `VLLM_BACKENDS`."""
+    if framework == "torch":
+        from dsv4_torch.backends import BACKENDS
+
+        return ("eager", "auto") + BACKENDS
+    if framework == "jax":
+        from dsv4_jax.backends import BACKENDS
+
+        return ("auto",) + BACKENDS
+    if framework == "vllm":
+        return VLLM_BACKENDS
+    return ()
+
+
 DTYPES = ("float32", "bfloat16")
 
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 import functools
 
 from eval.generator_base import (
-    JAX_BACKENDS,
-    TORCH_BACKENDS,
     Generator,
     SetupError,
     TextCodec,
     check_choices,
+    framework_backends,
     resolve_batching,
 )
 from eval.vllm_generator import VllmEvalGenerator
@@ -60,7 +59,7 @@ class TorchEvalGenerator(Generator):
           ("auto", "reference", "triton", "flashmla"). policy: "adaptive", "fixed" or "per_request"
           (not used by eager). dtype: "float32" or "bfloat16". device: default cuda if available.
         """
-        check_choices(backend, policy, dtype, "torch", TORCH_BACKENDS)
+        check_choices(backend, policy, dtype, "torch", framework_backends("torch"))
         batching = resolve_batching(batching, backend)  # fail before loading anything
         import torch
         from transformers import DeepseekV4ForCausalLM
@@ -181,7 +180,7 @@ class JaxEvalGenerator(Generator):
         max_batch_size=8,
         max_model_len=8192,
     ) -> JaxEvalGenerator:
-        check_choices(backend, policy, dtype, "jax", JAX_BACKENDS)
+        check_choices(backend, policy, dtype, "jax", framework_backends("jax"))
         try:
             from dsv4_jax.model.generate import JaxGenerator
         except ModuleNotFoundError as e:

@@ -44,11 +44,9 @@ from pathlib import Path
 from eval.generator_base import (
     BATCHING,
     DTYPES,
-    JAX_BACKENDS,
-    TORCH_BACKENDS,
-    VLLM_BACKENDS,
     Generator,
     SetupError,
+    framework_backends,
 )
 from eval.generators import load_generator
 from eval.gsm8k_task import (
@@ -69,7 +67,6 @@ from eval.gsm8k_task import (
 from planner.contract import POLICIES
 
 FRAMEWORKS = ("torch", "jax", "vllm")
-FRAMEWORK_BACKENDS = {"torch": TORCH_BACKENDS, "jax": JAX_BACKENDS, "vllm": VLLM_BACKENDS}
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_CHECKPOINT_DIR = REPO_ROOT / "out" / "tiny-ckpt"
@@ -110,7 +107,7 @@ class RunConfig:
     def validate(self) -> None:
         if self.framework not in FRAMEWORKS:
             raise ValueError(f"framework: expected one of {FRAMEWORKS}, got {self.framework!r}")
-        allowed = FRAMEWORK_BACKENDS[self.framework]
+        allowed = framework_backends(self.framework)
         if self.backend not in allowed:
             raise ValueError(
                 f"backend (--attention): for framework={self.framework} expected one of {allowed}, got {self.backend!r}"
@@ -328,7 +325,7 @@ def apply_overrides(base: RunConfig, spec: str) -> RunConfig:
     """`base` with the overrides of `spec`, validated."""
     overrides = parse_overrides(spec)
     framework = overrides.get("framework", base.framework)
-    if "backend" not in overrides and base.backend not in FRAMEWORK_BACKENDS.get(framework, ()):
+    if "backend" not in overrides and base.backend not in framework_backends(framework):
         overrides["backend"] = None  # the base backend does not exist there: that framework's default
     if "dtype" not in overrides and framework == "vllm" and base.framework != "vllm":
         overrides["dtype"] = "bfloat16"  # vLLM's CPU DeepSeek-V4 path computes in bfloat16
@@ -415,8 +412,9 @@ def parse_args(argv=None):
         "--attention",
         dest="backend",
         metavar="BACKEND",
-        help=f"attention backend (backend= in the API); torch: {'/'.join(TORCH_BACKENDS)} (default auto: our "
-        f"sparse path; eager = transformers' own); jax: {'/'.join(JAX_BACKENDS)} (default auto)",
+        help=f"attention backend (backend= in the API); torch: {'/'.join(framework_backends('torch'))} (default "
+        f"auto: our sparse path; eager = transformers' own); jax: {'/'.join(framework_backends('jax'))} (default "
+        f"auto); vllm: {'/'.join(framework_backends('vllm'))}",
     )
     p.add_argument(
         "--planner",

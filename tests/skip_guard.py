@@ -28,6 +28,7 @@ ALLOWED_SKIPS = (
     (r"transformers' DeepSeek-V4 model tests are not available here", "transformers' own test files absent"),
     (r"GSM8K data absent", "data set outside the repository"),
     (r"needs vLLM 0\.33\.0 installed", "vLLM venv only (`make test-vllm`)"),
+    (r"runs in make test-sanitize", "the sanitizer build's own run"),
 )
 # `pytest.importorskip` of a module that is not installed at all (not one that fails to import):
 # the `make test-jax-new` venv has no torch or transformers, the default one no vLLM.

@@ -5,7 +5,7 @@ to target, through an abstract mesh carrying an `AbstractDevice`. `lower_for_cud
 difference. `triton_ir` returns the Triton IR that Pallas emits for the sparse-attention kernel,
 which `tools.triton_compile.compile_ttir` compiles offline with the `triton` wheel.
 
-Used by tests (`tests/test_jax_sparse_attention.py`, `tests/test_jax_prefill.py`) and by
+Used by tests (`tests/jax/test_sparse_attention.py`, `tests/jax/test_prefill.py`) and by
 `bench/triton_resources_jax.py`.
 """
 

@@ -6,7 +6,7 @@ Writes the tiny checkpoint (seed 0) if no --ckpt is given, runs one training ste
 (train mode, labels = the input) with eager attention and with `enable_sparse_prefill(backend=
 "reference")`, in float64 and float32, plain and with gradient checkpointing, and prints per
 comparison the max relative error (max |a - b| / max |b| per parameter, worst parameter) and how
-many parameters got a gradient. `tests/test_hf_training.py` asserts the same comparisons.
+many parameters got a gradient. `tests/hf/test_training.py` asserts the same comparisons.
 """
 
 from __future__ import annotations

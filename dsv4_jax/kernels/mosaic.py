@@ -3,7 +3,7 @@
 The FlashMLA `flash_mla_sparse_fwd` contract (spec section 2) as a Pallas Mosaic GPU kernel
 (`plgpu.kernel`, warpgroup-level code, `wgmma`), with no Triton in the way. Needs jax >= 0.12;
 on a machine without an NVIDIA GPU the same kernel runs in Mosaic GPU's interpret mode, and the
-compiled kernel can be lowered for sm_90a there (tests/test_jax_mosaic.py does both). It has not
+compiled kernel can be lowered for sm_90a there (tests/jax/test_mosaic.py does both). It has not
 yet run on a GPU: speed is unmeasured (bench/gpu_check_jax.py measures it).
 
 Design (after FlashMLA's SM90 sparse prefill kernel)

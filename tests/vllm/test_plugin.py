@@ -66,4 +66,4 @@ def test_package_import_imports_no_vllm_and_loader_is_lazy():
 
 
 # The vLLM-free logic (version checks, modes, the signature guard) is tested in the default run:
-# tests/test_vllm_plugin.py.
+# tests/torch/test_vllm_plugin.py.
