@@ -128,6 +128,11 @@ class Server:
         text = self.log_path.read_text(errors="replace").split("shutdown triggered", 1)[0]
         return [ln for ln in text.splitlines() if re.search(r"EngineDeadError|fatal error|Traceback|IndexError", ln)]
 
+    def prefix_caching_lines(self) -> list[str]:
+        """What the server logged about prefix caching (vLLM says when it turns it off for a model)."""
+        text = self.log_path.read_text(errors="replace")
+        return [ln.strip()[-200:] for ln in text.splitlines() if re.search(r"prefix.caching", ln, re.I)][:4]
+
     def kv_tokens(self) -> int | None:
         m = re.search(r"KV cache size: ([0-9,]+) tokens", self.log_path.read_text(errors="replace"))
         return int(m.group(1).replace(",", "")) if m else None
@@ -216,6 +221,7 @@ def serve_run(checkpoint, kernel: str, run: str, requests, args, log_dir: Path) 
         rec["preemptions"] = server.metric("vllm:num_preemptions_total") - pre0
         q = server.metric("vllm:prefix_cache_queries_total") - q0
         rec["prefix_hit_rate"] = (server.metric("vllm:prefix_cache_hits_total") - hit0) / q if q else None
+        rec["prefix_caching_log"] = server.prefix_caching_lines()
         alone = {}
         for r in requests:  # served alone: one at a time, nothing else in flight
             alone[r.index] = sl.solo(server.port, MODEL, r, args.request_timeout)
@@ -280,7 +286,7 @@ def _fmt(x, spec=".2f") -> str:
 def report(records, bounds) -> bool:
     ok_all = True
     print(
-        "\n| kernel | run | done | cancelled | errors | hung | preempt. | prefix hits | compared | equal | "
+        "\n| kernel | run | KV cache (tokens) | done | cancelled | errors | hung | preempt. | prefix hits | compared | equal | "
         "divergences (beyond bound) | noise max (nats) | prompt tok/s | output tok/s | TTFT p50 / p99 (s) | RSS per round (MiB) |"
     )
     print("|" + "---|" * 17)
@@ -307,6 +313,10 @@ def report(records, bounds) -> bool:
             f"noise bound, run {run}: {_fmt(b, '.3f')} nats (twice the largest load-vs-solo logprob difference of vLLM's own kernel)"
         )
     for rec in records:
+        if rec["run"] == "prefix" and not rec.get("prefix_hit_rate"):
+            print(
+                f"note: {rec['kernel']} prefix: no prefix-cache hits; the server logged: {rec.get('prefix_caching_log')}"
+            )
         for name, ok, detail in checks(rec, bounds.get(rec["run"])):
             ok_all &= ok
             if not ok:
