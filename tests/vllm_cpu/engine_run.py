@@ -3,11 +3,12 @@
     python -m tests.vllm_cpu.engine_run SPEC.json OUT.json
 
 SPEC: {"checkpoint": dir, "prompts": [[ids]...], "max_new_tokens": n, "max_num_batched_tokens": m,
-"max_model_len": L, "kernels": ["dsv4", "vllm"]} (each kernel one `generate` of all prompts in the
-same engine, the prefill kernel switched by DSV4_PREFILL_VLLM_CPU_PREFILL between them; prefix
-caching off so every run prefills). OUT, per kernel and prompt: the generated tokens and, for every
-teacher-forced position (prompt positions 1.., then each generated token), the logprob of the
-token that follows, vLLM's top-1 token and the top-1 / top-2 logprobs; plus the plugin's STATS.
+"max_model_len": L, "max_num_seqs": s, "kernels": ["dsv4", "vllm"], "solo": false} (each kernel one
+`generate` of all prompts in the same engine, with "solo" then each prompt alone; the prefill kernel
+switched by DSV4_PREFILL_VLLM_CPU_PREFILL between them; prefix caching off so every run prefills).
+OUT, per kernel and prompt (and "solo": per prompt alone): the generated tokens and, for every
+teacher-forced position (prompt positions 1.., then each generated token), the logprob of the token
+that follows, vLLM's top-1 token and the top-1 / top-2 logprobs; plus the plugin's STATS.
 Runs in the vllm-cpu venv (`make test-vllm-cpu`); the engine runs in this process.
 """
 
@@ -27,6 +28,26 @@ def _top(entry: dict, actual: int) -> tuple[float, int, float, float]:
     ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)
     lp2 = ranked[1][1].logprob if len(ranked) > 1 else float("-inf")
     return float(entry[actual].logprob), int(ranked[0][0]), float(ranked[0][1].logprob), float(lp2)
+
+
+def _generate(llm, prompts, sp) -> list[dict]:
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    runs = []
+    for p, r in zip(prompts, results):
+        gen = list(r.outputs[0].token_ids)
+        seq = list(p) + gen
+        rows = [_top(r.prompt_logprobs[i], seq[i]) for i in range(1, len(p))]
+        rows += [_top(r.outputs[0].logprobs[j], gen[j]) for j in range(len(gen))]
+        runs.append(
+            {
+                "generated": gen,
+                "logprob": [x[0] for x in rows],
+                "top1": [x[1] for x in rows],
+                "top1_logprob": [x[2] for x in rows],
+                "top2_logprob": [x[3] for x in rows],
+            }
+        )
+    return runs
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -53,26 +74,13 @@ def main(spec_path: str, out_path: str) -> None:
         os.environ[cpu_engine.PREFILL_ENV] = kernel
         before = dict(cpu_engine.STATS)
         t = time.perf_counter()
-        results = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], sp, use_tqdm=False)
+        runs = _generate(llm, spec["prompts"], sp)
         seconds = time.perf_counter() - t
-        runs = []
-        for p, r in zip(spec["prompts"], results):
-            gen = list(r.outputs[0].token_ids)
-            seq = list(p) + gen
-            rows = [_top(r.prompt_logprobs[i], seq[i]) for i in range(1, len(p))]
-            rows += [_top(r.outputs[0].logprobs[j], gen[j]) for j in range(len(gen))]
-            runs.append(
-                {
-                    "generated": gen,
-                    "logprob": [x[0] for x in rows],
-                    "top1": [x[1] for x in rows],
-                    "top1_logprob": [x[2] for x in rows],
-                    "top2_logprob": [x[3] for x in rows],
-                }
-            )
         stats = {k: cpu_engine.STATS[k] - before[k] for k in before if k != "threads"}
         stats["threads"] = cpu_engine.STATS["threads"]
         out["runs"][kernel] = {"requests": runs, "seconds": seconds, "stats": stats}
+        if spec.get("solo"):  # each prompt again, alone in the engine
+            out["runs"][kernel]["solo"] = [_generate(llm, [p], sp)[0] for p in spec["prompts"]]
     with open(out_path, "w") as f:
         json.dump(out, f)
 
