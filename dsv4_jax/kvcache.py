@@ -97,7 +97,7 @@ def quantize_and_insert_k_cache(
       backend, interpret, validate: module doc.
     """
     S = ref.check_block_size(block_size, "block_size")
-    num_blocks = _check_pages(k_cache, S)
+    num_blocks = check_pages(k_cache, S)
     _check_dtype(k, "k", (jnp.dtype(jnp.bfloat16),), "bfloat16")
     if k.ndim != 2 or k.shape[1] != HEAD_DIM:
         raise ValueError(f"k: expected shape [T, {HEAD_DIM}], got {tuple(k.shape)}")
@@ -153,7 +153,7 @@ def dequantize_and_gather_k_cache(
       backend, interpret, validate: module doc.
     """
     S = ref.check_block_size(block_size, "block_size")
-    num_blocks = _check_pages(k_cache, S)
+    num_blocks = check_pages(k_cache, S)
     _check_dtype(out, "out", (jnp.dtype(jnp.bfloat16),), "bfloat16")
     if out.ndim != 3 or out.shape[2] != HEAD_DIM:
         raise ValueError(f"out: expected shape [R, rows, {HEAD_DIM}], got {tuple(out.shape)}")
@@ -211,8 +211,8 @@ def copy_slots(dst_cache, dst_slots, src_cache, src_slots, block_size):
     is dropped; each destination at most once.
     """
     S = ref.check_block_size(block_size, "block_size")
-    _check_pages(src_cache, S)
-    _check_pages(dst_cache, S)
+    check_pages(src_cache, S)
+    check_pages(dst_cache, S)
     pb = page_bytes(S)
     per_page, per_scale = pb // SLOT_DATA_BYTES, pb // SLOT_SCALE_BYTES
     sp, ss = src_slots // S, src_slots % S
@@ -240,20 +240,17 @@ def _check_dtype(x, name, dtypes, what):
         raise TypeError(f"{name}: expected {what}, got {jnp.dtype(dtype)}")
 
 
-def _check_pages(k_cache, S: int) -> int:
+def check_pages(k_cache, S: int, name: str = "k_cache") -> int:
+    """num_blocks of a valid page array ([num_blocks, page_bytes(S)] uint8: JAX arrays are
+    contiguous, so vLLM's strided 3-D view has no JAX form); errors name the argument `name`."""
     dtype = getattr(k_cache, "dtype", None)
     if dtype is None or not hasattr(k_cache, "shape"):
-        raise TypeError(f"k_cache: expected an array, got {type(k_cache).__name__}")
+        raise TypeError(f"{name}: expected an array, got {type(k_cache).__name__}")
     if jnp.dtype(dtype) != jnp.dtype(jnp.uint8):
-        raise TypeError(f"k_cache: expected uint8 pages (fp8_ds_mla bytes), got {jnp.dtype(dtype)}")
-    want = page_bytes(S)
-    if k_cache.ndim != 2:
-        raise ValueError(f"k_cache: expected shape [num_blocks, {want}] (page_bytes({S})), got {tuple(k_cache.shape)}")
-    if k_cache.shape[1] != want:
-        raise ValueError(
-            f"k_cache: page stride {k_cache.shape[1]} bytes is not round_up({S} * 584, 576) = {want} for block_size {S}"
-        )
-    return k_cache.shape[0]
+        raise TypeError(f"{name}: expected uint8 pages (fp8_ds_mla bytes), got {jnp.dtype(dtype)}")
+    shape = tuple(k_cache.shape)
+    strides = (shape[1], 1) if len(shape) == 2 else (1,) * len(shape)  # row-major bytes
+    return ref.check_page_layout(shape, strides, S, name, view_3d=False)
 
 
 def _concrete(*arrays) -> bool:

@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 from jax.tree_util import register_pytree_node_class
 
+from dsv4_jax import kvcache as jax_kvcache
 from dsv4_jax.kernels import xla_kvcache
 from dsv4_jax.prefill_metadata import MIN_WORKSPACE_ROWS, KindMetadata
 from planner import kvcache as kvcache_ref
@@ -86,12 +87,7 @@ class PagedKV:
                 if bs is None:
                     raise ValueError("block_size: required for fp8_ds_mla pages (num_pages, page_bytes(S))")
                 object.__setattr__(self, "block_size", int(bs))
-                want = page_bytes(int(bs))
-                if self.pages.shape[1] != want:
-                    raise ValueError(
-                        f"pages: page stride {self.pages.shape[1]} bytes is not round_up({bs} * 584, 576) "
-                        f"= {want} for block_size {bs}"
-                    )
+                jax_kvcache.check_pages(self.pages, int(bs), "pages")
             else:
                 raise ValueError(
                     f"pages: expected fp8_ds_mla pages (num_pages, page_bytes(S)), got {_shape(self.pages)}"

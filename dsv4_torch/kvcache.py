@@ -39,7 +39,6 @@ from planner.kvcache import (
     HEAD_DIM,
     N_GROUPS,
     NOPE_DIM,
-    SLOT_BYTES,
     SLOT_DATA_BYTES,
     SLOT_SCALE_BYTES,
     page_bytes,
@@ -476,47 +475,16 @@ def scale_index(page, slot, stride, S):
 
 
 def check_pages(k_cache, S: int, name: str = "k_cache") -> int:
-    """num_blocks of a valid page tensor (module doc); errors name the argument `name`."""
-    try:
-        return _check_pages_named(k_cache, S)
-    except (TypeError, ValueError) as e:
-        if name == "k_cache":
-            raise
-        raise type(e)(f"{name}" + str(e)[len("k_cache") :]) from None
-
-
-def _check_pages_named(k_cache, S: int) -> int:
-    _need_tensor(k_cache, "k_cache")
+    """num_blocks of a valid page tensor (module doc: `planner.kvcache.check_page_layout`'s
+    layouts); errors name the argument `name`."""
+    _need_tensor(k_cache, name)
     if k_cache.dtype != torch.uint8:
-        raise TypeError(f"k_cache: expected uint8 pages (fp8_ds_mla bytes), got {k_cache.dtype}")
+        raise TypeError(f"{name}: expected uint8 pages (fp8_ds_mla bytes), got {k_cache.dtype}")
+    n = ref.check_page_layout(k_cache.shape, k_cache.stride(), S, name)
     want = page_bytes(S)
-    if k_cache.ndim == 2:
-        if k_cache.shape[1] != want or (k_cache.shape[0] > 1 and k_cache.stride(0) != want) or k_cache.stride(1) != 1:
-            raise ValueError(
-                f"k_cache: page stride {k_cache.shape[1] if k_cache.shape[1] != want else k_cache.stride(0)} bytes "
-                f"is not round_up({S} * 584, 576) = {want} for block_size {S} "
-                f"(got shape {tuple(k_cache.shape)}, strides {k_cache.stride()})"
-            )
-    elif k_cache.ndim == 3:
-        if tuple(k_cache.shape[1:]) != (S, SLOT_BYTES) or k_cache.stride()[1:] != (SLOT_BYTES, 1):
-            raise ValueError(
-                f"k_cache: a 3-D page view must be [num_blocks, {S}, {SLOT_BYTES}] with strides "
-                f"({want}, {SLOT_BYTES}, 1), got shape {tuple(k_cache.shape)}, strides {k_cache.stride()}"
-            )
-        if k_cache.shape[0] > 1 and k_cache.stride(0) != want:
-            raise ValueError(
-                f"k_cache: page stride {k_cache.stride(0)} bytes is not round_up({S} * 584, 576) = {want} "
-                f"for block_size {S}"
-            )
-        if k_cache.shape[0] >= 1 and k_cache.untyped_storage().nbytes() < (
-            k_cache.storage_offset() + k_cache.shape[0] * want
-        ):
-            raise ValueError(f"k_cache: the storage holds fewer than {k_cache.shape[0]} whole pages of {want} bytes")
-    else:
-        raise ValueError(
-            f"k_cache: expected shape [num_blocks, {want}] (or [num_blocks, {S}, {SLOT_BYTES}]), got {tuple(k_cache.shape)}"
-        )
-    return k_cache.shape[0]
+    if k_cache.ndim == 3 and n >= 1 and k_cache.untyped_storage().nbytes() < k_cache.storage_offset() + n * want:
+        raise ValueError(f"{name}: the storage holds fewer than {n} whole pages of {want} bytes")
+    return n
 
 
 def _block_size(block_size) -> int:

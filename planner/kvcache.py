@@ -272,21 +272,44 @@ def check_block_size(block_size, name: str) -> int:
     return S
 
 
+def check_page_layout(shape, strides, S: int, name: str = "k_cache", *, view_3d: bool = True) -> int:
+    """num_blocks of fp8_ds_mla pages with this shape and these byte strides (the one page-layout
+    check of the NumPy reference, torch and JAX): [num_blocks, page_bytes(S)] with unit byte
+    stride, or (view_3d) vLLM's nominal view [num_blocks, S, 584] whose page stride is
+    page_bytes(S). Raises ValueError naming `name`."""
+    want = page_bytes(S)
+    shape, strides = tuple(int(x) for x in shape), tuple(int(x) for x in strides)
+    many = shape[0] > 1 if shape else False
+    if len(shape) == 2:
+        stride = strides[0] if many else shape[1]
+        if shape[1] != want or stride != want or strides[1] != 1:
+            raise ValueError(
+                f"{name}: page stride {shape[1] if shape[1] != want else stride} bytes is not round_up({S} * 584, 576) "
+                f"= {want} for block_size {S} (got shape {shape}, strides {strides})"
+            )
+    elif len(shape) == 3 and view_3d:
+        if shape[1:] != (S, SLOT_BYTES) or strides[1:] != (SLOT_BYTES, 1):
+            raise ValueError(
+                f"{name}: a 3-D page view must be [num_blocks, {S}, {SLOT_BYTES}] with strides ({want}, "
+                f"{SLOT_BYTES}, 1), got shape {shape}, strides {strides}"
+            )
+        if many and strides[0] != want:
+            raise ValueError(
+                f"{name}: page stride {strides[0]} bytes is not round_up({S} * 584, 576) = {want} for block_size {S}"
+            )
+    else:
+        views = f" (or [num_blocks, {S}, {SLOT_BYTES}])" if view_3d else f" (page_bytes({S}))"
+        raise ValueError(f"{name}: expected shape [num_blocks, {want}]{views}, got {shape}")
+    return shape[0]
+
+
 def _check_cache(k_cache, S: int, *, writable: bool) -> int:
     """num_blocks of a valid page array."""
     if not isinstance(k_cache, np.ndarray):
         raise TypeError(f"k_cache: expected a numpy.ndarray, got {type(k_cache).__name__}")
     if k_cache.dtype != np.uint8:
         raise TypeError(f"k_cache: expected uint8 pages (fp8_ds_mla bytes), got {k_cache.dtype}")
-    want = page_bytes(S)
-    if k_cache.ndim != 2:
-        raise ValueError(f"k_cache: expected shape [num_blocks, {want}] (page_bytes({S})), got {k_cache.shape}")
-    if k_cache.shape[1] != want:
-        raise ValueError(
-            f"k_cache: page stride {k_cache.shape[1]} bytes is not round_up({S} * 584, 576) = {want} for block_size {S}"
-        )
-    if k_cache.strides[1] != 1 or (k_cache.shape[0] > 1 and k_cache.strides[0] != want):
-        raise ValueError(f"k_cache: expected C-contiguous pages, got strides {k_cache.strides}")
+    check_page_layout(k_cache.shape, k_cache.strides, S, view_3d=False)
     if writable and not k_cache.flags.writeable:
         raise ValueError("k_cache: is read-only; it is written in place")
     return k_cache.shape[0]

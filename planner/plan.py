@@ -363,17 +363,36 @@ def as_step_plan(
     raise TypeError(f"plan_or_batch: expected a StepPlan or PrefillBatch, got {type(plan_or_batch).__name__}")
 
 
-def _tuple_plan(
-    policy,
+def get_prefill_chunk_plan(
     seq_lens,
     query_lens,
-    compress_ratio,
-    window_size,
-    max_model_len,
-    max_num_batched_tokens,
-    prefill_chunk_size,
-    has_compressed,
-):
+    *,
+    compress_ratio: int,
+    window_size: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    prefill_chunk_size: int = 4,
+    has_compressed: bool | None = None,
+    policy: str = "adaptive",
+) -> list[tuple[int, int, int, int]]:
+    """vLLM's DSv4 prefill chunk plan: `[(start, end, N, M), ...]` over batch indices.
+
+    policy "adaptive" (vLLM 0.33's, the default): requests are scanned in batch order; a chunk
+    takes its first request and keeps adding the next while `count * (max compressed_len + max
+    gather_len) <= prefill_chunk_size * (cdiv(max_model_len, r) + window_size +
+    max_num_batched_tokens)`. N is the chunk's max compressed_len, M = N + its max gather_len.
+    Identical to vLLM for batches whose requests all have queries; `query_len == 0` requests are
+    skipped (they never start or widen a chunk).
+    policy "fixed" (the plan before it): `prefill_chunk_size` consecutive requests per chunk, with
+    `N = cdiv(max_model_len, r)` (0 without a compressed cache) and `M = N + window_size +
+    max_num_batched_tokens`. ("per_request": one request per chunk.)
+
+    seq_lens, query_lens: 1-D integers (list, NumPy array, or anything with `__array__`).
+    compress_ratio: r >= 0.
+    has_compressed: vLLM 0.33's keyword: whether the layer gathers a compressed cache
+      (`seq_len // r` rows per request); None means `r > 1` (V4.0's layers). True at r = 1 is
+      DeepSeek-V4.1's full-length compressed cache.
+    """
     config = PlanConfig(
         window_size=window_size,
         max_model_len=max_model_len,
@@ -387,69 +406,3 @@ def _tuple_plan(
     hc = contract.has_compressed(compress_ratio, has_compressed)
     layer = LayerSpec(LayerKind.HCA, compress_ratio) if hc else LayerSpec(LayerKind.SWA, 0)
     return plan_kind(batch, config, layer).as_tuples()
-
-
-def get_prefill_chunk_plan(
-    seq_lens,
-    query_lens,
-    *,
-    compress_ratio: int,
-    window_size: int,
-    max_model_len: int,
-    max_num_batched_tokens: int,
-    prefill_chunk_size: int = 4,
-    has_compressed: bool | None = None,
-) -> list[tuple[int, int, int, int]]:
-    """vLLM's adaptive DSv4 prefill chunk plan: `[(start, end, N, M), ...]` over batch indices.
-
-    Requests are scanned in batch order; a chunk takes its first request and keeps adding the
-    next while `count * (max compressed_len + max gather_len) <= prefill_chunk_size *
-    (cdiv(max_model_len, r) + window_size + max_num_batched_tokens)`. N is the chunk's max
-    compressed_len, M = N + its max gather_len. Identical to vLLM for batches whose requests all
-    have queries; `query_len == 0` requests are skipped (they never start or widen a chunk).
-
-    seq_lens, query_lens: 1-D integers (list, NumPy array, or anything with `__array__`).
-    compress_ratio: r >= 0.
-    has_compressed: vLLM 0.33's keyword: whether the layer gathers a compressed cache
-      (`seq_len // r` rows per request); None means `r > 1` (V4.0's layers). True at r = 1 is
-      DeepSeek-V4.1's full-length compressed cache.
-    """
-    return _tuple_plan(
-        "adaptive",
-        seq_lens,
-        query_lens,
-        compress_ratio,
-        window_size,
-        max_model_len,
-        max_num_batched_tokens,
-        prefill_chunk_size,
-        has_compressed,
-    )
-
-
-def get_fixed_chunk_plan(
-    seq_lens,
-    query_lens,
-    *,
-    compress_ratio: int,
-    window_size: int,
-    max_model_len: int,
-    max_num_batched_tokens: int,
-    prefill_chunk_size: int = 4,
-    has_compressed: bool | None = None,
-) -> list[tuple[int, int, int, int]]:
-    """The old fixed plan: `prefill_chunk_size` consecutive requests per chunk, with
-    `N = cdiv(max_model_len, r)` (0 without a compressed cache) and `M = N + window_size + max_num_batched_tokens`.
-    Same arguments (`has_compressed` included) and `query_len == 0` handling as
-    `get_prefill_chunk_plan`."""
-    return _tuple_plan(
-        "fixed",
-        seq_lens,
-        query_lens,
-        compress_ratio,
-        window_size,
-        max_model_len,
-        max_num_batched_tokens,
-        prefill_chunk_size,
-        has_compressed,
-    )

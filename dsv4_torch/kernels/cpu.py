@@ -32,6 +32,7 @@ import torch
 
 from dsv4_cpu import binding, build
 from planner.contract import backend_unavailable, value_dim
+from planner.kvcache import check_page_layout, page_bytes
 
 DTYPES = {torch.bfloat16: binding.BF16, torch.float32: binding.F32}
 
@@ -227,15 +228,8 @@ def paged_source(
         table_rows=table.shape[0],
     )
     if fp8:
-        page_bytes = fp8_page_bytes(pages, name)
-        if page_bytes < page_size * binding.FP8_SLOT_BYTES:
-            raise ValueError(
-                f"{name}: pages of {page_bytes} bytes cannot hold {page_size} fp8_ds_mla slots "
-                f"({page_size * binding.FP8_SLOT_BYTES} bytes)"
-            )
-        return binding.KVSource(
-            format=binding.FP8_DS_MLA, dtype=0, data=pages.data_ptr(), page_stride=page_bytes, **common
-        )
+        stride = fp8_page_bytes(pages, int(page_size), name)
+        return binding.KVSource(format=binding.FP8_DS_MLA, dtype=0, data=pages.data_ptr(), page_stride=stride, **common)
     if pages.dim() != 3 or pages.shape[1] != page_size:
         raise ValueError(f"{name}: expected pages (num_pages, {page_size}, D), got {tuple(pages.shape)}")
     if pages.shape[-1] > 1 and pages.stride(-1) != 1:
@@ -251,19 +245,13 @@ def paged_source(
     )
 
 
-def fp8_page_bytes(pages: torch.Tensor, name: str) -> int:
-    """The bytes of one fp8_ds_mla page (uint8 pages, 2-D, or vLLM's nominal 3-D view whose
-    page stride may exceed its slots): the page stride, after checking each page is contiguous."""
-    if pages.element_size() != 1 or pages.dim() not in (2, 3):
-        raise ValueError(
-            f"{name}: expected fp8_ds_mla pages (uint8, 2-D or 3-D), got {pages.dtype} {tuple(pages.shape)}"
-        )
-    inner = pages.shape[1:]
-    want = (1,) if pages.dim() == 2 else (inner[1], 1)
-    if pages.numel() and tuple(pages.stride()[1:]) != want and min(inner) > 1:
-        raise ValueError(f"{name}: each page must be contiguous, got strides {pages.stride()}")
-    size = int(np.prod(inner))
-    return int(pages.stride(0)) if pages.shape[0] > 1 else size
+def fp8_page_bytes(pages: torch.Tensor, page_size: int, name: str) -> int:
+    """The bytes between fp8_ds_mla pages (page_bytes(S)), after the one page-layout check
+    (`planner.kvcache.check_page_layout`: 2-D pages, or vLLM's nominal 3-D view)."""
+    if pages.element_size() != 1:
+        raise ValueError(f"{name}: expected fp8_ds_mla pages (uint8 bytes), got {pages.dtype}")
+    check_page_layout(pages.shape, pages.stride(), page_size, name)
+    return page_bytes(page_size)
 
 
 def _kv_source(src, name: str, q: torch.Tensor, keep: list) -> binding.KVSource:
@@ -447,7 +435,7 @@ def gather_dequant(
     R = seq.shape[0]
     if out.shape[0] < R or bt.shape[0] < R:
         raise ValueError(f"out / block_table: {out.shape[0]} / {bt.shape[0]} rows for {R} requests")
-    page_bytes = fp8_page_bytes(k_cache, "k_cache")
+    k_page_bytes = fp8_page_bytes(k_cache, int(S), "k_cache")
     # the per-request arrays on the host (CPU tensors: no copy), as NumPy: O(requests)
     seq64 = np.ascontiguousarray(seq.detach().numpy(), dtype=np.int64)
     g64 = None if glen is None else np.ascontiguousarray(glen.detach().numpy(), dtype=np.int64)
@@ -459,7 +447,7 @@ def gather_dequant(
         out.shape[1],
         int(out.dtype == torch.float32),
         k_cache.data_ptr(),
-        page_bytes,
+        k_page_bytes,
         k_cache.shape[0],
         int(S),
         seq64.ctypes.data,

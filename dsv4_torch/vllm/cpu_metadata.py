@@ -27,14 +27,6 @@ import numpy as np
 import planner
 from planner.checks import as_int
 
-# Layer kinds by vLLM's compress ratio (V4.0): 0 / 1 window only, 4 CSA, 128 HCA.
-KIND_OF_RATIO = {
-    0: planner.LayerKind.SWA,
-    1: planner.LayerKind.SWA,
-    4: planner.LayerKind.CSA,
-    128: planner.LayerKind.HCA,
-}
-
 
 def host(x, name: str, ndim: int | None = None) -> np.ndarray:
     """A CPU tensor or array as a NumPy array (no copy for a CPU tensor); integers only."""

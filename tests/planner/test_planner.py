@@ -1,5 +1,7 @@
 """The planner: vLLM-exact tuples, the worked examples of spec section 4, and what we add."""
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -17,7 +19,7 @@ SPEC_QRY = [4, 8, 8, 8, 16, 16, 32, 32, 32, 32]
 
 
 def test_spec_example_fixed_plan():
-    assert P.get_fixed_chunk_plan(SPEC_SEQ, SPEC_QRY, compress_ratio=4, **KW) == [
+    assert P.get_prefill_chunk_plan(SPEC_SEQ, SPEC_QRY, compress_ratio=4, **KW, policy="fixed") == [
         (0, 4, 4096, 8256),
         (4, 8, 4096, 8256),
         (8, 10, 4096, 8256),
@@ -114,7 +116,7 @@ def test_adaptive_matches_vllm(b, r, hc, W, pcs):
     )
     assert P.get_prefill_chunk_plan(seq, qry, **kw) == vllm_adaptive(seq, qry, r, W, mml, mnbt, pcs, hc)
     N = cdiv(mml, r) if (r > 1 if hc is None else hc) else 0
-    assert P.get_fixed_chunk_plan(seq, qry, **kw) == [
+    assert P.get_prefill_chunk_plan(seq, qry, **kw, policy="fixed") == [
         (s, min(s + pcs, len(seq)), N, N + W + mnbt) for s in range(0, len(seq), pcs)
     ]
 
@@ -182,7 +184,7 @@ def test_has_compressed_at_ratio_1_is_a_full_length_compressed_cache():
     assert plan == [(0, 3, 300, 300 + 8 + 63)]
     # the default at ratio 1 (None: r > 1) has no compressed rows, the SWA plan
     assert P.get_prefill_chunk_plan(seq, qry, compress_ratio=1, **KW) == [(0, 3, 0, 71)]
-    assert P.get_fixed_chunk_plan(seq, qry, compress_ratio=1, has_compressed=True, **KW) == [
+    assert P.get_prefill_chunk_plan(seq, qry, compress_ratio=1, has_compressed=True, **KW, policy="fixed") == [
         (0, 3, 16384, 16384 + 64 + 4096)
     ]
     # the same through plan_kind with a (kind, 1) layer: N of every chunk is its longest request
@@ -196,7 +198,8 @@ def test_has_compressed_at_ratio_1_is_a_full_length_compressed_cache():
 
 
 def test_has_compressed_false_gives_the_swa_plan():
-    for plan in (P.get_prefill_chunk_plan, P.get_fixed_chunk_plan):
+    for policy in ("adaptive", "fixed"):
+        plan = functools.partial(P.get_prefill_chunk_plan, policy=policy)
         for r in (4, 128):
             swa = plan(SPEC_SEQ, SPEC_QRY, compress_ratio=0, **KW)
             assert plan(SPEC_SEQ, SPEC_QRY, compress_ratio=r, has_compressed=False, **KW) == swa
@@ -250,7 +253,7 @@ def test_zero_query_requests_never_form_or_widen_a_chunk():
     assert plan.chunks[0].row_bases.tolist() == [0, 98]
     # a batch of only zero-query requests has no chunk at all
     assert P.get_prefill_chunk_plan([10, 20], [0, 0], compress_ratio=4, **KW) == []
-    assert P.get_fixed_chunk_plan([10, 20], [0, 0], compress_ratio=4, **KW) == []
+    assert P.get_prefill_chunk_plan([10, 20], [0, 0], compress_ratio=4, **KW, policy="fixed") == []
 
 
 def _runs(qry):

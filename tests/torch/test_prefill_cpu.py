@@ -429,7 +429,7 @@ def test_float64_and_float16_run_the_reference_backend():
     out, meta = run(case, dtype=torch.float64, backend="auto")
     assert meta.last_backend == "reference" and out.dtype == torch.float64
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-10, atol=1e-10 * np.abs(want).max())
-    with pytest.raises(BackendUnavailableError, match="bfloat16/float32, q is torch.float16"):
+    with pytest.raises(TypeError, match="q: backend='cpu' takes bfloat16 / float32, got torch.float16"):
         run(case, dtype=torch.float16, backend="cpu")
 
 

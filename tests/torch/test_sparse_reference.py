@@ -238,7 +238,7 @@ def test_dropout_is_eagers_formula_and_its_backward_regenerates_the_mask(monkeyp
     T, H, D, S, K = 70, 3, 64, 40, 150
     case = make_case(T, H, D, S, K, seed=53, dtype=torch.float64, topk=True, sink="random")
     case["attn_sink"] = case["attn_sink"].double()
-    monkeypatch.setattr("dsv4_torch.attention._dropout_seed", lambda: seed)
+    monkeypatch.setattr("dsv4_torch.backends._dropout_seed", lambda: seed)
     keep = _dropout_mask(T, H, K, p, seed)
     assert 0.6 < keep.mean().item() < 0.8  # about 1 - p kept
     out, ours = _grads(lambda a: _ours(a, dropout_p=p), case)
