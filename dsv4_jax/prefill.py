@@ -269,7 +269,8 @@ def _prefill_jit(
     if fused and T_q:  # a kernel that reads the caches itself: one call, no workspace, no chunk loop
         module, fn = fused.split(":")
         layer = getattr(importlib.import_module(module), fn)
-        return layer(q, table, raw, comp, topk_rows, attn_sink, shape=shape, sm_scale=sm_scale, out=out)
+        meta = KindMetadata(table, shape)
+        return layer(q, meta, raw, comp, sm_scale=sm_scale, attn_sink=attn_sink, topk_indices=topk_rows, out=out)
     out = jnp.zeros((T_q, H, value_dim(D)), q.dtype)  # a donated `out` is free for XLA to reuse here
     if T_q == 0:
         return out

@@ -24,11 +24,11 @@ from dsv4_jax.prefill_metadata import (
     TOK_INDEX,
     TOK_POSITION,
     TOK_REQUEST,
-    KindShape,
+    KindMetadata,
 )
 
 
-def token_arrays(table):
+def step_tokens(table):
     """(tokens (3, L) int32: q row, batch request, absolute position per planned token; the
     token count, a traced int32 scalar) from a kind's metadata table (traced).
 
@@ -44,17 +44,30 @@ def token_arrays(table):
     return jnp.stack([table[TOK_INDEX], request, table[TOK_POSITION]]), table[SCALARS, 1]
 
 
-def layer(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_scale: float, out=None):
-    """The layer's output (T_q, H, d_v) in q's dtype; rows of no planned token are 0. out: a
-    buffer the kernel writes into (aliased to the result)."""
-    tokens, count = token_arrays(table)
+def layer(
+    q,
+    meta: KindMetadata,
+    raw_kv,
+    compressed_kv=None,
+    *,
+    sm_scale: float,
+    attn_sink=None,
+    topk_indices=None,
+    out=None,
+):
+    """The layer's output (T_q, H, d_v) in q's dtype; rows of no planned token are 0. The
+    arguments are `dsv4_jax.prefill.prefill_attention`'s, checked there (the caches as `PagedKV`
+    or `LogicalKV`); meta the layer kind's `KindMetadata` (traced: its table and static shape).
+    out: a buffer the kernel writes into (aliased to the result)."""
+    shape = meta.shape
+    tokens, count = step_tokens(meta.table)
     return cpu.prefill_attention(
         q,
         tokens,
         count,
-        raw,
-        comp,
-        topk_rows,
+        raw_kv,
+        compressed_kv,
+        topk_indices,
         attn_sink,
         kind=shape.kind.name,
         window=shape.window_size,

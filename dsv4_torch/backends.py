@@ -37,7 +37,7 @@ class Backend:
     unavailable: Callable[[torch.device], str | None]
     function: str = ""  # "module:function" of the sparse-attention kernel
     backward: bool = False  # has a backward pass (and attention dropout)
-    fused_prefill: bool = False  # the prefill runs one call per layer (no chunk loop, no workspace)
+    fused_prefill: str = ""  # "module:function" of a per-layer call that replaces the chunk loop
     ops: tuple[str, ...] = ()  # cache backends: the operations it has ("gather", "insert")
     serves: Callable[[torch.Tensor], str | None] = lambda q: None
 
@@ -131,7 +131,7 @@ ATTENTION = {
             ("cpu",),
             _cpu,
             "dsv4_torch.kernels.cpu:sparse_attention_cpu",
-            fused_prefill=True,
+            fused_prefill="dsv4_torch.prefill_cpu:layer",
         ),
         Backend(
             "reference",

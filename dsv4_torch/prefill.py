@@ -17,10 +17,12 @@ the kernel). Its result does not depend on the plan.
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import torch
 
-from dsv4_torch import kvcache, prefill_cpu
+from dsv4_torch import backends, kvcache
 from dsv4_torch.attention import (
     check_dropout,
     check_sink,
@@ -370,8 +372,10 @@ def prefill_attention(
     meta.last_backend = name
     sm_scale = check_sm_scale(sm_scale)  # checked once per layer call, not per chunk
     check_sink(attn_sink, H, q.device)
-    if name == "cpu":  # resolve_backend gives "cpu" only without gradient or dropout
-        return prefill_cpu.layer(
+    fused = backends.ATTENTION[name].fused_prefill  # no such backend serves gradients or dropout
+    if fused:  # a kernel that reads the caches itself: one call, no workspace, no chunk loop
+        module, fn = fused.split(":")
+        return getattr(importlib.import_module(module), fn)(
             q,
             meta,
             raw.source,

@@ -203,7 +203,7 @@ def test_user_jit_and_padding_never_read():
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_token_arrays_name_the_batch_request(policy):
+def test_step_tokens_name_the_batch_request(policy):
     """TOK_REQUEST is chunk-local: the kernel gets the batch request (q rows are request-major, so
     a token's request is the one whose query rows hold its q row)."""
     case = boundary_cases(4)[2]
@@ -212,7 +212,7 @@ def test_token_arrays_name_the_batch_request(policy):
     step = P.plan_step(case.batch, case.plan_config(policy=policy, order="length", **extra), [case.layer])
     kp = step[case.kind]
     meta = JP.build_step_metadata(step, index_topk=case.topk, **FAST)[case.kind]
-    tokens, count = jax.jit(prefill_cpu.token_arrays)(meta.table)
+    tokens, count = jax.jit(prefill_cpu.step_tokens)(meta.table)
     T = case.batch.num_tokens
     assert int(count) == T and (kp.num_chunks > 1 or policy == "fixed")
     owner = np.repeat(np.arange(len(case.query_lens)), case.query_lens)

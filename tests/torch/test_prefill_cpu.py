@@ -304,7 +304,7 @@ def test_auto_resolves_once_per_layer_and_skips_the_chunk_loop(monkeypatch):
     assert_oracle_close(out, want, torch.float32)
 
 
-def test_token_arrays_built_once_per_step():
+def test_step_tokens_built_once_per_step():
     case = boundary_cases(4)[3]  # requests with query_len == 0 in the batch
     step = P.plan_step(case.batch, case.plan_config(order="length", policy="per_request"), P.V4_LAYERS)
     meta = TP.build_step_metadata(step, index_topk=case.topk)
