@@ -130,9 +130,14 @@ def run_jax(step, spec, layer, topk, scale, backend):
     raw, comp, q, rows, sink = layer
     meta = JP.build_step_metadata(step, index_topk=topk)
     kmeta = meta[spec.kind]
-    raw_kv = JP.LogicalKV.from_list(raw)
-    comp_kv = JP.LogicalKV.from_list(comp) if spec.has_compressed else None
-    q_pad, rows_pad = meta.pad_tokens(q), None if rows is None else meta.pad_tokens(rows)
+    import jax.numpy as jnp
+
+    # on the device once (NumPy rows would be copied to it on every call)
+    raw_kv = JP.LogicalKV.from_list([jnp.asarray(x) for x in raw])
+    comp_kv = JP.LogicalKV.from_list([jnp.asarray(x) for x in comp]) if spec.has_compressed else None
+    q_pad = jnp.asarray(meta.pad_tokens(q))
+    rows_pad = None if rows is None else jnp.asarray(meta.pad_tokens(rows))
+    sink = jnp.asarray(sink)
     call = lambda: JP.prefill_attention(
         q_pad, kmeta, raw_kv, comp_kv, sm_scale=scale, attn_sink=sink, topk_indices=rows_pad, backend=backend
     ).block_until_ready()
