@@ -9,7 +9,7 @@ submitted at once) on the official-format checkpoint of `tools.official_checkpoi
 (head_dim 512, index_topk 512, window 128, 64 experts top-6, FP8 / FP4 weights; hidden 256 and
 --heads query heads: V4-Flash's attention geometry per head at a width 2 CPU cores finish):
 1. vLLM + the plugin, prefill attention through vLLM's own `flash_mla_with_kvcache_cpu`;
-2. vLLM + the plugin, prefill attention through our CPU kernel (planner/csrc);
+2. vLLM + the plugin, prefill attention through our CPU kernel (dsv4_cpu);
    (same engine, the kernel switched by DSV4_PREFILL_VLLM_CPU_PREFILL, prefix caching off, after
    an untimed warm-up batch; the two alternate for --repeats rounds, medians reported);
 3. our JAX model (`dsv4_jax.model.generate.JaxGenerator`, bfloat16, fp8_ds_mla cache) on the same

@@ -9,7 +9,7 @@ when vLLM imports the module:
   indexer's prefill rows and decode lengths. vLLM launches Triton kernels there, which need the
   unpublished triton-cpu fork; the SWA builder's tile-scheduler keys are answered (all five);
 - attention (`DeepseekV4CPUAttention.forward_mqa`, `dsv4_torch.vllm.cpu_attention`): prefill tokens through our CPU kernel
-  (`planner/csrc`, `dsv4_prefill_attention`, reading vLLM's fp8_ds_mla pages in place), decode
+  (`dsv4_cpu`, `dsv4_prefill_attention`, reading vLLM's fp8_ds_mla pages in place), decode
   tokens through vLLM's `flash_mla_with_kvcache_cpu` with slot lists built once per step per kind
   (the CSA top-k mapped per layer). `DSV4_PREFILL_VLLM_CPU_PREFILL=vllm` keeps vLLM's kernel for
   prefill tokens too (read once per step). A step part with no tokens never reaches a kernel;
@@ -42,7 +42,7 @@ from dsv4_torch.vllm.cpu_metadata import (
 logger = logging.getLogger("vllm.dsv4_prefill")
 
 PREFILL_ENV = "DSV4_PREFILL_VLLM_CPU_PREFILL"
-PREFILL_KERNELS = ("dsv4", "vllm")  # ours (planner/csrc) / vLLM's flash_mla_with_kvcache_cpu
+PREFILL_KERNELS = ("dsv4", "vllm")  # ours (dsv4_cpu) / vLLM's flash_mla_with_kvcache_cpu
 _PATCHED = "__dsv4_prefill_original__"
 
 M_PLATFORM = "vllm.platforms.cpu"
