@@ -1,6 +1,6 @@
 """The torch backend "cpu" (`dsv4_torch.kernels.cpu_attention`, the C kernel of `dsv4_cpu`) of
 `sparse_attention`: FlashMLA's contract against the float64 oracle, on every instruction set this
-machine runs (DSV4_PREFILL_CPU_ISA caps the kernel's choice; `planner.ckernel.isa_supported()`).
+machine runs (DSV4_PREFILL_CPU_ISA caps the kernel's choice; `dsv4_cpu.isa_supported()`).
 
 Tolerances (tests/parity/tolerances.py, the parity table):
 - float32 inputs: out within 1e-5 of the oracle relative to the largest |out| of the call;
