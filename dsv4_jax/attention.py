@@ -1,6 +1,6 @@
 """`dsv4_jax.sparse_attention`: the FlashMLA sparse-attention contract on `jax.Array`s.
 
-One entry point, six concrete backends behind it:
+One entry point, seven concrete backends behind it:
   "mosaic_gpu"       the Mosaic GPU kernel (`dsv4_jax.kernels.mosaic`): Hopper (SM90) GPUs,
                      jax >= 0.12, bf16, H in {16, 32, 64, 128}, D in {512, 576},
   "mosaic_interpret" the same kernel run by Mosaic GPU's interpret mode (CPU; jax >= 0.12; slow),
@@ -10,7 +10,9 @@ One entry point, six concrete backends behind it:
                      cpu_attention`): CPU arrays, bf16 or float32, built on first use with the
                      system compilers; no backward (a gradient through it raises),
   "xla"              the plain-jnp reference (any platform; fp32 math, tiled, deterministic).
-Requested names: "auto" (mosaic_gpu on an SM90 GPU with jax >= 0.12 for the inputs it serves,
+  "mosaic_tpu"       the Pallas TPU kernel (`dsv4_jax.kernels.mosaic_tpu`): TPU devices, bf16 or
+                     float32; `interpret=True` runs it in TPU interpret mode anywhere (slow).
+Requested names: "auto" (mosaic_tpu on TPU devices for bf16 / float32; mosaic_gpu on an SM90 GPU with jax >= 0.12 for the inputs it serves,
 else pallas_triton on an NVIDIA GPU; on the CPU, cpu for bf16 / float32 where the C kernel
 builds; else xla), "mosaic" (mosaic_gpu on an SM90 GPU, else mosaic_interpret where there is
 no NVIDIA GPU), "pallas" (pallas_triton on an NVIDIA GPU, else pallas_interpret), or one of the
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax import devices
-from dsv4_jax.kernels import cpu_attention
+from dsv4_jax.kernels import cpu_attention, mosaic_tpu
 from dsv4_jax.kernels import mosaic as mosaic_kernel
 from dsv4_jax.kernels.pallas_triton import sparse_attention_pallas
 from dsv4_jax.kernels.xla import sparse_attention_xla
@@ -106,7 +108,31 @@ def available_backends(*arrays) -> dict[str, str | None]:
         "pallas_interpret": None,
         "mosaic_gpu": _mosaic_gpu_unavailable_for(arrays),
         "mosaic_interpret": _mosaic_interpret_unavailable(),
+        "mosaic_tpu": _mosaic_tpu_unavailable_for(arrays),
     }
+
+
+def _mosaic_tpu_unavailable_for(arrays, interpret=False) -> str | None:
+    """None if the Pallas TPU kernel can run (compiled: on TPU devices, or inside
+    `mosaic_tpu.compile_target`; interpreted: anywhere Pallas TPU imports), else why not."""
+    if interpret:
+        return mosaic_tpu.unavailable_reason()
+    if mosaic_tpu.compile_target_chip() is not None:
+        return mosaic_tpu.unavailable_reason()  # compiling for a chosen TPU from here
+    platforms = sorted({d.platform for d in devices.devices_for(arrays)})
+    if platforms != ["tpu"]:
+        return (
+            f"compiles for TPU arrays, but the arrays are on {', '.join(platforms) or 'no device'}; pass "
+            "interpret=True to run it in TPU interpret mode, or compile for a chip inside "
+            "dsv4_jax.kernels.mosaic_tpu.compile_target"
+        )
+    return mosaic_tpu.unavailable_reason()
+
+
+def _on_tpu(arrays, q) -> bool:
+    if {d.platform for d in devices.devices_for(arrays)} != {"tpu"}:
+        return False
+    return q is None or getattr(q, "dtype", None) is None or jnp.dtype(q.dtype) in mosaic_tpu.DTYPES
 
 
 def _mosaic_serves(q) -> bool:
@@ -118,7 +144,7 @@ def _mosaic_serves(q) -> bool:
     return q.shape[1] in mosaic_kernel.HEADS and q.shape[2] in mosaic_kernel.HEAD_DIMS
 
 
-def resolve_backend(backend: str = "auto", *arrays) -> str:
+def resolve_backend(backend: str = "auto", *arrays, interpret=False) -> str:
     """The concrete backend (one of `CONCRETE_BACKENDS`) a request runs.
 
     The choice follows the devices of `arrays` when some are concrete and committed (e.g.
@@ -128,13 +154,31 @@ def resolve_backend(backend: str = "auto", *arrays) -> str:
     128}, D in {512, 576}); others go to pallas_triton. On the CPU, "auto" takes cpu for bf16
     and float32 q (or no q) where the C kernel builds, else xla (float16 always).
 
+    On TPU devices "auto" takes mosaic_tpu (bf16 / float32 q; else xla). `interpret` (True or a
+    `pltpu.InterpretParams`) is an option of "mosaic_tpu" only: its TPU interpret mode, anywhere.
+
     Raises ValueError for an unknown name and `BackendUnavailableError` (a RuntimeError), with
     the reason, for a named backend that cannot run on those devices.
     """
     if backend not in REQUESTABLE_BACKENDS:
         raise ValueError(f"backend: expected one of {REQUESTABLE_BACKENDS}, got {backend!r}")
-    triton_missing = _triton_unavailable_for(arrays)
     q = arrays[0] if arrays else None
+    if interpret is not False and interpret is not None:
+        if backend != "mosaic_tpu":
+            raise ValueError(
+                f"interpret: an option of backend='mosaic_tpu' only, got backend={backend!r} "
+                "(the GPU kernels' interpreters are 'pallas_interpret' and 'mosaic_interpret')"
+            )
+        if (reason := _mosaic_tpu_unavailable_for(arrays, interpret=True)) is not None:
+            raise backend_unavailable("mosaic_tpu", reason)
+        return "mosaic_tpu"
+    if backend == "mosaic_tpu":
+        if (reason := _mosaic_tpu_unavailable_for(arrays)) is not None:
+            raise backend_unavailable("mosaic_tpu", reason)
+        return "mosaic_tpu"
+    if backend == "auto" and _on_tpu(arrays, q):
+        return "mosaic_tpu"
+    triton_missing = _triton_unavailable_for(arrays)
     if backend == "auto":
         if not triton_missing and _mosaic_serves(q) and _mosaic_gpu_unavailable_for(arrays) is None:
             return "mosaic_gpu"
@@ -210,7 +254,9 @@ def check_inputs(q, kv, indices, sm_scale, attn_sink=None, topk_length=None):
     return jnp.asarray(q), jnp.asarray(kv), jnp.asarray(indices), sm_scale, attn_sink, topk_length
 
 
-def sparse_attention(q, kv, indices, sm_scale, attn_sink=None, topk_length=None, *, backend: str = "auto"):
+def sparse_attention(
+    q, kv, indices, sm_scale, attn_sink=None, topk_length=None, *, backend: str = "auto", interpret=False
+):
     """Sparse MQA attention over gathered KV rows (FlashMLA `flash_mla_sparse_fwd` contract).
 
     Args:
@@ -228,7 +274,9 @@ def sparse_attention(q, kv, indices, sm_scale, attn_sink=None, topk_length=None,
         The Mosaic kernel takes bf16 only, H in {16, 32, 64, 128} and D in {512, 576}; other
         inputs named for it raise ValueError. "cpu" takes bf16 and float32 (float16 named for it
         raises BackendUnavailableError) and has no backward: a gradient through it raises
-        NotImplementedError.
+        NotImplementedError. "mosaic_tpu" takes bf16 and float32.
+      interpret: backend "mosaic_tpu" only: True or a `pltpu.InterpretParams` runs the TPU kernel
+        in TPU interpret mode (CPU; slow); False compiles it (a TPU is needed).
 
     Returns:
       out: (T, H, d_v), q.dtype: 0 for a token without a valid key; with a sink, scaled by
@@ -241,7 +289,7 @@ def sparse_attention(q, kv, indices, sm_scale, attn_sink=None, topk_length=None,
     checked at trace time; indices and lengths may be traced).
     """
     q, kv, indices, sm_scale, attn_sink, topk_length = check_inputs(q, kv, indices, sm_scale, attn_sink, topk_length)
-    concrete = resolve_backend(backend, q, kv, indices)
+    concrete = resolve_backend(backend, q, kv, indices, interpret=interpret)
     logger.debug(
         "sparse_attention: backend %r -> %s (T=%d H=%d D=%d S=%d K=%d %s)",
         backend,
@@ -255,6 +303,10 @@ def sparse_attention(q, kv, indices, sm_scale, attn_sink=None, topk_length=None,
         return sparse_attention_xla(q, kv, indices, sm_scale, attn_sink, topk_length)
     if concrete == "cpu":
         return cpu_attention.sparse_attention(q, kv, indices, sm_scale, attn_sink, topk_length)
+    if concrete == "mosaic_tpu":
+        return mosaic_tpu.sparse_attention_mosaic_tpu(
+            q, kv, indices, sm_scale, attn_sink, topk_length, interpret=interpret or False
+        )
     if concrete in ("mosaic_gpu", "mosaic_interpret"):
         return mosaic_kernel.sparse_attention_mosaic(
             q, kv, indices, sm_scale, attn_sink, topk_length, interpret=(concrete == "mosaic_interpret")

@@ -240,9 +240,27 @@ def _tile_indices(f: _Fields, shape: KindShape, c, k, valid, topk_rows):
 TRACE_COUNT = {"prefill": 0}  # traces of `_prefill_jit`; each is one compilation
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "sm_scale", "backend", "fill"), donate_argnames=("out",))
+@functools.partial(
+    jax.jit,
+    static_argnames=("shape", "sm_scale", "backend", "fill", "interpret", "chip", "block_k"),
+    donate_argnames=("out",),
+)
 def _prefill_jit(
-    q, table, raw, comp, topk_rows, attn_sink, out=None, *, shape: KindShape, sm_scale: float, backend: str, fill=0.0
+    q,
+    table,
+    raw,
+    comp,
+    topk_rows,
+    attn_sink,
+    out=None,
+    *,
+    shape: KindShape,
+    sm_scale: float,
+    backend: str,
+    fill=0.0,
+    interpret=None,
+    chip=None,
+    block_k=None,
 ):
     """The layer call. `out`: a donated buffer for the result (None: XLA allocates it). `fill`:
     the workspace's initial value (tests pass NaN: rows no chunk wrote must never reach an output)."""
@@ -251,6 +269,22 @@ def _prefill_jit(
     T_q, H, D = q.shape
     if backend == "cpu" and T_q:  # the C kernel reads the caches itself: one call, no workspace, no chunk loop
         return prefill_cpu.layer(q, table, raw, comp, topk_rows, attn_sink, shape=shape, sm_scale=sm_scale, out=out)
+    if backend == "mosaic_tpu" and T_q:  # the Pallas TPU kernel reads the caches per query tile: no workspace
+        from dsv4_jax.kernels import mosaic_tpu_prefill
+
+        return mosaic_tpu_prefill.layer(
+            q,
+            table,
+            raw,
+            comp,
+            topk_rows,
+            attn_sink,
+            shape=shape,
+            sm_scale=sm_scale,
+            interpret=interpret,
+            chip=chip,
+            block_k=block_k,
+        )
     out = jnp.zeros((T_q, H, value_dim(D)), q.dtype)  # a donated `out` is free for XLA to reuse here
     if T_q == 0:
         return out
@@ -290,6 +324,7 @@ def prefill_attention(
     topk_indices=None,
     backend: str = "auto",
     out=None,
+    interpret=False,
 ):
     """Sparse prefill attention of one layer for all prefill tokens of the step. Jit-compatible.
 
@@ -313,6 +348,8 @@ def prefill_attention(
         when `meta` is the caller's object (outside `jax.jit`). Inside a user's `jax.jit` the
         call gets a copy of `meta` that JAX rebuilt, so the caller's `last_backend` is not set;
         `dsv4_jax.resolve_backend(backend)`, which this call uses, says which backend runs.
+      interpret: backend "mosaic_tpu" only: True (or a `pltpu.InterpretParams`) runs its kernel in
+        TPU interpret mode (CPU; slow); False compiles it for the TPU.
       out: optional (T_q, H, d_v) array in q's dtype, DONATED: the result is written into its
         memory (`out = prefill_attention(..., out=out)`; the array passed in is deleted). Saves
         allocating the output per call (outside a jitted model each call would otherwise get
@@ -353,10 +390,17 @@ def prefill_attention(
                 f"out: expected a {want} {jnp.dtype(q.dtype)} array, got {_shape(out)} "
                 f"{getattr(out, 'dtype', type(out).__name__)}"
             )
-    name = resolve_backend(backend, q)
+    name = resolve_backend(backend, q, interpret=interpret)
     meta.last_backend = name
+    tpu = {}
+    if name == "mosaic_tpu":
+        from dsv4_jax.kernels import mosaic_tpu
+
+        params = mosaic_tpu.interpret_params(interpret)
+        chip = None if params is not None else mosaic_tpu.target_chip()
+        tpu = dict(interpret=params, chip=chip, block_k=mosaic_tpu.R.block_k_override())
     return _prefill_jit(
-        q, meta.table, raw, comp, topk_rows, attn_sink, out, shape=shape, sm_scale=float(sm_scale), backend=name
+        q, meta.table, raw, comp, topk_rows, attn_sink, out, shape=shape, sm_scale=float(sm_scale), backend=name, **tpu
     )
 
 

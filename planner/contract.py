@@ -207,8 +207,10 @@ ORDERS = ("batch", "length")  # `order=`: how the planner scans requests
 SIZES = ("bucket", "fine", "server")  # `sizes=`: how jitted prefill pads its static shapes
 BACKENDS = {  # `backend=`: the sparse-attention kernel, per framework ("auto" picks one)
     "torch": ("flashmla", "triton", "cpu", "reference"),
-    "jax": ("xla", "cpu", "pallas", "pallas_triton", "pallas_interpret", "mosaic", "mosaic_gpu", "mosaic_interpret"),
-}
+    "jax": (
+        "xla", "cpu", "pallas", "pallas_triton", "pallas_interpret", "mosaic", "mosaic_gpu", "mosaic_interpret", "mosaic_tpu",
+    ),
+}  # fmt: skip
 # `backend=` of the fp8_ds_mla cache functions (`quantize_and_insert_k_cache`,
 # `dequantize_and_gather_k_cache`), per framework ("auto" picks one; JAX's "pallas" resolves to
 # pallas_triton or pallas_interpret). "cpu" is the C gather (`planner.ckernel`): gathers only.

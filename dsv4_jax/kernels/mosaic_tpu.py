@@ -37,7 +37,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsv4_jax.kernels import mosaic_tpu_rows as R
-from dsv4_jax.kernels.mosaic_tpu_rows import block_shapes, compile_target, target_chip  # noqa: F401
+from dsv4_jax.kernels.mosaic_tpu_rows import (  # noqa: F401  (re-exported)
+    block_shapes,
+    compile_target,
+    compile_target_chip,
+    override_block_k,
+    target_chip,
+)
 from dsv4_jax.kernels.xla import no_key_result
 from planner.contract import backend_unavailable, value_dim
 
@@ -325,6 +331,7 @@ def sparse_attention_mosaic_tpu(
         chip = target_chip()
     if block_k is not None and (block_k < 8 or block_k % 8):
         raise ValueError(f"block_k: expected a positive multiple of 8, got {block_k}")
+    block_k = block_k or R.block_k_override()
     return _flat_call(
         q, kv, indices, float(sm_scale), attn_sink, topk_length, interpret=params, chip=chip, block_k=block_k
     )

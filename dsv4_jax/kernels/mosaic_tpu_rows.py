@@ -80,6 +80,24 @@ def compile_target_chip() -> str | None:
     return getattr(_target, "chip", None)
 
 
+@contextlib.contextmanager
+def override_block_k(block_k: int):
+    """Calls inside use key blocks of `block_k` rows instead of the chip's MXU width (tests: TPU
+    interpret mode simulates each DMA, and small blocks mean fewer of them)."""
+    if isinstance(block_k, bool) or not isinstance(block_k, int) or block_k < 8 or block_k % 8:
+        raise ValueError(f"block_k: expected a positive multiple of 8, got {block_k!r}")
+    old = getattr(_target, "block_k", None)
+    _target.block_k = block_k
+    try:
+        yield block_k
+    finally:
+        _target.block_k = old
+
+
+def block_k_override() -> int | None:
+    return getattr(_target, "block_k", None)
+
+
 def tpu_device_chip() -> str | None:
     """The chip of JAX's first device when it is a TPU, else None."""
     try:
@@ -199,7 +217,11 @@ class RowSource:
         return KV.HEAD_DIM if self.fp8 else self.width
 
     def data_shape(self, bk: int):
-        return (2, bk, self.group, self.width)
+        """The double-buffered data buffer: groups packed 2-D (a group's rows share 32-bit words,
+        so no tile padding), whole pages 3-D (one page per leading index)."""
+        if self.whole_page:
+            return (2, bk, self.rows_per_page, self.width)
+        return (2, bk * self.group, self.width)
 
     def zero_arrays(self):
         """Zero windows DMA'd for invalid entries (one per DMA shape)."""
@@ -237,12 +259,12 @@ def issue_row(src: RowSource, hbm, zeros, bufs, sems, slot, i, ok, page, row):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
-    data_buf = bufs[0].at[slot, i]
     if src.whole_page:
-        window = hbm.at[page]
+        window, data_buf = hbm.at[page], bufs[0].at[slot, i]
     else:
         g = src.group
         window = hbm.at[page, pl.ds(pl.multiple_of(row & ~(g - 1), g), g)]
+        data_buf = bufs[0].at[slot, pl.ds(pl.multiple_of(i * g, g), g)]
 
     @pl.when(ok)
     def _():
@@ -268,7 +290,7 @@ def wait_rows(src: RowSource, bufs, sems, slot):
 
 
 def _pick(buf, slot, sub, n, as_int: bool):
-    """Row sub[i] (a (BK, 1) int32 column) of each of the BK groups of buf[slot] (BK, n, W)."""
+    """Row sub[i] (a (BK, 1) int32 column) of each of the BK pages of buf[slot] (BK, n, W)."""
     out = None
     for r in range(n):
         x = buf[slot, :, r, :]
@@ -278,22 +300,41 @@ def _pick(buf, slot, sub, n, as_int: bool):
     return out
 
 
+def _unpack_group(buf, slot, sub, g: int):
+    """Row sub[i] of group i of a packed (BK * g, W) buffer: the g rows of a group share each
+    32-bit word (row g*i + k in bits 16k or 8k), so a bitcast to uint32 and a shift pick it.
+    Returns uint32 (BK, W): bf16 bits in the high half (g = 2), or the byte (g = 4)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    w = pltpu.bitcast(buf[slot], jnp.uint32)
+    if g == 2:
+        return jnp.where(sub == 0, w << 16, w & jnp.uint32(0xFFFF0000))
+    return (w >> (8 * sub).astype(jnp.uint32)) & jnp.uint32(0xFF)
+
+
 def load_rows(src: RowSource, bufs, slot, entry, compute_dtype):
     """The gathered block (BK, out_dim) in `compute_dtype` from the buffers of `slot`.
 
     entry: (BK, 1) int32 column: each row's index inside its page (paged) or array row (flat),
     i.e. the `row` its DMA was issued with (any value for zero-filled rows).
     """
+    from jax.experimental.pallas import tpu as pltpu
+
+    g = src.group
     if not src.fp8:
-        sub = entry if src.whole_page else (entry & (src.group - 1))
-        rows = _pick(bufs[0], slot, sub, src.group, False)
+        if src.whole_page:
+            rows = _pick(bufs[0], slot, entry, src.rows_per_page, False)
+        elif g == 1:
+            rows = bufs[0][slot]
+        else:
+            rows = pltpu.bitcast(_unpack_group(bufs[0], slot, entry & (g - 1), g), jnp.float32)
         return rows.astype(compute_dtype)
     S = src.page_size
     if src.whole_page:
         data = _pick(bufs[0], slot, entry, S, True)
         region = [bufs[0][slot, :, S + r, :].astype(jnp.int32) for r in range(src.rows_per_page - S)]
     else:
-        data = _pick(bufs[0], slot, entry & 3, 4, True)
+        data = _unpack_group(bufs[0], slot, entry & 3, 4).astype(jnp.int32)
         region = [bufs[1][slot, :, r, :].astype(jnp.int32) for r in range(src.scale_rows)]
     return decode_fp8(data, region, entry, compute_dtype)
 
