@@ -242,7 +242,7 @@ TRACE_COUNT = {"prefill": 0}  # traces of `_prefill_jit`; each is one compilatio
 
 @functools.partial(
     jax.jit,
-    static_argnames=("shape", "sm_scale", "backend", "fill", "interpret", "chip", "block_k"),
+    static_argnames=("shape", "sm_scale", "backend", "fill", "interpret", "tpu_shapes"),
     donate_argnames=("out",),
 )
 def _prefill_jit(
@@ -259,8 +259,7 @@ def _prefill_jit(
     backend: str,
     fill=0.0,
     interpret=None,
-    chip=None,
-    block_k=None,
+    tpu_shapes=None,
 ):
     """The layer call. `out`: a donated buffer for the result (None: XLA allocates it). `fill`:
     the workspace's initial value (tests pass NaN: rows no chunk wrote must never reach an output)."""
@@ -282,8 +281,7 @@ def _prefill_jit(
             shape=shape,
             sm_scale=sm_scale,
             interpret=interpret,
-            chip=chip,
-            block_k=block_k,
+            shapes=tpu_shapes,
         )
     out = jnp.zeros((T_q, H, value_dim(D)), q.dtype)  # a donated `out` is free for XLA to reuse here
     if T_q == 0:
@@ -398,7 +396,7 @@ def prefill_attention(
 
         params = mosaic_tpu.interpret_params(interpret)
         chip = None if params is not None else mosaic_tpu.target_chip()
-        tpu = dict(interpret=params, chip=chip, block_k=mosaic_tpu.R.block_k_override())
+        tpu = dict(interpret=params, tpu_shapes=mosaic_tpu.block_shapes(chip))
     return _prefill_jit(
         q, meta.table, raw, comp, topk_rows, attn_sink, out, shape=shape, sm_scale=float(sm_scale), backend=name, **tpu
     )

@@ -228,8 +228,8 @@ def _flat_kernel(
         lse_ref[pl.ds(t, 1), :] = R.row_of(lse)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "chip", "block_k"))
-def _flat_call(q, kv, indices, sm_scale, attn_sink, topk_length, *, interpret, chip, block_k):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "shapes"))
+def _flat_call(q, kv, indices, sm_scale, attn_sink, topk_length, *, interpret, shapes: R.BlockShapes):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
@@ -238,7 +238,6 @@ def _flat_call(q, kv, indices, sm_scale, attn_sink, topk_length, *, interpret, c
     d_v = value_dim(D)
     if T == 0 or S == 0 or K == 0:
         return no_key_result(T, H, d_v, q.dtype)
-    shapes = block_shapes(chip, block_k)
     bk = shapes.block_k
     g, sub = R.packing(q.dtype), R.sublanes(q.dtype)
     Hp, Kp = -(-H // sub) * sub, -(-K // bk) * bk
@@ -331,7 +330,5 @@ def sparse_attention_mosaic_tpu(
         chip = target_chip()
     if block_k is not None and (block_k < 8 or block_k % 8):
         raise ValueError(f"block_k: expected a positive multiple of 8, got {block_k}")
-    block_k = block_k or R.block_k_override()
-    return _flat_call(
-        q, kv, indices, float(sm_scale), attn_sink, topk_length, interpret=params, chip=chip, block_k=block_k
-    )
+    shapes = block_shapes(chip, block_k)
+    return _flat_call(q, kv, indices, float(sm_scale), attn_sink, topk_length, interpret=params, shapes=shapes)

@@ -50,6 +50,8 @@ from dsv4_jax.prefill_metadata import SCALARS, TILE_POSITION, TILE_Q_ROW, KindSh
 from planner import LayerKind
 from planner.contract import value_dim
 
+ROW_CHUNK = 256  # query rows per dense product: 2 tokens at H = 128, 4 at H = 64
+
 
 @dataclass(frozen=True)
 class _Config:
@@ -61,6 +63,7 @@ class _Config:
     d: int
     d_v: int
     bk: int
+    row_chunk: int  # query rows per dense product (whole tokens)
     topk: int  # CSA: columns of the top-k rows used (the indexer's topk)
     sm_scale: float
     raw: R.RowSource
@@ -108,7 +111,7 @@ def _kernel(r: dict, cfg: _Config):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
-    BT, Hp, bk, M = cfg.bt, cfg.hp, cfg.bk, cfg.bt * cfg.hp
+    BT, Hp, bk = cfg.bt, cfg.hp, cfg.bk
     tiles, q2, sems = r["tiles"], r["q2"], r["sems"]
     i = pl.program_id(0)
     q_row0, n, b, p0 = tiles[0, i], tiles[1, i], tiles[2, i], tiles[3, i]
@@ -151,13 +154,18 @@ def _kernel(r: dict, cfg: _Config):
 
     acc, m_ref, l_ref = r["acc"], r["m"], r["l"]
     R.init_state(acc, m_ref, l_ref)
-    row_tok = jnp.zeros((M, 1), jnp.int32)  # the tile token of each of the M query rows
-    iota_m = lax.broadcasted_iota(jnp.int32, (M, 1), 0)
-    for u in range(1, BT):
-        row_tok = row_tok + (iota_m >= u * Hp).astype(jnp.int32)
-    all_rows = pl.ds(0, M)
+    # Dense products go over the M rows in chunks of RC rows (whole tokens): one chunk's code,
+    # looped, instead of M-row vector code (Mosaic compiles it several times faster).
+    RC = cfg.row_chunk
+    per_chunk = RC // Hp  # tokens per chunk
+    iota_rc = lax.broadcasted_iota(jnp.int32, (RC, 1), 0)
+    local_tok = jnp.zeros((RC, 1), jnp.int32)
+    for u in range(1, per_chunk):
+        local_tok = local_tok + (iota_rc >= u * Hp).astype(jnp.int32)
 
     def dense_phase(src: R.RowSource, prefix: str, first_block, num_blocks, ok_entry, valid_fn):
+        """Blocks first_block .. of entries shared by the tile; valid_fn(cols (1, BK), tok (RC, 1))
+        -> (RC, BK): which keys each row of a chunk sees (tok: the rows' tile tokens)."""
         bufs, ssems = r[prefix + "_bufs"], r[prefix + "_sems"]
         zeros, locate = r[prefix + "_zeros"], _locator(src, r, prefix, b)
         rows_of = _row_vector(src, r, prefix, b)
@@ -179,22 +187,20 @@ def _kernel(r: dict, cfg: _Config):
             entries = base + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
             keys = R.load_rows(src, bufs, slot, rows_of(entries), dtype)
             cols = base + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-            R.softmax_update(acc, m_ref, l_ref, all_rows, q2[...], keys, valid_fn(cols), cfg.sm_scale, cfg.d_v)
+
+            def chunk(c, carry):
+                rows = pl.ds(pl.multiple_of(c * RC, RC), RC)
+                valid = valid_fn(cols, c * per_chunk + local_tok)
+                R.softmax_update(acc, m_ref, l_ref, rows, q2[rows, :], keys, valid, cfg.sm_scale, cfg.d_v)
+                return carry
+
+            lax.fori_loop(0, lax.div(n + per_chunk - 1, per_chunk), chunk, 0)  # chunks holding a token
 
         pipeline(num_blocks, issue, lambda slot: R.wait_rows(src, bufs, ssems, slot), compute)
 
-    def per_token(fn):
-        """(M, 1) column of a per-token scalar fn(t), 0 for rows of no token."""
-        column = jnp.zeros((M, 1), jnp.int32)
-        for t in range(BT):
-            column = jnp.where(row_tok == t, fn(t), column)
-        return column
-
-    live = row_tok < n
     # 2. the compressed part
     if cfg.kind is LayerKind.HCA:
         ratio = cfg.ratio
-        visible = per_token(lambda t: lax.div(p0 + t + 1, ratio))
         num = lax.div(p_last + 1, ratio)  # entries the last token sees
         dense_phase(
             cfg.comp,
@@ -202,7 +208,7 @@ def _kernel(r: dict, cfg: _Config):
             jnp.int32(0),
             lax.div(num + bk - 1, bk),
             lambda e: e < num,
-            lambda cols: (cols < visible) & live,
+            lambda cols, tok: (cols < lax.div(p0 + tok + 1, ratio)) & (tok < n),
         )
     elif cfg.kind is LayerKind.CSA:
         _topk_phase(r, cfg, b, p0, n, dtype)
@@ -210,14 +216,13 @@ def _kernel(r: dict, cfg: _Config):
     W = cfg.window
     lo = jnp.maximum(p0 - W + 1, 0)
     first = lax.div(lo, bk)
-    pos = p0 + row_tok
     dense_phase(
         cfg.raw,
         "raw",
         first,
         lax.div(p_last, bk) - first + 1,
         lambda e: (e >= lo) & (e <= p_last),
-        lambda cols: (cols <= pos) & (cols > pos - W) & live,
+        lambda cols, tok: (cols <= p0 + tok) & (cols > p0 + tok - W) & (tok < n),
     )
     # 4. outputs
     sink = R.col(r["sink"][...])
@@ -296,21 +301,21 @@ def vmem_bytes(cfg_bt: int, hp: int, d: int, dtype, bk: int, raw: R.RowSource, c
     return size
 
 
-def layer(
-    q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_scale: float, interpret, chip, block_k=None
-):
+def layer(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_scale: float, interpret, shapes=None):
     """The layer's output (T_q, H, d_v) in q's dtype; rows of no planned token are 0.
 
     q (T_q, H, D); table: the kind's metadata table (traced); raw / comp: `PagedKV` or
     `LogicalKV` (comp None for SWA); topk_rows (T', topk) int32 for CSA; attn_sink (H,) f32 or None.
-    interpret: None (compile for `chip`) or a `pltpu.InterpretParams`.
+    interpret: None (compile) or a `pltpu.InterpretParams`. shapes: the `BlockShapes` (default:
+    `block_shapes(target_chip())` compiled, the interpret ones otherwise).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
     T_q, H, D = q.shape
     dtype, d_v = q.dtype, value_dim(D)
-    shapes = R.block_shapes(chip, block_k)
+    if shapes is None:
+        shapes = R.block_shapes(None if interpret is not None else R.target_chip())
     bk, BT = shapes.block_k, shape.query_tile
     Hp = -(-H // R.sublanes(dtype)) * R.sublanes(dtype)
     if Hp != H:
@@ -382,9 +387,12 @@ def layer(
     scratch_add("out_v", pltpu.VMEM((BT, Hp, d_v), dtype))
     scratch_add("sems", pltpu.SemaphoreType.DMA((4,)))
 
+    row_chunk = Hp * max(1, min(BT, ROW_CHUNK // Hp))
+    if BT % (row_chunk // Hp):
+        raise ValueError(f"query_tile: {BT} tokens do not split into chunks of {row_chunk // Hp} (use a power of two)")
     cfg = _Config(
-        shape.kind, shape.window_size, shape.compress_ratio, BT, Hp, D, d_v, bk, topk, sm_scale, raw_src, comp_src,
-        tuple(names),
+        shape.kind, shape.window_size, shape.compress_ratio, BT, Hp, D, d_v, bk, row_chunk, topk, sm_scale, raw_src,
+        comp_src, tuple(names),
     )  # fmt: skip
 
     def body(*refs):

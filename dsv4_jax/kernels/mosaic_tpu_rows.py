@@ -62,18 +62,19 @@ def chip_of_kind(device_kind: str) -> str | None:
 
 
 @contextlib.contextmanager
-def compile_target(chip: str):
+def compile_target(chip: str, *, vmem_limit: int | None = None):
     """Compile the mosaic_tpu kernels for `chip` ("v5e", "v6e", "v5p", "v4", "7x") inside this
     block, on a machine without that TPU (with libtpu installed: AOT compiles for a
-    `jax.experimental.topologies` device). Also lets backend="mosaic_tpu" resolve here."""
+    `jax.experimental.topologies` device). Also lets backend="mosaic_tpu" resolve here.
+    vmem_limit: the scoped-VMEM limit given to Mosaic instead of `block_shapes`' (probes)."""
     if chip not in CHIPS:
         raise ValueError(f"chip: expected one of {CHIPS}, got {chip!r}")
-    old = getattr(_target, "chip", None)
-    _target.chip = chip
+    old = getattr(_target, "chip", None), getattr(_target, "vmem_limit", None)
+    _target.chip, _target.vmem_limit = chip, vmem_limit
     try:
         yield chip
     finally:
-        _target.chip = old
+        _target.chip, _target.vmem_limit = old
 
 
 def compile_target_chip() -> str | None:
@@ -132,8 +133,9 @@ class BlockShapes:
     vmem_capacity: int  # the chip's VMEM per TensorCore
 
 
-def block_shapes(chip: str | None, block_k: int | None = None) -> BlockShapes:
-    """The block shapes for `chip` (None: interpret mode, `INTERPRET_CHIP`'s).
+def block_shapes(chip: str | None = None, block_k: int | None = None) -> BlockShapes:
+    """The block shapes for `chip` (None: interpret mode, `INTERPRET_CHIP`'s); a call passes them to
+    its jitted kernel as one static argument, so a change of chip, block or limit recompiles.
 
     block_k = the MXU width (`mxu_column_size`: 128 on v4 / v5e / v5p, 256 on v6e / 7x), so that
     one key block fills one MXU pass of QK^T (N) and of PV (K). The VMEM limit given to Mosaic is
@@ -141,10 +143,10 @@ def block_shapes(chip: str | None, block_k: int | None = None) -> BlockShapes:
     for Mosaic's internal scratch; `vmem_bytes` of the prefill kernel checks its tiles against it.
     """
     info = chip_info(chip or INTERPRET_CHIP)
-    bk = int(block_k or info.mxu_column_size)
-    return BlockShapes(
-        chip or INTERPRET_CHIP, bk, int(info.vmem_capacity_bytes * 3 // 4), int(info.vmem_capacity_bytes)
-    )
+    bk = int(block_k or block_k_override() or info.mxu_column_size)
+    limit = getattr(_target, "vmem_limit", None) if chip is not None else None
+    limit = int(limit or info.vmem_capacity_bytes * 3 // 4)
+    return BlockShapes(chip or INTERPRET_CHIP, bk, limit, int(info.vmem_capacity_bytes))
 
 
 # ----------------------------------------------------------------------------- small vector helpers
