@@ -309,7 +309,9 @@ def test_xla_plan_invariance():
 
 def test_backend_resolution_on_this_machine(caplog):
     available = dsv4_jax.available_backends()
-    assert set(available) == {"xla", "cpu", "pallas_triton", "pallas_interpret", "mosaic_gpu", "mosaic_interpret"}
+    assert set(available) == {
+        "xla", "cpu", "pallas_triton", "pallas_interpret", "mosaic_gpu", "mosaic_interpret", "mosaic_tpu",
+    }  # fmt: skip
     assert available["xla"] is None and available["pallas_interpret"] is None
     if available["mosaic_interpret"] is not None:  # jax < 0.12: both Mosaic backends say why
         assert "jax >= 0.12" in available["mosaic_interpret"] and "jax >= 0.12" in available["mosaic_gpu"]
@@ -321,6 +323,7 @@ def test_backend_resolution_on_this_machine(caplog):
             dsv4_jax.resolve_backend("mosaic_gpu")
     if jax.default_backend() == "cpu":
         assert "NVIDIA GPU" in available["pallas_triton"]
+        assert "interpret=True" in available["mosaic_tpu"]  # compiles for TPU arrays only
         # the C kernel where it builds (tests/test_jax_cpu_attention.py), else the reference
         assert dsv4_jax.resolve_backend("auto") == ("cpu" if available["cpu"] is None else "xla")
         assert dsv4_jax.resolve_backend("pallas") == "pallas_interpret"

@@ -175,7 +175,7 @@ def _flat_kernel(
     l_ref,
     cnt_ref,  # SMEM (8,)
     job_ref,  # SMEM (9,)
-    *,
+    *decode,  # the keys / entries buffers of R.decode_scratch (bf16 rows come in pairs)
     src: R.RowSource,
     sm_scale: float,
     num_rows: int,
@@ -213,7 +213,7 @@ def _flat_kernel(
         entries = R.row_at(idx_v, t, pl.ds(pl.multiple_of(j * bk, bk), bk))  # (1, BK)
         cols = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         valid = (entries >= 0) & (entries < num_rows) & (cols < n)
-        keys = R.load_rows(src, bufs, slot, R.col(entries), dtype)
+        keys = R.load_rows(src, bufs, slot, R.col(entries), dtype, decode)
         rows = pl.ds(pl.multiple_of(t * Hp, Hp), Hp)
         R.softmax_update(acc_ref, m_ref, l_ref, rows, q_ref[t], keys, valid, sm_scale, d_v)
 
@@ -278,6 +278,7 @@ def _flat_call(q, kv, indices, sm_scale, attn_sink, topk_length, *, interpret, s
                 *R.state_scratch(T8 * Hp, d_v),
                 pltpu.SMEM((T8,), jnp.int32),
                 pltpu.SMEM((T8 + 1,), jnp.int32),
+                *R.decode_scratch(src, bk, q.dtype),
             ],
         ),
         out_shape=[

@@ -185,7 +185,7 @@ def _kernel(r: dict, cfg: _Config):
         def compute(k, slot):
             base = (first_block + k) * bk
             entries = base + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-            keys = R.load_rows(src, bufs, slot, rows_of(entries), dtype)
+            keys = R.load_rows(src, bufs, slot, rows_of(entries), dtype, r.get(prefix + "_decode"))
             cols = base + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
 
             def chunk(c, carry):
@@ -281,7 +281,7 @@ def _topk_phase(r, cfg: _Config, b, p0, n, dtype):
         entries = R.row_at(topk_v, t, pl.ds(pl.multiple_of(j * bk, bk), bk))
         cols = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         valid = (cols < count) & (entries >= 0) & (entries < visible)
-        keys = R.load_rows(src, bufs, slot, rows_of(R.col(entries)), dtype)
+        keys = R.load_rows(src, bufs, slot, rows_of(R.col(entries)), dtype, r.get("comp_decode"))
         rows = pl.ds(pl.multiple_of(t * Hp, Hp), Hp)
         R.softmax_update(r["acc"], r["m"], r["l"], rows, r["q2"][rows, :], keys, valid, cfg.sm_scale, cfg.d_v)
 
@@ -378,6 +378,8 @@ def layer(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_sca
         for k, buf in enumerate(bufs):
             scratch_add(f"{prefix}_buf{k}", buf)
         scratch_add(prefix + "_sems", ssems)
+        for k, buf in enumerate(R.decode_scratch(src, bk, dtype)):
+            scratch_add(f"{prefix}_decode{k}", buf)
         if tbl is not None:
             scratch_add(prefix + "_bt", pltpu.SMEM((1, tbl.shape[1]), jnp.int32))
     if topk:
@@ -402,6 +404,8 @@ def layer(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_sca
                 bufs = [r[prefix + "_buf0"]] + ([r[prefix + "_buf1"]] if prefix + "_buf1" in r else [])
                 zeros = [r[prefix + "_zero0"]] + ([r[prefix + "_zero1"]] if prefix + "_zero1" in r else [])
                 r[prefix + "_bufs"], r[prefix + "_zeros"] = bufs, zeros
+                if prefix + "_decode0" in r:
+                    r[prefix + "_decode"] = (r[prefix + "_decode0"], r[prefix + "_decode1"])
         _kernel(r, cfg)
 
     out = pl.pallas_call(

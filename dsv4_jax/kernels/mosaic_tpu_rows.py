@@ -291,54 +291,91 @@ def wait_rows(src: RowSource, bufs, sems, slot):
         pltpu.make_async_copy(bufs[1].at[slot], bufs[1].at[slot], sems.at[slot, 1]).wait()
 
 
-def _pick(buf, slot, sub, n, as_int: bool):
-    """Row sub[i] (a (BK, 1) int32 column) of each of the BK pages of buf[slot] (BK, n, W)."""
+CHUNK = 32  # gathered rows unpacked / dequantized per loop step (one step's code, looped)
+
+
+def needs_decode(src: RowSource) -> bool:
+    """Whether a block is unpacked into a keys buffer (packed groups, whole pages, fp8)."""
+    return src.fp8 or src.whole_page or src.group > 1
+
+
+def _pick(buf, slot, rows, sub, n, as_int: bool):
+    """Row sub[i] (a (CH, 1) int32 column) of each page i in `rows` of buf[slot] (BK, n, W)."""
     out = None
     for r in range(n):
-        x = buf[slot, :, r, :]
+        x = buf[slot, rows, r, :]
         if as_int:
             x = x.astype(jnp.int32)
         out = x if out is None else jnp.where(sub == r, x, out)
     return out
 
 
-def _unpack_group(buf, slot, sub, g: int):
-    """Row sub[i] of group i of a packed (BK * g, W) buffer: the g rows of a group share each
-    32-bit word (row g*i + k in bits 16k or 8k), so a bitcast to uint32 and a shift pick it.
-    Returns uint32 (BK, W): bf16 bits in the high half (g = 2), or the byte (g = 4)."""
+def _unpack_group(buf, slot, rows, sub, g: int):
+    """Row sub[i] of each group i in `rows` (group indices) of a packed (BK * g, W) buffer: the g
+    rows of a group share each 32-bit word (row g*i + k in bits 16k or 8k), so a bitcast to
+    uint32 and a shift pick it. Returns uint32 (CH, W): bf16 bits in the high half (g = 2), or
+    the byte (g = 4)."""
+    from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
-    w = pltpu.bitcast(buf[slot], jnp.uint32)
+    packed = buf[slot, pl.ds(pl.multiple_of(rows.start * g, g * 8), rows.size * g), :]
+    w = pltpu.bitcast(packed, jnp.uint32)
     if g == 2:
         return jnp.where(sub == 0, w << 16, w & jnp.uint32(0xFFFF0000))
     return (w >> (8 * sub).astype(jnp.uint32)) & jnp.uint32(0xFF)
 
 
-def load_rows(src: RowSource, bufs, slot, entry, compute_dtype):
+def _decode_chunk(src: RowSource, bufs, slot, rows, entry, compute_dtype):
+    from jax.experimental.pallas import tpu as pltpu
+
+    if not src.fp8:
+        if src.whole_page:
+            return _pick(bufs[0], slot, rows, entry, src.rows_per_page, False).astype(compute_dtype)
+        bits = _unpack_group(bufs[0], slot, rows, entry & (src.group - 1), src.group)
+        return pltpu.bitcast(bits, jnp.float32).astype(compute_dtype)
+    S = src.page_size
+    if src.whole_page:
+        data = _pick(bufs[0], slot, rows, entry, S, True)
+        region = [bufs[0][slot, rows, S + r, :].astype(jnp.int32) for r in range(src.rows_per_page - S)]
+    else:
+        data = _unpack_group(bufs[0], slot, rows, entry & 3, 4).astype(jnp.int32)
+        region = [bufs[1][slot, rows, r, :].astype(jnp.int32) for r in range(src.scale_rows)]
+    return decode_fp8(data, region, entry, compute_dtype)
+
+
+def load_rows(src: RowSource, bufs, slot, entry, compute_dtype, scratch=None):
     """The gathered block (BK, out_dim) in `compute_dtype` from the buffers of `slot`.
 
     entry: (BK, 1) int32 column: each row's index inside its page (paged) or array row (flat),
-    i.e. the `row` its DMA was issued with (any value for zero-filled rows).
+    i.e. the `row` its DMA was issued with (any value for zero-filled rows). scratch: the
+    (keys (BK, out_dim), entries (BK, 128) int32) VMEM buffers of `decode_scratch` when
+    `needs_decode(src)`: the block is unpacked there in chunks of CHUNK rows.
     """
+    from jax.experimental import pallas as pl
+
+    if not needs_decode(src):
+        return bufs[0][slot].astype(compute_dtype)
+    keys, ent = scratch
+    bk = keys.shape[0]
+    ch = min(CHUNK, bk)
+    ent[...] = jnp.broadcast_to(entry, ent.shape)
+
+    def chunk(c, carry):
+        rows = pl.ds(pl.multiple_of(c * ch, ch), ch)
+        keys[rows, :] = _decode_chunk(src, bufs, slot, rows, ent[rows, :1], compute_dtype)
+        return carry
+
+    lax.fori_loop(0, bk // ch, chunk, 0)
+    return keys[...]
+
+
+def decode_scratch(src: RowSource, bk: int, compute_dtype):
+    """The VMEM buffers `load_rows` unpacks a block into (none if the block is read as is)."""
     from jax.experimental.pallas import tpu as pltpu
 
-    g = src.group
-    if not src.fp8:
-        if src.whole_page:
-            rows = _pick(bufs[0], slot, entry, src.rows_per_page, False)
-        elif g == 1:
-            rows = bufs[0][slot]
-        else:
-            rows = pltpu.bitcast(_unpack_group(bufs[0], slot, entry & (g - 1), g), jnp.float32)
-        return rows.astype(compute_dtype)
-    S = src.page_size
-    if src.whole_page:
-        data = _pick(bufs[0], slot, entry, S, True)
-        region = [bufs[0][slot, :, S + r, :].astype(jnp.int32) for r in range(src.rows_per_page - S)]
-    else:
-        data = _unpack_group(bufs[0], slot, entry & 3, 4).astype(jnp.int32)
-        region = [bufs[1][slot, :, r, :].astype(jnp.int32) for r in range(src.scale_rows)]
-    return decode_fp8(data, region, entry, compute_dtype)
+    if not needs_decode(src):
+        return []
+    return [pltpu.VMEM((bk, src.out_dim), compute_dtype), pltpu.VMEM((bk, 128), jnp.int32)]
 
 
 def decode_fp8(data, region, entry, compute_dtype):

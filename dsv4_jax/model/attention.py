@@ -230,7 +230,7 @@ def _index_topk(p, x, q_residual, entries, step: StepInputs, cfg: ModelConfig):
 # ----------------------------------------------------------------------------- attention (section 7)
 
 
-def _attend(q, meta, raw, comp, sink, topk, *, sm_scale, backend, mesh, axis):
+def _attend(q, meta, raw, comp, sink, topk, *, sm_scale, backend, mesh, axis, interpret=False):
     """`prefill_attention` for one layer; with a mesh, query heads are split over `axis`.
 
     The split is `dsv4_jax.sharding.sparse_attention_head_sharded`'s (q, sink and the output by
@@ -239,6 +239,8 @@ def _attend(q, meta, raw, comp, sink, topk, *, sm_scale, backend, mesh, axis):
     replicated values is off because it cannot see through pallas_call.
     """
     kw = dict(sm_scale=sm_scale, backend=backend)
+    if interpret:  # backend "mosaic_tpu" in TPU interpret mode
+        kw["interpret"] = interpret
     if mesh is None:
         return prefill_attention(q, meta, raw, comp, attn_sink=sink, topk_indices=topk, **kw)
 

@@ -169,6 +169,7 @@ class DeepseekV4:
         (smaller ladders compile faster; the defaults suit long prefills).
       kv_cache_dtype: "auto" (the caches in the model's dtype) or "fp8_ds_mla" (the window and
         compressed caches as vLLM's DeepSeek-V4 pages, `dsv4_jax.model.fp8_cache`).
+      interpret: backend "mosaic_tpu" only: run its kernel in TPU interpret mode (CPU; slow).
     """
 
     def __init__(
@@ -191,6 +192,7 @@ class DeepseekV4:
         min_requests: int = 8,
         token_buckets: str = "fine",
         kv_cache_dtype: str = "auto",
+        interpret: bool = False,
     ):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
@@ -248,6 +250,10 @@ class DeepseekV4:
         self._bucket_options = dict(token_tile=token_tile, gather_tile=gather_tile)
         self.kv_cache_dtype = kv_cache_dtype
         self._opts = (("backend", backend), ("mesh", mesh), ("axis", axis))
+        if interpret:
+            if backend != "mosaic_tpu":
+                raise ValueError(f"interpret: an option of backend='mosaic_tpu' only, got backend={backend!r}")
+            self._opts += (("interpret", True),)
         if kv_cache_dtype != "auto":  # static: the fp8 raw pages' block tables span max_model_len
             self._opts += (("kv_cache_dtype", kv_cache_dtype), ("max_model_len", max_model_len))
         # Hash layers keep their tid2eid table out of the layer parameters (a zero bias stands

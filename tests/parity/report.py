@@ -39,6 +39,7 @@ SHORT = {
     "jax.cpu": "j.cpu",
     "torch.triton": "t.triton",
     "jax.pallas": "j.pallas",
+    "jax.mosaic_tpu": "j.tpu",
     "torch.flashmla": "t.flashmla",
     "transformers": "hf.eager",
 }
