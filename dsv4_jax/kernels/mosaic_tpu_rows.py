@@ -426,8 +426,9 @@ def _rope_bits(data):
     def as_bf16(x):
         return x.astype(jnp.float32).astype(jnp.bfloat16)  # bytes 0..255: exact
 
-    a = jnp.dot(as_bf16(data[:, 384:512]), pair_matrix(128, 384), preferred_element_type=jnp.float32)
-    b = jnp.dot(as_bf16(data[:, 512:576]), pair_matrix(64, 512), preferred_element_type=jnp.float32)
+    exact = dict(preferred_element_type=jnp.float32, precision=lax.Precision.DEFAULT)  # bf16 products are exact here
+    a = jnp.dot(as_bf16(data[:, 384:512]), pair_matrix(128, 384), **exact)
+    b = jnp.dot(as_bf16(data[:, 512:576]), pair_matrix(64, 512), **exact)
     del BK
     return (a + b).astype(jnp.int32)
 
@@ -436,7 +437,9 @@ def _rope_bits(data):
 
 
 def precision_for(dtype):
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+    """HIGHEST for fp32 operands (6-pass bf16 on the MXU), DEFAULT for bf16: explicit, so that a
+    caller's `jax.default_matmul_precision` cannot ask Mosaic for an fp32 product of bf16 tiles."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
 def softmax_update(acc_ref, m_ref, l_ref, rows, q, k, valid, sm_scale: float, d_v: int):

@@ -90,3 +90,15 @@ def test_compile_target_is_needed_without_a_tpu():
     """Outside `compile_target`, the compiled kernel refuses to run on a machine without a TPU."""
     assert M.target_chip() is None
     assert "interpret=True" in M.compiled_unavailable_reason()
+
+
+def test_tiny_model_step_compiles_for_a_slice(aot):
+    """`bench/bench_tpu_compile.py` on the tiny checkpoint's geometry (D = 512, 8 heads, 8 experts,
+    abstract FP8 / FP4 weights) for a 4-chip v5p slice: embedding, the three layer programs with
+    the mosaic_tpu kernel inside a head-sharded shard_map, and the head compile; per-chip bytes."""
+    from bench.bench_tpu_compile import compile_step
+
+    r = compile_step("tiny", "v5p:2x2x1", tokens=64, requests=2, context=16, kv_cache_dtype="fp8_ds_mla")
+    assert r["chips"] == 4 and r["fits"]
+    assert set(r["mosaic_tpu_in"]) == {"layer[SWA]", "layer[CSA]", "layer[HCA]"}
+    assert 0 < r["weights_per_chip"] < r["total_per_chip"] <= r["hbm_per_chip"]
