@@ -58,16 +58,19 @@ JAX_NEW_PYTHON ?= $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/
 JAX_NEW_VENV := .venv-jax-new
 JAX_TESTS := tests/planner/test_planner.py tests/planner/test_layout_oracle.py tests/jax/test_sparse_attention.py tests/jax/test_mosaic.py \
 	tests/jax/test_sharding.py tests/jax/test_prefill.py tests/jax/test_kvcache.py \
-	tests/jax/test_prefill_fp8.py tests/jax/test_cpu_attention.py tests/jax/test_prefill_cpu.py tests/cpu/test_kernels.py
+	tests/jax/test_prefill_fp8.py tests/jax/test_cpu_attention.py tests/jax/test_prefill_cpu.py tests/cpu/test_kernels.py \
+	tests/jax/test_mosaic_tpu.py tests/jax/test_mosaic_tpu_compile.py
 
 .PHONY: test-jax-new
 test-jax-new:
 	@test -n "$(JAX_NEW_PYTHON)" || { echo "test-jax-new: needs Python >= 3.12 (set JAX_NEW_PYTHON=...)"; exit 2; }
-	@# The only run of the Mosaic tests: an install that cannot happen fails it, as failing tests do.
+	@# The only run of the Mosaic GPU tests and of the TPU compile tests (libtpu: the TPU compiler,
+	@# about 480 MB): an install that cannot happen fails it, as failing tests do.
 	@(test -x $(JAX_NEW_VENV)/bin/python || $(JAX_NEW_PYTHON) -m venv $(JAX_NEW_VENV)) && \
 	    $(JAX_NEW_VENV)/bin/python -m pip install -q --upgrade pip && \
 	    $(JAX_NEW_VENV)/bin/python -m pip install -q "jax>=0.11" numpy "ml_dtypes>=0.5.1" safetensors pytest hypothesis pytest-xdist \
-	|| { echo "test-jax-new: could not install jax >= 0.11 with $(JAX_NEW_PYTHON) (JAX_NEW_PYTHON= skips this run)"; exit 1; }
+	        libtpu tokenizers \
+	|| { echo "test-jax-new: could not install jax >= 0.11 and libtpu with $(JAX_NEW_PYTHON) (JAX_NEW_PYTHON= skips this run)"; exit 1; }
 	$(JAX_NEW_VENV)/bin/python -m pytest -q -n 2 -p no:cacheprovider $(JAX_TESTS)
 
 # The vLLM plugin's tests (tests/vllm/): their own venv with vLLM 0.33.0 (about 9.4 GB, a CUDA build

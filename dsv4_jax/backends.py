@@ -6,8 +6,8 @@ call), `CACHE` the fp8_ds_mla cache kernels (`dsv4_jax.kvcache`). `resolve_backe
 "cannot run" error read these tables. The torch twin is `dsv4_torch.backends`.
 
 One name per kernel, as JAX names Pallas' backends: "triton" (a Pallas kernel lowered through
-Triton, NVIDIA GPUs), "mosaic_gpu" (a Pallas Mosaic GPU kernel, Hopper), plus "cpu" (our C
-kernel as XLA FFI calls) and "xla" (plain jnp). A Pallas kernel also runs in its interpreter on
+Triton, NVIDIA GPUs), "mosaic_gpu" (a Pallas Mosaic GPU kernel, Hopper), "mosaic_tpu" (Pallas TPU
+kernels), plus "cpu" (our C kernel as XLA FFI calls) and "xla" (plain jnp). A Pallas kernel also runs in its interpreter on
 any platform: that is the option `interpret=True` (or interpret parameters), never a backend
 name of its own. Names used before (pallas, pallas_triton, pallas_interpret, mosaic,
 mosaic_interpret) raise a ValueError naming their replacement.
@@ -45,6 +45,9 @@ class Backend:
     interpret_unavailable: Callable[[], str | None] = lambda: None
     serves: Callable[[object], str | None] = lambda q: None
     fused_prefill: str = ""  # "module:function" of a per-layer call that replaces the chunk loop
+    # static keyword arguments of the fused layer call for an `interpret` value (e.g. the TPU
+    # kernel's interpret parameters and the block shapes of the chip it compiles for)
+    prefill_options: Callable[[object], tuple] = lambda interpret: ()
     ops: tuple[str, ...] = ()  # cache backends: "gather", "insert"
 
     def kernel(self):
@@ -103,6 +106,35 @@ def _mosaic_gpu_serves(q) -> str | None:
     return None
 
 
+def _mosaic_tpu(arrays) -> str | None:
+    from dsv4_jax.kernels import mosaic_tpu
+
+    if mosaic_tpu.compile_target_chip() is not None:  # compiling for a chosen TPU from this machine
+        return mosaic_tpu.unavailable_reason()
+    platforms = sorted({d.platform for d in devices.devices_for(arrays)})
+    if platforms != ["tpu"]:
+        return (
+            f"compiles for TPU arrays, but the arrays are on {', '.join(platforms) or 'no device'}; pass "
+            "interpret=True to run it in TPU interpret mode, or compile for a chip inside "
+            "dsv4_jax.kernels.mosaic_tpu.compile_target"
+        )
+    return mosaic_tpu.unavailable_reason()
+
+
+def _mosaic_tpu_interpret() -> str | None:
+    from dsv4_jax.kernels import mosaic_tpu
+
+    return mosaic_tpu.unavailable_reason()
+
+
+def _mosaic_tpu_options(interpret) -> tuple:
+    from dsv4_jax.kernels import mosaic_tpu
+
+    params = mosaic_tpu.interpret_params(interpret)
+    chip = None if params is not None else mosaic_tpu.target_chip()
+    return (("interpret", params), ("shapes", mosaic_tpu.block_shapes(chip)))
+
+
 _ANY = lambda arrays: None  # noqa: E731
 
 # ----------------------------------------------------------------------------- the tables
@@ -143,10 +175,21 @@ ATTENTION = {
             interpret_unavailable=_mosaic_gpu_interpret,
             serves=_mosaic_gpu_serves,
         ),
+        Backend(
+            "mosaic_tpu",
+            "Pallas TPU kernels (flat contract; the prefill per query tile from the caches): TPUs, bf16 / float32",
+            (_BF16, _F32),
+            _mosaic_tpu,
+            "dsv4_jax.kernels.mosaic_tpu:sparse_attention_mosaic_tpu",
+            interpret=True,
+            interpret_unavailable=_mosaic_tpu_interpret,
+            fused_prefill="dsv4_jax.kernels.mosaic_tpu_prefill:layer",
+            prefill_options=_mosaic_tpu_options,
+        ),
     )
 }
 # What "auto" tries, per platform, first to last (interpret modes are never picked: tests only).
-AUTO = {"gpu": ("mosaic_gpu", "triton", "xla"), "cpu": ("cpu", "xla")}
+AUTO = {"gpu": ("mosaic_gpu", "triton", "xla"), "cpu": ("cpu", "xla"), "tpu": ("mosaic_tpu", "xla")}
 
 CACHE = {
     b.name: b

@@ -242,7 +242,9 @@ TRACE_COUNT = {"prefill": 0}  # traces of `_prefill_jit`; each is one compilatio
 
 
 @functools.partial(
-    jax.jit, static_argnames=("shape", "sm_scale", "backend", "interpret", "fill"), donate_argnames=("out",)
+    jax.jit,
+    static_argnames=("shape", "sm_scale", "backend", "interpret", "fused_options", "fill"),
+    donate_argnames=("out",),
 )
 def _prefill_jit(
     q,
@@ -257,6 +259,7 @@ def _prefill_jit(
     sm_scale: float,
     backend: str,
     interpret=False,
+    fused_options: tuple = (),
     fill=0.0,
 ):
     """The layer call on resolved backend `backend`. `out`: a donated buffer for the result (None:
@@ -270,7 +273,8 @@ def _prefill_jit(
         module, fn = fused.split(":")
         layer = getattr(importlib.import_module(module), fn)
         meta = KindMetadata(table, shape)
-        return layer(q, meta, raw, comp, sm_scale=sm_scale, attn_sink=attn_sink, topk_indices=topk_rows, out=out)
+        kw = dict(sm_scale=sm_scale, attn_sink=attn_sink, topk_indices=topk_rows, out=out, **dict(fused_options))
+        return layer(q, meta, raw, comp, **kw)
     out = jnp.zeros((T_q, H, value_dim(D)), q.dtype)  # a donated `out` is free for XLA to reuse here
     if T_q == 0:
         return out
@@ -378,6 +382,7 @@ def prefill_attention(
             )
     name = resolve_backend(backend, q, interpret=interpret)
     meta.last_backend = name
+    entry = backends.ATTENTION[name]
     return _prefill_jit(
         q,
         meta.table,
@@ -390,6 +395,7 @@ def prefill_attention(
         sm_scale=float(sm_scale),
         backend=name,
         interpret=interpret,
+        fused_options=entry.prefill_options(interpret) if entry.fused_prefill else (),
     )
 
 

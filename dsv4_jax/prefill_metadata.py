@@ -43,8 +43,15 @@ SEG_RAW_ROW_OFFSET = 7  # of gather_len: the segment's first row among all raw r
 CHUNK_SEG_START = 8  # chunk -> first segment; entries >= num_chunks: n_seg
 CHUNK_TOKEN_START = 9  # chunk -> first planned token; entries >= num_chunks: T
 CHUNK_N = 10  # chunk -> N
-SCALARS = 11  # [num_chunks, T, n_seg]
-NUM_FIELDS = 12
+SCALARS = 11  # [num_chunks, T, n_seg, num_tiles]
+# Query tiles of backend "mosaic_tpu" (`dsv4_jax.kernels.mosaic_tpu_prefill`): up to query_tile
+# consecutive new tokens of one request, from the batch alone (the same tiles for every plan).
+TILE_Q_ROW = 12  # tile -> first q row
+TILE_LEN = 13  # tile -> tokens (1 .. query_tile)
+TILE_REQUEST = 14  # tile -> batch request
+TILE_POSITION = 15  # tile -> position of its first token
+NUM_FIELDS = 16
+QUERY_TILE = 16  # default tokens per tile
 # The names dsv4_jax.prefill imported before the unit went into them (to drop once it uses the new ones).
 
 
@@ -60,6 +67,7 @@ class KindShape:
     workspace_rows: int  # pow2_bucket (or bucket) of a chunk's max rows, or the plan's budget (sizes="server")
     token_ladder: tuple[int, ...]  # attention tile sizes, largest first
     gather_ladder: tuple[int, ...]  # gather tile sizes, largest first
+    query_tile: int = QUERY_TILE  # tokens per query tile (backend "mosaic_tpu")
 
 
 @register_pytree_node_class
@@ -179,6 +187,7 @@ def build_step_metadata(
     gather_tile: int = 4096,
     min_tokens: int = MIN_TILE,
     min_workspace_rows: int = MIN_WORKSPACE_ROWS,
+    query_tile: int = QUERY_TILE,
     device=None,
 ) -> StepMetadata:
     """Per-step metadata for every layer kind, built once on the host, one transfer for the step.
@@ -205,10 +214,12 @@ def build_step_metadata(
       gather_tile: largest gather tile (workspace rows), a power of two; down 4x to 16.
       min_tokens, min_workspace_rows: the smallest token and workspace buckets (all smaller
         batches share them, and their compiled programs).
+      query_tile: tokens per query tile of backend "mosaic_tpu" (consecutive new tokens of one
+        request share their window and compressed keys), a power of two.
       device: where the tables go (default: JAX's default device).
     """
     step = as_step_plan(plan_or_batch, config, layers, policy)
-    for name, v in (("token_tile", token_tile), ("gather_tile", gather_tile)):
+    for name, v in (("token_tile", token_tile), ("gather_tile", gather_tile), ("query_tile", query_tile)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
             raise ValueError(f"{name}: expected a power of two, got {v!r}")
     for name, v in (("min_tokens", min_tokens), ("min_workspace_rows", min_workspace_rows)):
@@ -227,7 +238,9 @@ def build_step_metadata(
     for kind, kp in step.kinds.items():
         if kind is LayerKind.CSA and index_topk is None:
             raise ValueError("index_topk: required when CSA layers are planned")
-        built[kind] = _kind_table(kp, padded_tokens, index_topk, sizes, token_tile, gather_tile, min_workspace_rows)
+        built[kind] = _kind_table(
+            kp, padded_tokens, index_topk, sizes, token_tile, gather_tile, min_workspace_rows, query_tile
+        )
     tables = jax.device_put([table for _, table in built.values()], device)  # one transfer for the step
     kinds = {
         kind: KindMetadata(table, shape, step.kinds[kind], step.batch.num_tokens, step.batch.num_requests)
@@ -236,7 +249,9 @@ def build_step_metadata(
     return StepMetadata(kinds, padded_tokens, step)
 
 
-def _kind_table(kp: KindPlan, padded: int, index_topk, sizes: str, token_tile: int, gather_tile: int, min_rows: int):
+def _kind_table(
+    kp: KindPlan, padded: int, index_topk, sizes: str, token_tile: int, gather_tile: int, min_rows: int, query_tile: int
+):
     L = padded + 1
     T, n_seg, n_c = kp.token_index.shape[0], kp.seg_request.shape[0], kp.num_chunks
     table = np.zeros((NUM_FIELDS, L), dtype=np.int32)
@@ -256,6 +271,9 @@ def _kind_table(kp: KindPlan, padded: int, index_topk, sizes: str, token_tile: i
     table[CHUNK_TOKEN_START, n_c + 1 :] = T
     table[CHUNK_N, :n_c] = kp.chunk_N
     table[SCALARS, :3] = (n_c, T, n_seg)
+    tiles = query_tiles(kp.batch, query_tile)
+    table[TILE_Q_ROW : TILE_POSITION + 1, : tiles.shape[1]] = tiles
+    table[SCALARS, 3] = tiles.shape[1]
 
     width = index_width(kp, index_topk if kp.kind is LayerKind.CSA else None)
     if sizes == "server":
@@ -278,8 +296,28 @@ def _kind_table(kp: KindPlan, padded: int, index_topk, sizes: str, token_tile: i
         workspace_rows=rows,
         token_ladder=tile_ladder(token_tile, padded),
         gather_ladder=tile_ladder(gather_tile, rows),
+        query_tile=query_tile,
     )
     return shape, table
+
+
+def query_tiles(batch: PrefillBatch, query_tile: int) -> np.ndarray:
+    """(4, num_tiles) int32: first q row, tokens, request, first position of each query tile.
+
+    Request b's new tokens (q rows query_start_loc[b] ..., positions prefix_b ...) in runs of
+    query_tile; requests without new tokens have none. O(tiles) host work, from the batch alone:
+    every plan of a step gets the same tiles (at most T of them, one token each at worst)."""
+    q_lens = batch.query_lens.astype(np.int64)
+    counts = -(-q_lens // query_tile)
+    req = np.repeat(np.arange(q_lens.shape[0]), counts)
+    first = np.cumsum(counts) - counts
+    k = np.arange(req.shape[0]) - first[req]  # tile index within its request
+    start = k * query_tile
+    prefix = batch.seq_lens.astype(np.int64) - q_lens
+    rows = np.stack(
+        [batch.query_start_loc[req] + start, np.minimum(query_tile, q_lens[req] - start), req, prefix[req] + start]
+    )
+    return rows.astype(np.int32)
 
 
 def host_plan(meta: KindMetadata, what: str) -> KindPlan:

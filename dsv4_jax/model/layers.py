@@ -168,8 +168,12 @@ _EXPERT_DOT = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_d
 
 
 def _grouped(x, w, sizes):
-    """Rows of x (m, in), grouped contiguously by `sizes`, times their group's w (g, out, in).T."""
-    return lax.ragged_dot_general(x, w, sizes, _EXPERT_DOT, precision=HIGHEST, preferred_element_type=F32)
+    """Rows of x (m, in), grouped contiguously by `sizes`, times their group's w (g, out, in).T.
+
+    HIGHEST for float32 rows only: bf16 products are exact anyway, and XLA's TPU ragged-dot kernel
+    refuses an fp32-precision contraction of bf16 operands (found compiling V4 for TPU slices)."""
+    precision = HIGHEST if x.dtype == F32 else lax.Precision.DEFAULT
+    return lax.ragged_dot_general(x, w, sizes, _EXPERT_DOT, precision=precision, preferred_element_type=F32)
 
 
 def routed_experts(x, experts, weights, w13, w2, limit, first=0):

@@ -316,7 +316,7 @@ def test_xla_plan_invariance():
 
 def test_backend_resolution_on_this_machine(caplog):
     available = dsv4_jax.available_backends()
-    assert set(available) == {"xla", "cpu", "triton", "mosaic_gpu"}
+    assert set(available) == {"xla", "cpu", "triton", "mosaic_gpu", "mosaic_tpu"}
     assert available["xla"] is None
     assert dsv4_jax.resolve_backend("triton", interpret=True) == "triton"  # Pallas' interpreter runs anywhere
     mosaic_interpret = dsv4_jax.backends.ATTENTION["mosaic_gpu"].interpret_unavailable()
@@ -330,6 +330,7 @@ def test_backend_resolution_on_this_machine(caplog):
             dsv4_jax.resolve_backend("mosaic_gpu")
     if jax.default_backend() == "cpu":
         assert "NVIDIA GPU" in available["triton"]
+        assert "interpret=True" in available["mosaic_tpu"]  # compiles for TPU arrays only
         # the C kernel where it builds (tests/jax/test_cpu_attention.py), else the reference
         assert dsv4_jax.resolve_backend("auto") == ("cpu" if available["cpu"] is None else "xla")
         with pytest.raises(RuntimeError, match="triton.*NVIDIA GPU.*interpret=True runs it"):

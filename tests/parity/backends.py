@@ -9,6 +9,10 @@ Backends (in report order):
   jax.cpu          dsv4_jax's backend "cpu": the C kernel of dsv4_cpu as XLA FFI calls (CPU)
   torch.triton     dsv4_torch's Triton kernel: a CUDA GPU, else Triton's interpreter on CPU
   jax.triton       dsv4_jax's Pallas-Triton kernel: on an NVIDIA GPU, else in Pallas' interpreter
+  jax.mosaic_tpu   dsv4_jax's Pallas TPU kernels (backend "mosaic_tpu"): compiled on a TPU; in TPU
+                   interpret mode on CPU only when DSV4_PARITY_TPU_INTERPRET=1 (every simulated DMA
+                   is a Python callback: too slow for every case; tests/jax/test_mosaic_tpu.py runs
+                   a selection); its prefill never sees the plan (bitwise plan-invariant)
   torch.flashmla   the FlashMLA wheel: SM90/SM100 GPUs, bf16, D in {512, 576}
 
 Inputs are built once as torch tensors and handed to JAX by DLPack (`jax.dlpack.from_dlpack`), so
@@ -18,6 +22,7 @@ both frameworks read the very same bits; JAX outputs come back the same way (`to
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 
 import jax
@@ -33,6 +38,10 @@ from dsv4_torch import prefill as TP
 from planner.sizes import bucket
 
 GPU_ONLY = "needs an SM90/SM100 GPU"
+TPU_INTERPRET_SKIP = (
+    "no TPU here, and TPU interpret mode is too slow for every parity case (tests/jax/test_mosaic_tpu.py "
+    "runs a selection; DSV4_PARITY_TPU_INTERPRET=1 runs them all)"
+)
 TORCH_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # JAX prefill: small tiles and large minimum buckets, so that the cases of one shape family share
@@ -57,6 +66,7 @@ BACKENDS = (
     Backend("jax.cpu", "jax", ("float32", "bfloat16"), reference=True),  # a token's bits never depend on the plan
     Backend("torch.triton", "torch", ("float32", "bfloat16")),
     Backend("jax.triton", "jax", ("float32", "bfloat16")),
+    Backend("jax.mosaic_tpu", "jax", ("float32", "bfloat16"), reference=True),  # plan-free query tiles
     Backend("torch.flashmla", "torch", ("bfloat16",), head_dims=(512, 576)),
 )
 BY_NAME = {b.name: b for b in BACKENDS}
@@ -115,6 +125,12 @@ def machine_status() -> dict[str, Status]:
         out["jax.triton"] = Status(
             True, None, f"Pallas interpret (triton: {jax_av['triton']})", "triton", interpreted=True
         )
+    if jax_av["mosaic_tpu"] is None:
+        out["jax.mosaic_tpu"] = Status(True, None, "Pallas TPU (compiled)", "mosaic_tpu")
+    elif os.environ.get("DSV4_PARITY_TPU_INTERPRET") == "1":
+        out["jax.mosaic_tpu"] = Status(True, None, "Pallas TPU interpret mode (CPU)", "mosaic_tpu", interpreted=True)
+    else:
+        out["jax.mosaic_tpu"] = Status(False, TPU_INTERPRET_SKIP, "-", None)
     reason = torch_av["flashmla"]
     if reason is None:
         out["torch.flashmla"] = Status(True, None, "FlashMLA (GPU)", "flashmla")
@@ -123,6 +139,11 @@ def machine_status() -> dict[str, Status]:
             reason = f"{GPU_ONLY} ({reason})"
         out["torch.flashmla"] = Status(False, reason, "-", None)
     return out
+
+
+def _tpu(st: Status) -> dict:
+    """`interpret=True` for the TPU kernel in TPU interpret mode (an option, not a backend name)."""
+    return {"interpret": True} if st.kernel == "mosaic_tpu" and st.interpreted else {}
 
 
 def why_not(backend: Backend, dtype: str, head_dim: int, tiny: bool) -> str | None:

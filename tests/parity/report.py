@@ -39,6 +39,7 @@ SHORT = {
     "jax.cpu": "j.cpu",
     "torch.triton": "t.triton",
     "jax.triton": "j.triton",
+    "jax.mosaic_tpu": "j.tpu",
     "torch.flashmla": "t.flashmla",
     "transformers": "hf.eager",
 }
