@@ -41,7 +41,6 @@ def hbm_per_chip(chip: str) -> int:
 def abstract_params(model: str, mesh, axis: str):
     """(ModelConfig, the parameter tree as ShapeDtypeStructs placed on `mesh`), as `load_params`
     with weights="stored" would build it from the official checkpoint's headers."""
-    from pathlib import Path
 
     from jax.sharding import NamedSharding
 
@@ -49,27 +48,13 @@ def abstract_params(model: str, mesh, axis: str):
     from dsv4_jax.model.checkpoint import _device_dtype, _Entry, plan_params
     from dsv4_jax.model.config import ModelConfig
     from dsv4_jax.model.quant import QuantizedWeight
-    from dsv4_jax.model.safetensors_io import ST_NAMES, TensorInfo
     from planner.contract import PRESETS
     from tools import official_checkpoint as oc
 
     cfg_dict = PRESETS[MODELS[model]]
     config = ModelConfig.from_dict(cfg_dict)
 
-    class Headers:  # the official layout's headers, no files
-        def __init__(self, layout):
-            self.t = {
-                n: TensorInfo(n, Path("-"), ST_NAMES[dt], dt, s, 0, int(np.prod(s)) * dt.itemsize)
-                for n, dt, s in layout
-            }
-
-        def names(self):
-            return list(self.t)
-
-        def info(self, n):
-            return self.t[n]
-
-    files = Headers(oc.official_layout(cfg_dict))
+    files = oc.LayoutHeaders(oc.official_layout(cfg_dict))  # the official layout's headers, no files
     tree, tied = plan_params(config, files)
     n = parallel.axis_size(mesh, axis)
 

@@ -513,6 +513,25 @@ def official_layout(config: dict, experts: str = "fp4") -> list[tuple[str, np.dt
     return [(s.name, s.dtype, s.shape) for s in _random_specs(config, experts, 0)]
 
 
+class LayoutHeaders:
+    """The safetensors headers of a layout (`official_layout`) without any file: the `names()` /
+    `info(name)` that `dsv4_jax.model.checkpoint.plan_params` reads, for abstract weights."""
+
+    def __init__(self, layout):
+        from dsv4_jax.model.safetensors_io import ST_NAMES, TensorInfo
+
+        self._info = {
+            n: TensorInfo(n, Path("-"), ST_NAMES[dt], dt, tuple(s), 0, int(np.prod(s)) * dt.itemsize)
+            for n, dt, s in layout
+        }
+
+    def names(self) -> list[str]:
+        return list(self._info)
+
+    def info(self, name: str):
+        return self._info[name]
+
+
 def write_random_checkpoint(
     out_dir, config: dict, experts: str = "fp4", shards: int = 2, seed: int = 0, tokenizer: bool = False
 ) -> Path:

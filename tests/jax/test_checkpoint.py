@@ -40,7 +40,7 @@ from dsv4_jax.model import (  # noqa: E402
 from dsv4_jax.model.checkpoint import held_bytes, load_checkpoint, load_params, plan_params, quant_block  # noqa: E402
 from dsv4_jax.model.generate import JaxGenerator  # noqa: E402
 from dsv4_jax.model.quant import QuantizedWeight  # noqa: E402
-from dsv4_jax.model.safetensors_io import ST_NAMES, CheckpointFiles, TensorInfo, read_safetensors, write_safetensors  # noqa: E402
+from dsv4_jax.model.safetensors_io import CheckpointFiles, read_safetensors, write_safetensors  # noqa: E402
 from tools import official_checkpoint as oc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -338,20 +338,7 @@ def test_v4_flash_bytes_per_device_from_the_headers():
     cfg = oc.flash_like_config(compress_ratios=flash.compress_ratios, n_routed_experts=256, num_hash_layers=3)
     assert ModelConfig.from_dict(cfg) == flash
 
-    class Headers:
-        def __init__(self, layout):
-            self.t = {
-                n: TensorInfo(n, Path("-"), ST_NAMES[dt], dt, s, 0, int(np.prod(s)) * dt.itemsize)
-                for n, dt, s in layout
-            }
-
-        def names(self):
-            return list(self.t)
-
-        def info(self, n):
-            return self.t[n]
-
-    files = Headers(oc.official_layout(cfg))
+    files = oc.LayoutHeaders(oc.official_layout(cfg))
     tree, _ = plan_params(flash, files)
     held, total = held_bytes(tree, files, 8)
     assert 150e9 < total < 160e9  # ~156 GB as shipped (FP4 experts), MTP not loaded
