@@ -2,8 +2,9 @@
 vLLM's fp8_ds_mla bytes) and `LogicalKV` (per-request rows packed in one tensor).
 
 Part of `dsv4_torch.prefill` (which re-exports them), in its own module so the kernels that read
-these caches (`dsv4_torch.kernels.cpu`) need not import the prefill. The twin of
-`dsv4_jax.prefill_kv`.
+these caches (`dsv4_torch.kernels.cpu`) need not import the prefill. `Rows` is a cache checked
+against a step's metadata (shapes on the host, values where they are free to read), ready to
+gather. The twin of `dsv4_jax.prefill_kv`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from dsv4_torch import kvcache
+from dsv4_torch.prefill_metadata import KindMetadata
 from planner.checks import shape_of
 from planner.kvcache import KV_CACHE_DTYPES
 
@@ -132,3 +134,139 @@ class LogicalKV:
 
 # A PagedKV, a LogicalKV, or per-request (len_i, D) tensors (packed on every call: for tests).
 KVSource = PagedKV | LogicalKV | Sequence[torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- checked sources
+
+
+class Rows:
+    """A KV source ready to gather: flat rows (or fp8 pages) and how (request, entry) finds them.
+
+    Checks on the host, from shapes and the metadata's host numbers only (no device read), that the
+    source holds every entry the plan reads; values (page ids, offsets) are checked only on CPU.
+    """
+
+    def __init__(self, src: KVSource, name: str, q: torch.Tensor, meta: KindMetadata, region: str):
+        needed = meta.raw_needed if region == "raw" else meta.compressed_needed
+        first = meta.raw_first if region == "raw" else np.zeros_like(needed)
+        B, D = meta.num_requests, q.shape[-1]
+        self.region = region
+        self.fp8 = isinstance(src, PagedKV) and src.kv_cache_dtype == "fp8_ds_mla"
+        self.source = src  # a PagedKV or LogicalKV (per-request lists: packed below)
+        if isinstance(src, PagedKV):
+            self.page_size = src.page_size
+            self.index = src.block_table
+            self.num_pages = src.num_pages
+            if self.fp8:
+                self.pages = src.pages
+                self.rows = None
+                if D != kvcache.HEAD_DIM:
+                    raise ValueError(f"{name}: fp8_ds_mla pages hold {kvcache.HEAD_DIM}-dim rows, but q's D is {D}")
+                if q.dtype not in (torch.bfloat16, torch.float32):
+                    raise TypeError(
+                        f"{name}: fp8_ds_mla pages dequantize to bf16 values: q must be bfloat16 or "
+                        f"float32, got {q.dtype}"
+                    )
+                if src.pages.device != q.device:
+                    raise ValueError(f"{name}: on {src.pages.device}, q on {q.device}")
+                self.pb = kvcache.page_bytes(self.page_size)
+                self.data_rows, self.scale_words = kvcache.row_views(src.pages, self.pb)
+            else:
+                self.pages = src.pages
+                self.rows = src.pages.reshape(-1, src.pages.shape[-1])
+        else:
+            if not isinstance(src, LogicalKV):
+                if (
+                    not isinstance(src, (list, tuple))
+                    or not src
+                    or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in src)
+                ):
+                    raise TypeError(f"{name}: expected a PagedKV, a LogicalKV or a sequence of (len_i, D) tensors")
+                if len(src) < B:
+                    raise ValueError(f"{name}: {len(src)} per-request tensors, but the step's batch has {B} requests")
+                for i, t in enumerate(src[:B]):
+                    if t.shape[0] < needed[i]:
+                        raise ValueError(f"{name}[{i}]: {t.shape[0]} rows, but request {i} needs {int(needed[i])}")
+                    if t.shape[1] != D:
+                        raise ValueError(f"{name}[{i}]: last dim {t.shape[1]}, q's D is {D}")
+                src = LogicalKV.from_list(src)
+                self.source = src
+            self.rows, self.page_size, self.index = src.rows, None, src.offsets
+            self.pages = None
+        if self.rows is not None:
+            if self.rows.dtype != q.dtype:
+                hint = (
+                    " (fp8_ds_mla bytes come as PagedKV(..., kv_cache_dtype='fp8_ds_mla'))"
+                    if self.rows.dtype == torch.uint8
+                    else ""
+                )
+                raise TypeError(f"{name}: dtype {self.rows.dtype} differs from q's {q.dtype}{hint}")
+            if self.rows.device != q.device:
+                raise ValueError(f"{name}: on {self.rows.device}, q on {q.device}")
+            if self.rows.shape[-1] != D:
+                raise ValueError(f"{name}: last dim {self.rows.shape[-1]}, q's D is {D}")
+            if self.page_size is not None:
+                self.num_pages = self.rows.shape[0] // self.page_size
+        field_name = "block_table" if self.page_size is not None else "offsets"
+        if self.index.shape[0] < B:
+            raise ValueError(f"{name}.{field_name}: {self.index.shape[0]} rows, but the step's batch has {B} requests")
+        if self.page_size is not None:
+            held = self.index.shape[1] * self.page_size
+            i = int(np.argmax(needed)) if needed.size else 0
+            if needed.size and needed[i] > held:
+                raise ValueError(
+                    f"{name}.block_table: {self.index.shape[1]} pages of {self.page_size} entries hold {held}, "
+                    f"but request {i} needs {int(needed[i])}"
+                )
+        if self.index.device.type == "cpu":  # values are free to check on the host
+            check_source_values(self, name, needed, first)
+        # CUDA/ROCm: one Triton kernel per region walks the block table / offsets (no row maps);
+        # fp8 pages on CPU: the C kernel (dsv4_torch.kernels.cpu) where it builds
+        if self.fp8:
+            name = kvcache.resolve_backend("auto", src.pages)
+            self.kernel = None if name == "reference" else name
+        else:
+            self.kernel = "triton" if use_gather_kernel(self.pages if self.pages is not None else self.rows) else None
+
+
+def check_source_values(src: Rows, name: str, needed: np.ndarray, first: np.ndarray) -> None:
+    """CPU sources only: every page id / offset the plan reads is in range (host reads are free)."""
+    planned = np.flatnonzero(needed > first)
+    if not planned.size:
+        return
+    index = src.index.numpy().astype(np.int64)[planned]
+    if src.page_size is None:
+        lo, hi = index + first[planned], index + needed[planned]
+        bad = (lo < 0) | (hi > src.rows.shape[0])
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise ValueError(
+                f"{name}.offsets: request {int(planned[k])} at offset {int(index[k])} reads rows "
+                f"{int(lo[k])} .. {int(hi[k]) - 1}, outside 0 .. {src.rows.shape[0] - 1}"
+            )
+        return
+    num_pages = src.num_pages
+    col = np.arange(index.shape[1])[None, :]
+    read = (col >= (first[planned] // src.page_size)[:, None]) & (col < -(-needed[planned] // src.page_size)[:, None])
+    bad = read & ((index < 0) | (index >= num_pages))
+    if bad.any():
+        r, c = np.argwhere(bad)[0]
+        raise ValueError(
+            f"{name}.block_table: request {int(planned[r])} page {int(c)} is {int(index[r, c])}, "
+            f"outside 0 .. {num_pages - 1}"
+        )
+
+
+def use_gather_kernel(t: torch.Tensor) -> bool:
+    """Whether rows in q's dtype are gathered by the Triton kernel: CUDA/ROCm tensors with a
+    contiguous last dim, where Triton imports."""
+    return t.device.type == "cuda" and t.stride(-1) == 1 and triton_gather() is not None
+
+
+def triton_gather():
+    """The Triton gather module, or None where Triton does not import (then: device index ops)."""
+    try:
+        from dsv4_torch.kernels import triton_gather
+    except Exception:  # noqa: BLE001 - any import failure: the index-op path runs
+        return None
+    return triton_gather

@@ -122,7 +122,7 @@ def test_cpu_gather_path_equals_device_op_path(monkeypatch):
     if TK.cpu_unavailable_reason() is not None:
         pytest.skip(f"the cpu backend's C kernel cannot be built here: {TK.cpu_unavailable_reason()}")
     case, raw, comp = fp8_case("fp8-cpu", [70, 33, 5], [6, 33, 5], 4, seed=8, window_size=8, H=2)
-    assert TP._Rows(_fp8(raw), "raw_kv", torch.zeros(1, 1, 512), run_meta(case), "raw").kernel == "cpu"
+    assert TP.Rows(_fp8(raw), "raw_kv", torch.zeros(1, 1, 512), run_meta(case), "raw").kernel == "cpu"
     got = {dt: run(case, _fp8(raw), _fp8(comp), dtype=dt, budget_rows=40)[0] for dt in (torch.float32, torch.bfloat16)}
     monkeypatch.setattr(TK, "resolve_backend", lambda backend="auto", k_cache=None, op="gather": "reference")
     for dt, g in got.items():
@@ -151,7 +151,7 @@ def test_triton_gather_path_for_float_caches(layout, monkeypatch):
         raw = TP.LogicalKV.from_list([torch.from_numpy(x) for x in case.raw])
         comp = TP.LogicalKV.from_list([torch.from_numpy(x) for x in case.comp])
     want = run(case, raw, comp, budget_rows=300)[0]
-    monkeypatch.setattr(TP, "_use_gather_kernel", lambda t: True)
+    monkeypatch.setattr("dsv4_torch.prefill_kv.use_gather_kernel", lambda t: True)
     assert torch.equal(run(case, raw, comp, budget_rows=300)[0], want)
 
 
@@ -165,7 +165,7 @@ def test_fp8_layer_call_makes_no_host_sync(monkeypatch):
     monkeypatch.setattr(TK, "resolve_backend", lambda backend="auto", k_cache=None, op="gather": "reference")
     rk, ck = _fp8(raw), _fp8(comp)
     want, meta = run(case, rk, ck)
-    monkeypatch.setattr(TP, "_check_source_values", lambda *a: None)  # CPU-only host reads
+    monkeypatch.setattr("dsv4_torch.prefill_kv.check_source_values", lambda *a: None)  # CPU-only host reads
     monkeypatch.setattr(TP, "_check_topk_values", lambda *a: None)
     monkeypatch.setattr(ref_kernel, "SKIP_EMPTY_BLOCKS_ON_CPU", False)
     meta._index_rows = None  # the first layer call's index rows are guarded too
