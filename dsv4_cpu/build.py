@@ -164,9 +164,31 @@ def _compilers() -> tuple[str, str]:
     return cc, cxx
 
 
+# The CPU flags (/proc/cpuinfo) an instruction set's kernels need.
+ISA_CPU_FLAGS = {
+    "generic": (),
+    "avx2": ("avx2", "fma"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    "avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+}
+
+
 def _isa_builds() -> tuple:
+    """The instruction sets compiled here: those this CPU runs (the library is per machine: its
+    key holds the CPU's flags), all of them where the flags cannot be read; x86 only beyond
+    generic. DSV4_CPU_BUILD_ISAS=generic,avx2,... narrows the list (faster builds)."""
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
-    return tuple(b for b in ISA_BUILDS if b[0] == "generic" or x86)
+    line = cpu_flags()
+    flags = set(line.split(":", 1)[1].split()) if line.startswith(("flags", "Features")) else None
+    only = {x.strip() for x in os.environ.get("DSV4_CPU_BUILD_ISAS", "").split(",") if x.strip()}
+    out = []
+    for b in ISA_BUILDS:
+        if b[0] != "generic" and (not x86 or (flags is not None and not set(ISA_CPU_FLAGS[b[0]]) <= flags)):
+            continue
+        if only and b[0] not in only and b[0] != "generic":
+            continue
+        out.append(b)
+    return tuple(out)
 
 
 def _run(cmd: list[str]) -> None:
