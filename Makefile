@@ -76,7 +76,7 @@ test-jax-new:
 # The vLLM plugin's tests (tests/vllm/): their own venv with vLLM 0.33.0 (about 9.4 GB, a CUDA build
 # of torch), so never part of `make test` / CI. They run on the CPU: no GPU visible, Triton
 # kernels in Triton's interpreter. `make test-vllm`; the planning benchmark:
-# `.venv-vllm/bin/python -m bench.bench_vllm_planning`.
+# `.venv-vllm/bin/python -m bench.bench_vllm_planning` (and `bench.bench_indexer_planning`, the indexer's chunks).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 

@@ -12,7 +12,11 @@ then arranges, when vLLM imports them:
   with zero query tokens skipped, plans otherwise identical to vLLM's);
 - the DeepSeek-V4 / V4.1 attention layers that call it: their prefill method returns at once when
   the step's prefill requests have no query tokens at all (vLLM asserts a non-empty plan there,
-  and its own plan would hand FlashMLA an empty chunk: vLLM issue #51486).
+  and its own plan would hand FlashMLA an empty chunk: vLLM issue #51486);
+- `vllm.v1.attention.backends.mla.indexer`: `DeepseekV32IndexerMetadataBuilder._split_indexer_prefill_chunks`
+  (the indexer's prefill chunks, every metadata build) becomes
+  `dsv4_torch.vllm.indexer_plan.split_indexer_prefill_chunks` (the same chunks, from
+  `planner.indexer_plan`, without vLLM's per-request tensor reads).
 
 Nothing else of vLLM changes. On a vLLM version this plugin was not checked against it changes
 nothing and logs a warning naming both versions (`DSV4_PREFILL_VLLM_PLUGIN=require` makes that an
@@ -41,6 +45,7 @@ MODES = ("auto", "require", "off")
 logger = logging.getLogger("vllm.dsv4_prefill")
 
 SPARSE_SWA_MODULE = "vllm.v1.attention.backends.mla.sparse_swa"
+INDEXER_MODULE = "vllm.v1.attention.backends.mla.indexer"
 # (module, class, method) of every vLLM 0.33.0 caller of get_prefill_chunk_plan.
 PREFILL_CONSUMERS = (
     ("vllm.models.deepseek_v4.nvidia.flashmla", "DeepseekV4FlashMLAAttention", "_forward_prefill"),
@@ -119,12 +124,13 @@ def register() -> bool:
         logger.warning(msg)
         return False
     _import_hooks.when_imported(SPARSE_SWA_MODULE, _patch_sparse_swa)
+    _import_hooks.when_imported(INDEXER_MODULE, _patch_indexer_plan)
     for module, cls, method in PREFILL_CONSUMERS:
         _import_hooks.when_imported(module, functools.partial(_guard_consumer, cls=cls, method=method))
     _registered = True
     logger.info(
         "dsv4-prefill: vLLM %s DeepSeek-V4 prefill chunks planned once per step per kind; "
-        "zero-query requests never form or widen a chunk",
+        "zero-query requests never form or widen a chunk; indexer prefill chunks from our planner",
         found,
     )
     return True
@@ -187,6 +193,36 @@ def _patch_sparse_swa(module) -> None:
     setattr(get_prefill_chunk_plan, _PATCHED, current)
     cls.get_prefill_chunk_plan = get_prefill_chunk_plan
     logger.debug("dsv4-prefill: patched %s.DeepseekSparseSWAMetadata.get_prefill_chunk_plan", module.__name__)
+
+
+def _patch_indexer_plan(module) -> None:
+    """`DeepseekV32IndexerMetadataBuilder._split_indexer_prefill_chunks` (a static method) becomes
+    `dsv4_torch.vllm.indexer_plan.split_indexer_prefill_chunks`: the same chunks, no per-request
+    tensor reads. Subclasses with their own override (vLLM's CPU and ROCm builders) keep theirs."""
+    from dsv4_torch.vllm import indexer_plan
+
+    cls = getattr(module, "DeepseekV32IndexerMetadataBuilder", None)
+    current = None if cls is None else cls.__dict__.get("_split_indexer_prefill_chunks")
+    if not isinstance(current, staticmethod):
+        raise UnsupportedVLLMVersionError(
+            f"dsv4-prefill: {module.__name__} has no static DeepseekV32IndexerMetadataBuilder."
+            f"_split_indexer_prefill_chunks (vLLM {vllm_version()}); the plugin was checked against vLLM "
+            f"{SUPPORTED_VLLM_VERSIONS}"
+        )
+    if getattr(current.__func__, _PATCHED, None) is not None:
+        return
+    params = list(inspect.signature(current.__func__).parameters)
+    if params != indexer_plan.PARAMS:
+        raise UnsupportedVLLMVersionError(
+            f"dsv4-prefill: DeepseekV32IndexerMetadataBuilder._split_indexer_prefill_chunks takes {params} in vLLM "
+            f"{vllm_version()}, expected {indexer_plan.PARAMS} (vLLM {SUPPORTED_VLLM_VERSIONS})"
+        )
+    fn = indexer_plan.split_indexer_prefill_chunks
+    setattr(fn, _PATCHED, current.__func__)
+    cls._split_indexer_prefill_chunks = staticmethod(fn)
+    logger.debug(
+        "dsv4-prefill: patched %s.DeepseekV32IndexerMetadataBuilder._split_indexer_prefill_chunks", module.__name__
+    )
 
 
 def _guard_consumer(module, *, cls: str, method: str) -> None:

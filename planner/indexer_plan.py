@@ -1,0 +1,295 @@
+"""The Lightning Indexer's prefill chunk plan, once per step (NumPy, no framework import).
+
+A CSA layer's indexer scores every prefill token against every compressed index key its request
+holds, then keeps the top `index_topk`. vLLM 0.33.0 splits a step's prefill requests for it with
+`DeepseekV32IndexerMetadataBuilder._split_indexer_prefill_chunks`
+(`vllm/v1/attention/backends/mla/indexer.py`): requests in batch order join a chunk while
+
+    sum of their compressed lengths (N)           <= workspace_size      (the gathered keys)
+    (sum of their query lengths (M)) * N * 4       <= max_logits_bytes    (the dense logits)
+
+a request that fits neither alone forms a chunk of its own, and every chunk is cut along its
+query axis into pieces of `max(1, (max_logits_bytes // 4) // N)` query tokens (`N == 0`: one
+piece). It returns `[(request_slice, query_slice), ...]`, the query slice counting the chunk's
+query tokens from 0. vLLM's loop reads two tensor items per request on every metadata build.
+
+Here:
+
+* `split_indexer_prefill_chunks`: the same list for the same inputs (checked against vLLM's own
+  function on thousands of random batches, tests/vllm/test_indexer_plan.py), from cumulative sums
+  and a binary search per chunk: both bounds only grow as a chunk takes the next request, so the
+  first request that breaks one is found by bisection. O(requests) NumPy, O(chunks log requests)
+  Python steps.
+* `plan_indexer`: the step's `IndexerPlan` for our kernels: the same chunks in arrays (vLLM's
+  budgets, or `max_logits_bytes=None`: the streaming mode of a kernel that keeps a running top-k
+  per token and never holds a logits buffer, so only the key workspace, if any, bounds a chunk),
+  plus the per-token arrays every CSA layer of the step shares (request, position, visible
+  compressed entries), made once.
+
+Every request is planned as vLLM plans it, zero-query requests included (vLLM keeps them in a
+chunk's request range; a chunk left with no query tokens gets no piece). The streaming plan drops
+pieces without query tokens as well, and needs no budget at all unless a key workspace is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import numpy as np
+
+from planner.checks import INT32_MAX, as_int, as_int_vector
+from planner.kind_plan import readonly_int32
+
+MODES = ("vllm", "streaming")
+
+
+def _lengths(compressed_seq_lens, query_lens):
+    n_c = as_int_vector(compressed_seq_lens, "compressed_seq_lens")
+    q = as_int_vector(query_lens, "query_lens")
+    if n_c.shape != q.shape:
+        raise ValueError(
+            f"query_lens: {q.shape[0]} entries for {n_c.shape[0]} requests (compressed_seq_lens has {n_c.shape[0]})"
+        )
+    for name, a in (("compressed_seq_lens", n_c), ("query_lens", q)):
+        if a.size and int(a.min()) < 0:
+            i = int(np.argmax(a < 0))
+            raise ValueError(f"{name}: {name}[{i}] = {int(a[i])} is negative")
+    return n_c, q
+
+
+def _chunk_ends(cn: list[int], cm: list[int], workspace: int | None, elems: int | None) -> list[int]:
+    """Request boundaries of vLLM's greedy scan: ends[i] is the end (exclusive) of chunk i.
+
+    cn, cm: cumulative compressed / query lengths with a leading 0 (Python lists). A chunk that
+    starts at s takes requests while cn[e] - cn[s] <= workspace and (cm[e] - cm[s]) *
+    (cn[e] - cn[s]) <= elems (None: no such bound); both only grow with e, so the last e that
+    satisfies them is found by a galloping search (1, 2, 4, ... requests ahead, then bisection):
+    about 2 log2(chunk size) checks per chunk. A request that fits neither alone is a chunk alone.
+    """
+    n = len(cn) - 1
+    ends, s = [], 0
+    while s < n:
+        c0, m0 = cn[s], cm[s]
+
+        def fits(e):
+            dn = cn[e] - c0
+            return (workspace is None or dn <= workspace) and (elems is None or (cm[e] - m0) * dn <= elems)
+
+        lo, step = s, 1  # fits(lo) holds (lo = s: the empty chunk)
+        while lo + step <= n and fits(lo + step):
+            lo += step
+            step *= 2
+        hi = lo + step - 1 if lo + step <= n else n  # fits(hi + 1) fails (or hi = n): the last e is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        e = lo if lo > s else s + 1
+        ends.append(e)
+        s = e
+    return ends
+
+
+def _pieces(chunk_m: np.ndarray, chunk_n: np.ndarray, elems: int | None):
+    """Query pieces of every chunk: (chunk id, query start, query end), vLLM's rule
+    max_q = max(1, elems // N) (N == 0 or no budget: one piece of all M tokens)."""
+    if elems is None:
+        max_q = np.maximum(chunk_m, 1)
+    else:
+        max_q = np.where(chunk_n > 0, np.maximum(1, elems // np.maximum(chunk_n, 1)), np.maximum(chunk_m, 1))
+    count = -(-chunk_m // max_q)  # 0 for a chunk without query tokens
+    cid = np.repeat(np.arange(chunk_m.shape[0], dtype=np.int64), count)
+    first = np.cumsum(count) - count
+    k = np.arange(cid.shape[0], dtype=np.int64) - first[cid]
+    q0 = k * max_q[cid]
+    q1 = np.minimum(q0 + max_q[cid], chunk_m[cid])
+    return cid, q0, q1
+
+
+@dataclass(frozen=True, eq=False)
+class IndexerPlan:
+    """One step's indexer prefill plan (shared by every CSA layer of the step).
+
+    Chunks (arrays of length C, batch request indices with `request_offset` added):
+      req_start, req_end: the chunk's requests [req_start, req_end).
+      query_start, query_end: its query tokens, counted from the chunk's first query token (vLLM's
+        query slice).
+      keys: compressed index keys its requests hold (vLLM's N; a gathering kernel's workspace rows).
+      logits_bytes: (query_end - query_start) * keys * 4, the dense logits a vLLM kernel allocates
+        for the piece (a streaming kernel allocates none).
+    Tokens (length T, the batch's prefill tokens in batch order; only with `plan_indexer`):
+      token_request, token_position (absolute), token_visible = (position + 1) // ratio: the
+      compressed entries the token may select from.
+    """
+
+    mode: str
+    request_offset: int
+    req_start: np.ndarray
+    req_end: np.ndarray
+    query_start: np.ndarray
+    query_end: np.ndarray
+    keys: np.ndarray
+    token_request: np.ndarray | None = None
+    token_position: np.ndarray | None = None
+    token_visible: np.ndarray | None = None
+    compress_ratio: int | None = None
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.req_start.shape[0])
+
+    @property
+    def logits_bytes(self) -> np.ndarray:
+        return (self.query_end - self.query_start).astype(np.int64) * self.keys * 4
+
+    def as_slices(self) -> list[tuple[slice, slice]]:
+        """vLLM's form: `[(slice(req_start, req_end), slice(query_start, query_end)), ...]`."""
+        cols = (self.req_start.tolist(), self.req_end.tolist(), self.query_start.tolist(), self.query_end.tolist())
+        return [(slice(a, b), slice(c, d)) for a, b, c, d in zip(*cols)]
+
+
+def _chunks(n_c, q, workspace_size, max_logits_bytes, request_offset, streaming):
+    workspace = None if workspace_size is None else as_int(workspace_size, "workspace_size", minimum=0)
+    elems = None if max_logits_bytes is None else as_int(max_logits_bytes, "max_logits_bytes", minimum=0) // 4
+    offset = as_int(request_offset, "request_offset", minimum=0)
+    n = n_c.shape[0]
+    if n == 0:
+        e = np.zeros(0, dtype=np.int64)
+        return offset, e, e, e, e, e
+    cn = np.zeros(n + 1, dtype=np.int64)
+    cm = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(n_c, out=cn[1:])
+    np.cumsum(q, out=cm[1:])
+    if workspace is None and elems is None:
+        ends = [n]
+    elif workspace is not None and elems is None and int(cn[n]) <= workspace:
+        ends = [n]
+    else:
+        ends = _chunk_ends(cn.tolist(), cm.tolist(), workspace, elems)
+    ends = np.asarray(ends, dtype=np.int64)
+    starts = np.concatenate([[0], ends[:-1]])
+    chunk_m, chunk_n = cm[ends] - cm[starts], cn[ends] - cn[starts]
+    cid, q0, q1 = _pieces(chunk_m, chunk_n, elems)
+    if streaming:  # (vLLM's rule already gives no piece to a chunk without queries)
+        keep = q1 > q0
+        cid, q0, q1 = cid[keep], q0[keep], q1[keep]
+    return offset, starts[cid] + offset, ends[cid] + offset, q0, q1, chunk_n[cid]
+
+
+def _int_list(x, name: str) -> list[int]:
+    """A 1-D integer array (list, NumPy array, CPU tensor) as a list of non-negative Python ints."""
+    a = x if isinstance(x, list) and all(type(v) is int for v in x) else as_int_vector(x, name).tolist()
+    if a and min(a) < 0:
+        i = next(i for i, v in enumerate(a) if v < 0)
+        raise ValueError(f"{name}: {name}[{i}] = {a[i]} is negative")
+    return a
+
+
+def split_indexer_prefill_chunks(
+    compressed_seq_lens,
+    query_lens,
+    workspace_size: int,
+    max_logits_bytes: int,
+    request_offset: int = 0,
+) -> list[tuple[slice, slice]]:
+    """vLLM 0.33.0's `_split_indexer_prefill_chunks`: `[(request_slice, query_slice), ...]`.
+
+    Same arguments, same result: requests are scanned in order and a chunk takes the next one
+    while its compressed lengths sum to at most `workspace_size` and (query tokens) x (that sum) x
+    4 bytes stay within `max_logits_bytes`; a request that fits neither alone is a chunk of its
+    own; each chunk is cut into query pieces of `max(1, (max_logits_bytes // 4) // N)` tokens.
+
+    compressed_seq_lens, query_lens: 1-D non-negative integers per prefill request (lists, NumPy
+      arrays, CPU tensors), vLLM's `compressed_seq_lens_cpu` and `prefill_query_lens_cpu`.
+
+    Plain Python on the lengths (this runs every step, mostly on small batches, where NumPy's
+    per-call overhead would dominate): two cumulative sums, a bisection per chunk.
+    """
+    comp = _int_list(compressed_seq_lens, "compressed_seq_lens")
+    qry = _int_list(query_lens, "query_lens")
+    if len(comp) != len(qry):
+        raise ValueError(
+            f"query_lens: {len(qry)} entries for {len(comp)} requests (compressed_seq_lens has {len(comp)})"
+        )
+    workspace = as_int(workspace_size, "workspace_size", minimum=0)
+    elems = as_int(max_logits_bytes, "max_logits_bytes", minimum=0) // 4
+    offset = as_int(request_offset, "request_offset", minimum=0)
+    n = len(comp)
+    cn = [0, *accumulate(comp)]
+    cm = [0, *accumulate(qry)]
+    if n and cn[n] <= workspace and cm[n] * cn[n] <= elems:
+        ends = [n]
+    else:
+        ends = _chunk_ends(cn, cm, workspace, elems)
+    out, s = [], 0
+    for e in ends:
+        m, k = cm[e] - cm[s], cn[e] - cn[s]
+        step = max(1, elems // k) if k > 0 else max(1, m)
+        rs = slice(s + offset, e + offset)
+        out.extend((rs, slice(a, min(a + step, m))) for a in range(0, m, step))
+        s = e
+    return out
+
+
+def plan_indexer(
+    seq_lens,
+    query_lens,
+    compress_ratio: int,
+    *,
+    workspace_size: int | None = None,
+    max_logits_bytes: int | None = None,
+    request_offset: int = 0,
+) -> IndexerPlan:
+    """The step's indexer plan: chunks and per-token arrays, shared by every CSA layer.
+
+    seq_lens, query_lens: per prefill request (context after the step, new tokens); the request's
+      queries sit at positions seq_len - query_len .. seq_len - 1 and see the compressed entries
+      0 .. (position + 1) // compress_ratio - 1; the request holds seq_len // compress_ratio.
+    max_logits_bytes: None = streaming mode (no logits budget: our kernels keep a running top-k
+      per token); an integer = vLLM's mode, chunks equal to `split_indexer_prefill_chunks`.
+    workspace_size: bound on the compressed keys one chunk gathers (None: none, our kernels read
+      the paged cache in place).
+    """
+    r = as_int(compress_ratio, "compress_ratio", minimum=1)
+    seq = as_int_vector(seq_lens, "seq_lens")
+    n_c, q = _lengths(seq // r if seq.size else seq, query_lens)
+    if seq.size:
+        if int(seq.min()) < 0:
+            i = int(np.argmax(seq < 0))
+            raise ValueError(f"seq_lens: seq_lens[{i}] = {int(seq[i])} is negative")
+        if int(seq.max()) > INT32_MAX:
+            i = int(np.argmax(seq))
+            raise ValueError(f"seq_lens: seq_lens[{i}] = {int(seq[i])} exceeds {INT32_MAX} (int32 positions)")
+        bad = q > seq
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"query_lens: query_lens[{i}] = {int(q[i])} exceeds seq_lens[{i}] = {int(seq[i])}")
+    streaming = max_logits_bytes is None
+    offset, rs, re, q0, q1, keys = _chunks(n_c, q, workspace_size, max_logits_bytes, request_offset, streaming)
+    T = int(q.sum())
+    if T > INT32_MAX:
+        raise ValueError(f"query_lens: {T} prefill tokens exceed {INT32_MAX} (int32 token rows)")
+    token_request = np.repeat(np.arange(q.shape[0], dtype=np.int64), q)
+    first = np.cumsum(q) - q
+    token_position = seq[token_request] - q[token_request] + (np.arange(T, dtype=np.int64) - first[token_request])
+    return IndexerPlan(
+        mode="streaming" if streaming else "vllm",
+        request_offset=offset,
+        req_start=readonly_int32(rs),
+        req_end=readonly_int32(re),
+        query_start=readonly_int32(q0),
+        query_end=readonly_int32(q1),
+        keys=_readonly(keys.astype(np.int64)),
+        token_request=readonly_int32(token_request),
+        token_position=readonly_int32(token_position),
+        token_visible=readonly_int32((token_position + 1) // r),
+        compress_ratio=r,
+    )
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a

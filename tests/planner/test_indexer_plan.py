@@ -1,0 +1,123 @@
+"""planner.indexer_plan: the indexer's prefill chunks (vLLM's rule and the streaming mode), token arrays.
+
+Equality with vLLM 0.33.0's own `_split_indexer_prefill_chunks` is checked in
+tests/vllm/test_indexer_plan.py (`make test-vllm`); here the plan is checked against a plain
+request-by-request loop of the rule as documented (written for this test) and on its invariants.
+"""
+
+import numpy as np
+import pytest
+
+from planner.indexer_plan import IndexerPlan, plan_indexer, split_indexer_prefill_chunks
+
+
+def loop_rule(comp, qry, workspace, logits_bytes, offset=0):
+    """The documented rule, one request at a time (independent of the planner's bisection)."""
+    elems = logits_bytes // 4
+    out, end, n = [], 0, len(comp)
+    while end < n:
+        start, m, k = end, 0, 0
+        while end < n and k + comp[end] <= workspace and (m + qry[end]) * (k + comp[end]) <= elems:
+            m, k = m + qry[end], k + comp[end]
+            end += 1
+        if end == start:
+            m, k = qry[end], comp[end]
+            end += 1
+        step = max(1, elems // k) if k > 0 else max(1, m)
+        out += [(slice(start + offset, end + offset), slice(a, min(a + step, m))) for a in range(0, m, step)]
+    return out
+
+
+def random_case(rng):
+    n = int(rng.choice([0, 1, 2, 3, 7, 16, 100]))
+    comp = rng.integers(0, int(rng.choice([2, 64, 4096, 1 << 18])) + 1, n)
+    qry = rng.integers(0, int(rng.choice([1, 16, 2048, 8192])) + 1, n)
+    if rng.random() < 0.3:
+        qry[rng.random(n) < 0.4] = 0
+    if rng.random() < 0.3:
+        comp[rng.random(n) < 0.4] = 0
+    workspace = int(rng.choice([0, 1, 64, 4096, 1 << 16, 1 << 22]))
+    logits = int(rng.choice([0, 3, 4, 4096, 1 << 20, 64 << 20, 1 << 34]))
+    if logits < 1 << 34:  # pieces of few query tokens: keep the lists short
+        qry = np.minimum(qry, 64)
+    return comp, qry, workspace, logits, int(rng.integers(0, 4))
+
+
+def test_equal_to_the_rule_on_random_batches():
+    rng = np.random.default_rng(28)
+    pieces = split = 0
+    for _ in range(1000):
+        comp, qry, workspace, logits, offset = random_case(rng)
+        want = loop_rule(comp.tolist(), qry.tolist(), workspace, logits, offset)
+        got = split_indexer_prefill_chunks(comp, qry, workspace, logits, offset)
+        assert got == want, (comp.tolist(), qry.tolist(), workspace, logits, offset)
+        pieces += len(got)
+        split += len({(r.start, r.stop) for r, _ in got}) < len(got)
+    assert pieces > 1000 and split > 50, "the random cases should often give several chunks and query pieces"
+
+
+def test_examples():
+    # two requests share a chunk while 2 * (100 + 200) * 4 bytes fit; the third alone is too large
+    assert split_indexer_prefill_chunks([100, 200, 5000], [1, 1, 4], 10_000, 4 * 600) == [
+        (slice(0, 2), slice(0, 2)),
+        (slice(2, 3), slice(0, 1)),
+        (slice(2, 3), slice(1, 2)),
+        (slice(2, 3), slice(2, 3)),
+        (slice(2, 3), slice(3, 4)),
+    ]
+    # the workspace bound alone
+    assert split_indexer_prefill_chunks([3, 3, 3], [1, 1, 1], 6, 1 << 30, request_offset=5) == [
+        (slice(5, 7), slice(0, 2)),
+        (slice(7, 8), slice(0, 1)),
+    ]
+    # a chunk without query tokens gets no piece (vLLM's rule); no requests, no chunks
+    assert split_indexer_prefill_chunks([10, 10], [0, 3], 10, 1 << 20) == [(slice(1, 2), slice(0, 3))]
+    assert split_indexer_prefill_chunks([], [], 10, 100) == []
+
+
+def test_streaming_mode_has_no_logits_budget():
+    seq = np.array([4096, 100, 65536, 0, 9000])
+    qry = np.array([4096, 100, 2048, 0, 1])
+    p = plan_indexer(seq, qry, 4)
+    assert isinstance(p, IndexerPlan) and p.mode == "streaming"
+    assert p.as_slices() == [(slice(0, 5), slice(0, int(qry.sum())))]
+    # a key workspace bound still splits by requests, never along queries
+    p = plan_indexer(seq, qry, 4, workspace_size=16384)
+    assert p.as_slices() == [
+        (slice(0, 2), slice(0, 4196)),
+        (slice(2, 4), slice(0, 2048)),  # request 3 holds no keys: it joins
+        (slice(4, 5), slice(0, 1)),
+    ]
+    assert p.keys.tolist() == [1024 + 25, 16384, 2250]
+    # vLLM's mode: the same plan as split_indexer_prefill_chunks on the compressed lengths
+    p = plan_indexer(seq, qry, 4, workspace_size=1 << 20, max_logits_bytes=8 << 20, request_offset=2)
+    assert p.mode == "vllm"
+    assert p.as_slices() == split_indexer_prefill_chunks(seq // 4, qry, 1 << 20, 8 << 20, 2)
+    assert (p.logits_bytes <= 8 << 20).all()
+
+
+def test_token_arrays():
+    seq, qry = [10, 3, 7], [4, 0, 7]
+    p = plan_indexer(seq, qry, 4)
+    assert p.token_request.tolist() == [0] * 4 + [2] * 7
+    assert p.token_position.tolist() == [6, 7, 8, 9, 0, 1, 2, 3, 4, 5, 6]
+    assert p.token_visible.tolist() == [1, 2, 2, 2, 0, 0, 0, 1, 1, 1, 1]
+    assert p.token_request.dtype == np.int32 and not p.token_position.flags.writeable
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: split_indexer_prefill_chunks([1, 2], [1], 10, 10), "query_lens: 1 entries for 2 requests"),
+        (lambda: split_indexer_prefill_chunks([1, -2], [1, 1], 10, 10), r"compressed_seq_lens\[1\] = -2"),
+        (lambda: split_indexer_prefill_chunks([1], [1.5], 10, 10), "query_lens: expected integers"),
+        (lambda: split_indexer_prefill_chunks([1], [1], -1, 10), "workspace_size: must be >= 0"),
+        (lambda: split_indexer_prefill_chunks([1], [1], 10, None), "max_logits_bytes: expected an integer"),
+        (lambda: plan_indexer([4], [5], 4), r"query_lens\[0\] = 5 exceeds seq_lens\[0\] = 4"),
+        (lambda: plan_indexer([4], [1], 0), "compress_ratio: must be >= 1"),
+        (lambda: plan_indexer([[4]], [1], 4), "seq_lens: expected a 1-D array"),
+    ],
+)
+def test_bad_inputs(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
