@@ -3,9 +3,9 @@
 Three shared libraries, each named by a hash of everything that goes into it (sources, flags,
 compiler versions, the CPU's feature flags, and the framework's version for the two bindings):
 
-- `dsv4_cpu_<key>.so`: the kernels (kvcache.c, runtime.cc, attention.cc, gather.cc and the token
-  kernels of attention_isa.cc compiled once per instruction set: generic, AVX2, AVX-512,
-  AVX512-BF16; an instruction set the compiler cannot target is left out and never chosen).
+- `dsv4_cpu_<key>.so`: the kernels (kvcache.c, runtime.cc, attention.cc, gather.cc, indexer.cc and
+  the token / block kernels of attention_isa.cc and indexer_isa.cc compiled once per instruction
+  set: generic, AVX2, AVX-512, AVX512-BF16; an instruction set the compiler cannot target is left out and never chosen).
   ctypes loads it (`dsv4_cpu.binding`).
 - `dsv4_cpu_xla_<key>.so`: the XLA FFI handlers (xla_ffi.cc) against jaxlib's FFI headers, linked
   against the kernels' library: loading it reuses the kernels already loaded, so both bindings
@@ -48,9 +48,9 @@ logger = logging.getLogger("dsv4_cpu")
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 C_SOURCES = ("kvcache.c",)
-CXX_SOURCES = ("runtime.cc", "attention.cc", "gather.cc")
-HEADERS = ("dsv4_cpu.h", "attention_impl.h", "runtime.h")
-ISA_SOURCE = "attention_isa.cc"
+CXX_SOURCES = ("runtime.cc", "attention.cc", "gather.cc", "indexer.cc")
+HEADERS = ("dsv4_cpu.h", "attention_impl.h", "runtime.h", "indexer.h", "indexer_impl.h")
+ISA_SOURCES = ("attention_isa.cc", "indexer_isa.cc")  # compiled once per instruction set
 XLA_SOURCE = "xla_ffi.cc"
 TORCH_SOURCE = "torch_parallel.cc"
 
@@ -256,7 +256,7 @@ def _log(msg: str) -> None:
 
 def _kernel_parts() -> tuple[list, str, str]:
     cc, cxx = _compilers()
-    files = [os.path.join(CSRC, f) for f in C_SOURCES + CXX_SOURCES + HEADERS + (ISA_SOURCE,)]
+    files = [os.path.join(CSRC, f) for f in C_SOURCES + CXX_SOURCES + HEADERS + ISA_SOURCES]
     parts = [_read(f) for f in files] + [
         C_FLAGS,
         CXX_FLAGS,
@@ -290,15 +290,16 @@ def build_kernels() -> str:
             _run([cc, *C_FLAGS, *extra, f"-I{CSRC}", "-c", os.path.join(CSRC, f), "-o", objs[-1]])
         built = []
         for isa, lanes, flags in _isa_builds():
-            obj = os.path.join(tmp, f"attention_{isa}.o")
+            isa_objs = [os.path.join(tmp, f"{src.split('.')[0]}_{isa}.o") for src in ISA_SOURCES]
             cmd = [cxx, *CXX_FLAGS, *extra, f"-I{CSRC}", f"-DDSV4_ISA={isa}", f"-DDSV4_WIDTH={lanes}", *flags]
             try:
-                _run([*cmd, "-c", os.path.join(CSRC, ISA_SOURCE), "-o", obj])
+                for src, obj in zip(ISA_SOURCES, isa_objs):
+                    _run([*cmd, "-c", os.path.join(CSRC, src), "-o", obj])
             except RuntimeError:
                 if isa == "generic":
                     raise
                 continue  # this compiler cannot target the set: the library runs without it
-            objs.append(obj)
+            objs.extend(isa_objs)
             built.append(isa)
         defs = [f"-DDSV4_BUILT_{isa.upper()}" for isa in built if isa != "generic"]
         for f in CXX_SOURCES:

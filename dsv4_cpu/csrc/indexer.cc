@@ -1,0 +1,514 @@
+// The CPU Lightning Indexer (indexer.h): checks, instruction-set choice, key staging, the running
+// top-k per token, and the work split.
+//
+// Work items are tiles of up to IDX_TILE consecutive tokens of one request. A tile walks its
+// request's keys once, in blocks of IDX_KB: each block is read from the cache (fp8 pages, bf16 or
+// float32 rows) and staged once in the kernel's layout, then every token of the tile that sees
+// any of it scores it (indexer_isa.cc) and feeds the block's logits to its own running top-k, so a
+// key is decoded once per tile and never a tokens x keys logits buffer exists. Tiles are taken
+// longest first from parallel_items' shared counter (causal tiles grow with the position).
+//
+// Running top-k (one per token): candidates in an array of `cap` = 2k + 2 IDX_KB entries and a
+// threshold. Until the array first overflows every logit is a candidate; then a logit is kept
+// only if it beats the threshold (strictly: a later key has a higher index, so on an equal logit
+// it loses), and each overflow keeps the best k (nth_element by the tie rule) and raises the
+// threshold to the worst of them. The final k are sorted by the tie rule. Amortized O(1) per key.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "indexer.h"
+#include "indexer_impl.h"
+#include "runtime.h"
+
+namespace dsv4 {
+namespace {
+
+constexpr int64_t IDX_TILE = 16;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// OCP e4m3 (float8_e4m3fn) byte -> value: float32 and bf16 bits (both exact); 0x7F / 0xFF NaN.
+struct Fp8Table {
+    float f[256];
+    uint16_t b[256];
+    Fp8Table() {
+        for (int i = 0; i < 256; i++) {
+            const int e = (i >> 3) & 15, m = i & 7;
+            float v = e == 0 ? std::ldexp((float)m, -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+            if ((i & 0x7F) == 0x7F) v = std::numeric_limits<float>::quiet_NaN();
+            if (i & 0x80) v = -v;
+            f[i] = v;
+            uint32_t u;
+            std::memcpy(&u, &v, 4);
+            b[i] = (uint16_t)(u >> 16);
+        }
+    }
+};
+const Fp8Table FP8;
+
+inline uint16_t f32_bf16_bits(float f) {  // round to nearest even; NaN stays NaN
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float bf16_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+IndexBlockFn index_kernel_for(int isa, int pairs) {
+    switch (isa) {
+#if defined(DSV4_BUILT_AVX512BF16)
+        case DSV4_ISA_AVX512BF16:
+            return index_block_kernel_avx512bf16(pairs);
+#endif
+#if defined(DSV4_BUILT_AVX512)
+        case DSV4_ISA_AVX512:
+            return index_block_kernel_avx512(pairs);
+#endif
+#if defined(DSV4_BUILT_AVX2)
+        case DSV4_ISA_AVX2:
+            return index_block_kernel_avx2(pairs);
+#endif
+        case DSV4_ISA_GENERIC:
+            return index_block_kernel_generic(pairs);
+        default:
+            return nullptr;
+    }
+}
+
+// Whether the bf16 "pairs" layout serves bf16-product inputs on instruction set `isa`: where
+// vdpbf16ps runs it (avx512bf16); elsewhere the f32 layout is faster (keys and q widened exactly
+// at staging, same products, same order of accumulation). DSV4_PREFILL_INDEXER_LAYOUT=pairs
+// forces the pairs layout everywhere (its widening emulation of vdpbf16ps), so the layout the
+// avx512bf16 kernel reads is tested on machines without it.
+bool pairs_layout(int isa) {
+    if (isa == DSV4_ISA_AVX512BF16) return true;
+    const char *e = std::getenv("DSV4_PREFILL_INDEXER_LAYOUT");
+    return e && std::strcmp(e, "pairs") == 0;
+}
+
+// The instruction set, layout and block kernel for a call (bf16_inputs: q and keys both bf16 or
+// e4m3): DSV4_OK, or an error code with the message set.
+int choose(int isa, bool bf16_inputs, IndexBlockFn *fn, int *chosen, bool *pairs) {
+    if (env_cap() < 0)
+        return fail(DSV4_ERR_ISA, std::string("DSV4_PREFILL_CPU_ISA: unknown instruction set '") +
+                                      std::getenv("DSV4_PREFILL_CPU_ISA") +
+                                      "' (expected generic, avx2, avx512, avx512bf16 or amx)");
+    if (isa < -1 || isa > DSV4_ISA_AMX) return fail(DSV4_ERR_ARG, "isa: expected -1 .. 4, got " + std::to_string(isa));
+    if (isa >= 0 && !runnable(isa))
+        return fail(DSV4_ERR_ISA, std::string("isa: ") + isa_name(isa) + " cannot run on this machine");
+    for (int i = isa_ceiling(isa); i >= 0; i--) {
+        if (!runnable(i)) continue;
+        *pairs = bf16_inputs && pairs_layout(i);
+        if ((*fn = index_kernel_for(i, *pairs ? 1 : 0)) != nullptr) {
+            *chosen = i;
+            return DSV4_OK;
+        }
+    }
+    return fail(DSV4_ERR_ISA, "no indexer kernel runs here");
+}
+
+// The call's inputs that every tile reads.
+struct Call {
+    const char *q;
+    int64_t q_s0, q_s1, H, D, depth;  // depth: D2 (pairs) or D
+    int q_dtype;
+    size_t q_esize;
+    const float *w;
+    int64_t w_s0;
+    dsv4_prefill_tokens tk;
+    dsv4_kv_source src;
+    bool fp8_keys, pairs;
+    int64_t topk;
+    int32_t *out_idx;
+    int64_t idx_s0;
+    float *out_logits;
+    int64_t logit_s0;
+    IndexBlockFn fn;
+};
+
+inline int64_t table_at(const dsv4_kv_source &s, int64_t i) {
+    return s.table_int64 ? static_cast<const int64_t *>(s.table)[i] : static_cast<const int32_t *>(s.table)[i];
+}
+
+inline int64_t visible(const dsv4_prefill_tokens &tk, int64_t t) {
+    return std::max<int64_t>(0, ((int64_t)tk.token_position[t] + 1) / tk.compress_ratio);
+}
+
+// Bytes of entry e of request b (format 0: the row; format 2: the e4m3 bytes, *scale set).
+// Only called for entries the checks have cleared.
+inline const char *entry(const Call &c, int64_t b, int64_t e, float *scale) {
+    const dsv4_kv_source &s = c.src;
+    const char *base = static_cast<const char *>(s.data);
+    if (c.fp8_keys) {
+        const int64_t page = table_at(s, b * s.table_stride + e / s.page_size), slot = e % s.page_size;
+        const char *p = base + page * s.page_stride;
+        std::memcpy(scale, p + s.page_size * c.D + 4 * slot, 4);
+        return p + slot * c.D;
+    }
+    const size_t es = s.dtype == DSV4_BF16 ? 2 : 4;
+    if (s.page_size > 0) {
+        const int64_t page = table_at(s, b * s.table_stride + e / s.page_size), slot = e % s.page_size;
+        return base + (page * s.page_stride + slot * s.row_stride) * (int64_t)es;
+    }
+    const int64_t row = s.table ? table_at(s, b) + e : e;
+    return base + row * s.row_stride * (int64_t)es;
+}
+
+// Every key a token sees is readable, or an error naming the request and the entry.
+int check_keys(const Call &c) {
+    const dsv4_kv_source &s = c.src;
+    const dsv4_prefill_tokens &tk = c.tk;
+    std::vector<int64_t> need;  // per request: entries its tokens see
+    int64_t all = 0;
+    for (int64_t t = 0; t < tk.num_tokens; t++) {
+        const int64_t b = tk.token_request[t], n = visible(tk, t);
+        all = std::max(all, n);
+        if (!s.table) continue;
+        if (b < 0 || b >= s.table_rows)
+            return fail(DSV4_ERR_ARG, "token_request: token " + std::to_string(t) + " names request " +
+                                               std::to_string(b) + ", the keys' table has " +
+                                               std::to_string(s.table_rows) + " rows");
+        if ((int64_t)need.size() <= b) need.resize(b + 1, 0);
+        need[b] = std::max(need[b], n);
+    }
+    if (!s.table) {
+        if (s.page_size > 0) return fail(DSV4_ERR_ARG, "keys: paged keys need a block table");
+        if (all > s.num_rows)
+            return fail(DSV4_ERR_ARG, "keys: tokens see " + std::to_string(all) + " entries, the rows hold " +
+                                               std::to_string(s.num_rows));
+        return DSV4_OK;
+    }
+    for (int64_t b = 0; b < (int64_t)need.size(); b++) {
+        const int64_t n = need[b];
+        if (n == 0) continue;
+        const std::string req = "keys: request " + std::to_string(b);
+        if (s.page_size > 0) {
+            const int64_t blocks = (n + s.page_size - 1) / s.page_size;
+            if (blocks > s.table_width)
+                return fail(DSV4_ERR_ARG, req + " sees " + std::to_string(n) + " entries: " + std::to_string(blocks) +
+                                                   " blocks, the block table has " + std::to_string(s.table_width));
+            for (int64_t k = 0; k < blocks; k++) {
+                const int64_t page = table_at(s, b * s.table_stride + k);
+                if (page < 0 || page >= s.num_pages)
+                    return fail(DSV4_ERR_ARG, req + ", entry " + std::to_string(k * s.page_size) +
+                                                       ": block-table entry " + std::to_string(k) + " is page " +
+                                                       std::to_string(page) + ", outside [0, " +
+                                                       std::to_string(s.num_pages) + ")");
+            }
+        } else {
+            const int64_t off = table_at(s, b);
+            if (off < 0 || off + n > s.num_rows)
+                return fail(DSV4_ERR_ARG, req + ": rows " + std::to_string(off) + " .. " + std::to_string(off + n - 1) +
+                                                   " outside [0, " + std::to_string(s.num_rows) + ")");
+        }
+    }
+    return DSV4_OK;
+}
+
+// One thread's buffers, reused across tiles and calls.
+struct Scratch {
+    std::vector<uint32_t> qp, kp;  // staged q (all tokens of a tile), staged key block (pairs)
+    std::vector<float> qf, kt;     // the same, f32 layout
+    std::vector<float> scale, logits, val;
+    std::vector<int32_t> idx;
+    std::vector<int64_t> size;
+    std::vector<float> th;
+    std::vector<uint8_t> has_th;
+    std::vector<int32_t> order, tmp_idx;
+    std::vector<float> tmp_val;
+};
+thread_local Scratch t_scratch;
+
+// The tie rule: a better than b (larger logit; equal logits: lower index; NaN below all).
+inline bool better(float va, int32_t ia, float vb, int32_t ib) {
+    const bool na = va != va, nb = vb != vb;
+    if (na != nb) return nb;
+    if (!na && va != vb) return va > vb;
+    return ia < ib;
+}
+
+// Keep the best `keep` of n candidates (val, idx) in front (the keep-th best last), sorted by
+// the tie rule if `sort`.
+void select_best(Scratch &s, float *val, int32_t *idx, int64_t n, int64_t keep, bool sort) {
+    std::vector<int32_t> &order = s.order;
+    order.resize(n);
+    for (int64_t i = 0; i < n; i++) order[i] = (int32_t)i;
+    auto cmp = [&](int32_t a, int32_t b) { return better(val[a], idx[a], val[b], idx[b]); };
+    const int64_t m = std::min(keep, n);
+    if (m < n) std::nth_element(order.begin(), order.begin() + (m - 1), order.end(), cmp);
+    if (sort) std::sort(order.begin(), order.begin() + m, cmp);
+    s.tmp_val.resize(m);
+    s.tmp_idx.resize(m);
+    for (int64_t i = 0; i < m; i++) s.tmp_val[i] = val[order[i]], s.tmp_idx[i] = idx[order[i]];
+    std::copy(s.tmp_val.begin(), s.tmp_val.end(), val);
+    std::copy(s.tmp_idx.begin(), s.tmp_idx.end(), idx);
+}
+
+void stage_q(const Call &c, Scratch &s, int64_t slot, int64_t t) {
+    const char *row = c.q + (int64_t)c.tk.token_row[t] * c.q_s0 * (int64_t)c.q_esize;
+    for (int64_t h = 0; h < c.H; h++) {
+        const char *qh = row + h * c.q_s1 * (int64_t)c.q_esize;
+        if (c.pairs) {
+            uint32_t *o = s.qp.data() + (slot * c.H + h) * c.depth;
+            for (int64_t i = 0; i < c.depth; i++) {
+                uint16_t lo = 0, hi = 0;
+                for (int k = 0; k < 2; k++) {
+                    const int64_t d = 2 * i + k;
+                    uint16_t v = 0;
+                    if (d < c.D) {
+                        if (c.q_dtype == DSV4_BF16) std::memcpy(&v, qh + 2 * d, 2);
+                        else v = FP8.b[(uint8_t)qh[d]];
+                    }
+                    (k ? hi : lo) = v;
+                }
+                o[i] = (uint32_t)lo | ((uint32_t)hi << 16);
+            }
+        } else {
+            float *o = s.qf.data() + (slot * c.H + h) * c.depth;
+            for (int64_t d = 0; d < c.D; d++) {
+                if (c.q_dtype == DSV4_F32) std::memcpy(o + d, qh + 4 * d, 4);
+                else if (c.q_dtype == DSV4_BF16) {
+                    uint16_t v;
+                    std::memcpy(&v, qh + 2 * d, 2);
+                    o[d] = bf16_f32(v);
+                } else o[d] = FP8.f[(uint8_t)qh[d]];
+            }
+        }
+    }
+}
+
+// Keys e0 .. e0+nb-1 of request b into the staging block (zero keys after nb), their scales.
+void stage_keys(const Call &c, Scratch &s, int64_t b, int64_t e0, int64_t nb) {
+    float *scale = s.scale.data();
+    if (nb < IDX_KB) {  // zero keys after nb (their logits are never read; keep them finite)
+        if (c.pairs) std::fill(s.kp.begin(), s.kp.end(), 0u);
+        else std::fill(s.kt.begin(), s.kt.end(), 0.0f);
+    }
+    for (int64_t j = 0; j < nb; j++) {
+        scale[j] = 1.0f;
+        const char *r = entry(c, b, e0 + j, &scale[j]);
+        if (c.pairs) {
+            uint32_t *o = s.kp.data() + j;
+            for (int64_t i = 0; i < c.depth; i++) {
+                uint32_t lo, hi = 0;
+                if (c.fp8_keys) {
+                    lo = FP8.b[(uint8_t)r[2 * i]];
+                    if (2 * i + 1 < c.D) hi = FP8.b[(uint8_t)r[2 * i + 1]];
+                } else {  // bf16 rows
+                    uint16_t a, z = 0;
+                    std::memcpy(&a, r + 4 * i, 2);
+                    if (2 * i + 1 < c.D) std::memcpy(&z, r + 4 * i + 2, 2);
+                    lo = a, hi = z;
+                }
+                o[i * IDX_KB] = lo | (hi << 16);
+            }
+        } else {
+            float *o = s.kt.data() + j;
+            for (int64_t d = 0; d < c.D; d++) {
+                float v;
+                if (c.fp8_keys) v = FP8.f[(uint8_t)r[d]];
+                else if (c.src.dtype == DSV4_BF16) {
+                    uint16_t u;
+                    std::memcpy(&u, r + 2 * d, 2);
+                    v = bf16_f32(u);
+                } else std::memcpy(&v, r + 4 * d, 4);
+                o[d * IDX_KB] = v;
+            }
+        }
+    }
+}
+
+void run_tile(const Call &c, int64_t t0, int64_t t1) {
+    Scratch &s = t_scratch;
+    const dsv4_prefill_tokens &tk = c.tk;
+    const int64_t nt = t1 - t0, k = c.topk, cap = 2 * k + 2 * IDX_KB;
+    const int64_t b = tk.token_request[t0];
+    int64_t n_max = 0;
+    for (int64_t t = t0; t < t1; t++) n_max = std::max(n_max, visible(tk, t));
+    if (c.pairs) {
+        s.qp.resize((size_t)(nt * c.H * c.depth));
+        s.kp.resize((size_t)(c.depth * IDX_KB));
+    } else {
+        s.qf.resize((size_t)(nt * c.H * c.depth));
+        s.kt.resize((size_t)(c.depth * IDX_KB));
+    }
+    s.scale.assign(IDX_KB, 1.0f);
+    s.logits.resize(IDX_KB);
+    s.val.resize((size_t)(nt * cap));
+    s.idx.resize((size_t)(nt * cap));
+    s.size.assign(nt, 0);
+    s.th.assign(nt, NEG_INF);
+    s.has_th.assign(nt, 0);
+    for (int64_t t = t0; t < t1; t++) stage_q(c, s, t - t0, t);
+    IndexBlockJob job;
+    job.H = c.H;
+    job.depth = c.depth;
+    job.logits = s.logits.data();
+    job.keys = c.pairs ? (const void *)s.kp.data() : (const void *)s.kt.data();
+    for (int64_t e0 = 0; e0 < n_max; e0 += IDX_KB) {
+        stage_keys(c, s, b, e0, std::min<int64_t>(IDX_KB, n_max - e0));
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t n = visible(tk, t), i = t - t0;
+            if (n <= e0) continue;
+            const int64_t nv = std::min<int64_t>(IDX_KB, n - e0);
+            job.q = c.pairs ? (const void *)(s.qp.data() + i * c.H * c.depth) : (const void *)(s.qf.data() + i * c.H * c.depth);
+            job.w = c.w + (int64_t)tk.token_row[t] * c.w_s0;
+            c.fn(job);
+            float *L = s.logits.data(), *val = s.val.data() + i * cap, th = s.th[i];
+            int32_t *idx = s.idx.data() + i * cap;
+            int64_t &size = s.size[i];
+            const bool has = s.has_th[i];
+            for (int64_t j = 0; j < nv; j++) {
+                const float v = c.fp8_keys ? L[j] * s.scale[j] : L[j];
+                if (!has || v > th) {
+                    val[size] = v;
+                    idx[size] = (int32_t)(e0 + j);
+                    size++;
+                }
+            }
+            if (size > cap - IDX_KB && size > k) {  // keep the best k, raise the threshold
+                select_best(s, val, idx, size, k, false);
+                size = k;
+                if (val[k - 1] == val[k - 1]) {  // (a NaN among the best k: keep taking everything)
+                    s.th[i] = val[k - 1];
+                    s.has_th[i] = 1;
+                }
+            }
+        }
+    }
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t i = t - t0;
+        float *val = s.val.data() + i * cap;
+        int32_t *idx = s.idx.data() + i * cap;
+        const int64_t m = std::min(k, s.size[i]);
+        select_best(s, val, idx, s.size[i], k, true);
+        int32_t *oi = c.out_idx + (int64_t)tk.token_row[t] * c.idx_s0;
+        for (int64_t j = 0; j < k; j++) oi[j] = j < m ? idx[j] : -1;
+        if (c.out_logits) {
+            float *ol = c.out_logits + (int64_t)tk.token_row[t] * c.logit_s0;
+            for (int64_t j = 0; j < k; j++) ol[j] = j < m ? val[j] : NEG_INF;
+        }
+    }
+}
+
+}  // namespace
+}  // namespace dsv4
+
+using namespace dsv4;
+
+extern "C" {
+
+int dsv4_indexer_isa(int32_t q_dtype, int32_t key_dtype, int32_t isa) {
+    if (q_dtype < 0 || q_dtype > DSV4_FP8_E4M3 || key_dtype < 0 || key_dtype > DSV4_FP8_E4M3)
+        return (void)fail(DSV4_ERR_ARG, "q_dtype / key_dtype: expected 0 (bf16), 1 (float32) or 2 (e4m3)"), -1;
+    IndexBlockFn fn;
+    int chosen = -1;
+    bool pairs;
+    if (choose(isa, q_dtype != DSV4_F32 && key_dtype != DSV4_F32, &fn, &chosen, &pairs) != DSV4_OK) return -1;
+    return chosen;
+}
+
+int dsv4_indexer_topk(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dtype, int64_t rows, int64_t H, int64_t D,
+                      const float *weights, int64_t w_s0, const dsv4_prefill_tokens *tokens, const dsv4_kv_source *keys,
+                      int64_t topk, int32_t *out_idx, int64_t idx_s0, float *out_logits, int64_t logit_s0,
+                      const dsv4_parallel *par, int32_t isa) {
+    return guarded([&]() -> int {
+        if (int rc = check_parallel(par)) return rc;
+        if (q_dtype < 0 || q_dtype > DSV4_FP8_E4M3)
+            return fail(DSV4_ERR_ARG, "q_dtype: expected 0 (bf16), 1 (float32) or 2 (e4m3), got " + std::to_string(q_dtype));
+        if (H < 1 || D < 1) return fail(DSV4_ERR_ARG, "H, D: expected >= 1, got " + std::to_string(H) + ", " + std::to_string(D));
+        if (rows < 0) return fail(DSV4_ERR_ARG, "rows: expected >= 0, got " + std::to_string(rows));
+        if (topk < 1) return fail(DSV4_ERR_ARG, "topk: expected >= 1, got " + std::to_string(topk));
+        if (!tokens || !keys) return fail(DSV4_ERR_ARG, "tokens / keys: NULL");
+        Call c;
+        c.tk = *tokens;
+        c.src = *keys;
+        const dsv4_prefill_tokens &tk = c.tk;
+        if (tk.num_tokens < 0) return fail(DSV4_ERR_ARG, "num_tokens: expected >= 0");
+        if (tk.num_tokens == 0) return DSV4_OK;
+        if (tk.compress_ratio < 1)
+            return fail(DSV4_ERR_ARG, "compress_ratio: expected >= 1, got " + std::to_string(tk.compress_ratio));
+        if (!tk.token_row || !tk.token_request || !tk.token_position)
+            return fail(DSV4_ERR_ARG, "token_row / token_request / token_position: NULL");
+        if (!q || !weights || !out_idx) return fail(DSV4_ERR_ARG, "q / weights / out_idx: NULL");
+        for (int64_t t = 0; t < tk.num_tokens; t++) {
+            const int64_t row = tk.token_row[t], p = tk.token_position[t];
+            if (row < 0 || row >= rows)
+                return fail(DSV4_ERR_ARG, "token_row: token " + std::to_string(t) + " names row " + std::to_string(row) +
+                                              ", q / weights / out have " + std::to_string(rows));
+            if (p < 0 || p >= DSV4_MAX_POSITION)
+                return fail(DSV4_ERR_ARG, "token_position: token " + std::to_string(t) + " is at position " + std::to_string(p) +
+                                              ", outside [0, DSV4_MAX_POSITION)");
+        }
+        const dsv4_kv_source &s = c.src;
+        if (s.format == DSV4_KV_INDEX_FP8) {
+            if (s.page_size <= 0 || !s.table)
+                return fail(DSV4_ERR_ARG, "keys: fp8 index pages need page_size > 0 and a block table");
+            if (s.page_stride < s.page_size * (D + 4))
+                return fail(DSV4_ERR_ARG, "keys: page_stride " + std::to_string(s.page_stride) + " < page_size * (D + 4) = " +
+                                              std::to_string(s.page_size * (D + 4)));
+        } else if (s.format == DSV4_ROWS) {
+            if (s.dtype != DSV4_BF16 && s.dtype != DSV4_F32)
+                return fail(DSV4_ERR_ARG, "keys: rows must be bf16 (0) or float32 (1), got dtype " + std::to_string(s.dtype));
+        } else {
+            return fail(DSV4_ERR_ARG, "keys: format must be 0 (rows) or 2 (fp8 index pages), got " + std::to_string(s.format));
+        }
+        if (!s.data) return fail(DSV4_ERR_ARG, "keys: data NULL");
+        c.fp8_keys = s.format == DSV4_KV_INDEX_FP8;
+        const int key_dtype = c.fp8_keys ? DSV4_FP8_E4M3 : s.dtype;
+        int chosen;
+        if (int rc = choose(isa, q_dtype != DSV4_F32 && key_dtype != DSV4_F32, &c.fn, &chosen, &c.pairs)) return rc;
+        c.q = static_cast<const char *>(q);
+        c.q_s0 = q_s0;
+        c.q_s1 = q_s1;
+        c.H = H;
+        c.D = D;
+        c.depth = c.pairs ? (D + 1) / 2 : D;
+        c.q_dtype = q_dtype;
+        c.q_esize = q_dtype == DSV4_F32 ? 4 : q_dtype == DSV4_BF16 ? 2 : 1;
+        c.w = weights;
+        c.w_s0 = w_s0;
+        c.topk = topk;
+        c.out_idx = out_idx;
+        c.idx_s0 = idx_s0;
+        c.out_logits = out_logits;
+        c.logit_s0 = logit_s0;
+        if (int rc = check_keys(c)) return rc;
+        // tiles: consecutive tokens of one request; the most work first
+        std::vector<std::pair<int64_t, int64_t>> tiles;
+        std::vector<int64_t> work;
+        double flops = 0;
+        for (int64_t t = 0; t < tk.num_tokens;) {
+            int64_t e = t + 1, n = visible(tk, t);
+            while (e < tk.num_tokens && e - t < IDX_TILE && tk.token_request[e] == tk.token_request[t]) n = std::max(n, visible(tk, e++));
+            tiles.push_back({t, e});
+            work.push_back(n * (e - t));
+            flops += 2.0 * (double)n * (double)(e - t) * (double)(H * D);
+            t = e;
+        }
+        std::vector<int64_t> order(tiles.size());
+        for (size_t i = 0; i < order.size(); i++) order[i] = (int64_t)i;
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return work[a] > work[b]; });
+        ParallelScope scope(par);
+        const int threads = (int)std::max<double>(1.0, std::min<double>((double)max_threads(), std::ceil(flops / 4e6)));
+        parallel_items((int64_t)tiles.size(), threads, [&](int64_t it) {
+            const auto &tile = tiles[order[it]];
+            run_tile(c, tile.first, tile.second);
+        });
+        return DSV4_OK;
+    });
+}
+
+}  // extern "C"

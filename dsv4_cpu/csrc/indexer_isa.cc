@@ -1,0 +1,168 @@
+// The Lightning Indexer's block kernels, compiled once per instruction set (dsv4_cpu/build.py:
+// -DDSV4_ISA=<name> -DDSV4_WIDTH=<fp32 lanes> and that set's -m flags, as attention_isa.cc).
+//
+// One call scores one token (all its heads) against one block of IDX_KB staged keys:
+//   logits[j] = sum_h w[h] * relu(q_h . key_j)
+// as a small GEMM with keys in vector lanes: a register tile of RH heads x NV key vectors of
+// accumulators runs down the head dimension (a broadcast of q per head, NV key vectors loaded
+// per step), then ReLU, the head weight and the sum over heads are applied to the tile in
+// registers and added to the block's logits (heads in increasing order for every key, whatever
+// the tiling).
+// bf16 products ("pairs" layout: dwords of two bf16 dims): vdpbf16ps on avx512bf16; elsewhere
+// each dword vector is split into its even and odd dims as float32 (exact) and multiplied with
+// FMAs. float32 inputs: the f32 layout and FMAs.
+
+#include <cstdint>
+#include <cstring>
+
+#include "indexer_impl.h"
+
+#if defined(DSV4_HAVE_BF16_KERNEL)
+#include <immintrin.h>
+#endif
+
+#ifndef DSV4_ISA
+#error "compile with -DDSV4_ISA=<name> -DDSV4_WIDTH=<lanes>"
+#endif
+
+#define DSV4_CAT2(a, b) a##b
+#define DSV4_CAT(a, b) DSV4_CAT2(a, b)
+
+namespace dsv4 {
+namespace DSV4_CAT(idx_, DSV4_ISA) {
+
+constexpr int W = DSV4_WIDTH;
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef uint32_t vu __attribute__((vector_size(4 * W)));
+typedef float vf_u __attribute__((vector_size(4 * W), aligned(4)));
+typedef uint32_t vu_u __attribute__((vector_size(4 * W), aligned(4)));
+
+constexpr int NVEC = IDX_KB / W;  // key vectors per block
+static_assert(IDX_KB % W == 0, "a key block is whole vectors");
+
+// Register tiles (heads x key vectors), sized for each set's register file: accumulators plus
+// the loaded key vectors (two per vector when split into even / odd dims) plus the broadcasts.
+#if DSV4_WIDTH >= 16
+#if defined(DSV4_HAVE_BF16_KERNEL)
+constexpr int P_RH = 6, P_NV = 4;  // 24 accumulators, 4 key vectors, 1 broadcast
+#else
+constexpr int P_RH = 4, P_NV = 4;  // 16 + 8 + 2
+#endif
+constexpr int F_RH = 6, F_NV = 4;  // 24 + 4 + 1
+#elif DSV4_WIDTH == 8
+constexpr int P_RH = 3, P_NV = 2;  // 6 + 4 + 2 of 16 registers
+constexpr int F_RH = 4, F_NV = 2;  // 8 + 2 + 1
+#else
+constexpr int P_RH = 2, P_NV = 2;
+constexpr int F_RH = 4, F_NV = 2;
+#endif
+static_assert(NVEC % P_NV == 0 && NVEC % F_NV == 0, "register tiles must tile a key block");
+
+static inline vf loadf(const float *p) { return *reinterpret_cast<const vf_u *>(p); }
+static inline void storef(float *p, vf v) { *reinterpret_cast<vf_u *>(p) = v; }
+static inline vu loadu(const uint32_t *p) { return *reinterpret_cast<const vu_u *>(p); }
+
+static inline float bits_f32(uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// ReLU that keeps NaN (as the float64 oracle's maximum(x, 0) does).
+static inline vf relu(vf a) { return (a < 0.0f) ? vf{} : a; }
+
+// Heads h0 .. h0+RH-1 of a pairs-layout block, added to L.
+template <int RH>
+static inline void pairs_heads(const uint32_t *Qp, const float *w, const uint32_t *Kp, int64_t D2, int64_t h0, float *L) {
+    for (int v0 = 0; v0 < NVEC; v0 += P_NV) {
+        vf acc[RH][P_NV];
+        for (int r = 0; r < RH; r++)
+            for (int n = 0; n < P_NV; n++) acc[r][n] = vf{};
+        const uint32_t *k = Kp + v0 * W;
+        const uint32_t *q = Qp + h0 * D2;
+        for (int64_t i = 0; i < D2; i++, k += IDX_KB) {
+#if defined(DSV4_HAVE_BF16_KERNEL)
+            __m512bh kv[P_NV];
+            for (int n = 0; n < P_NV; n++) kv[n] = (__m512bh)_mm512_loadu_si512(k + n * W);
+            for (int r = 0; r < RH; r++) {
+                const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)q[r * D2 + i]);
+                for (int n = 0; n < P_NV; n++) acc[r][n] = (vf)_mm512_dpbf16_ps((__m512)acc[r][n], kv[n], qb);
+            }
+#else
+            vf ke[P_NV], ko[P_NV];
+            for (int n = 0; n < P_NV; n++) {
+                const vu kd = loadu(k + n * W);
+                ke[n] = (vf)(kd << 16);
+                ko[n] = (vf)(kd & 0xFFFF0000u);
+            }
+            for (int r = 0; r < RH; r++) {
+                const uint32_t qd = q[r * D2 + i];
+                const float qe = bits_f32(qd << 16), qo = bits_f32(qd & 0xFFFF0000u);
+                for (int n = 0; n < P_NV; n++) {
+                    acc[r][n] += qe * ke[n];
+                    acc[r][n] += qo * ko[n];
+                }
+            }
+#endif
+        }
+        for (int n = 0; n < P_NV; n++) {
+            vf l = loadf(L + (v0 + n) * W);
+            for (int r = 0; r < RH; r++) l += w[h0 + r] * relu(acc[r][n]);
+            storef(L + (v0 + n) * W, l);
+        }
+    }
+}
+
+// Heads h0 .. h0+RH-1 of an f32-layout block, added to L.
+template <int RH>
+static inline void f32_heads(const float *Qf, const float *w, const float *Kt, int64_t D, int64_t h0, float *L) {
+    for (int v0 = 0; v0 < NVEC; v0 += F_NV) {
+        vf acc[RH][F_NV];
+        for (int r = 0; r < RH; r++)
+            for (int n = 0; n < F_NV; n++) acc[r][n] = vf{};
+        const float *k = Kt + v0 * W;
+        const float *q = Qf + h0 * D;
+        for (int64_t d = 0; d < D; d++, k += IDX_KB) {
+            vf kv[F_NV];
+            for (int n = 0; n < F_NV; n++) kv[n] = loadf(k + n * W);
+            for (int r = 0; r < RH; r++) {
+                const float qs = q[r * D + d];
+                for (int n = 0; n < F_NV; n++) acc[r][n] += qs * kv[n];
+            }
+        }
+        for (int n = 0; n < F_NV; n++) {
+            vf l = loadf(L + (v0 + n) * W);
+            for (int r = 0; r < RH; r++) l += w[h0 + r] * relu(acc[r][n]);
+            storef(L + (v0 + n) * W, l);
+        }
+    }
+}
+
+static void block_pairs(const IndexBlockJob &j) {
+    float *L = j.logits;
+    std::memset(L, 0, sizeof(float) * IDX_KB);
+    const auto *Qp = static_cast<const uint32_t *>(j.q);
+    const auto *Kp = static_cast<const uint32_t *>(j.keys);
+    int64_t h = 0;
+    for (; h + P_RH <= j.H; h += P_RH) pairs_heads<P_RH>(Qp, j.w, Kp, j.depth, h, L);
+    for (; h < j.H; h++) pairs_heads<1>(Qp, j.w, Kp, j.depth, h, L);
+}
+
+static void block_f32(const IndexBlockJob &j) {
+    float *L = j.logits;
+    std::memset(L, 0, sizeof(float) * IDX_KB);
+    const auto *Qf = static_cast<const float *>(j.q);
+    const auto *Kt = static_cast<const float *>(j.keys);
+    int64_t h = 0;
+    for (; h + F_RH <= j.H; h += F_RH) f32_heads<F_RH>(Qf, j.w, Kt, j.depth, h, L);
+    for (; h < j.H; h++) f32_heads<1>(Qf, j.w, Kt, j.depth, h, L);
+}
+
+}  // namespace idx_<name>
+
+IndexBlockFn DSV4_CAT(index_block_kernel_, DSV4_ISA)(int pairs) {
+    namespace k = DSV4_CAT(idx_, DSV4_ISA);
+    return pairs ? &k::block_pairs : &k::block_f32;
+}
+
+}  // namespace dsv4
