@@ -1,7 +1,8 @@
 """The torch backends, in one table: what each kernel serves, why it cannot run, how it runs.
 
 `ATTENTION` holds the sparse-attention kernels (`dsv4_torch.sparse_attention`, the prefill's
-layer call), `CACHE` the fp8_ds_mla cache kernels (`dsv4_torch.kvcache`). `resolve_backend`,
+layer call), `CACHE` the fp8_ds_mla cache kernels (`dsv4_torch.kvcache`), `INDEXER` the
+Lightning Indexer's top-k (`dsv4_torch.indexer`). `resolve_backend`,
 `available_backends`, `run_backend`, the prefill's chunk loop and every "cannot run" error read
 these tables, so a backend is added in one place. The JAX twin is `dsv4_jax.backends`.
 
@@ -164,8 +165,33 @@ CACHE = {
 }
 CACHE_AUTO = {"cuda": ("triton", "reference"), "cpu": ("cpu", "reference")}
 
+_FP8 = torch.float8_e4m3fn
+INDEXER = {
+    b.name: b
+    for b in (
+        Backend(
+            "cpu",
+            "our fused C indexer (dsv4_cpu): CPU tensors, on torch's threads",
+            (_BF16, _F32, _FP8),
+            ("cpu",),
+            _cpu,
+            "dsv4_torch.kernels.cpu_indexer:indexer_topk_cpu",
+        ),
+        Backend(
+            "reference",
+            "torch ops (float32 logits per request, sorted): any device",
+            (_BF16, _F32, _FP8),
+            ("cpu", "cuda"),
+            _ANY,
+            "dsv4_torch.indexer:indexer_topk_reference",
+        ),
+    )
+}
+INDEXER_AUTO = {"cpu": ("cpu", "reference")}
+
 BACKENDS = tuple(ATTENTION)
 CACHE_BACKENDS = tuple(CACHE)
+INDEXER_BACKENDS = tuple(INDEXER)
 
 
 def _dtype_names(dtypes) -> str:
@@ -219,6 +245,29 @@ def resolve_backend(backend: str, q: torch.Tensor, *, needs_grad: bool = False, 
         raise TypeError(f"q: backend={backend!r} takes {_dtype_names(b.dtypes)}, got {q.dtype}")
     if (reason := b.serves(q)) is not None:
         raise backend_unavailable(backend, reason)
+    return backend
+
+
+def resolve_indexer_backend(backend: str, q: torch.Tensor) -> str:
+    """The indexer backend `dsv4_torch.indexer.indexer_topk(q, ..., backend=backend)` runs.
+
+    "auto": cpu on CPU tensors where the C library builds, else reference. A named backend is
+    returned, or: ValueError (unknown name), TypeError (a q dtype it does not take),
+    BackendUnavailableError (it cannot run here), each saying why."""
+    if not isinstance(backend, str) or (backend != "auto" and backend not in INDEXER):
+        raise ValueError(f"backend: expected one of 'auto', {', '.join(map(repr, INDEXER))}; got {backend!r}")
+    if backend == "auto":
+        for name in INDEXER_AUTO.get(q.device.type, ("reference",)):
+            if why_not(INDEXER[name], q) is None:
+                return name
+        return "reference"
+    b = INDEXER[backend]
+    if q.device.type not in b.device_types:
+        raise backend_unavailable(backend, f"it takes {' / '.join(b.device_types)} tensors, q is on {q.device}")
+    if (reason := b.unavailable(q.device)) is not None:
+        raise backend_unavailable(backend, reason)
+    if q.dtype not in b.dtypes:
+        raise TypeError(f"q: backend={backend!r} takes {_dtype_names(b.dtypes)}, got {q.dtype}")
     return backend
 
 

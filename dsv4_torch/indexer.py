@@ -1,0 +1,211 @@
+"""The Lightning Indexer's top-k for PyTorch: backends "cpu" (the fused C kernel) and "reference" (torch ops).
+
+    indexer_topk(q, weights, keys, token_request, token_position, compress_ratio, topk, *,
+                 offsets=None, block_table=None, backend="auto") -> IndexerResult
+
+Token t (request b = token_request[t], absolute position p = token_position[t]) scores the
+compressed index keys 0 .. (p + 1) // compress_ratio - 1 of its request,
+
+    logit[t, s] = sum_h weights[t, h] * relu(q[t, h] . k_b[s])        (x the key's scale: fp8 keys)
+
+and keeps the `topk` best under the tie rule of `planner.indexer_oracle` (larger logit first,
+equal logits: lower entry index first, NaN last), then -1. Every scale is folded into `weights`
+(the model's `weights_proj(x) * H**-0.5 * D**-0.5`; vLLM's fp8 query scale).
+
+keys:
+  * vLLM's index key cache: uint8 `[num_blocks, block_size, D + 4]` (`planner.index_cache`, written
+    by `dsv4_torch.index_cache.indexer_k_quant_and_cache`) with `block_table` [B, W] int32/int64:
+    entry e of request b is slot e % block_size of page block_table[b, e // block_size];
+  * rows `[N, D]` bfloat16 / float32 with `offsets` [B] (entry e of request b is row
+    offsets[b] + e; None: one request, row e).
+q: [T, H, D] bfloat16, float32 or float8_e4m3fn; weights [T, H] float (used as float32).
+
+Backends: "cpu" reads the cache in place, scores keys in blocks shared by a request's tokens and
+keeps a running top-k per token (memory O(tokens x topk), `planner/csrc/indexer.cc`); "reference"
+dequantizes each request's keys and sorts float32 logits (memory O(tokens x keys) in slices).
+"auto" is "cpu" for CPU tensors where the C library builds, else "reference"; the result says
+which ran. Both compute products of the input values accumulated in float32, so they agree up to
+float32 rounding (near ties may select differently; `planner.indexer_oracle.compare_topk`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from dsv4_torch import backends
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = backends.INDEXER_BACKENDS
+_Q_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn)
+_ROW_DTYPES = (torch.bfloat16, torch.float32)
+REFERENCE_ELEMS = 1 << 24  # reference backend: logits (tokens x keys) scored at once
+
+
+class IndexerResult(NamedTuple):
+    indices: torch.Tensor  # [T, topk] int32, -1 padded
+    logits: torch.Tensor  # [T, topk] float32, -inf padded
+    backend: str  # the backend that ran
+
+
+def available_backends() -> dict[str, str | None]:
+    """Each indexer backend -> None if it can run on this machine (its CPU), else why not."""
+    return {name: b.unavailable(torch.device("cpu")) for name, b in backends.INDEXER.items()}
+
+
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """The backend `indexer_topk(q, ..., backend=backend)` runs (`dsv4_torch.backends.resolve_indexer_backend`)."""
+    return backends.resolve_indexer_backend(backend, q)
+
+
+def _int_vector(x, name: str, n: int | None, device) -> torch.Tensor:
+    t = torch.as_tensor(np.asarray(x) if not isinstance(x, torch.Tensor) else x)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D integer tensor, got {t.dtype} {tuple(t.shape)}")
+    if n is not None and t.shape[0] != n:
+        raise ValueError(f"{name}: expected {n} entries (one per token of q), got {t.shape[0]}")
+    return t.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _check(q, weights, keys, token_request, token_position, compress_ratio, topk, offsets, block_table):
+    if not isinstance(q, torch.Tensor) or q.ndim != 3 or q.dtype not in _Q_DTYPES:
+        raise TypeError(
+            f"q: expected a [T, H, D] bfloat16 / float32 / float8_e4m3fn tensor, got "
+            f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}"
+        )
+    T, H, D = q.shape
+    if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (T, H) or not weights.dtype.is_floating_point:
+        raise ValueError(
+            f"weights: expected a float [{T}, {H}] tensor (tokens, heads), got {getattr(weights, 'shape', None)}"
+        )
+    if not isinstance(keys, torch.Tensor):
+        raise TypeError(f"keys: expected a torch.Tensor, got {type(keys).__name__}")
+    if keys.dtype == torch.uint8:
+        if keys.ndim != 3 or keys.shape[2] != D + 4:
+            raise ValueError(
+                f"keys: fp8 index pages must be [num_blocks, block_size, D + 4 = {D + 4}], got {tuple(keys.shape)}"
+            )
+        if block_table is None:
+            raise ValueError("block_table: fp8 index pages need a block table [requests, blocks]")
+        if offsets is not None:
+            raise ValueError("offsets: only for key rows; fp8 pages are addressed by block_table")
+    elif keys.dtype in _ROW_DTYPES:
+        if keys.ndim != 2 or keys.shape[1] != D:
+            raise ValueError(f"keys: rows must be [N, D = {D}], got {tuple(keys.shape)}")
+        if block_table is not None:
+            raise ValueError("block_table: only for fp8 index pages; rows are addressed by offsets")
+    else:
+        raise TypeError(f"keys: expected uint8 fp8 index pages or bfloat16 / float32 rows, got {keys.dtype}")
+    for name, t in (("weights", weights), ("keys", keys)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device}, q is on {q.device}")
+    if isinstance(compress_ratio, bool) or not isinstance(compress_ratio, int) or compress_ratio < 1:
+        raise ValueError(f"compress_ratio: expected an integer >= 1, got {compress_ratio!r}")
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk: expected an integer >= 1, got {topk!r}")
+    req = _int_vector(token_request, "token_request", T, "cpu")
+    pos = _int_vector(token_position, "token_position", T, "cpu")
+    if T and int(pos.min()) < 0:
+        raise ValueError(f"token_position: positions must be >= 0, got {int(pos.min())}")
+    return req, pos
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    token_request,
+    token_position,
+    compress_ratio: int,
+    topk: int,
+    *,
+    offsets=None,
+    block_table=None,
+    backend: str = "auto",
+) -> IndexerResult:
+    """The top-`topk` compressed entries per token (see the module doc). No gradient."""
+    req, pos = _check(q, weights, keys, token_request, token_position, compress_ratio, topk, offsets, block_table)
+    name = resolve_backend(backend, q)
+    T = q.shape[0]
+    logger.debug(
+        "indexer_topk: backend=%s (asked %r) T=%d H=%d D=%d topk=%d", name, backend, T, q.shape[1], q.shape[2], topk
+    )
+    if T == 0:
+        return IndexerResult(
+            torch.full((0, topk), -1, dtype=torch.int32, device=q.device),
+            torch.full((0, topk), float("-inf"), device=q.device),
+            name,
+        )
+    with torch.no_grad():
+        fn = backends.INDEXER[name].kernel()
+        idx, val = fn(q, weights, keys, req, pos, compress_ratio, topk, offsets, block_table)
+    return IndexerResult(idx, val, name)
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def request_keys(keys, b: int, n: int, offsets, block_table) -> torch.Tensor:
+    """Request b's first n keys as float32 [n, D] (fp8 pages dequantized: e4m3 * scale)."""
+    if keys.dtype != torch.uint8:
+        start = 0 if offsets is None else int(torch.as_tensor(offsets)[b])
+        if start < 0 or start + n > keys.shape[0]:
+            raise ValueError(f"keys: request {b} needs rows {start} .. {start + n - 1}, the rows hold {keys.shape[0]}")
+        return keys[start : start + n].float()
+    P, S, W = keys.shape
+    D = W - 4
+    bt = torch.as_tensor(block_table)
+    e = torch.arange(n)
+    if b >= bt.shape[0] or (n and -(-n // S) > bt.shape[1]):
+        raise ValueError(f"block_table: request {b} with {n} entries is outside its {tuple(bt.shape)} shape")
+    page = bt[b, e // S].to(torch.int64)
+    if n and (int(page.min()) < 0 or int(page.max()) >= P):
+        raise ValueError(f"keys: request {b} names a page outside [0, {P})")
+    flat = keys.reshape(P, S * W) if keys.is_contiguous() else torch.stack([keys[p].reshape(-1) for p in range(P)])
+    slot = (e % S).to(torch.int64)
+    vals = flat[page[:, None], slot[:, None] * D + torch.arange(D)].view(torch.float8_e4m3fn).float()
+    sb = flat[page[:, None], S * D + slot[:, None] * 4 + torch.arange(4)].contiguous()
+    scale = sb.view(torch.float32).reshape(n)
+    return vals * scale[:, None]
+
+
+def rank(logits: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Entry order per row under the tie rule: logit descending, lower index first, NaN last (and
+    entries outside `visible`, a bool mask, after all). Stable sorts, least significant key first."""
+    key = torch.where(torch.isnan(logits), float("-inf"), logits + 0.0)  # (+ 0.0: -0.0 ranks as 0.0)
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    for late in (torch.isnan(logits),) + (() if visible is None else (~visible,)):
+        order = order.gather(-1, torch.sort(late.gather(-1, order).to(torch.int8), dim=-1, stable=True).indices)
+    return order
+
+
+def indexer_topk_reference(q, weights, keys, req, pos, r, k, offsets, block_table):
+    """The reference backend on checked arguments: float32 logits per request (in slices of
+    REFERENCE_ELEMS), ranked by stable sorts."""
+    T = q.shape[0]
+    idx = torch.full((T, k), -1, dtype=torch.int32, device=q.device)
+    val = torch.full((T, k), float("-inf"), dtype=torch.float32, device=q.device)
+    vis = (pos.to(torch.int64) + 1) // r
+    w = weights.detach().float()
+    for b in torch.unique(req).tolist():
+        tok = torch.nonzero(req == b).flatten()
+        n = int(vis[tok].max())
+        if n == 0:
+            continue
+        kb = request_keys(keys, b, n, offsets, block_table).to(q.device)
+        step = max(1, REFERENCE_ELEMS // (n * q.shape[1]))
+        for a in range(0, tok.shape[0], step):
+            t = tok[a : a + step].to(q.device)
+            dots = torch.einsum("thd,nd->thn", q[t].float(), kb)
+            logits = (w[t][:, :, None] * torch.relu(dots)).sum(dim=1)  # relu keeps NaN
+            visible = torch.arange(n, device=q.device)[None] < vis[t][:, None]
+            order = rank(logits, visible)[:, :k]
+            m = order.shape[1]
+            keep = torch.arange(m, device=q.device)[None] < vis[t][:, None]
+            idx[t, :m] = torch.where(keep, order, -1).to(torch.int32)
+            val[t, :m] = torch.where(keep, logits.gather(1, order), float("-inf"))
+    return idx, val
