@@ -7,7 +7,7 @@ compiler versions, the CPU's feature flags, and the framework's version for the 
   the token / block kernels of attention_isa.cc and indexer_isa.cc compiled once per instruction
   set: generic, AVX2, AVX-512, AVX512-BF16; an instruction set the compiler cannot target is left out and never chosen).
   ctypes loads it (`dsv4_cpu.binding`).
-- `dsv4_cpu_xla_<key>.so`: the XLA FFI handlers (xla_ffi.cc) against jaxlib's FFI headers, linked
+- `dsv4_cpu_xla_<key>.so`: the XLA FFI handlers (xla_ffi.cc, xla_indexer.cc) against jaxlib's FFI headers, linked
   against the kernels' library: loading it reuses the kernels already loaded, so both bindings
   share one copy (one error state, one set of thread-local scratch). The key holds jaxlib's version.
 - `dsv4_cpu_torch_<key>.so`: torch's parallel-for (torch_parallel.cc, `at::parallel_for`)
@@ -51,7 +51,7 @@ C_SOURCES = ("kvcache.c",)
 CXX_SOURCES = ("runtime.cc", "attention.cc", "gather.cc", "indexer.cc")
 HEADERS = ("dsv4_cpu.h", "attention_impl.h", "runtime.h", "indexer.h", "indexer_impl.h")
 ISA_SOURCES = ("attention_isa.cc", "indexer_isa.cc")  # compiled once per instruction set
-XLA_SOURCE = "xla_ffi.cc"
+XLA_SOURCES = ("xla_ffi.cc", "xla_indexer.cc")
 TORCH_SOURCE = "torch_parallel.cc"
 
 C_FLAGS = ("-O3", "-march=native", "-fPIC", "-std=c11", "-fno-math-errno")
@@ -318,14 +318,25 @@ def build_xla(include_dir: str, jaxlib_version: str) -> str:
     kernels = build_kernels()
     _, cxx = _compilers()
     extra = _extra_flags()
-    src = os.path.join(CSRC, XLA_SOURCE)
+    srcs = [os.path.join(CSRC, f) for f in XLA_SOURCES]
     key = _key(
-        [_read(src), os.path.basename(kernels), CXX_FLAGS, extra, cxx, _version(cxx), include_dir, jaxlib_version]
+        [
+            *map(_read, srcs),
+            os.path.basename(kernels),
+            CXX_FLAGS,
+            extra,
+            cxx,
+            _version(cxx),
+            include_dir,
+            jaxlib_version,
+        ]
     )
 
     def make(tmp: str) -> str:
-        obj = os.path.join(tmp, "xla_ffi.o")
-        _run([cxx, *CXX_FLAGS, *extra, f"-I{CSRC}", f"-I{include_dir}", "-c", src, "-o", obj])
+        objs = []
+        for src in srcs:
+            objs.append(os.path.join(tmp, os.path.basename(src) + ".o"))
+            _run([cxx, *CXX_FLAGS, *extra, f"-I{CSRC}", f"-I{include_dir}", "-c", src, "-o", objs[-1]])
         out = os.path.join(tmp, "lib.so")
         kd = os.path.dirname(kernels)
         _run(
@@ -334,7 +345,7 @@ def build_xla(include_dir: str, jaxlib_version: str) -> str:
                 "-shared",
                 "-pthread",
                 *extra,
-                obj,
+                *objs,
                 f"-L{kd}",
                 f"-l:{os.path.basename(kernels)}",
                 "-Wl,-rpath,$ORIGIN",

@@ -1,7 +1,8 @@
 """The JAX backends, in one table: what each kernel serves, why it cannot run, how it runs.
 
 `ATTENTION` holds the sparse-attention kernels (`dsv4_jax.sparse_attention`, the prefill's layer
-call), `CACHE` the fp8_ds_mla cache kernels (`dsv4_jax.kvcache`). `resolve_backend`,
+call), `CACHE` the fp8_ds_mla cache kernels (`dsv4_jax.kvcache`), `INDEXER` the Lightning
+Indexer's top-k (`dsv4_jax.indexer`). `resolve_backend`,
 `available_backends`, `run_backend`, the prefill (which resolves once per layer call) and every
 "cannot run" error read these tables. The torch twin is `dsv4_torch.backends`.
 
@@ -208,8 +209,25 @@ CACHE = {
 }
 CACHE_AUTO = {"gpu": ("triton", "xla"), "cpu": ("cpu", "xla")}
 
+_F8 = jnp.dtype(jnp.float8_e4m3fn)
+INDEXER = {
+    b.name: b
+    for b in (
+        Backend("xla", "plain jnp / lax: any platform", (_BF16, _F32, _F8), _ANY, "dsv4_jax.indexer:indexer_topk_xla"),
+        Backend(
+            "cpu",
+            "our fused C indexer (dsv4_cpu) as an XLA FFI call: CPU arrays",
+            (_BF16, _F32, _F8),
+            _cpu,
+            "dsv4_jax.kernels.cpu_indexer:indexer_topk_cpu",
+        ),
+    )
+}
+INDEXER_AUTO = {"gpu": ("xla",), "cpu": ("cpu", "xla")}
+
 BACKENDS = tuple(ATTENTION)
 CACHE_BACKENDS = tuple(CACHE)
+INDEXER_BACKENDS = tuple(INDEXER)
 
 # Backend names used before one name per kernel; each raises pointing to its replacement.
 RENAMED = {
@@ -292,6 +310,13 @@ def resolve_cache_backend(backend: str = "auto", *arrays, op: str = "gather", in
     if op not in ("gather", "insert"):
         raise ValueError(f"op: expected 'gather' or 'insert', got {op!r}")
     return _resolve(CACHE, CACHE_AUTO, backend, arrays, interpret, op=op)
+
+
+def resolve_indexer_backend(backend: str = "auto", *arrays) -> str:
+    """The indexer backend (a key of `INDEXER`) `dsv4_jax.indexer.indexer_topk` runs on `arrays`
+    (q first): "auto" = cpu on CPU arrays where the C library builds, else xla."""
+    q = arrays[0] if arrays and getattr(arrays[0], "dtype", None) is not None else None
+    return _resolve(INDEXER, INDEXER_AUTO, backend, arrays, False, q=q)
 
 
 def available_backends(*arrays) -> dict[str, str | None]:

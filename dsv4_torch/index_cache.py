@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-SCALE_FMTS = ("ue8m0", None)
+SCALE_FMTS = ("ue8m0",)
 FP8_MAX = 448.0
 
 
@@ -42,7 +42,7 @@ def _check(k, kv_cache, slot_mapping, quant_block_size, kv_cache_dtype) -> tuple
             f"quant_block_size: the cache holds one scale per key, so it must be D = {D}, got {quant_block_size!r}"
         )
     if kv_cache_dtype not in SCALE_FMTS:
-        raise ValueError(f"kv_cache_dtype: expected 'ue8m0' or None (the scale format), got {kv_cache_dtype!r}")
+        raise ValueError(f"kv_cache_dtype: expected 'ue8m0' (DeepSeek-V4's scale format), got {kv_cache_dtype!r}")
     if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.ndim != 1 or slot_mapping.dtype.is_floating_point:
         raise ValueError("slot_mapping: expected a 1-D integer tensor")
     if slot_mapping.shape[0] > k.shape[0]:
@@ -50,19 +50,15 @@ def _check(k, kv_cache, slot_mapping, quant_block_size, kv_cache_dtype) -> tuple
     return P, S, D
 
 
-def encode_keys(k: torch.Tensor, scale_fmt: str | None = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
+def encode_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys [N, D] -> (e4m3 bytes uint8 [N, D], float32 scales [N]), `planner.index_cache.encode_keys`'s bits."""
     x = k.to(torch.bfloat16).float()
     amax = x.abs().amax(dim=1).clamp_min(1e-4)
-    if scale_fmt == "ue8m0":
-        raw = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
-        bits = raw.view(torch.int32).to(torch.int64)
-        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int64)  # ceil(log2(raw)), exactly
-        scale = torch.ldexp(torch.ones_like(amax), e.to(torch.float32))
-        y = x * torch.ldexp(torch.ones_like(amax), -e.to(torch.float32))[:, None]
-    else:
-        scale = amax / FP8_MAX
-        y = x / scale[:, None]
+    raw = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+    bits = raw.view(torch.int32).to(torch.int64)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int64)  # ceil(log2(raw)), exactly
+    scale = torch.ldexp(torch.ones_like(amax), e.to(torch.float32))
+    y = x * torch.ldexp(torch.ones_like(amax), -e.to(torch.float32))[:, None]
     y = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return y.view(torch.uint8), scale
 
@@ -79,7 +75,7 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, kv_ca
         raise ValueError(f"slot_mapping: entries must be -1 or slots below num_blocks * block_size = {P * S}")
     if torch.unique(s).numel() != s.numel():
         raise ValueError("slot_mapping: a slot appears more than once")
-    data, scale = encode_keys(k[live.to(k.device)].to(kv_cache.device), kv_cache_dtype)
+    data, scale = encode_keys(k[live.to(k.device)].to(kv_cache.device))
     page, pos = s // S, s % S
     W = D + 4
     off = (pos * D)[:, None] + torch.arange(D, device=kv_cache.device)

@@ -16,8 +16,10 @@ Quantization of one key x (its bf16 values, arithmetic in float32), scale format
 (DeepSeek-V4's):
     amax = max(max|x|, 1e-4);  e = ceil(log2(amax * (1 / 448)))
     e4m3 = cast_rtne(clamp(x * 2^-e, -448, 448));  scale = 2^e
-Dequantization: key = e4m3 * scale (exact in float32). Scale format None: scale = amax / 448
-(float32 division), e4m3 = cast_rtne(clamp(x / scale, -448, 448)).
+Dequantization: key = e4m3 * scale (exact in float32). Only "ue8m0" is written (DeepSeek-V4's
+`scale_fmt`; vLLM's other formats are "mxfp8", the same scale packed as four UE8M0 bytes for
+Blackwell's DeepGEMM, and, for other models, amax / 448 computed by a float32 division whose
+rounding differs between vLLM's kernels).
 
 `e` is computed exactly from the bits of the float32 product (`planner.kvcache.scale_exponent`'s
 rule; vLLM's Triton writer takes a float32 log2, which can differ only for a product within one
@@ -36,7 +38,7 @@ SCALE_BYTES = 4  # one float32 scale per slot
 FP8_MAX = np.float32(448.0)
 INV_FP8_MAX = np.float32(1.0) / FP8_MAX
 AMAX_FLOOR = np.float32(1e-4)
-SCALE_FMTS = ("ue8m0", None)
+SCALE_FMTS = ("ue8m0",)
 
 __all__ = ["indexer_k_quant_and_cache", "gather_index_keys", "read_index_slots", "slot_bytes", "encode_keys"]
 
@@ -52,20 +54,17 @@ def _ue8m0_exponent(raw: np.ndarray) -> np.ndarray:
     return (((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0)).astype(np.int32)
 
 
-def encode_keys(k: np.ndarray, scale_fmt: str | None = "ue8m0") -> tuple[np.ndarray, np.ndarray]:
+def encode_keys(k: np.ndarray, kv_cache_dtype: str = "ue8m0") -> tuple[np.ndarray, np.ndarray]:
     """Keys [N, D] (float32 holding bf16 values) -> (e4m3 bytes uint8 [N, D], scales float32 [N])."""
-    if scale_fmt not in SCALE_FMTS:
-        raise ValueError(f"scale_fmt: expected 'ue8m0' or None, got {scale_fmt!r}")
+    if kv_cache_dtype not in SCALE_FMTS:
+        raise ValueError(f"kv_cache_dtype: expected 'ue8m0' (DeepSeek-V4's scale format), got {kv_cache_dtype!r}")
     amax = np.maximum(np.abs(k).max(axis=1), AMAX_FLOOR).astype(np.float32)
     with np.errstate(under="ignore"):
-        if scale_fmt == "ue8m0":
-            e = _ue8m0_exponent(amax * INV_FP8_MAX)
-            scale = np.ldexp(np.float32(1.0), e).astype(np.float32)
-            x = k * np.ldexp(np.float32(1.0), -e).astype(np.float32)[:, None]
-        else:
-            scale = (amax / FP8_MAX).astype(np.float32)
-            x = k / scale[:, None]
-        x = np.clip(x.astype(np.float32), -FP8_MAX, FP8_MAX)
+        e = _ue8m0_exponent(amax * INV_FP8_MAX)
+        scale = np.ldexp(np.float32(1.0), e).astype(np.float32)
+        x = np.clip(
+            (k * np.ldexp(np.float32(1.0), -e).astype(np.float32)[:, None]).astype(np.float32), -FP8_MAX, FP8_MAX
+        )
     return x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale
 
 
@@ -98,7 +97,7 @@ def _as_keys(k, D: int) -> np.ndarray:
     return k32
 
 
-def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size: int, scale_fmt: str | None = "ue8m0"):
+def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size: int, kv_cache_dtype: str = "ue8m0"):
     """Quantize index keys `k` [T, D] and write slot s (page s // block_size) of `kv_cache`, in place.
 
     vLLM's `indexer_k_quant_and_cache` (same arguments, its `kv_cache_dtype` being the scale
@@ -116,7 +115,7 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size: int, 
     live = np.flatnonzero(slots >= 0)
     if live.size == 0:
         return
-    data, scale = encode_keys(k32[live], scale_fmt)
+    data, scale = encode_keys(k32[live], kv_cache_dtype)
     page, pos = slots[live] // S, slots[live] % S
     _set_bytes(kv_cache, page, (pos * D)[:, None] + np.arange(D), data)
     sb = scale.astype("<f4").view(np.uint8).reshape(-1, SCALE_BYTES)

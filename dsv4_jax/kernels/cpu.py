@@ -46,6 +46,7 @@ TARGETS = {
     "dsv4_sparse_attention": "Dsv4SparseAttention",
     "dsv4_prefill_attention": "Dsv4PrefillAttention",
     "dsv4_prefill_attention_into": "Dsv4PrefillAttentionInto",
+    "dsv4_indexer_topk": "Dsv4IndexerTopk",  # dsv4_jax.kernels.cpu_indexer
 }
 GATHER_TARGET = "dsv4_gather_dequant"
 SEGMENTS_TARGET = "dsv4_gather_segments"
