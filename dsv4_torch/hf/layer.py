@@ -4,7 +4,8 @@
 RoPE as transformers computes them, the raw window and compressed entries kept per request
 (`dsv4_torch.hf.ragged`, or fp8_ds_mla pages: `dsv4_torch.hf.fp8_cache`), the indexer's top-k per
 request, and the attention by `dsv4_torch.prefill.prefill_attention` from the step's metadata.
-`compress` and `indexer_topk` are transformers' compressor and indexer math, ragged. Device ops
+`compress` is transformers' compressor math, ragged; `indexer_topk` transformers' indexer
+queries and weights, scored and selected by `dsv4_torch.indexer`. Device ops
 only: the host planning happened once per forward (`integration._Integration.pre_forward`).
 """
 
@@ -48,6 +49,8 @@ class ForwardContext:
     replayable: bool = False  # keep each layer's input state, so a checkpoint can recompute the layer
     layer_inputs: dict = field(default_factory=dict)  # layer_idx -> copy of the LayerState it first saw
     layers_done: set = field(default_factory=set)
+    token_request: np.ndarray | None = None  # (Tr,) host: each real token's request (the indexer's)
+    token_position: np.ndarray | None = None  # (Tr,) host: its absolute position
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         flat = t.reshape(self.B * self.T, *t.shape[2:])
@@ -117,7 +120,7 @@ def sparse_layer(
         if csa:  # the indexer's output is an integer selection: no gradient, as in eager
             with torch.no_grad():
                 index_entries = compress(comp.indexer, x, lstate, "indexer", ctx, ratio, overlapped=True)
-                topk = indexer_topk(comp.indexer, x, q_residual, index_entries, ctx, integ.indexer_chunk_elems)
+                topk = indexer_topk(comp.indexer, x, q_residual, index_entries, ctx, integ)
 
     sink = module.sinks
     if sink.dtype not in (torch.float32, torch.float64):  # a model cast to 16 bits: the kernel takes float32
@@ -193,33 +196,37 @@ def compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: ForwardContext,
     return cs.entries
 
 
-def indexer_topk(ind, x, q_residual, entries, ctx: ForwardContext, chunk_elems: int):
-    """(Tr, index_topk) request-local top-k entry ids per token, -1 = none (transformers' indexer,
-    each request against its own entries only)."""
+def indexer_topk(ind, x, q_residual, entries, ctx: ForwardContext, integ: _Integration):
+    """(Tr, index_topk) request-local top-k entry ids per token, -1 = none: transformers' indexer
+    queries and weights, scored and selected by `dsv4_torch.indexer.indexer_topk` (each request
+    against its own entries; "auto": the fused C kernel on CPU tensors). transformers' scorer
+    `sum_h (w_h * H**-0.5) * relu(q_h . k) * D**-0.5` with both scales folded into the weights."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
         apply_rotary_pos_emb as rope,
     )
+
+    from dsv4_torch.indexer import indexer_topk as select
 
     Tr = x.shape[0]
     positions = ctx.dev["token_positions"]
     cos, sin = ind.rotary_emb(x, position_ids=positions[None], layer_type=ind.rope_layer_type)
     q = ind.q_b_proj(q_residual).view(1, Tr, -1, ind.head_dim).transpose(1, 2)
-    q = rope(q, cos, sin).transpose(1, 2)  # (1, Tr, index_n_heads, index_head_dim)
-    out = torch.full((Tr, ind.index_topk), -1, dtype=torch.int64, device=x.device)
+    q = rope(q, cos, sin).transpose(1, 2)[0]  # (Tr, index_n_heads, index_head_dim)
+    scorer = ind.scorer
+    w = scorer.weights_proj(x).float() * (scorer.weights_scaling * scorer.softmax_scale)
+    if q.dtype not in (torch.bfloat16, torch.float32):  # (a float16 model: the indexer reads bf16 / float32)
+        q, entries = q.float(), entries.float()
     layout = ctx.compress[ind.compress_rate].layout
-    for b in range(ctx.B):
-        t0, t1, n = int(ctx.qsl[b]), int(ctx.qsl[b + 1]), int(layout.count[b])
-        if t1 == t0 or n == 0:
-            continue
-        keys = entries[int(layout.start[b]) : int(layout.start[b]) + n][None]  # (1, n, index_head_dim)
-        k = min(ind.index_topk, n)
-        ids = torch.arange(n, device=x.device)
-        step = max(1, chunk_elems // (ind.num_heads * n))
-        for a in range(t0, t1, step):
-            e = min(t1, a + step)
-            scores = ind.scorer(q[:, a:e], keys, x[None, a:e])  # (1, e - a, n), float32
-            visible = (positions[a:e] + 1) // ind.compress_rate
-            scores = scores.masked_fill(ids[None, None, :] >= visible[None, :, None], float("-inf"))
-            top = scores.topk(k, dim=-1).indices[0]
-            out[a:e, :k] = torch.where(top >= visible[:, None], -1, top)
-    return out
+    res = select(
+        q,
+        w,
+        entries,
+        ctx.token_request,
+        ctx.token_position,
+        int(ind.compress_rate),
+        int(ind.index_topk),
+        offsets=np.asarray(layout.start[: ctx.B], dtype=np.int64),
+        backend=integ.indexer_backend,
+        reference_elems=integ.indexer_chunk_elems,
+    )
+    return res.indices.to(torch.int64)

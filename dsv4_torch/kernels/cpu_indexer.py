@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 from dsv4_cpu import binding
@@ -23,10 +24,9 @@ def key_source(keys: torch.Tensor, offsets, block_table, keep: list) -> binding.
     """The dsv4_kv_source of fp8 index pages (uint8 [P, S, D + 4] + block table) or key rows
     ([N, D] + offsets); tensors it points at are appended to `keep`."""
     if keys.dtype == torch.uint8:
-        bt = torch.as_tensor(block_table).to("cpu")
-        bt = bt.to(torch.int64 if bt.dtype == torch.int64 else torch.int32).contiguous()
-        if bt.ndim != 2:
-            raise ValueError(f"block_table: expected [requests, blocks], got {tuple(bt.shape)}")
+        bt = torch.from_numpy(
+            np.ascontiguousarray(block_table, dtype=np.int64 if block_table.dtype == np.int64 else np.int32)
+        )
         if keys.stride(2) != 1 or keys.stride(1) != keys.shape[2]:
             raise ValueError(f"keys: each page's bytes must be contiguous, got strides {keys.stride()}")
         keep.append(bt)
@@ -35,7 +35,7 @@ def key_source(keys: torch.Tensor, offsets, block_table, keep: list) -> binding.
             int(bt.dtype == torch.int64), bt.shape[1], bt.shape[1], bt.shape[0],
         )  # fmt: skip
     rows = keys if keys.stride(1) == 1 else keys.contiguous()
-    off = None if offsets is None else torch.as_tensor(offsets).to("cpu", torch.int64).contiguous()
+    off = None if offsets is None else torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.int64))
     keep += [rows, off]
     return binding.KVSource(
         binding.ROWS, ROW_DTYPES[keys.dtype], rows.data_ptr(), rows.stride(0), rows.shape[0], 0, 0, 0,
@@ -44,7 +44,8 @@ def key_source(keys: torch.Tensor, offsets, block_table, keep: list) -> binding.
 
 
 def indexer_topk_cpu(q, weights, keys, token_request, token_position, compress_ratio, topk, offsets, block_table):
-    """(indices int32 [T, topk], logits float32 [T, topk]): checked CPU tensors (token arrays int32)."""
+    """(indices int32 [T, topk], logits float32 [T, topk]): checked CPU tensors; token arrays,
+    offsets and block table as host NumPy integers."""
     lib = cpu._library()
     q = q if q.stride(-1) == 1 else q.contiguous()
     w = weights.detach().to(torch.float32)
@@ -53,8 +54,8 @@ def indexer_topk_cpu(q, weights, keys, token_request, token_position, compress_r
     keep: list = []
     src = key_source(keys, offsets, block_table, keep)
     row = torch.arange(T, dtype=torch.int32)
-    req = token_request.to(torch.int32).contiguous()
-    pos = token_position.to(torch.int32).contiguous()
+    req = torch.from_numpy(np.ascontiguousarray(token_request, dtype=np.int32))
+    pos = torch.from_numpy(np.ascontiguousarray(token_position, dtype=np.int32))
     tk = binding.PrefillTokens(
         1, 1, compress_ratio, T, row.data_ptr(), req.data_ptr(), pos.data_ptr(), None, 0, 0, 0, 0
     )

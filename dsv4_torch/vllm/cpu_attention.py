@@ -28,6 +28,9 @@ STATS = {
     "dsv4_prefill_seconds": 0.0,
     "vllm_kernel_seconds": 0.0,
     "threads": 0,
+    "dsv4_indexer_calls": 0,  # SparseAttnIndexer.forward_cpu calls through our indexer (dsv4_torch.vllm.cpu_indexer)
+    "dsv4_indexer_tokens": 0,
+    "dsv4_indexer_seconds": 0.0,
 }
 
 

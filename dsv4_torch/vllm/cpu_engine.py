@@ -8,6 +8,9 @@ when vLLM imports the module:
   builder's step (token arrays, window slot lists), the compressed caches' slot mappings, the
   indexer's prefill rows and decode lengths. vLLM launches Triton kernels there, which need the
   unpublished triton-cpu fork; the SWA builder's tile-scheduler keys are answered (all five);
+- the Lightning Indexer (`SparseAttnIndexer.forward_cpu`, `dsv4_torch.vllm.cpu_indexer`): every
+  indexer token through our fused kernel (fp8 index pages read in place, a running top-k, any
+  index_topk: vLLM's asserts 512), vLLM's with DSV4_PREFILL_VLLM_CPU_PREFILL=vllm;
 - attention (`DeepseekV4CPUAttention.forward_mqa`, `dsv4_torch.vllm.cpu_attention`): prefill tokens through our CPU kernel
   (`dsv4_cpu`, `dsv4_prefill_attention`, reading vLLM's fp8_ds_mla pages in place), decode
   tokens through vLLM's `flash_mla_with_kvcache_cpu` with slot lists built once per step per kind
@@ -53,6 +56,7 @@ M_CPU_MLA = "vllm.models.deepseek_v4.cpu.cpu_mla"
 M_CPU_SPARSE = "vllm.models.deepseek_v4.cpu.cpu_sparse"
 M_CPU_COMPRESSOR = "vllm.models.deepseek_v4.cpu.cpu_compressor"
 M_COMPRESSOR = "vllm.models.deepseek_v4.compressor"
+M_SPARSE_INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
 
 TILE_KEYS = ("swaonly", "c4a", "c128a", "c1a", "c2a")  # sparse_swa's _LAYER_TYPE_* (all five read by build)
 
@@ -106,6 +110,7 @@ def install() -> None:
         M_CPU_SPARSE: _patch_attention,
         M_COMPRESSOR: _patch_compressor_builder,
         M_CPU_COMPRESSOR: _patch_compressor,
+        M_SPARSE_INDEXER: _patch_indexer,
     }
     if needs_unlock():
         hooks.update({M_PLATFORM: _patch_platform, M_SCALED_MM: _patch_scaled_mm, M_MOE: _patch_moe})
@@ -494,6 +499,16 @@ def _patch_compressor(module) -> None:
         return original(self, kv_score, positions, rotary_emb)
 
     _replace(cls, "forward", forward, "DeepseekV4CPUCompressor.forward")
+
+
+def _patch_indexer(module) -> None:
+    """The Lightning Indexer's tokens through our fused kernel (`dsv4_torch.vllm.cpu_indexer`):
+    any index_topk (vLLM's asserts 512), no dense logits tensor."""
+    from dsv4_torch.vllm.cpu_indexer import make_forward_cpu
+
+    cls = module.SparseAttnIndexer
+    original = inspect.getattr_static(cls, "forward_cpu", None)  # (None: _replace raises, naming it)
+    _replace(cls, "forward_cpu", make_forward_cpu(original, prefill_kernel), "SparseAttnIndexer.forward_cpu")
 
 
 def _patch_attention(module) -> None:

