@@ -150,8 +150,9 @@ def run_vllm(c):
     return out
 
 
-def timed(fn, repeats):
-    fn()  # warm-up
+def timed(fn, repeats, warmup=True):
+    if warmup:
+        fn()
     times, peaks, out = [], [], None
     for _ in range(repeats):
         with Peak() as p:
@@ -185,6 +186,7 @@ def main(argv=None):
     ap.add_argument("--cases", default=DEFAULT_CASES)
     ap.add_argument("--topk", default="512,1024,2048", help="our kernel's k values (vLLM's is 512)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup-gflop", type=float, default=100.0, help="cases above this much work skip the warm-up run")
     ap.add_argument("--threads", type=int, default=None, help="torch's threads (both kernels run on them)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
@@ -200,11 +202,12 @@ def main(argv=None):
     for name in args.cases.split(","):
         seq, qry = parse_case(name)
         c = make_case(seq, qry)
+        warm = c["flops"] / 1e9 <= args.warmup_gflop
         vt = vm = None
         if reason is None:
-            vt, vm, vout = timed(functools.partial(run_vllm, c), args.repeats)
+            vt, vm, vout = timed(functools.partial(run_vllm, c), args.repeats, warm)
         for k in [int(x) for x in args.topk.split(",")]:
-            ot, om, oout = timed(functools.partial(run_ours, c, k), args.repeats)
+            ot, om, oout = timed(functools.partial(run_ours, c, k), args.repeats, warm)
             row = dict(
                 case=name, tokens=int(sum(qry)), topk=k, ours_s=ot, ours_peak_mb=om, ours_gflops=c["flops"] / ot / 1e9
             )

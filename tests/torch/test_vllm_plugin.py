@@ -61,8 +61,10 @@ def test_register_on_a_checked_version_arranges_the_patches(fresh):
     m, hooks = fresh
     m.setattr(plugin, "vllm_version", lambda: "0.33.0")
     assert plugin.register() is True and plugin._registered
-    assert [name for name, _ in hooks] == [plugin.SPARSE_SWA_MODULE] + [mod for mod, _, _ in plugin.PREFILL_CONSUMERS]
-    assert plugin.register() is True and len(hooks) == 1 + len(plugin.PREFILL_CONSUMERS)  # idempotent
+    assert [name for name, _ in hooks] == [plugin.SPARSE_SWA_MODULE, plugin.INDEXER_MODULE] + [
+        mod for mod, _, _ in plugin.PREFILL_CONSUMERS
+    ]
+    assert plugin.register() is True and len(hooks) == 2 + len(plugin.PREFILL_CONSUMERS)  # idempotent
     assert not any(name == "vllm" or name.startswith("vllm.") for name in sys.modules)  # nothing of vLLM imported
 
 
@@ -90,6 +92,34 @@ def test_modes(fresh):
 
 
 # ----------------------------------------------------------------------------- signature guards
+
+
+def test_indexer_plan_patched_only_with_vllms_signature():
+    from dsv4_torch.vllm import indexer_plan
+
+    class Good:
+        @staticmethod
+        def _split_indexer_prefill_chunks(
+            compressed_seq_lens_cpu, prefill_query_lens_cpu, workspace_size, max_logits_bytes, request_offset=0
+        ):
+            return "vllm's"
+
+    theirs = Good.__dict__["_split_indexer_prefill_chunks"].__func__
+    plugin._patch_indexer_plan(types.SimpleNamespace(__name__="vllm.fake", DeepseekV32IndexerMetadataBuilder=Good))
+    assert Good._split_indexer_prefill_chunks is indexer_plan.split_indexer_prefill_chunks
+    assert plugin.original(Good._split_indexer_prefill_chunks) is theirs
+    assert Good._split_indexer_prefill_chunks([4, 4], [1, 2], 100, 1 << 20) == [(slice(0, 2), slice(0, 3))]
+
+    class Changed:
+        @staticmethod
+        def _split_indexer_prefill_chunks(compressed_seq_lens_cpu, prefill_query_lens_cpu, workspace_size):
+            return []
+
+    fake = types.SimpleNamespace(__name__="vllm.fake", DeepseekV32IndexerMetadataBuilder=Changed)
+    with pytest.raises(plugin.UnsupportedVLLMVersionError, match="_split_indexer_prefill_chunks takes"):
+        plugin._patch_indexer_plan(fake)
+    with pytest.raises(plugin.UnsupportedVLLMVersionError, match="no static DeepseekV32IndexerMetadataBuilder"):
+        plugin._patch_indexer_plan(types.SimpleNamespace(__name__="vllm.fake"))
 
 
 def test_plan_method_patched_only_with_vllms_signature():
