@@ -5,8 +5,11 @@
 // request's keys once, in blocks of IDX_KB: each block is read from the cache (fp8 pages, bf16 or
 // float32 rows) and staged once in the kernel's layout, then every token of the tile that sees
 // any of it scores it (indexer_isa.cc) and feeds the block's logits to its own running top-k, so a
-// key is decoded once per tile and never a tokens x keys logits buffer exists. Tiles are taken
-// longest first from parallel_items' shared counter (causal tiles grow with the position).
+// key is decoded once per tile and never a tokens x keys logits buffer exists. Work items are taken
+// longest first from parallel_items' shared counter (causal tiles grow with the position). With
+// fewer tiles than two per thread (decode steps, a few long requests) a tile's key range is cut
+// into pieces of whole blocks: each keeps its best k per token, and a merge selects from them
+// (the same logits, so the same top-k as one piece).
 //
 // Running top-k (one per token): candidates in an array of `cap` = 2k + 2 IDX_KB entries and a
 // threshold. Until the array first overflows every logit is a candidate; then a logit is kept
@@ -51,13 +54,6 @@ struct Fp8Table {
     }
 };
 const Fp8Table FP8;
-
-inline uint16_t f32_bf16_bits(float f) {  // round to nearest even; NaN stays NaN
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 inline float bf16_f32(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -330,13 +326,24 @@ void stage_keys(const Call &c, Scratch &s, int64_t b, int64_t e0, int64_t nb) {
     }
 }
 
-void run_tile(const Call &c, int64_t t0, int64_t t1) {
+// Candidates of one piece of a split tile: per token of the tile, its best (up to k) entries among
+// the piece's keys (val / idx [nt * k], count [nt]).
+struct Candidates {
+    float *val;
+    int32_t *idx;
+    int64_t *count;
+};
+
+// Tokens t0 .. t1-1 (one request) against entries [e_lo, e_hi) of their request (e_lo a multiple
+// of IDX_KB): their top-k written to the outputs, or, with `cand`, their best k within the range.
+void run_tile(const Call &c, int64_t t0, int64_t t1, int64_t e_lo, int64_t e_hi, const Candidates *cand) {
     Scratch &s = t_scratch;
     const dsv4_prefill_tokens &tk = c.tk;
     const int64_t nt = t1 - t0, k = c.topk, cap = 2 * k + 2 * IDX_KB;
     const int64_t b = tk.token_request[t0];
     int64_t n_max = 0;
     for (int64_t t = t0; t < t1; t++) n_max = std::max(n_max, visible(tk, t));
+    n_max = std::min(n_max, e_hi);
     if (c.pairs) {
         s.qp.resize((size_t)(nt * c.H * c.depth));
         s.kp.resize((size_t)(c.depth * IDX_KB));
@@ -357,12 +364,12 @@ void run_tile(const Call &c, int64_t t0, int64_t t1) {
     job.depth = c.depth;
     job.logits = s.logits.data();
     job.keys = c.pairs ? (const void *)s.kp.data() : (const void *)s.kt.data();
-    for (int64_t e0 = 0; e0 < n_max; e0 += IDX_KB) {
+    for (int64_t e0 = e_lo; e0 < n_max; e0 += IDX_KB) {
         stage_keys(c, s, b, e0, std::min<int64_t>(IDX_KB, n_max - e0));
         for (int64_t t = t0; t < t1; t++) {
             const int64_t n = visible(tk, t), i = t - t0;
             if (n <= e0) continue;
-            const int64_t nv = std::min<int64_t>(IDX_KB, n - e0);
+            const int64_t nv = std::min<int64_t>({(int64_t)IDX_KB, n - e0, n_max - e0});
             job.q = c.pairs ? (const void *)(s.qp.data() + i * c.H * c.depth) : (const void *)(s.qf.data() + i * c.H * c.depth);
             job.w = c.w + (int64_t)tk.token_row[t] * c.w_s0;
             c.fn(job);
@@ -393,12 +400,42 @@ void run_tile(const Call &c, int64_t t0, int64_t t1) {
         float *val = s.val.data() + i * cap;
         int32_t *idx = s.idx.data() + i * cap;
         const int64_t m = std::min(k, s.size[i]);
+        if (cand) {  // the piece's best k, unsorted: the merge sorts
+            select_best(s, val, idx, s.size[i], k, false);
+            std::copy(val, val + m, cand->val + i * k);
+            std::copy(idx, idx + m, cand->idx + i * k);
+            cand->count[i] = m;
+            continue;
+        }
         select_best(s, val, idx, s.size[i], k, true);
         int32_t *oi = c.out_idx + (int64_t)tk.token_row[t] * c.idx_s0;
         for (int64_t j = 0; j < k; j++) oi[j] = j < m ? idx[j] : -1;
         if (c.out_logits) {
             float *ol = c.out_logits + (int64_t)tk.token_row[t] * c.logit_s0;
             for (int64_t j = 0; j < k; j++) ol[j] = j < m ? val[j] : NEG_INF;
+        }
+    }
+}
+
+// A split tile's top-k from its pieces' candidates (pieces in key order), written to the outputs.
+void merge_tile(const Call &c, int64_t t0, int64_t t1, const std::vector<Candidates> &pieces) {
+    Scratch &s = t_scratch;
+    const int64_t k = c.topk;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t i = t - t0;
+        s.val.clear();
+        s.idx.clear();
+        for (const Candidates &p : pieces) {
+            s.val.insert(s.val.end(), p.val + i * k, p.val + i * k + p.count[i]);
+            s.idx.insert(s.idx.end(), p.idx + i * k, p.idx + i * k + p.count[i]);
+        }
+        const int64_t n = (int64_t)s.val.size(), m = std::min(k, n);
+        select_best(s, s.val.data(), s.idx.data(), n, k, true);
+        int32_t *oi = c.out_idx + (int64_t)c.tk.token_row[t] * c.idx_s0;
+        for (int64_t j = 0; j < k; j++) oi[j] = j < m ? s.idx[j] : -1;
+        if (c.out_logits) {
+            float *ol = c.out_logits + (int64_t)c.tk.token_row[t] * c.logit_s0;
+            for (int64_t j = 0; j < k; j++) ol[j] = j < m ? s.val[j] : NEG_INF;
         }
     }
 }
@@ -486,26 +523,70 @@ int dsv4_indexer_topk(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dtype
         c.out_logits = out_logits;
         c.logit_s0 = logit_s0;
         if (int rc = check_keys(c)) return rc;
-        // tiles: consecutive tokens of one request; the most work first
+        // tiles: consecutive tokens of one request
         std::vector<std::pair<int64_t, int64_t>> tiles;
-        std::vector<int64_t> work;
+        std::vector<int64_t> reach;  // per tile: the most entries any of its tokens sees
         double flops = 0;
         for (int64_t t = 0; t < tk.num_tokens;) {
             int64_t e = t + 1, n = visible(tk, t);
             while (e < tk.num_tokens && e - t < IDX_TILE && tk.token_request[e] == tk.token_request[t]) n = std::max(n, visible(tk, e++));
             tiles.push_back({t, e});
-            work.push_back(n * (e - t));
+            reach.push_back(n);
             flops += 2.0 * (double)n * (double)(e - t) * (double)(H * D);
             t = e;
         }
-        std::vector<int64_t> order(tiles.size());
-        for (size_t i = 0; i < order.size(); i++) order[i] = (int64_t)i;
-        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return work[a] > work[b]; });
         ParallelScope scope(par);
         const int threads = (int)std::max<double>(1.0, std::min<double>((double)max_threads(), std::ceil(flops / 4e6)));
-        parallel_items((int64_t)tiles.size(), threads, [&](int64_t it) {
-            const auto &tile = tiles[order[it]];
-            run_tile(c, tile.first, tile.second);
+        // Work items: whole tiles, or, with fewer tiles than 2 per thread (decode steps, a few
+        // long requests), pieces of a tile's key range (whole blocks, at least SPLIT_BLOCKS each)
+        // whose best k per token are merged after: the same logits, so the same top-k.
+        constexpr int64_t SPLIT_BLOCKS = 8;
+        const int64_t want =
+            threads > 1 && (int64_t)tiles.size() < 2 * threads ? (2 * threads + (int64_t)tiles.size() - 1) / (int64_t)tiles.size() : 1;
+        struct Item {
+            int64_t tile, e_lo, e_hi, piece;  // piece: -1 = the whole tile, written directly
+            double work;
+        };
+        std::vector<Item> items;
+        std::vector<std::vector<Candidates>> cands(tiles.size());
+        std::vector<int64_t> cand_tiles;
+        size_t cand_elems = 0;
+        for (size_t i = 0; i < tiles.size(); i++) {
+            const int64_t nt = tiles[i].second - tiles[i].first, blocks = (reach[i] + IDX_KB - 1) / IDX_KB;
+            const int64_t split = std::max<int64_t>(1, std::min<int64_t>(want, blocks / SPLIT_BLOCKS));
+            if (split == 1) {
+                items.push_back({(int64_t)i, 0, reach[i], -1, (double)reach[i] * nt});
+                continue;
+            }
+            cand_tiles.push_back((int64_t)i);
+            for (int64_t p = 0; p < split; p++) {
+                const int64_t lo = blocks * p / split * IDX_KB, hi = std::min(reach[i], blocks * (p + 1) / split * IDX_KB);
+                items.push_back({(int64_t)i, lo, hi, (int64_t)cand_elems, (double)(hi - lo) * nt});
+                cand_elems += (size_t)(nt * topk);
+            }
+        }
+        std::vector<float> cval(cand_elems);
+        std::vector<int32_t> cidx(cand_elems);
+        std::vector<int64_t> ccount(cand_elems / std::max<int64_t>(topk, 1) + 1, 0);
+        for (Item &it : items) {
+            if (it.piece < 0) continue;
+            const int64_t off = it.piece;
+            cands[it.tile].push_back({cval.data() + off, cidx.data() + off, ccount.data() + off / topk});
+        }
+        std::stable_sort(items.begin(), items.end(), [](const Item &a, const Item &b) { return a.work > b.work; });
+        parallel_items((int64_t)items.size(), threads, [&](int64_t n) {
+            const Item &it = items[n];
+            const auto &tile = tiles[it.tile];
+            if (it.piece < 0) {
+                run_tile(c, tile.first, tile.second, 0, it.e_hi, nullptr);
+                return;
+            }
+            const Candidates cand{cval.data() + it.piece, cidx.data() + it.piece, ccount.data() + it.piece / topk};
+            run_tile(c, tile.first, tile.second, it.e_lo, it.e_hi, &cand);
+        });
+        parallel_items((int64_t)cand_tiles.size(), threads, [&](int64_t n) {
+            const auto &tile = tiles[cand_tiles[n]];
+            merge_tile(c, tile.first, tile.second, cands[cand_tiles[n]]);
         });
         return DSV4_OK;
     });

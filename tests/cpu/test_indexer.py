@@ -177,3 +177,17 @@ def test_isa_cap_and_choice(monkeypatch):
     monkeypatch.setenv("DSV4_PREFILL_CPU_ISA", "bogus")
     with pytest.raises(RuntimeError, match="DSV4_PREFILL_CPU_ISA: unknown instruction set 'bogus'"):
         ik.indexer_isa(np.float32, "bf16")
+
+
+def test_decode_shapes_split_the_key_range(isa):
+    """Fewer tiles than two per thread (one token per request, long contexts): the key range is cut
+    into pieces whose best k are merged; the same rows as one piece (one thread) and the oracle's."""
+    rng = np.random.default_rng(21)
+    H, D, r, k = 16, 128, 4, 64  # enough work for 2 threads (4 MFLOP a thread); 3 tiles < 2 x 2: split
+    case = make_batch(rng, seq=[4 * 3000, 4 * 1500 + 3, 4 * 70], qry=[1, 1, 1], H=H, D=D, r=r, page=64, dup=10)
+    src = ik.IndexKeys.fp8_pages(case["cache"], case["bt"])
+    args = (case["q"], case["w"], src, case["req"], case["pos"], r, k)
+    split, _ = ik.indexer_topk(*args, isa=isa, threads=2)
+    whole, _ = ik.indexer_topk(*args, isa=isa, threads=1)
+    assert (split == whole).all()
+    check(split, case, r, H, D, what=f"{isa} decode split")
