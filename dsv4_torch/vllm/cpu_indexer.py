@@ -10,10 +10,8 @@ index_topk, on torch's threads. It writes the request-local entry ids into the l
 `topk_indices_buffer`, as vLLM's does. `DSV4_PREFILL_VLLM_CPU_PREFILL=vllm` keeps vLLM's own
 `forward_cpu` (read every call).
 
-Token rows as vLLM's indexer metadata lays them out (`cpu_engine`'s builder): decode tokens first
-(one per decode request, request t, its compressed length `decode.seq_lens[t]` visible), then the
-one prefill chunk (token_start .. token_end; token i sees `cu_seqlen_ke - cu_seqlen_ks` entries of
-its request). The kernel takes positions; a token that sees n entries is given position
+Token rows as vLLM's indexer metadata lays them out (`cpu_engine`'s builder): see
+`indexer_tokens`. The kernel takes positions; a token that sees n entries is given position
 max(n r - 1, 0), whose (p + 1) // r is n.
 """
 
@@ -24,36 +22,51 @@ import numpy as np
 from dsv4_torch.vllm.cpu_attention import STATS, timed
 
 
-def indexer_tokens(md, compress_ratio: int) -> tuple[np.ndarray, np.ndarray]:
-    """(request, position) per indexer token row of the step (host int64): requests index
-    `md.block_table`'s rows (decode requests first, then the prefill chunk's)."""
+def indexer_tokens(md, compress_ratio: int):
+    """The step's indexer tokens as our kernel takes them: (rows, request, position, block table).
+
+    rows: the tokens' rows of q / weights / the top-k buffer (host int64); request: each token's
+    row of the returned block table (the decode requests' rows, then the prefill chunk's); position:
+    max(n r - 1, 0) for a token that sees n entries. Decode tokens come first (one per decode
+    request, `decode.seq_lens` entries visible); then the chunk's tokens token_start .. token_end
+    (vLLM's row bounds `cu_seqlen_ks / ke`, its request found as vLLM finds it, by `cu_seq_lens`).
+    Prefill tokens outside the chunk score nothing (their rows stay -1, as vLLM leaves them).
+    """
+    import torch
+
     r = int(compress_ratio)
-    req, vis = [], []
+    rows, req, vis, tables = [], [], [], []
     nd = int(md.num_decodes)
     if nd:
-        lens = md.decode.seq_lens
-        lens = (lens[:, -1] if lens.ndim == 2 else lens)[:nd].numpy().astype(np.int64)
         if int(md.num_decode_tokens) != nd:
             raise NotImplementedError(
                 f"dsv4-prefill: {md.num_decode_tokens} decode tokens for {nd} decode requests (speculative decoding)"
             )
+        lens = md.decode.seq_lens
+        lens = (lens[:, -1] if lens.ndim == 2 else lens)[:nd].numpy().astype(np.int64)
+        rows.append(np.arange(nd, dtype=np.int64))
         req.append(np.arange(nd, dtype=np.int64))
         vis.append(lens)
+        tables.append(md.decode.block_table[:nd])
     if int(md.num_prefills):
         chunks = md.prefill.chunks
         if len(chunks) != 1:
             raise NotImplementedError(f"dsv4-prefill: {len(chunks)} indexer prefill chunks (the CPU builder makes one)")
         c = chunks[0]
         ks = c.cu_seqlen_ks.numpy().astype(np.int64)
-        n = c.cu_seqlen_ke.numpy().astype(np.int64) - ks
         cu = c.cu_seq_lens.numpy().astype(np.int64)
-        local = np.searchsorted(cu, ks, side="right") - 1  # (zero-length requests: their tokens see nothing)
-        req.append(nd + np.clip(local, 0, max(len(cu) - 2, 0)))
-        vis.append(n)
-    if not req:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        local = np.clip(np.searchsorted(cu, ks, side="right") - 1, 0, max(cu.shape[0] - 2, 0))
+        rows.append(np.arange(int(c.token_start), int(c.token_end), dtype=np.int64))
+        req.append(sum(t.shape[0] for t in tables) + local)
+        vis.append(c.cu_seqlen_ke.numpy().astype(np.int64) - ks)
+        tables.append(c.block_table)
+    if not rows:
+        z = np.zeros(0, np.int64)
+        return z, z, z, None
     v = np.concatenate(vis)
-    return np.concatenate(req), np.maximum(v * r - 1, 0)
+    width = max(t.shape[1] for t in tables)
+    bt = torch.cat([torch.nn.functional.pad(t.to(torch.int32), (0, width - t.shape[1]), value=-1) for t in tables])
+    return np.concatenate(rows), np.concatenate(req), np.maximum(v * r - 1, 0), bt
 
 
 @timed("dsv4_indexer_seconds")
@@ -65,18 +78,24 @@ def select(layer, md, q_quant, weights):
 
     buf = layer.topk_indices_buffer
     r = int(layer.compress_ratio)
-    req, pos = indexer_tokens(md, r)
-    T = req.shape[0]
-    if T == 0:
+    rows, req, pos, bt = indexer_tokens(md, r)
+    if rows.shape[0] == 0:
         return buf
     kv = layer.k_cache.kv_cache
     if kv.dtype != torch.uint8:
         kv = kv.view(torch.uint8)
     k = int(layer.topk_tokens)
-    res = indexer_topk(q_quant[:T], weights[:T], kv, req, pos, r, k, block_table=md.block_table, backend="cpu")
-    buf[:T, :k] = res.indices.to(buf.dtype)
+    index = torch.from_numpy(rows)
+    contiguous = rows[0] == 0 and rows[-1] == rows.shape[0] - 1  # (the usual step: every row, in order)
+    q = q_quant[: rows.shape[0]] if contiguous else q_quant.index_select(0, index)
+    w = weights[: rows.shape[0]] if contiguous else weights.index_select(0, index)
+    res = indexer_topk(q, w, kv, req, pos, r, k, block_table=bt, backend="cpu")
+    if contiguous:
+        buf[: rows.shape[0], :k] = res.indices.to(buf.dtype)
+    else:
+        buf[index, :k] = res.indices.to(buf.dtype)
     STATS["dsv4_indexer_calls"] += 1
-    STATS["dsv4_indexer_tokens"] += T
+    STATS["dsv4_indexer_tokens"] += int(rows.shape[0])
     return buf
 
 
