@@ -205,9 +205,9 @@ int check_keys(const Call &c) {
             }
         } else {
             const int64_t off = table_at(s, b);
-            if (off < 0 || off + n > s.num_rows)
-                return fail(DSV4_ERR_ARG, req + ": rows " + std::to_string(off) + " .. " + std::to_string(off + n - 1) +
-                                                   " outside [0, " + std::to_string(s.num_rows) + ")");
+            if (off < 0 || off > s.num_rows - n)  // (no overflow for any offset)
+                return fail(DSV4_ERR_ARG, req + ": " + std::to_string(n) + " rows from row " + std::to_string(off) +
+                                                   " reach outside [0, " + std::to_string(s.num_rows) + ")");
         }
     }
     return DSV4_OK;

@@ -191,3 +191,34 @@ def test_decode_shapes_split_the_key_range(isa):
     whole, _ = ik.indexer_topk(*args, isa=isa, threads=1)
     assert (split == whole).all()
     check(split, case, r, H, D, what=f"{isa} decode split")
+
+
+def test_hostile_inputs_raise_never_read_out_of_bounds():
+    """Seeded hostile tables, offsets, positions and rows (`make test-sanitize` runs this under
+    AddressSanitizer): every call returns rows or raises ValueError naming the argument."""
+    rng = np.random.default_rng(99)
+    case = make_batch(rng, seq=[700, 300], qry=[5, 5], H=2, D=16, r=4, page=16)
+    raised = ran = 0
+    for _ in range(200):
+        bt = case["bt"].copy()
+        req, pos = case["req"].copy(), case["pos"].copy()
+        what = rng.integers(4)
+        if what == 0:
+            bt[rng.integers(bt.shape[0]), rng.integers(bt.shape[1])] = rng.choice([-5, 10**6, bt.max() + 1])
+        elif what == 1:
+            pos[rng.integers(pos.shape[0])] = rng.choice([-1, 2**31 - 1, 10**6])
+        elif what == 2:
+            req[rng.integers(req.shape[0])] = rng.choice([-1, 2, 10**6])
+        try:
+            ik.indexer_topk(case["q"], case["w"], ik.IndexKeys.fp8_pages(case["cache"], bt), req, pos, 4, 8, threads=2)
+            ran += 1
+        except ValueError:
+            raised += 1
+    rows = np.zeros((40, 16), np.float32)
+    for offs in ([-1], [39], [10**9], [2**62], [2**63 - 1]):
+        try:
+            ik.indexer_topk(case["q"][:1], case["w"][:1], ik.IndexKeys.rows(rows, offs), [0], [20], 1, 4)
+            ran += 1
+        except ValueError:
+            raised += 1
+    assert raised > 50 and ran > 20
