@@ -136,6 +136,8 @@ def test_bad_inputs(kw, err, match):
 
 @pytest.mark.skipif(not CPU_OK, reason="the C kernels cannot be built here (no compiler)")
 def test_cpu_refuses_unreadable_keys():
-    with pytest.raises(Exception, match=r"dsv4_indexer_topk: keys: request 0: 2 rows from row 0 reach outside \[0, 1\)"):
+    with pytest.raises(
+        Exception, match=r"dsv4_indexer_topk: keys: request 0: 2 rows from row 0 reach outside \[0, 1\)"
+    ):
         ji.indexer_topk(jnp.zeros((1, 1, 4)), jnp.ones((1, 1)), jnp.zeros((1, 4)), jnp.zeros(1, int), jnp.asarray([8]),
                         compress_ratio=4, topk=2, backend="cpu").indices.block_until_ready()  # fmt: skip
