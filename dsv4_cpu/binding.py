@@ -20,11 +20,11 @@ import threading
 
 from dsv4_cpu import build
 
-ABI = 2  # dsv4_cpu.h's DSV4_CPU_ABI
+ABI = 3  # dsv4_cpu.h's DSV4_CPU_ABI
 BF16, F32 = 0, 1  # dtype codes
 KIND_CODES = {"SWA": 0, "CSA": 1, "HCA": 2}  # dsv4_prefill_tokens.kind
 ROWS, FP8_DS_MLA = 0, 1  # dsv4_kv_source.format
-INDEX_FP8 = 2  # indexer.h: DSV4_KV_INDEX_FP8 (dsv4_kv_source.format) and DSV4_FP8_E4M3 (q dtype)
+INDEX_FP8 = 2  # dsv4_cpu.h: DSV4_KV_INDEX_FP8 (dsv4_kv_source.format) and DSV4_FP8_E4M3 (q dtype)
 ISAS = ("generic", "avx2", "avx512", "avx512bf16", "amx")  # instruction sets by number
 FP8_SLOT_BYTES = 584  # fp8_ds_mla: 576 data bytes + 8 scale bytes per slot
 
@@ -186,7 +186,7 @@ SIGNATURES = {  # name -> (restype, argtypes), as dsv4_cpu.h declares them
             _i64,
         ],
     ),
-    # indexer.h: q, q_s0, q_s1, q_dtype, rows, H, D, weights, w_s0, tokens, keys, topk, out_idx,
+    # dsv4_cpu.h: q, q_s0, q_s1, q_dtype, rows, H, D, weights, w_s0, tokens, keys, topk, out_idx,
     # idx_s0, out_logits, logit_s0, par, isa
     "dsv4_indexer_topk": (
         ctypes.c_int,

@@ -31,7 +31,7 @@
 extern "C" {
 #endif
 
-enum { DSV4_BF16 = 0, DSV4_F32 = 1 };
+enum { DSV4_BF16 = 0, DSV4_F32 = 1, DSV4_FP8_E4M3 = 2 /* OCP e4m3 bytes: the indexer's queries and keys */ };
 
 /* Instruction sets, lowest first. `isa` arguments: -1 = the best this machine runs (capped by
    the environment variable DSV4_PREFILL_CPU_ISA=generic|avx2|avx512|avx512bf16|amx). */
@@ -66,8 +66,9 @@ typedef struct {
 /* Kinds of a prefill layer (what its compressed part holds). */
 enum { DSV4_SWA = 0, DSV4_CSA = 1, DSV4_HCA = 2 };
 
-/* Layouts of a dsv4_kv_source. */
-enum { DSV4_ROWS = 0, DSV4_FP8_DS_MLA = 1 };
+/* Layouts of a dsv4_kv_source: rows (bf16 / float32), vLLM's fp8_ds_mla attention pages, vLLM's
+   indexer key pages (see the Lightning Indexer below). */
+enum { DSV4_ROWS = 0, DSV4_FP8_DS_MLA = 1, DSV4_KV_INDEX_FP8 = 2 };
 
 /* A source of key rows: the latents a key index (generic call) or a (request, entry) pair
    (prefill) resolves to. Rows are D elements, last dim contiguous.
@@ -83,7 +84,7 @@ enum { DSV4_ROWS = 0, DSV4_FP8_DS_MLA = 1 };
    The caller vouches that data holds num_rows rows (flat / logical) or num_pages pages, and the
    table table_rows x table_width entries; every index taken from them is checked against those. */
 typedef struct {
-    int32_t format;       /* 0: rows in dtype; 1: fp8_ds_mla pages */
+    int32_t format;       /* DSV4_ROWS (rows in dtype), DSV4_FP8_DS_MLA, DSV4_KV_INDEX_FP8 */
     int32_t dtype;        /* format 0: DSV4_BF16 / DSV4_F32 */
     const void *data;
     int64_t row_stride;   /* elements between slots (format 0) */
@@ -206,8 +207,58 @@ const char *dsv4_cpu_last_error(void);
    bf16 bits, exactly (kvcache.c). */
 void dsv4_decode_row_bf16(const uint8_t *d, const uint8_t *sc, uint16_t *o);
 
+/* ---------------------------------------------------------------- the Lightning Indexer
+
+   dsv4-prefill's CPU Lightning Indexer: the public C interface (framework-free; plain pointers).
+
+   One call scores a layer's prefill tokens against the compressed index keys of their requests
+   and keeps each token's top-k, fused: logits in key blocks shared by the tokens of a request,
+   ReLU and the head-weighted sum in registers, a running top-k per token. No tokens x keys logits
+   buffer exists; memory is O(threads x tile tokens x k).
+
+     logit[t, s] = scale[s] * sum_h w[t, h] * relu(q[t, h] . k[s])     for s < (p + 1) / r
+
+   (p = token_position[t], r = compress_ratio; scale[s] = the key's fp32 scale for fp8 keys, 1 for
+   rows). Products of the input values are exact in float32 for bf16 / e4m3 inputs and accumulated
+   in float32, dims in order within a head's dot product, heads in order within the sum; float32
+   inputs: float32 products. The same on every instruction set up to float32 rounding of the
+   accumulation (`dsv4_cpu_isa_name`).
+
+   Tie rule (planner/indexer_oracle.py): token t keeps min(topk, visible) entries, the largest
+   logits first and, among equal logits, the lower entry index first; NaN ranks below every
+   number. Row token_row[t] of out_idx lists them in that order, then -1; out_logits (optional)
+   their float32 logits, then -inf.
+
+   vLLM's indexer key pages (dsv4_kv_source.format DSV4_KV_INDEX_FP8, its `indexer_k_quant_and_cache`
+   layout): page p starts at byte p * page_stride of data and holds page_size slots of D e4m3 bytes,
+   then page_size little-endian float32 scales (slot j's at byte page_size * D + 4 * j); entry e of
+   request b is slot e % page_size of page table[b * table_stride + e / page_size]. DSV4_ROWS
+   sources (bf16 or float32 rows, flat / logical / paged) serve too. */
+
+/* The Lightning Indexer's top-k for the tokens of `tokens` (a dsv4_prefill_tokens: num_tokens,
+   token_row, token_request, token_position and compress_ratio are read; kind, window and the
+   top-k fields are not).
+   q [rows, H, D] (strides q_s0, q_s1 elements, last dim contiguous) in q_dtype (DSV4_BF16,
+   DSV4_F32, DSV4_FP8_E4M3); weights [rows, H] float32 (row stride w_s0); keys: D-dim index keys.
+   out_idx [rows, topk] int32 (row stride idx_s0); out_logits [rows, topk] float32 (row stride
+   logit_s0) or NULL. Rows not named by token_row are not written.
+   Checked before any work: 0 <= token_row < rows and 0 <= position < DSV4_MAX_POSITION for every
+   token, and every key a token sees readable (its request a row of the keys' table, its
+   block-table entries pages of the cache, its logical rows present): DSV4_ERR_ARG naming the token
+   or the request and the entry otherwise. par: see dsv4_parallel (NULL: the calling thread); isa:
+   as in dsv4_cpu.h (-1: the best allowed). */
+int dsv4_indexer_topk(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dtype, int64_t rows, int64_t H, int64_t D,
+                      const float *weights, int64_t w_s0, const dsv4_prefill_tokens *tokens, const dsv4_kv_source *keys,
+                      int64_t topk, int32_t *out_idx, int64_t idx_s0, float *out_logits, int64_t logit_s0,
+                      const dsv4_parallel *par, int32_t isa);
+
+/* The instruction set dsv4_indexer_topk runs for these dtypes (q_dtype; key_dtype DSV4_BF16,
+   DSV4_F32 or DSV4_FP8_E4M3 for fp8 pages) when asked for `isa` (-1: the best allowed), or -1
+   with dsv4_cpu_last_error() set. */
+int dsv4_indexer_isa(int32_t q_dtype, int32_t key_dtype, int32_t isa);
+
 /* The library's version of this header (a binding checks it against its own). */
-#define DSV4_CPU_ABI 2
+#define DSV4_CPU_ABI 3
 int dsv4_cpu_abi(void);
 
 #ifdef __cplusplus

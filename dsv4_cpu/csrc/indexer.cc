@@ -1,4 +1,4 @@
-// The CPU Lightning Indexer (indexer.h): checks, instruction-set choice, key staging, the running
+// The CPU Lightning Indexer (dsv4_cpu.h): checks, instruction-set choice, key staging, the running
 // top-k per token, and the work split.
 //
 // Work items are tiles of up to IDX_TILE consecutive tokens of one request. A tile walks its
@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "indexer.h"
+#include "dsv4_cpu.h"
 #include "indexer_impl.h"
 #include "runtime.h"
 

@@ -1,4 +1,4 @@
-// The XLA FFI handler of the Lightning Indexer (indexer.h) for JAX, built with xla_ffi.cc into the
+// The XLA FFI handler of the Lightning Indexer (dsv4_cpu.h) for JAX, built with xla_ffi.cc into the
 // FFI library (dsv4_cpu/build.py) and registered by dsv4_jax/kernels/cpu.py. Parallel work runs
 // on XLA's intra-op thread pool.
 #include <algorithm>
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "indexer.h"
+#include "dsv4_cpu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
