@@ -144,7 +144,7 @@ def prefill_case(model: str, kind: str, tokens: int, requests: int = 1, fp8: boo
         return JP.PagedKV(arrays[0], arrays[1], kv_cache_dtype=kv_dtype, block_size=page if fp8 else None)
 
     def fn(s):
-        return mosaic_tpu_prefill.layer(
+        return mosaic_tpu_prefill.layer_from_table(
             s["q"],
             s["table"],
             paged(s["raw"], RAW_PAGE),

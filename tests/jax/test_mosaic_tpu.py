@@ -414,7 +414,7 @@ def test_model_generates_the_xla_tokens(tiny_checkpoint_dir):
     greedy tokens with backend="mosaic_tpu" (TPU interpret mode) as with "xla": a ragged prefill
     step of two prompts, then decode steps (tiles of one token)."""
     from dsv4_jax.model.generate import JaxGenerator
-    from tests.jax_model_cases import PROMPT_B, PROMPT_C
+    from tests.jax.model_cases import PROMPT_B, PROMPT_C
 
     opts = dict(max_batch_size=2, max_model_len=128, max_num_batched_tokens=64, min_tokens=64, min_workspace_rows=256)
     prompts = [PROMPT_B[:21], PROMPT_C[:43]]
