@@ -112,8 +112,10 @@ def _bytes_per_chip(tree) -> int:
     return total
 
 
-def compile_step(model: str, topology: str, tokens: int, requests: int, context: int, kv_cache_dtype: str):
-    """Compile one prefill step of `model` for the slice `topology`; returns the figures."""
+def compile_step(model: str, topology: str, tokens: int, requests: int, context: int, kv_cache_dtype: str, kinds=None):
+    """Compile one prefill step of `model` for the slice `topology`; returns the figures. kinds:
+    the layer kinds whose program is compiled (names; None: every kind of the model; the figures
+    then cover only those)."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -170,6 +172,8 @@ def compile_step(model: str, topology: str, tokens: int, requests: int, context:
         flag = jax.ShapeDtypeStruct((), jnp.bool_, sharding=whole)
         layer_params = host._layer_params
         for kind in sorted(set(config.kinds), key=lambda k: k.name):
+            if kinds is not None and kind.name not in kinds:
+                continue
             i = config.kinds.index(kind)
             lp = {k: v for k, v in layer_params[i].items()}
             lp["ffn"] = {k: v for k, v in lp["ffn"].items()}
