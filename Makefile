@@ -74,6 +74,17 @@ test-jax-new:
 	|| { echo "test-jax-new: could not install jax >= 0.11 and libtpu with $(JAX_NEW_PYTHON) (JAX_NEW_PYTHON= skips this run)"; exit 1; }
 	$(JAX_NEW_VENV)/bin/python -m pytest -q -n 2 -p no:cacheprovider $(JAX_TESTS)
 
+# The full mosaic_tpu matrix (`make test-tpu-full`, not part of `make test`): every parity kernel
+# case, FlashMLA's model widths, every plan / cache layout / kind in fp8 and the ragged model run in
+# TPU interpret mode, and libtpu compiles at every V4 shape for v5e / v6e / v5p plus every layer
+# program of the tiny model on a v5p slice, in the jax >= 0.12 venv that `make test-jax-new` builds
+# (DSV4_TPU_FULL=1; about 10 minutes on 2 cores). `make test` runs one case per point of both files.
+# (The parity suite's mosaic_tpu row on every case: DSV4_PARITY_TPU_INTERPRET=1.)
+.PHONY: test-tpu-full
+test-tpu-full: test-jax-new
+	DSV4_TPU_FULL=1 $(JAX_NEW_VENV)/bin/python -m pytest -q -n 2 -p no:cacheprovider \
+		tests/jax/test_mosaic_tpu.py tests/jax/test_mosaic_tpu_compile.py
+
 # The vLLM plugin's tests (tests/vllm/): their own venv with vLLM 0.33.0 (about 9.4 GB, a CUDA build
 # of torch), so never part of `make test` / CI. They run on the CPU: no GPU visible, Triton
 # kernels in Triton's interpreter. `make test-vllm`; the planning benchmark:

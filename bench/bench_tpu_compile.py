@@ -97,8 +97,10 @@ def _bytes_per_chip(tree) -> int:
     return total
 
 
-def compile_step(model: str, topology: str, tokens: int, requests: int, context: int, kv_cache_dtype: str):
-    """Compile one prefill step of `model` for the slice `topology`; returns the figures."""
+def compile_step(model: str, topology: str, tokens: int, requests: int, context: int, kv_cache_dtype: str, kinds=None):
+    """Compile one prefill step of `model` for the slice `topology`; returns the figures. kinds:
+    the layer kinds whose program is compiled (names; None: every kind of the model; the figures
+    then cover only those)."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -134,7 +136,7 @@ def compile_step(model: str, topology: str, tokens: int, requests: int, context:
     step_s, rows_s = abstract(step), abstract(rows)
     caches = jax.eval_shape(lambda: init_cache(config, requests, max_model_len, jnp.bfloat16, kv_cache_dtype))
     caches = [abstract(c) for c in caches]
-    opts = (("backend", "mosaic_tpu"), ("mesh", mesh), ("axis", "tp"))
+    opts = (("backend", "mosaic_tpu"), ("interpret", False), ("mesh", mesh), ("axis", "tp"))
     if kv_cache_dtype != "auto":
         opts += (("kv_cache_dtype", kv_cache_dtype), ("max_model_len", max_model_len))
     out = dict(model=MODELS[model], slice=topology, chips=n, chip=chip, tokens=tokens, requests=requests)
@@ -155,6 +157,8 @@ def compile_step(model: str, topology: str, tokens: int, requests: int, context:
         flag = jax.ShapeDtypeStruct((), jnp.bool_, sharding=whole)
         layer_params = host._layer_params
         for kind in sorted(set(config.kinds), key=lambda k: k.name):
+            if kinds is not None and kind.name not in kinds:
+                continue
             i = config.kinds.index(kind)
             lp = {k: v for k, v in layer_params[i].items()}
             lp["ffn"] = {k: v for k, v in lp["ffn"].items()}

@@ -10,8 +10,9 @@ On a TPU (never in CI):
 Without a TPU (or with --model) it prints the cost model of the prefill kernel per case, beside
 the same model of a per-token design like tpu-inference's sparse MLA (each token gathers its own
 keys, window included; M = H rows per product): MXU FLOPs issued (our dense tiles compute masked
-products too), the useful fraction, HBM bytes moved (the DMA windows: bf16 rows move in pairs,
-fp8 slots in 4-row groups plus the page's scale row), DMAs issued, and the roofline time
+products too), the useful fraction, HBM bytes moved (the DMA windows: bf16 rows move in pairs, an
+fp8 slot its own 576 bytes, plus each tile's copy of the scale rows of the pages it can read,
+576 bytes per page), DMAs issued (HBM and VMEM-to-VMEM), and the roofline time
 max(FLOPs / peak, bytes / HBM bandwidth) on the chip. The table in docs/benchmarks.md is its output.
 
   python -m bench.tpu_check                 # on a TPU: the checks; elsewhere: the cost model
@@ -33,9 +34,11 @@ MODELS = {"V4-Flash": dict(H=64, topk=512), "V4-Pro": dict(H=128, topk=1024)}
 D, DV, W, RATIO = 512, 512, 128, {"CSA": 4, "HCA": 128, "SWA": 0}
 # (name, new tokens per request, cached context per request, requests)
 CASES = [("fresh 8K prompt", 8192, 0, 1), ("2K chunk after 64K", 2048, 65536, 1), ("16 x 512 fresh", 512, 0, 16)]
-FP8_GROUP_BYTES = 4 * 576 + 576  # a 4-row data group and the page's scale row per gathered slot
+FP8_SLOT_BYTES = 576  # a gathered fp8 slot moves its own 4 rows of 144 bytes (its scales come from VMEM)
+FP8_SCALE_ROWS_BYTES = 576  # the scale rows of one page (S <= 72) copied into VMEM once per tile
 BF16_GROUP_BYTES = 2 * 1024  # a bf16 row moves with its pair partner
 USEFUL_FP8, USEFUL_BF16 = 584, 1024  # bytes of one key in the cache
+RAW_PAGE, COMP_BLOCK = 64, 256  # vLLM's page sizes: raw pages of 64 tokens, compressed S = 256 // ratio
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -57,18 +60,24 @@ def kernel_cost(model: str, kind: str, q_len: int, context: int, requests: int, 
     rc = hp * max(1, min(bt, TP.ROW_CHUNK // hp))
     per_chunk = rc // hp
     r = RATIO[kind]
+    comp_page = COMP_BLOCK // r if r else 0
     issued = useful = 0
     rows = 0  # gathered rows (DMA windows), zero rows included
     real_rows = 0  # rows holding a key some token of the tile reads
+    scale_pages = 0  # fp8: pages whose scale rows a tile copies into VMEM
+    wp, win_rows = TP.window_rows(W, bt)
     for p0, n in _tiles(q_len, context, bt):
         p_last = p0 + n - 1
         live_rows = -(-n // per_chunk) * rc  # chunks holding a token
         lo = max(0, p0 - W + 1)
-        blocks = p_last // bk - lo // bk + 1
-        issued += blocks * 2 * live_rows * bk * (D + DV)
-        rows += blocks * bk
+        # the window: gathered once per tile, scored per token (N = Wp, padded to the MXU width)
+        issued += n * 2 * hp * -(-wp // bk) * bk * (D + DV)
+        rows += -(-win_rows // bk) * bk
         real_rows += p_last - lo + 1
+        scale_pages += p_last // RAW_PAGE - lo // RAW_PAGE + 1
         keys = sum(min(p + 1, W) for p in range(p0, p0 + n))
+        if r:
+            scale_pages += -(-((p_last + 1) // r) // comp_page)
         if kind == "HCA":
             num = (p_last + 1) // r
             blocks = -(-num // bk)
@@ -84,14 +93,18 @@ def kernel_cost(model: str, kind: str, q_len: int, context: int, requests: int, 
                 real_rows += c
                 keys += c
         useful += attention_flop(keys, H, D, DV)
-    group = FP8_GROUP_BYTES if fp8 else BF16_GROUP_BYTES
-    hbm = requests * (real_rows * group + q_len * H * (D + DV) * 2)
+    if fp8:  # each row: data from HBM, its scale group by a VMEM-to-VMEM DMA; zero rows from VMEM
+        cache_bytes = real_rows * FP8_SLOT_BYTES + scale_pages * FP8_SCALE_ROWS_BYTES
+        dmas = 2 * rows + scale_pages
+    else:
+        cache_bytes, dmas = real_rows * BF16_GROUP_BYTES, rows
+    hbm = requests * (cache_bytes + q_len * H * (D + DV) * 2)
     return dict(
         issued=requests * issued,
         useful=requests * useful,
         hbm=hbm,
-        dmas=requests * rows * (2 if fp8 else 1),
-        m_rows=f"{rc} / {hp}" if kind == "CSA" else str(rc),
+        dmas=requests * dmas,
+        m_rows=f"{rc} / {hp}" if kind == "HCA" else str(hp),
     )
 
 
@@ -129,8 +142,8 @@ def roofline_ms(cost: dict, chip: str) -> float:
 def print_cost_model(chips=("v5e", "v6e"), fp8: bool = True) -> None:
     caches = "fp8_ds_mla caches" if fp8 else "bf16 caches"
     print(
-        "Modeled cost of one prefill layer, backend mosaic_tpu (ours: query tiles of 16 tokens, dense window / HCA "
-        f"tiles) vs a per-token design (tpu-inference-like); {caches}"
+        "Modeled cost of one prefill layer, backend mosaic_tpu (ours: query tiles of 16 tokens, window rows read "
+        f"once per tile and scored per token, dense HCA tiles) vs a per-token design (tpu-inference-like); {caches}"
     )
     print(
         f"{'chip':4s} {'model':8s} {'kind':4s} {'case':20s} | {'ours: TFLOP':>11s} {'useful':>6s} {'GB':>7s} "
@@ -153,7 +166,8 @@ def print_cost_model(chips=("v5e", "v6e"), fp8: bool = True) -> None:
     print(
         "TFLOP: MXU work issued (QK^T and PV, masked products included); useful: FlashMLA's count "
         "(2 x keys x H x (512 + 512)) over it; GB: HBM bytes moved (DMA windows, q and out); DMAs: "
-        "descriptors issued; M: query rows per product (ours: dense chunk rows / CSA rows); ms: "
+        "descriptors issued (ours: HBM and VMEM-to-VMEM); M: query rows per product (ours: HCA's dense chunk rows / "
+        "per-token window and CSA rows); ms: "
         "roofline max(FLOPs / bf16 peak, bytes / HBM bandwidth); ratio: per-token ms / ours."
     )
 

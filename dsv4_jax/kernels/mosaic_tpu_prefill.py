@@ -4,78 +4,63 @@ Called by `dsv4_jax.prefill.prefill_attention(..., backend="mosaic_tpu")`: no wo
 loop, no index rows. The step's metadata (`dsv4_jax.prefill_metadata`, built once per step on the
 host) carries the query tiles: up to `query_tile` (16) consecutive new tokens of one request (q
 rows, positions, request). They come from the batch alone, so every plan of a step gets the same
-tiles; the grid is the tile count (dynamic), the tile table is scalar-prefetched into SMEM.
+tiles; the grid is the tile count (dynamic), the tile table is scalar-prefetched into SMEM. This
+module builds the call; `mosaic_tpu_tile` is the body of one grid step.
 
 One grid step = one tile of BT tokens x Hp heads = M = BT * Hp query rows (2048 at V4-Pro's
 H = 128): q rows are DMA'd into VMEM, the running softmax state (fp32) covers all M rows, and the
 keys come straight from the caches by DMA (`mosaic_tpu_rows`: bf16 / fp32 rows, paged or packed,
-or vLLM's fp8_ds_mla pages dequantized in VMEM):
+or vLLM's fp8_ds_mla pages dequantized in VMEM: each gathered slot moves its own 576 bytes, its
+scales come from a VMEM copy of the scale rows of the pages the tile can read, made once per tile):
 
 1. compressed part, CSA: each token's own top-k entries (the indexer's ids, first
    min((p+1)//r, topk) columns), gathered by DMA from the compressed cache's pages per key block
    of `block_k` (the MXU width); per token M = Hp rows, N = block_k.
    HCA: every compressed entry the tile can see (w < (p_last + 1) // r), dense: blocks of
-   block_k entries from entry 0, shared by all BT tokens: S = (M, D) x (D, block_k) MXU tiles,
-   each row masked to its own token's w < (p + 1) // r.
-2. window: raw positions max(0, p0 - W + 1) .. p_last in blocks aligned to absolute multiples of
-   block_k, shared by the tile (per token W keys; the tile reads W + BT - 1 rows, not BT * W),
-   each row masked to p - W < pos <= p.
+   block_k entries from entry 0, shared by all BT tokens: S = (M, D) x (D, block_k) MXU tiles
+   (in chunks of ROW_CHUNK rows), each row masked to its own token's w < (p + 1) // r.
+2. window: the raw rows of positions p0 - Wp + 1 .. p_last (Wp = W rounded up to 16) are gathered
+   once per tile into a VMEM buffer (the tile reads W + BT - 1 rows, not BT * W); each token then
+   takes its own Wp rows by a sublane roll of the buffer and scores them alone (M = Hp, N = Wp:
+   one MXU pass at W = 128, none of a shared dense tile's masked columns), masked to
+   p - W < pos <= p.
 3. out = acc / (l (1 + exp(sink - lse))) per token, DMA'd to its q row (rows of no planned
    token stay 0: the output buffer starts as zeros).
 
 Same bits for every plan and every split of a prompt over steps: a row's state changes only by
 blocks holding one of its keys (a fully masked block leaves it exactly as it was), the blocks a
-token sees are aligned to absolute entries / positions and its top-k row, and every MXU product
-of a phase has the same static shape; so a token's result depends on its keys alone, not on the
-tile it shares. Tests check it bitwise across plans and splits (TPU interpret mode).
+token sees are its window (positions p - Wp + 1 .. p), its top-k row's blocks, or HCA blocks
+aligned to absolute entries, and every MXU product of a phase has the same static shape; so a
+token's result depends on its keys alone, not on the tile it shares. Tests check it bitwise
+across plans and splits (TPU interpret mode).
 
 VMEM per tile (V4-Pro, H = 128, bf16, BT = 16, 128-wide blocks): q 2 MB, fp32 state 6.3 MB, the
-output staging 2 MB, scores and probabilities (2048 x 128 fp32) 1 MB each, row buffers 0.5 MB per
-source (fp8: 1.2 MB data + 4.7 MB scale rows, which sit one per 32-row tile): about 15-25 MB,
-under the 48 MB limit of v5p / 7x and the 96 MB of v5e / v6e. `tests/jax/test_mosaic_tpu_compile.py`
-compiles it with libtpu and reads Mosaic's own figure.
+output staging 2 MB, scores and probabilities 1 MB each, the window buffer 0.25 MB and its rolled
+copy, row buffers 0.25 MB per source (fp8: data and scale groups, 4 rows of 144 bytes per slot,
+0.5 MB) and the fp8 scale rows of a request's compressed pages (1 KB per page: 4 MB at 1M tokens
+of context): Mosaic reports 11-13 MB (`tests/jax/test_mosaic_tpu_compile.py` compiles it with
+libtpu and reads Mosaic's own figure), under the 48 MB limit of v5p / 7x and the 96 MB of v5e /
+v6e; `vmem_bytes` (our estimate) refuses a call that cannot fit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from dsv4_jax.kernels import mosaic_tpu_rows as R
-from dsv4_jax.kernels.mosaic_tpu import job_table, job_token, pipeline
+from dsv4_jax.kernels import mosaic_tpu_tile as T
+from dsv4_jax.kernels.mosaic_tpu_tile import ROW_CHUNK, window_rows
 from dsv4_jax.prefill_metadata import SCALARS, TILE_POSITION, TILE_Q_ROW, KindShape
 from planner import LayerKind
 from planner.contract import value_dim
-
-ROW_CHUNK = 256  # query rows per dense product: 2 tokens at H = 128, 4 at H = 64
-
-
-@dataclass(frozen=True)
-class _Config:
-    kind: LayerKind
-    window: int
-    ratio: int
-    bt: int  # tokens per tile
-    hp: int  # padded heads
-    d: int
-    d_v: int
-    bk: int
-    row_chunk: int  # query rows per dense product (whole tokens)
-    topk: int  # CSA: columns of the top-k rows used (the indexer's topk)
-    sm_scale: float
-    raw: R.RowSource
-    comp: R.RowSource | None
-    names: tuple  # kernel argument names, in order
 
 
 def _source(src, dtype):
     """(RowSource, HBM array (P, rows, W), block table (B, max_pages) or None, offsets (B,) or None)."""
     if hasattr(src, "block_table"):
         if src.fp8:
-            pages = R.fp8_page_rows(src.pages)
+            pages = R.fp8_slot_rows(src.pages)
             return R.fp8_source(pages.shape[1], src.page_size), pages, src.block_table, None
         return R.rows_source(src.pages.shape, src.pages.dtype, paged=True), src.pages, src.block_table, None
     rows = src.rows
@@ -87,217 +72,30 @@ def _source(src, dtype):
     return R.rows_source((1, Sp, D), rows.dtype, paged=False), rows.reshape(1, Sp, D), None, src.offsets
 
 
-def _locator(cfg_src: R.RowSource, r, prefix: str, b):
-    """Scalar entry -> (page, row) of request b for a source (a closure over its SMEM refs)."""
-    if cfg_src.paged:
-        table = r[prefix + "_bt"]
-        ps = cfg_src.page_size
-        return lambda e: (table[0, lax.div(e, ps)], lax.rem(e, ps))
-    off = r["offsets"][0 if prefix == "raw" else 1, b]
-    return lambda e: (jnp.int32(0), off + e)
+def resident_pages(src: R.RowSource, table_width: int, prefix: str, window: int, bt: int) -> int:
+    """Pages whose fp8 scale rows a tile keeps in VMEM: raw, the window's (W + BT - 1 entries
+    span at most (W + BT - 2) // S + 2 pages); compressed, every page of a request."""
+    if prefix == "raw":
+        return min(table_width, (window + bt - 2) // src.page_size + 2)
+    return table_width
 
 
-def _row_vector(cfg_src: R.RowSource, r, prefix: str, b):
-    """(BK, 1) entries -> each row's index inside its page (what `load_rows` selects by)."""
-    if cfg_src.paged:
-        ps = cfg_src.page_size
-        return (lambda e: e & (ps - 1)) if ps & (ps - 1) == 0 else (lambda e: lax.rem(e, ps))
-    off = r["offsets"][0 if prefix == "raw" else 1, b]
-    return lambda e: off + e
-
-
-def _kernel(r: dict, cfg: _Config):
-    """One tile (grid step); r: the kernel's refs by name (`layer` builds it)."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
-
-    BT, Hp, bk = cfg.bt, cfg.hp, cfg.bk
-    tiles, q2, sems = r["tiles"], r["q2"], r["sems"]
-    i = pl.program_id(0)
-    q_row0, n, b, p0 = tiles[0, i], tiles[1, i], tiles[2, i], tiles[3, i]
-    p_last = p0 + n - 1
-    dtype = q2.dtype
-
-    # 1. the tile's q rows, block-table rows and top-k rows (loops over the n live tokens)
-    def q_copy(t):
-        rows = pl.ds(pl.multiple_of(t * Hp, Hp), Hp)
-        return pltpu.make_async_copy(r["q"].at[q_row0 + t], q2.at[rows], sems.at[0])
-
-    def topk_copies(t):
-        src = r["topk"].at[pl.ds(q_row0 + t, 1)]
-        return (
-            pltpu.make_async_copy(src, r["topk_s"].at[pl.ds(t, 1)], sems.at[2]),
-            pltpu.make_async_copy(src, r["topk_v"].at[pl.ds(t, 1)], sems.at[2]),
-        )
-
-    def each_token(fn, lo, hi):
-        lax.fori_loop(lo, hi, lambda t, c: (fn(t), c)[1], 0)
-
-    csa = cfg.kind is LayerKind.CSA
-    copies = []
-    for prefix in ("raw", "comp"):
-        if prefix + "_bt" in r:
-            copies.append(pltpu.make_async_copy(r[prefix + "_table"].at[pl.ds(b, 1)], r[prefix + "_bt"], sems.at[1]))
-    _each(copies, "start")
-    each_token(lambda t: q_copy(t).start(), 0, n)
-    if csa:
-        each_token(lambda t: _each(topk_copies(t), "start"), 0, n)
-
-    def zero_q(t):  # rows of no token: finite, so they cannot disturb anything
-        q2[pl.ds(pl.multiple_of(t * Hp, Hp), Hp), :] = jnp.zeros((Hp, cfg.d), dtype)
-
-    each_token(zero_q, n, BT)
-    _each(copies, "wait")
-    each_token(lambda t: q_copy(t).wait(), 0, n)
-    if csa:
-        each_token(lambda t: _each(topk_copies(t), "wait"), 0, n)
-
-    acc, m_ref, l_ref = r["acc"], r["m"], r["l"]
-    R.init_state(acc, m_ref, l_ref)
-    # Dense products go over the M rows in chunks of RC rows (whole tokens): one chunk's code,
-    # looped, instead of M-row vector code (Mosaic compiles it several times faster).
-    RC = cfg.row_chunk
-    per_chunk = RC // Hp  # tokens per chunk
-    iota_rc = lax.broadcasted_iota(jnp.int32, (RC, 1), 0)
-    local_tok = jnp.zeros((RC, 1), jnp.int32)
-    for u in range(1, per_chunk):
-        local_tok = local_tok + (iota_rc >= u * Hp).astype(jnp.int32)
-
-    def dense_phase(src: R.RowSource, prefix: str, first_block, num_blocks, ok_entry, valid_fn):
-        """Blocks first_block .. of entries shared by the tile; valid_fn(cols (1, BK), tok (RC, 1))
-        -> (RC, BK): which keys each row of a chunk sees (tok: the rows' tile tokens)."""
-        bufs, ssems = r[prefix + "_bufs"], r[prefix + "_sems"]
-        zeros, locate = r[prefix + "_zeros"], _locator(src, r, prefix, b)
-        rows_of = _row_vector(src, r, prefix, b)
-
-        def issue(k, slot):
-            base = (first_block + k) * bk
-
-            def one(j, carry):
-                e = base + j
-                ok = ok_entry(e)
-                page, row = locate(jnp.where(ok, e, 0))
-                R.issue_row(src, r[prefix + "_hbm"], zeros, bufs, ssems, slot, j, ok, page, row)
-                return carry
-
-            lax.fori_loop(0, bk, one, 0)
-
-        def compute(k, slot):
-            base = (first_block + k) * bk
-            entries = base + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-            keys = R.load_rows(src, bufs, slot, rows_of(entries), dtype, r.get(prefix + "_decode"))
-            cols = base + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-
-            def chunk(c, carry):
-                rows = pl.ds(pl.multiple_of(c * RC, RC), RC)
-                valid = valid_fn(cols, c * per_chunk + local_tok)
-                R.softmax_update(acc, m_ref, l_ref, rows, q2[rows, :], keys, valid, cfg.sm_scale, cfg.d_v)
-                return carry
-
-            lax.fori_loop(0, lax.div(n + per_chunk - 1, per_chunk), chunk, 0)  # chunks holding a token
-
-        pipeline(num_blocks, issue, lambda slot: R.wait_rows(src, bufs, ssems, slot), compute)
-
-    # 2. the compressed part
-    if cfg.kind is LayerKind.HCA:
-        ratio = cfg.ratio
-        num = lax.div(p_last + 1, ratio)  # entries the last token sees
-        dense_phase(
-            cfg.comp,
-            "comp",
-            jnp.int32(0),
-            lax.div(num + bk - 1, bk),
-            lambda e: e < num,
-            lambda cols, tok: (cols < lax.div(p0 + tok + 1, ratio)) & (tok < n),
-        )
-    elif cfg.kind is LayerKind.CSA:
-        _topk_phase(r, cfg, b, p0, n, dtype)
-    # 3. the window
-    W = cfg.window
-    lo = jnp.maximum(p0 - W + 1, 0)
-    first = lax.div(lo, bk)
-    dense_phase(
-        cfg.raw,
-        "raw",
-        first,
-        lax.div(p_last, bk) - first + 1,
-        lambda e: (e >= lo) & (e <= p_last),
-        lambda cols, tok: (cols <= p0 + tok) & (cols > p0 + tok - W) & (tok < n),
-    )
-    # 4. outputs
-    sink = R.col(r["sink"][...])
-    out_v = r["out_v"]
-
-    def out_copy(t):
-        return pltpu.make_async_copy(out_v.at[t], r["out"].at[q_row0 + t], sems.at[3])
-
-    def finish(t):
-        rows = pl.ds(pl.multiple_of(t * Hp, Hp), Hp)
-        o, _, _ = R.finalize(acc[rows, :], m_ref[rows, :1], l_ref[rows, :1], sink, True)
-        out_v[t] = o.astype(out_v.dtype)
-        out_copy(t).start()
-
-    each_token(finish, 0, n)
-    each_token(lambda t: out_copy(t).wait(), 0, n)
-
-
-def _each(copies, method: str) -> None:
-    for c in copies:
-        getattr(c, method)()
-
-
-def _topk_phase(r, cfg: _Config, b, p0, n, dtype):
-    """CSA: each token's own top-k entries, per key block (M = Hp rows per product)."""
-    from jax.experimental import pallas as pl
-
-    BT, Hp, bk, src = cfg.bt, cfg.hp, cfg.bk, cfg.comp
-    bufs, ssems, zeros = r["comp_bufs"], r["comp_sems"], r["comp_zeros"]
-    locate, rows_of = _locator(src, r, "comp", b), _row_vector(src, r, "comp", b)
-    topk_s, topk_v, job = r["topk_s"], r["topk_v"], r["job"]
-
-    def limits(t):
-        visible = lax.div(p0 + t + 1, cfg.ratio)
-        return visible, jnp.where(t < n, jnp.minimum(visible, cfg.topk), 0)
-
-    total = job_table(job, [limits(t)[1] for t in range(BT)], bk)
-
-    def issue(k, slot):
-        t, j = job_token(job, k, BT)
-        visible, count = limits(t)
-
-        def one(i, carry):
-            c = j * bk + i
-            e = topk_s[t, c]
-            ok = (c < count) & (e >= 0) & (e < visible)
-            page, row = locate(jnp.where(ok, e, 0))
-            R.issue_row(src, r["comp_hbm"], zeros, bufs, ssems, slot, i, ok, page, row)
-            return carry
-
-        lax.fori_loop(0, bk, one, 0)
-
-    def compute(k, slot):
-        t, j = job_token(job, k, BT)
-        visible, count = limits(t)
-        entries = R.row_at(topk_v, t, pl.ds(pl.multiple_of(j * bk, bk), bk))
-        cols = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-        valid = (cols < count) & (entries >= 0) & (entries < visible)
-        keys = R.load_rows(src, bufs, slot, rows_of(R.col(entries)), dtype, r.get("comp_decode"))
-        rows = pl.ds(pl.multiple_of(t * Hp, Hp), Hp)
-        R.softmax_update(r["acc"], r["m"], r["l"], rows, r["q2"][rows, :], keys, valid, cfg.sm_scale, cfg.d_v)
-
-    pipeline(total, issue, lambda slot: R.wait_rows(src, bufs, ssems, slot), compute)
-
-
-def vmem_bytes(cfg_bt: int, hp: int, d: int, dtype, bk: int, raw: R.RowSource, comp, topk: int) -> int:
-    """Our estimate of the kernel's VMEM (tile-padded scratch and the largest temporaries)."""
+def vmem_bytes(bt: int, hp: int, d: int, dtype, bk: int, sources, topk: int, window: int) -> int:
+    """Our estimate of the kernel's VMEM (tile-padded scratch and the largest temporaries);
+    sources: (RowSource, resident pages) per cache."""
     item = jnp.dtype(dtype).itemsize
-    M, d_v = cfg_bt * hp, value_dim(d)
+    M, d_v = bt * hp, value_dim(d)
     lanes = lambda w: -(-w // 128) * 128  # noqa: E731
     size = M * lanes(d) * item + M * (lanes(d_v) + 256) * 4 + M * lanes(d_v) * item  # q, state, out staging
     size += 3 * M * lanes(bk) * 4  # scores, probabilities, mask
-    size += R.source_vmem_bytes(raw, bk) + (R.source_vmem_bytes(comp, bk) if comp is not None else 0)
+    _, win_rows = window_rows(window, bt)
+    size += 3 * (-(-win_rows // bk) * bk) * lanes(d) * item  # the window buffer, a rolled copy, its slice
+    for src, pages in sources:
+        size += R.source_vmem_bytes(src, bk, pages)
+        if R.needs_decode(src):  # the keys buffer and the decode's (CHUNK, 576) int32 temporaries
+            size += bk * lanes(src.out_dim) * item + bk * 128 * 4 + 8 * R.CHUNK * lanes(576) * 4
     if topk:
-        size += -(-cfg_bt // 8) * 8 * lanes(topk) * 4
+        size += -(-bt // 8) * 8 * lanes(topk) * 4
     return size
 
 
@@ -319,7 +117,7 @@ def layer(
     (traced); interpret None (compile) or a `pltpu.InterpretParams`; shapes the `BlockShapes`.
     `out` is not written into (XLA may reuse a donated buffer)."""
     del out
-    return _layer(
+    return layer_from_table(
         q,
         meta.table,
         raw_kv,
@@ -333,8 +131,11 @@ def layer(
     )
 
 
-def _layer(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_scale: float, interpret, shapes=None):
-    """The layer's output (T_q, H, d_v) in q's dtype; rows of no planned token are 0.
+def layer_from_table(
+    q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_scale: float, interpret, shapes=None
+):
+    """`layer` from the kind's metadata table and static shape (what `tools.tpu_aot` compiles):
+    the layer's output (T_q, H, d_v) in q's dtype; rows of no planned token are 0.
 
     q (T_q, H, D); table: the kind's metadata table (traced); raw / comp: `PagedKV` or
     `LogicalKV` (comp None for SWA); topk_rows (T', topk) int32 for CSA; attn_sink (H,) f32 or None.
@@ -365,6 +166,19 @@ def _layer(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_sc
         offsets = jnp.stack([pad(raw_off), pad(comp_off)])
     tiles = table[TILE_Q_ROW : TILE_POSITION + 1]
     num_tiles = table[SCALARS, 3]
+    resident = {}
+    for prefix, src, tbl in (("raw", raw_src, raw_table), ("comp", comp_src, comp_table)):
+        if src is not None and src.fp8:
+            resident[prefix] = resident_pages(src, tbl.shape[1], prefix, shape.window_size, BT)
+    topk_width = 0 if shape.kind is not LayerKind.CSA else -(-topk_rows.shape[1] // bk) * bk
+    sources = [(s, resident.get(p, 0)) for p, s in (("raw", raw_src), ("comp", comp_src)) if s is not None]
+    need = vmem_bytes(BT, Hp, D, dtype, bk, sources, topk_width, shape.window_size)
+    if need > shapes.vmem_capacity * 3 // 4:  # the chip's default limit (a smaller one may be asked for: probes)
+        raise ValueError(
+            f"block_table: backend 'mosaic_tpu' needs about {need / 2**20:.1f} MiB of VMEM per query tile here "
+            f"(fp8 scale rows of {resident} pages per request), over the {shapes.vmem_capacity * 3 / 4 / 2**20:.0f} MiB "
+            f"limit on {shapes.chip}"
+        )
 
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     names, args, specs = ["tiles", "offsets"], [tiles, offsets], []
@@ -382,8 +196,8 @@ def _layer(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_sc
         if src is None:
             continue
         add(prefix + "_hbm", hbm)
-        for z, name in zip(src.zero_arrays(), ("_zero0", "_zero1")):
-            add(prefix + name, z)
+        (zero,) = src.zero_arrays()
+        add(prefix + "_zero0", zero)
         if tbl is not None:
             add(prefix + "_table", tbl.astype(jnp.int32))
     if shape.kind is LayerKind.CSA:
@@ -401,6 +215,8 @@ def _layer(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_sc
         scratch.append(s)
 
     scratch_add("q2", pltpu.VMEM((BT * Hp, D), dtype))
+    _, win_rows = window_rows(shape.window_size, BT)
+    scratch_add("win", pltpu.VMEM((-(-win_rows // bk) * bk, D), dtype))
     for name, s in zip(("acc", "m", "l"), R.state_scratch(BT * Hp, d_v)):
         scratch_add(name, s)
     for prefix, src, tbl in (("raw", raw_src, raw_table), ("comp", comp_src, comp_table)):
@@ -414,17 +230,20 @@ def _layer(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_sc
             scratch_add(f"{prefix}_decode{k}", buf)
         if tbl is not None:
             scratch_add(prefix + "_bt", pltpu.SMEM((1, tbl.shape[1]), jnp.int32))
+        if src.fp8:
+            scratch_add(prefix + "_res", R.fp8_resident_scratch(src, resident[prefix]))
+            scratch_add(prefix + "_zero_v", R.zero_scratch(src))
     if topk:
         scratch_add("topk_s", pltpu.SMEM((BT, width), jnp.int32))
         scratch_add("topk_v", pltpu.VMEM((BT, width), jnp.int32))
     scratch_add("job", pltpu.SMEM((BT + 1,), jnp.int32))
     scratch_add("out_v", pltpu.VMEM((BT, Hp, d_v), dtype))
-    scratch_add("sems", pltpu.SemaphoreType.DMA((4,)))
+    scratch_add("sems", pltpu.SemaphoreType.DMA((6,)))
 
     row_chunk = Hp * max(1, min(BT, ROW_CHUNK // Hp))
     if BT % (row_chunk // Hp):
         raise ValueError(f"query_tile: {BT} tokens do not split into chunks of {row_chunk // Hp} (use a power of two)")
-    cfg = _Config(
+    cfg = T.Config(
         shape.kind,
         shape.window_size,
         shape.compress_ratio,
@@ -446,11 +265,11 @@ def _layer(q, table, raw, comp, topk_rows, attn_sink, *, shape: KindShape, sm_sc
         for prefix in ("raw", "comp"):  # group the per-source refs the helpers take
             if prefix + "_buf0" in r:
                 bufs = [r[prefix + "_buf0"]] + ([r[prefix + "_buf1"]] if prefix + "_buf1" in r else [])
-                zeros = [r[prefix + "_zero0"]] + ([r[prefix + "_zero1"]] if prefix + "_zero1" in r else [])
+                zeros = [r[prefix + ("_zero_v" if prefix + "_zero_v" in r else "_zero0")]]
                 r[prefix + "_bufs"], r[prefix + "_zeros"] = bufs, zeros
                 if prefix + "_decode0" in r:
                     r[prefix + "_decode"] = (r[prefix + "_decode0"], r[prefix + "_decode1"])
-        _kernel(r, cfg)
+        T.kernel(r, cfg)
 
     out = pl.pallas_call(
         body,

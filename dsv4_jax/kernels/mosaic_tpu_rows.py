@@ -5,19 +5,24 @@
   compiles for (a TPU device here, or `compile_target("v6e")` to compile for one from a CPU).
 * Row sources: how the key rows of one array are fetched by DMA from HBM into VMEM and turned into
   the (BK, D) block the MXU reads: a flat workspace or packed rows `(1, S, D)`, pages of rows
-  `(P, page_size, D)`, or vLLM's fp8_ds_mla pages seen as rows of 576 bytes `(P, R, 576)` uint8
-  (R = page_bytes / 576: slot data rows, then the scale rows), dequantized in VMEM.
+  `(P, page_size, D)`, or vLLM's fp8_ds_mla pages seen as rows of 144 bytes `(P, page_bytes / 144,
+  144)` uint8 (`fp8_slot_rows`: slot s is rows 4s .. 4s+3, the scale bytes follow the S slots),
+  dequantized in VMEM.
 * The online-softmax update of a block and the finalization (sink, lse, max_logits, no-key rows).
 
 Why DMAs move aligned groups of rows: HBM and VMEM arrays are tiled, and a DMA's window must start
 and end on the packing of its dtype in the second-minor dim (1 row for 32-bit, 2 for bf16, 4 for
-8-bit types; checked with libtpu). A gathered row therefore comes with the other rows of its group,
-each group lands in its own slot of a (BK, G, W) buffer, and the row is picked by a strided VMEM
-load per group row plus a select. fp8 slots take two DMAs: their 4-row data group and the page's
-scale rows (`[S, R)`, which end the page: aligned for S % 4 == 0); pages whose slot count is not a
-multiple of 4 (S = 2 at ratio 128) are fetched whole (R rows, 1728 bytes at S = 2). An invalid
-entry DMAs a zero group instead (same size, so one wait covers a block), so garbage or NaN in rows
-nobody references never reaches an output.
+8-bit types; checked with libtpu). A bf16 row therefore comes with its pair partner: each pair
+lands in its own slot of a (2 * BK, D) buffer and the row is picked by a shift of the 32-bit words
+the pair shares. An fp8_ds_mla slot is 576 bytes = 4 rows of 144: exactly one packed group, so a
+gathered slot moves its own bytes and nothing else; the 4 rows share each 32-bit word (row k in
+byte k), so the slot's 576 bytes in order are the 4 byte planes of its 144 words side by side.
+Its 7 scale bytes sit in the page's scale rows (4 rows of 144 per 72 slots, after the slots): the
+kernel copies the scale rows of the pages a phase can read into VMEM once per query tile
+(`fp8_resident_scratch`, one DMA per page), and each gathered slot takes its 4-row scale group from
+there by a VMEM-to-VMEM DMA: HBM moves 576 bytes per gathered key plus 576 per page per tile. An
+invalid entry DMAs a zero group instead (same size, so one wait covers a block; from VMEM for fp8
+slots), so garbage or NaN in rows nobody references never reaches an output.
 """
 
 from __future__ import annotations
@@ -195,24 +200,25 @@ class RowSource:
 
     paged: entry e of request b is row e % page_size of page block_table[b, e // page_size];
       else row offset_b + e of the single page (a flat workspace: offset 0).
-    fp8: the array holds fp8_ds_mla pages as rows of 576 bytes (slot data rows 0 .. S-1, then
-      the scale rows S .. R-1); rows dequantize to D = 512.
-    group: rows per data DMA (the dtype's packing, or rows_per_page for whole pages).
+    fp8: the array holds fp8_ds_mla pages as rows of 144 bytes (`fp8_slot_rows`: slot s in rows
+      4s .. 4s+3, then the scale rows from 4 * page_size); slots dequantize to D = 512.
+    group: rows per data DMA (the dtype's packing, 4 rows per fp8 slot, or rows_per_page for whole
+      pages of bf16 rows when the page size is odd).
     """
 
     paged: bool
     fp8: bool
     page_size: int  # entries per page (paged; else unused)
     rows_per_page: int
-    width: int  # D, or 576 bytes for fp8
+    width: int  # D, or 144 bytes for fp8
     dtype: str  # the array's dtype name
     group: int
     whole_page: bool
 
     @property
-    def scale_rows(self) -> int:
-        """fp8 in group mode: the scale rows [S, R) DMA'd with each slot; else 0."""
-        return self.rows_per_page - self.page_size if self.fp8 and not self.whole_page else 0
+    def scale_groups(self) -> int:
+        """fp8: 4-row scale groups per page (one per 72 slots); else 0."""
+        return self.rows_per_page // 4 - self.page_size if self.fp8 else 0
 
     @property
     def out_dim(self) -> int:
@@ -226,11 +232,9 @@ class RowSource:
         return (2, bk * self.group, self.width)
 
     def zero_arrays(self):
-        """Zero windows DMA'd for invalid entries (one per DMA shape)."""
-        z = [jnp.zeros((self.group, self.width), self.dtype)]
-        if self.scale_rows:
-            z.append(jnp.zeros((self.scale_rows, self.width), self.dtype))
-        return z
+        """The zero window in HBM invalid entries are filled from (fp8: copied into VMEM once per
+        tile, `zero_scratch`, and the slots' data and scale groups are filled from there)."""
+        return [jnp.zeros((self.group, self.width), self.dtype)]
 
 
 def rows_source(array_shape, dtype, *, paged: bool) -> RowSource:
@@ -241,45 +245,81 @@ def rows_source(array_shape, dtype, *, paged: bool) -> RowSource:
     return RowSource(paged, False, rows, rows, width, jnp.dtype(dtype).name, rows if whole else g, whole)
 
 
-def fp8_source(num_rows_per_page: int, slots: int) -> RowSource:
-    """A source over fp8_ds_mla pages seen as (P, R, 576) uint8, S = `slots` per page."""
-    whole = slots % 4 != 0
-    return RowSource(
-        True, True, slots, num_rows_per_page, KV.SLOT_DATA_BYTES, "uint8", num_rows_per_page if whole else 4, whole
-    )
+FP8_ROW = KV.SLOT_DATA_BYTES // 4  # 144: an fp8_ds_mla slot is 4 rows of this many bytes
+SCALES_PER_GROUP = KV.SLOT_DATA_BYTES // KV.SLOT_SCALE_BYTES  # 72 slots' scale bytes per 576
 
 
-def fp8_page_rows(pages):
-    """(P, page_bytes) uint8 fp8_ds_mla pages -> (P, page_bytes / 576, 576): the same bytes, as
-    rows of 576 (free on CPU; a relayout on TPU unless the pages already live in that layout)."""
-    return pages.reshape(pages.shape[0], pages.shape[1] // KV.SLOT_DATA_BYTES, KV.SLOT_DATA_BYTES)
+def fp8_source(view_rows_per_page: int, slots: int) -> RowSource:
+    """A source over fp8_ds_mla pages seen as (P, page_bytes / 144, 144) uint8, S = `slots` per page."""
+    return RowSource(True, True, slots, view_rows_per_page, FP8_ROW, "uint8", 4, False)
 
 
-def issue_row(src: RowSource, hbm, zeros, bufs, sems, slot, i, ok, page, row):
+def fp8_slot_rows(pages):
+    """(P, page_bytes) (or (P, S, 584)) uint8 fp8_ds_mla pages -> (P, page_bytes / 144, 144): the
+    same bytes as rows of 144, 4 rows per slot (free on CPU; a relayout on TPU unless the pages
+    already live in that layout)."""
+    P = pages.shape[0]
+    return pages.reshape(P, -1, FP8_ROW)
+
+
+def issue_row(src: RowSource, hbm, zeros, bufs, sems, slot, i, ok, page, row, scales=None):
     """Start the DMA(s) of one entry into slot `slot`, position i: row `row` of page `page` when
-    `ok`, else zeros. All scalars."""
+    `ok`, else zeros. All scalars. fp8: `scales` = (VMEM ref, first row) of the slot's 4-row
+    scale group (a resident copy, `fp8_resident_scratch`); `zeros` a (4, 144) VMEM zero group."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
+    g = src.group
     if src.whole_page:
         window, data_buf = hbm.at[page], bufs[0].at[slot, i]
     else:
-        g = src.group
-        window = hbm.at[page, pl.ds(pl.multiple_of(row & ~(g - 1), g), g)]
+        start = pl.multiple_of(row * 4, 4) if src.fp8 else pl.multiple_of(row & ~(g - 1), g)
+        window = hbm.at[page, pl.ds(start, g)]
         data_buf = bufs[0].at[slot, pl.ds(pl.multiple_of(i * g, g), g)]
+    scale_buf = bufs[1].at[slot, pl.ds(pl.multiple_of(i * 4, 4), 4)] if src.fp8 else None
 
     @pl.when(ok)
     def _():
         pltpu.make_async_copy(window, data_buf, sems.at[slot, 0]).start()
-        if src.scale_rows:
-            scales = hbm.at[page, pl.ds(src.page_size, src.scale_rows)]
-            pltpu.make_async_copy(scales, bufs[1].at[slot, i], sems.at[slot, 1]).start()
+        if src.fp8:
+            ref, first = scales
+            pltpu.make_async_copy(ref.at[pl.ds(pl.multiple_of(first, 4), 4)], scale_buf, sems.at[slot, 1]).start()
 
     @pl.when(jnp.logical_not(ok))
     def _():
         pltpu.make_async_copy(zeros[0], data_buf, sems.at[slot, 0]).start()
-        if src.scale_rows:
-            pltpu.make_async_copy(zeros[1], bufs[1].at[slot, i], sems.at[slot, 1]).start()
+        if src.fp8:
+            pltpu.make_async_copy(zeros[0], scale_buf, sems.at[slot, 1]).start()
+
+
+def scale_group_row(src: RowSource, local_page, row):
+    """fp8: the first row, in the resident scale copy, of the scale group of slot `row` of the
+    copy's page `local_page` (pages are copied in order, `scale_groups` groups each)."""
+    return (local_page * src.scale_groups + lax.div(row, SCALES_PER_GROUP)) * 4
+
+
+def fp8_resident_scratch(src: RowSource, pages: int):
+    """VMEM for the scale rows of `pages` pages of an fp8 source (4 rows of 144 per 72 slots each)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.VMEM((max(pages, 1) * src.scale_groups * 4, FP8_ROW), jnp.uint8)
+
+
+def copy_scale_rows(src: RowSource, hbm, resident, sem, page, local_page):
+    """The DMA of page `page`'s scale rows into position `local_page` of the resident copy."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    n = src.scale_groups * 4
+    dst = resident.at[pl.ds(pl.multiple_of(local_page * n, 4), n)]
+    return pltpu.make_async_copy(hbm.at[page, pl.ds(src.page_size * 4, n)], dst, sem)
+
+
+def zero_scratch(src: RowSource):
+    """fp8: the (4, 144) VMEM zero group invalid slots are filled from (copied from HBM per tile)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.VMEM((4, FP8_ROW), jnp.uint8)
 
 
 def wait_rows(src: RowSource, bufs, sems, slot):
@@ -287,7 +327,7 @@ def wait_rows(src: RowSource, bufs, sems, slot):
     from jax.experimental.pallas import tpu as pltpu
 
     pltpu.make_async_copy(bufs[0].at[slot], bufs[0].at[slot], sems.at[slot, 0]).wait()
-    if src.scale_rows:
+    if src.fp8:
         pltpu.make_async_copy(bufs[1].at[slot], bufs[1].at[slot], sems.at[slot, 1]).wait()
 
 
@@ -325,6 +365,35 @@ def _unpack_group(buf, slot, rows, sub, g: int):
     return (w >> (8 * sub).astype(jnp.uint32)) & jnp.uint32(0xFF)
 
 
+def _slot_bytes(buf, slot, rows):
+    """The 576 bytes (int32 0..255, in order) of each fp8 slot in `rows` (slot indices) of a
+    packed (4 * BK, 144) uint8 buffer: byte plane k of the slot's 144 words is its row k."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    packed = buf[slot, pl.ds(pl.multiple_of(rows.start * 4, 32), rows.size * 4), :]
+    w = pltpu.bitcast(packed, jnp.uint32)
+    return jnp.concatenate([((w >> (8 * k)) & jnp.uint32(0xFF)).astype(jnp.int32) for k in range(4)], axis=1)
+
+
+def _slot_scales(buf, slot, rows, entry):
+    """The 7 scale bytes ((CH, 1) int32 columns) of the slots `entry` (slot index in its page,
+    (CH, 1)) from each one's 4-row scale group in `rows` of a packed (4 * BK, 144) buffer: slot
+    j's bytes start at byte 8 (j % 72) of its group, i.e. in byte plane (j % 72) // 18 at lane
+    8 (j % 18) (144 = 18 * 8: no slot's bytes straddle two rows)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    packed = buf[slot, pl.ds(pl.multiple_of(rows.start * 4, 32), rows.size * 4), :]
+    w = pltpu.bitcast(packed, jnp.uint32)
+    j = lax.rem(entry, SCALES_PER_GROUP)
+    per_row = FP8_ROW // KV.SLOT_SCALE_BYTES  # 18 slots' scales per row of 144
+    plane = ((w >> (8 * lax.div(j, per_row)).astype(jnp.uint32)) & jnp.uint32(0xFF)).astype(jnp.int32)
+    lane = lax.broadcasted_iota(jnp.int32, plane.shape, 1)
+    lane0 = KV.SLOT_SCALE_BYTES * lax.rem(j, per_row)
+    return [jnp.sum(jnp.where(lane == lane0 + g, plane, 0), axis=1, keepdims=True) for g in range(KV.N_GROUPS)]
+
+
 def _decode_chunk(src: RowSource, bufs, slot, rows, entry, compute_dtype):
     from jax.experimental.pallas import tpu as pltpu
 
@@ -333,14 +402,8 @@ def _decode_chunk(src: RowSource, bufs, slot, rows, entry, compute_dtype):
             return _pick(bufs[0], slot, rows, entry, src.rows_per_page, False).astype(compute_dtype)
         bits = _unpack_group(bufs[0], slot, rows, entry & (src.group - 1), src.group)
         return pltpu.bitcast(bits, jnp.float32).astype(compute_dtype)
-    S = src.page_size
-    if src.whole_page:
-        data = _pick(bufs[0], slot, rows, entry, S, True)
-        region = [bufs[0][slot, rows, S + r, :].astype(jnp.int32) for r in range(src.rows_per_page - S)]
-    else:
-        data = _unpack_group(bufs[0], slot, rows, entry & 3, 4).astype(jnp.int32)
-        region = [bufs[1][slot, rows, r, :].astype(jnp.int32) for r in range(src.scale_rows)]
-    return decode_fp8(data, region, entry, compute_dtype)
+    scales = _slot_scales(bufs[1], slot, rows, entry)
+    return decode_fp8(_slot_bytes(bufs[0], slot, rows), scales, compute_dtype)
 
 
 def load_rows(src: RowSource, bufs, slot, entry, compute_dtype, scratch=None):
@@ -378,23 +441,15 @@ def decode_scratch(src: RowSource, bk: int, compute_dtype):
     return [pltpu.VMEM((bk, src.out_dim), compute_dtype), pltpu.VMEM((bk, 128), jnp.int32)]
 
 
-def decode_fp8(data, region, entry, compute_dtype):
-    """Dequantize fp8_ds_mla slots in VMEM: data (BK, 576) int32 bytes, region = the page's scale
-    rows [(BK, 576) int32 bytes], entry (BK, 1) the slot index -> (BK, 512) in compute_dtype,
-    exactly `dsv4_jax.kvcache`'s values (e4m3 * 2^(scale - 127) rounded to bf16; RoPE dims copied)."""
-    BK, W = data.shape
-    lane = lax.broadcasted_iota(jnp.int32, (BK, W), 1)
-    at = KV.SLOT_SCALE_BYTES * entry  # byte offset of the slot's scales inside the scale region
-    sc, lane0 = region[0], at
-    if len(region) > 1:  # more than 72 slots per page: the scales span several rows
-        row_of_scale, lane0 = lax.div(at, W), lax.rem(at, W)
-        for r in range(1, len(region)):
-            sc = jnp.where(row_of_scale == r, region[r], sc)
+def decode_fp8(data, scale_bytes, compute_dtype):
+    """Dequantize fp8_ds_mla slots in VMEM: data (BK, 576) int32 bytes, scale_bytes the 7 UE8M0
+    bytes of each slot as (BK, 1) int32 columns -> (BK, 512) in compute_dtype, exactly
+    `dsv4_jax.kvcache`'s values (e4m3 * 2^(scale - 127) rounded to bf16; RoPE dims copied)."""
+    BK = data.shape[0]
     # the 7 scale bytes of each row, spread over the 64 lanes of their group
     lane512 = lax.broadcasted_iota(jnp.int32, (BK, KV.HEAD_DIM), 1)
     sb = jnp.zeros((BK, KV.HEAD_DIM), jnp.int32)
-    for g in range(KV.N_GROUPS):
-        byte_g = jnp.sum(jnp.where(lane == lane0 + g, sc, 0), axis=1, keepdims=True)
+    for g, byte_g in enumerate(scale_bytes):
         sb = jnp.where((lane512 >> 6) == g, byte_g, sb)  # 64 dims per scale
     nope = dequant_bits_exact(data[:, : KV.HEAD_DIM], sb)  # bf16 bits; lanes >= 448 are replaced below
     rope = _rope_bits(data)  # (BK, 128): lanes 64.. hold dims 448..511
@@ -499,24 +554,27 @@ def source_scratch(src: RowSource, bk: int):
     from jax.experimental.pallas import tpu as pltpu
 
     bufs = [pltpu.VMEM(src.data_shape(bk), jnp.dtype(src.dtype))]
-    if src.scale_rows:
-        bufs.append(pltpu.VMEM((2, bk, src.scale_rows, src.width), jnp.uint8))
+    if src.fp8:  # each slot's 4-row scale group
+        bufs.append(pltpu.VMEM((2, 4 * bk, FP8_ROW), jnp.uint8))
     return bufs, pltpu.SemaphoreType.DMA((2, 2))
 
 
-def source_vmem_bytes(src: RowSource, bk: int) -> int:
-    """VMEM of a source's buffers, with tile padding (second-minor to the packing's tile rows,
-    lanes to 128)."""
+def padded_bytes(shape, dtype) -> int:
+    """VMEM bytes of an array with tile padding (second-minor to the packing's tile rows, lanes
+    to 128)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    *lead, r, w = shape
+    tile_r = 8 * (4 // itemsize)
+    n = 1
+    for x in lead:
+        n *= x
+    return n * (-(-r // tile_r) * tile_r) * (-(-w // 128) * 128) * itemsize
 
-    def padded(shape, itemsize):
-        *lead, r, w = shape
-        tile_r = 8 * (4 // itemsize)
-        n = 1
-        for x in lead:
-            n *= x
-        return n * (-(-r // tile_r) * tile_r) * (-(-w // 128) * 128) * itemsize
 
-    size = padded(src.data_shape(bk), jnp.dtype(src.dtype).itemsize)
-    if src.scale_rows:
-        size += padded((2, bk, src.scale_rows, src.width), 1)
+def source_vmem_bytes(src: RowSource, bk: int, resident_pages: int = 0) -> int:
+    """VMEM of a source's buffers (with `resident_pages` pages of fp8 scale rows)."""
+    size = padded_bytes(src.data_shape(bk), src.dtype)
+    if src.fp8:
+        size += padded_bytes((2, 4 * bk, FP8_ROW), jnp.uint8) + padded_bytes((4, FP8_ROW), jnp.uint8)
+        size += padded_bytes((max(resident_pages, 1) * src.scale_groups * 4, FP8_ROW), jnp.uint8)
     return size

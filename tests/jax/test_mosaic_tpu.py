@@ -2,23 +2,27 @@
 
 TPU interpret mode simulates HBM, VMEM, SMEM, every DMA and semaphore (jax 0.10.2 and 0.12); each
 simulated access is a Python callback (about 1-5 ms here), and a kernel gathers its keys row by
-row, so cases are small and use 32-row key blocks (`override_block_k`; the compiled kernels use the
-chips' 128 / 256, `test_mosaic_tpu_compile.py`). Tests marked slow cover more shapes (FlashMLA's
-model widths, every parity row, every kind in fp8, the JAX model generating tokens).
+row, so cases are small and use 8- or 32-row key blocks (`override_block_k`; the compiled kernels
+use the chips' 128 / 256, `test_mosaic_tpu_compile.py`). By default (CI) one case proves each
+point; the full matrix (every parity kernel case, FlashMLA's model widths, every plan and cache
+layout and every kind in fp8, the JAX model generating tokens) runs with DSV4_TPU_FULL=1:
+`make test-tpu-full`.
 
 1. FlashMLA's contract on a flat workspace, against the float64 oracle on the same bf16-rounded
-   inputs within the parity table's bounds (tests/parity/tolerances.py): the parity suite's kernel
-   cases, FlashMLA-style cases (every head count 16-128, D 512 / 576, invalid and duplicate
-   indices, -1 tails past topk_length, sinks -inf / 0 / 30 / 1e4 / +inf, tokens without a key),
-   NaN propagation, and a multi-block, multi-grid-step run with race detection on.
+   inputs within the parity table's bounds (tests/parity/tolerances.py): FlashMLA-style cases
+   (bf16 and float32, invalid and duplicate indices, -1 tails past topk_length, sinks -inf / 0 /
+   30 / 1e4 / +inf, tokens without a key), NaN propagation, and a multi-block, multi-grid-step
+   run with race detection on; the parity suite's kernel cases in the full matrix.
 2. The prefill layer (plan-driven tiles, keys straight from the caches): oracle agreement for every
    kind; the same bits for every plan (adaptive, fixed, per_request, a tight budget, a prompt
    split over steps) and for paged and packed caches; fp8_ds_mla pages == bf16 rows holding the
-   dequantized values, bit for bit.
+   dequantized values, bit for bit (CSA with race detection on); VMEM refused up front.
 3. Wiring: names, "auto" on TPU devices, the errors for what the kernel does not serve.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +43,8 @@ from tests.parity import tolerances as TOL
 pytestmark = pytest.mark.skipif(M.unavailable_reason() is not None, reason=f"Pallas TPU: {M.unavailable_reason()}")
 
 BK = 32  # key rows per block in interpret mode
+FULL = os.environ.get("DSV4_TPU_FULL") == "1"
+full_matrix = pytest.mark.skipif(not FULL, reason="the full mosaic_tpu matrix runs in make test-tpu-full")
 
 
 def _f64(x):
@@ -84,12 +90,7 @@ def _check(q, kv, idx, sm_scale, sink=None, topk_length=None, dtype="bfloat16", 
 # --- 1. the flat contract ---------------------------------------------------------------------
 
 _PARITY = {(c.klass, c.name, c.dtype): c for c in C.kernel_cases()}
-PARITY_FAST = [  # two shapes (one compiled program each), all the special values
-    ("invalid indices", "all forms", "bfloat16"),
-    ("rows without a valid key", "T = 0", "bfloat16"),
-    ("sinks -inf / 0 / large", "sink=mixed", "float32"),
-    ("head dims (576 = 512 + rope tail)", "H=16 D=576", "bfloat16"),
-]
+PARITY_FAST = [("rows without a valid key", "T = 0", "bfloat16")]  # the rest: the FlashMLA-style cases below
 PARITY_SLOW = [k for k in _PARITY if k not in PARITY_FAST]
 
 
@@ -103,7 +104,7 @@ def test_parity_kernel_cases(key):
     _parity_case(key)
 
 
-@pytest.mark.slow
+@full_matrix
 @pytest.mark.parametrize("key", PARITY_SLOW, ids=["-".join(k) for k in PARITY_SLOW])
 def test_parity_kernel_cases_all(key):
     _parity_case(key)
@@ -123,18 +124,19 @@ def _flashmla_case(seed, H, D, S, K, topk_length, invalid=0.2, duplicates=0.2):
     return q, kv, idx, sink, topk_length
 
 
-FLASHMLA_FAST = [(16, 576, 160, [160, 70, 0]), (64, 512, 96, [96, 33])]
+FLASHMLA_FAST = [(16, 576, 160, [160, 70, 0], "bfloat16"), (64, 512, 96, [96, 33], "float32")]
 FLASHMLA_SLOW = [
-    (32, 512, 1024, [1024, 129]),
-    (64, 576, 2048, [2048]),
-    (128, 512, 1152, [1152]),
-    (128, 576, 512, [512, 33]),
+    (64, 512, 96, [96, 33], "bfloat16"),
+    (32, 512, 1024, [1024, 129], "bfloat16"),
+    (64, 576, 2048, [2048], "bfloat16"),
+    (128, 512, 1152, [1152], "bfloat16"),
+    (128, 576, 512, [512, 33], "bfloat16"),
 ]
 
 
-def _flashmla(H, D, K, topk_length, S=4000):
+def _flashmla(H, D, K, topk_length, dtype, S=4000):
     q, kv, idx, sink, tl = _flashmla_case(H + D + K, H, D, S, K, topk_length)
-    out, max_logits, lse = _check(q, kv, idx, D**-0.5, sink, tl, block_k=BK if K < 512 else 128)
+    out, max_logits, lse = _check(q, kv, idx, D**-0.5, sink, tl, dtype=dtype, block_k=BK if K < 512 else 128)
     assert np.all(out[:, 3] == 0) and np.all(out[:, 4] == 0)  # sinks 1e4 and +inf take all the weight
     if 0 in list(topk_length):  # a token without a key: exactly 0 / -inf / +inf
         t = list(topk_length).index(0)
@@ -142,16 +144,20 @@ def _flashmla(H, D, K, topk_length, S=4000):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the oracle's exp(1e4 - lse)
-@pytest.mark.parametrize("H, D, K, topk_length", FLASHMLA_FAST, ids=[f"H{c[0]}-D{c[1]}-K{c[2]}" for c in FLASHMLA_FAST])
-def test_flashmla_style_cases(H, D, K, topk_length):
-    _flashmla(H, D, K, topk_length, S=40)
+@pytest.mark.parametrize(
+    "H, D, K, topk_length, dtype", FLASHMLA_FAST, ids=[f"H{c[0]}-D{c[1]}-K{c[2]}-{c[4]}" for c in FLASHMLA_FAST]
+)
+def test_flashmla_style_cases(H, D, K, topk_length, dtype):
+    _flashmla(H, D, K, topk_length, dtype, S=40)
 
 
-@pytest.mark.slow
+@full_matrix
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-@pytest.mark.parametrize("H, D, K, topk_length", FLASHMLA_SLOW, ids=[f"H{c[0]}-D{c[1]}-K{c[2]}" for c in FLASHMLA_SLOW])
-def test_flashmla_style_cases_model_widths(H, D, K, topk_length):
-    _flashmla(H, D, K, topk_length)
+@pytest.mark.parametrize(
+    "H, D, K, topk_length, dtype", FLASHMLA_SLOW, ids=[f"H{c[0]}-D{c[1]}-K{c[2]}" for c in FLASHMLA_SLOW]
+)
+def test_flashmla_style_cases_model_widths(H, D, K, topk_length, dtype):
+    _flashmla(H, D, K, topk_length, dtype)
 
 
 def test_nan_propagates_like_the_oracle():
@@ -222,7 +228,7 @@ def _caches(case, layout, dtype):
     return rows(case.raw), (rows(case.comp) if case.kind.has_compressed else None)
 
 
-def _prefill(case, step, *, layout="logical", dtype=np.float32, raw=None, comp=None):
+def _prefill(case, step, *, layout="logical", dtype=np.float32, raw=None, comp=None, races=False):
     smeta = JP.build_step_metadata(step, index_topk=case.topk, **PREFILL_META)
     meta = smeta[case.kind]
     if raw is None:
@@ -230,12 +236,20 @@ def _prefill(case, step, *, layout="logical", dtype=np.float32, raw=None, comp=N
     q = jnp.asarray(smeta.pad_tokens(np.asarray(case.q, np.float32)).astype(dtype))
     n = case.q.shape[0]
     topk = smeta.pad_tokens(case.topk_rows[:n]) if case.kind is P.LayerKind.CSA else None
+    interpret = True
+    if races:
+        from jax.experimental.pallas import tpu as pltpu
+
+        M.reset_interpret_state()
+        interpret = pltpu.InterpretParams(detect_races=True)
     with M.override_block_k(8):
         out = JP.prefill_attention(
             q, meta, raw, comp, sm_scale=case.sm_scale, attn_sink=jnp.asarray(case.sink), topk_indices=topk,
-            backend="mosaic_tpu", interpret=True,
+            backend="mosaic_tpu", interpret=interpret,
         )  # fmt: skip
     assert meta.last_backend == "mosaic_tpu"
+    if races:
+        assert not M.races_found(), "TPU interpret mode found a race"
     out = np.asarray(jnp.asarray(out, jnp.float32))
     assert not out[n:].any()  # rows of no planned token stay 0
     return out[:n]
@@ -268,7 +282,7 @@ def test_prefill_matches_oracle_and_every_plan_bitwise(kind):
     _plans_bitwise(kind, [dict(policy="per_request", tight=True)] + ([dict(policy="fixed")] if kind == "SWA" else []))
 
 
-@pytest.mark.slow
+@full_matrix
 @pytest.mark.parametrize("kind", ["SWA", "CSA", "HCA"])
 def test_prefill_paged_and_other_plans_bitwise(kind):
     _plans_bitwise(
@@ -297,13 +311,14 @@ def _fp8(p):
     return JP.PagedKV(p.pages, p.block_table, kv_cache_dtype="fp8_ds_mla", block_size=p.block_size)
 
 
-def _fp8_equals_bf16_rows(ratio):
+def _fp8_equals_bf16_rows(ratio, races=False):
     from tests.fp8_cases import fp8_cases
 
     case, raw, comp = fp8_cases(ratio)[1]
     step = _step(case)
     rows = lambda xs: JP.LogicalKV.from_list([jnp.asarray(x, jnp.bfloat16) for x in xs])  # noqa: E731
-    a = _prefill(case, step, dtype=jnp.bfloat16, raw=_fp8(raw), comp=_fp8(comp) if comp else None)
+    fp8 = dict(raw=_fp8(raw), comp=_fp8(comp) if comp else None)
+    a = _prefill(case, step, dtype=jnp.bfloat16, races=races, **fp8)
     b = _prefill(case, step, dtype=jnp.bfloat16, raw=rows(case.raw), comp=rows(case.comp) if comp else None)
     np.testing.assert_array_equal(a, b)  # pages dequantized in VMEM == the same values as bf16 rows
     want, _, _ = case.oracle()
@@ -311,16 +326,30 @@ def _fp8_equals_bf16_rows(ratio):
 
 
 def test_fp8_pages_equal_dequantized_bf16_rows():
-    """HCA: raw pages of 16 slots (4-row data groups + the page's scale row) and compressed pages
-    of 2 slots (fetched whole)."""
-    _fp8_equals_bf16_rows(128)
+    """CSA, race detection on: raw pages of 16 slots (the window, 4 pages' scale rows per tile)
+    and compressed pages of 4 slots (top-k slots gathered one 4-row group each, their scale groups
+    copied from the tile's VMEM copy of up to 33 pages' scale rows, zero groups for the -1 / past
+    visible columns)."""
+    _fp8_equals_bf16_rows(4, races=True)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("ratio", [0, 4])
+@full_matrix
+@pytest.mark.parametrize("ratio", [0, 128])
 def test_fp8_pages_equal_dequantized_bf16_rows_other_kinds(ratio):
-    """SWA, and CSA's gathered top-k rows from compressed pages of 4 slots."""
+    """SWA, and HCA's dense compressed tiles over pages of 2 slots."""
     _fp8_equals_bf16_rows(ratio)
+
+
+def test_vmem_is_refused_up_front():
+    """A request's compressed pages whose fp8 scale rows cannot fit the chip's VMEM: a clear
+    error naming the block table, before anything is compiled or run."""
+    from tests.fp8_cases import fp8_cases
+
+    case, raw, comp = fp8_cases(4)[1]
+    huge = jnp.zeros((comp.block_table.shape[0], 200_000), jnp.int32)  # 200K pages per request
+    comp_kv = JP.PagedKV(jnp.asarray(comp.pages), huge, kv_cache_dtype="fp8_ds_mla", block_size=comp.block_size)
+    with pytest.raises(ValueError, match=r"block_table: backend 'mosaic_tpu' needs about .* MiB of VMEM"):
+        _prefill(case, _step(case), dtype=jnp.bfloat16, raw=_fp8(raw), comp=comp_kv)
 
 
 def test_query_tiles_come_from_the_batch():
@@ -408,18 +437,29 @@ def test_block_shapes_per_generation():
 # --- 4. the JAX model ---------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_model_generates_the_xla_tokens(tiny_checkpoint_dir):
-    """The tiny DeepSeek-V4 checkpoint (SWA, SWA, CSA, HCA, CSA, HCA; fp32) generates the same
-    greedy tokens with backend="mosaic_tpu" (TPU interpret mode) as with "xla": a ragged prefill
-    step of two prompts, then decode steps (tiles of one token)."""
+def _model_tokens(ckpt, prompts, new_tokens):
     from dsv4_jax.model.generate import JaxGenerator
-    from tests.jax_model_cases import PROMPT_B, PROMPT_C
 
     opts = dict(max_batch_size=2, max_model_len=128, max_num_batched_tokens=64, min_tokens=64, min_workspace_rows=256)
-    prompts = [PROMPT_B[:21], PROMPT_C[:43]]
-    want = JaxGenerator(tiny_checkpoint_dir, backend="xla", **opts).generate(prompts, max_new_tokens=3)
-    gen = JaxGenerator(tiny_checkpoint_dir, backend="mosaic_tpu", interpret=True, **opts)
+    want = JaxGenerator(ckpt, backend="xla", **opts).generate(prompts, max_new_tokens=new_tokens)
+    gen = JaxGenerator(ckpt, backend="mosaic_tpu", interpret=True, **opts)
     with M.override_block_k(8):
-        got = gen.generate(prompts, max_new_tokens=3)
-    assert got == want and all(len(o) == 3 for o in got)
+        got = gen.generate(prompts, max_new_tokens=new_tokens)
+    assert got == want and all(len(o) == new_tokens for o in got)
+
+
+def test_model_generates_the_xla_tokens(tiny_checkpoint_dir):
+    """The tiny DeepSeek-V4 checkpoint (SWA, SWA, CSA, HCA, CSA, HCA; fp32) generates the same
+    greedy tokens with backend="mosaic_tpu" (TPU interpret mode) as with "xla": a prefill step of
+    a 21-token prompt, then a decode step (a tile of one token)."""
+    from tests.jax.model_cases import PROMPT_B
+
+    _model_tokens(tiny_checkpoint_dir, [PROMPT_B[:21]], 2)
+
+
+@full_matrix
+def test_model_generates_the_xla_tokens_ragged(tiny_checkpoint_dir):
+    """A ragged prefill step of two prompts, then decode steps."""
+    from tests.jax.model_cases import PROMPT_B, PROMPT_C
+
+    _model_tokens(tiny_checkpoint_dir, [PROMPT_B[:21], PROMPT_C[:43]], 3)

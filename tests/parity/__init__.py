@@ -11,12 +11,16 @@ Modules, in reading order:
 Triton reads TRITON_INTERPRET when a kernel module is first imported, so (as tests/conftest.py
 does for pytest) it is switched on here, before anything imports a kernel, on machines without a
 CUDA GPU: the torch Triton backend then runs in Triton's interpreter on CPU tensors. On a GPU,
-torch and JAX share the device: JAX must not grab most of its memory up front.
+torch and JAX share the device: JAX must not grab most of its memory up front. Where libtpu is
+installed (the jax >= 0.12 venv: the TPU compiler, no TPU), every process that starts a JAX backend
+loads it and takes /tmp/libtpu_lockfile; pytest-xdist's second worker (or any other process) would
+then fail to describe a TPU topology, so several loads are allowed here (harmless without a TPU).
 """
 
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 if "TRITON_INTERPRET" not in os.environ:
     try:
