@@ -136,7 +136,9 @@ def compile_step(model: str, topology: str, tokens: int, requests: int, context:
     step_s, rows_s = abstract(step), abstract(rows)
     caches = jax.eval_shape(lambda: init_cache(config, requests, max_model_len, jnp.bfloat16, kv_cache_dtype))
     caches = [abstract(c) for c in caches]
-    opts = (("backend", "mosaic_tpu"), ("interpret", False), ("mesh", mesh), ("axis", "tp"))
+    # The indexer named too: lowered here, "auto" would follow the host's default device (the CPU)
+    # and pick the C kernel's FFI call, which a TPU program cannot hold.
+    opts = (("backend", "mosaic_tpu"), ("indexer_backend", "xla"), ("interpret", False), ("mesh", mesh), ("axis", "tp"))
     if kv_cache_dtype != "auto":
         opts += (("kv_cache_dtype", kv_cache_dtype), ("max_model_len", max_model_len))
     out = dict(model=MODELS[model], slice=topology, chips=n, chip=chip, tokens=tokens, requests=requests)
