@@ -228,7 +228,7 @@ def paged_source(
         table_rows=table.shape[0],
     )
     if fp8:
-        stride = fp8_page_bytes(pages, int(page_size), name)
+        stride = fp8_page_bytes(pages, int(page_size), name, padded=True)
         return binding.KVSource(format=binding.FP8_DS_MLA, dtype=0, data=pages.data_ptr(), page_stride=stride, **common)
     if pages.dim() != 3 or pages.shape[1] != page_size:
         raise ValueError(f"{name}: expected pages (num_pages, {page_size}, D), got {tuple(pages.shape)}")
@@ -245,13 +245,19 @@ def paged_source(
     )
 
 
-def fp8_page_bytes(pages: torch.Tensor, page_size: int, name: str) -> int:
-    """The bytes between fp8_ds_mla pages (page_bytes(S)), after the one page-layout check
-    (`planner.kvcache.check_page_layout`: 2-D pages, or vLLM's nominal 3-D view)."""
+def fp8_page_bytes(pages: torch.Tensor, page_size: int, name: str, *, padded: bool = False) -> int:
+    """The bytes between fp8_ds_mla pages, after the one page-layout check
+    (`planner.kvcache.check_page_layout`: 2-D pages, or vLLM's nominal 3-D view): page_bytes(S),
+    or with `padded` a 3-D view's own page stride (vLLM's CPU engine pads every page to one size),
+    the storage checked to hold the last page's page_bytes(S)."""
     if pages.element_size() != 1:
         raise ValueError(f"{name}: expected fp8_ds_mla pages (uint8 bytes), got {pages.dtype}")
-    check_page_layout(pages.shape, pages.stride(), page_size, name)
-    return page_bytes(page_size)
+    n = check_page_layout(pages.shape, pages.stride(), page_size, name, padded=padded)
+    want = page_bytes(page_size)
+    stride = pages.stride(0) if pages.dim() == 3 and n > 1 else want
+    if n and pages.untyped_storage().nbytes() < pages.storage_offset() + (n - 1) * stride + want:
+        raise ValueError(f"{name}: the storage holds fewer than {n} pages of {want} bytes {stride} bytes apart")
+    return stride
 
 
 def _kv_source(src, name: str, q: torch.Tensor, keep: list) -> binding.KVSource:

@@ -274,8 +274,44 @@ def test_fp8_pages_with_real_vllm_page_stride():
     with pytest.raises(ValueError, match="pages"):  # the prefill checks vLLM's page stride on the host
         TP.PagedKV(view, torch.from_numpy(raw.block_table), kv_cache_dtype="fp8_ds_mla")
     want, _, _ = case.oracle()
-    out, _ = run(case, _fp8(raw, view=True), None)
+    out, meta = run(case, _fp8(raw, view=True), None)
     assert_oracle_close(out, want, torch.float32)
+    # The engine path (vLLM's CPU engine pads every page to one size for all layer kinds:
+    # 95616-byte strides for 37440-byte SWA pages) reads the padded view through the C kernel's
+    # page stride: the same bits as the packed pages.
+    from dsv4_torch.kernels import cpu
+    from dsv4_torch.prefill_cpu import step_tokens
+
+    table = torch.from_numpy(raw.block_table)
+    q = torch.from_numpy(case.q)
+    sink = torch.from_numpy(case.sink)
+    got = []
+    for pages in (_fp8(raw, view=True).pages, view):
+        keep = []
+        src = cpu.paged_source(pages, table, raw.block_size, True, q.dtype, "swa_cache", keep)
+        assert src.page_stride == pages.stride(0)
+        got.append(
+            cpu.prefill_attention(
+                q,
+                step_tokens(meta.step),
+                src,
+                None,
+                None,
+                sink,
+                kind="SWA",
+                window=case.window_size,
+                compress_ratio=1,
+                sm_scale=case.sm_scale,
+            )
+        )
+    assert torch.equal(got[0], got[1])
+    assert torch.equal(got[0], out)
+    short = wide.view(-1)[: wide.numel() - 577].clone().as_strided(view.shape, view.stride())  # last page short
+    with pytest.raises(ValueError, match="swa_cache: the storage holds fewer than"):
+        cpu.paged_source(short, table, raw.block_size, True, q.dtype, "swa_cache", [])
+    narrow = pages.as_strided(view.shape, (view.stride(0) - 1152,) + view.stride()[1:])  # overlapping pages
+    with pytest.raises(ValueError, match="swa_cache: page stride .* is at least"):
+        cpu.paged_source(narrow, table, raw.block_size, True, q.dtype, "swa_cache", [])
 
 
 # ----------------------------------------------------------------------------- wiring

@@ -36,9 +36,11 @@ def vllm_code():
 
     build = mla.DeepseekV4CPUIndexerMetadataBuilder.build
     assert plugin.original(build) is not None, "the plugin's builder is not installed"
-    return types.SimpleNamespace(
-        build=build, forward=sai.SparseAttnIndexer.forward_cpu, sai=sai, CM=CommonAttentionMetadata
-    )
+    # vLLM's own forward_cpu (the plugin routes prefill indexing through our kernel; this is the
+    # path DSV4_PREFILL_VLLM_CPU_PREFILL=vllm keeps, reading our metadata)
+    forward = plugin.original(sai.SparseAttnIndexer.forward_cpu)
+    assert forward is not None, "the plugin's forward_cpu is not installed"
+    return types.SimpleNamespace(build=build, forward=forward, sai=sai, CM=CommonAttentionMetadata)
 
 
 def score(slots: torch.Tensor) -> torch.Tensor:
