@@ -272,7 +272,9 @@ def check_block_size(block_size, name: str) -> int:
     return S
 
 
-def check_page_layout(shape, strides, S: int, name: str = "k_cache", *, view_3d: bool = True, padded: bool = False) -> int:
+def check_page_layout(
+    shape, strides, S: int, name: str = "k_cache", *, view_3d: bool = True, padded: bool = False
+) -> int:
     """num_blocks of fp8_ds_mla pages with this shape and these byte strides (the one page-layout
     check of the NumPy reference, torch and JAX): [num_blocks, page_bytes(S)] with unit byte
     stride, or (view_3d) vLLM's nominal view [num_blocks, S, 584] whose page stride is
