@@ -8,11 +8,13 @@ One prefill-heavy batch (random prompts of --min-len..--max-len tokens, one new 
 submitted at once) on the official-format checkpoint of `tools.official_checkpoint.vllm_cpu_config`
 (head_dim 512, index_topk 512, window 128, 64 experts top-6, FP8 / FP4 weights; hidden 256 and
 --heads query heads: V4-Flash's attention geometry per head at a width 2 CPU cores finish):
-1. vLLM + the plugin, prefill attention through vLLM's own `flash_mla_with_kvcache_cpu`;
-2. vLLM + the plugin, prefill attention through our CPU kernel (dsv4_cpu);
-   (same engine, the kernel switched by DSV4_PREFILL_VLLM_CPU_PREFILL, prefix caching off, after
-   an untimed warm-up batch; the two alternate for --repeats rounds, medians reported);
-3. our JAX model (`dsv4_jax.model.generate.JaxGenerator`, bfloat16, fp8_ds_mla cache) on the same
+1. vLLM + the plugin's metadata, vLLM's own kernels (`flash_mla_with_kvcache_cpu`, the indexer's
+   `fp8_paged_mqa_logits_cpu` + `topk_transform_512_cpu`): DSV4_PREFILL_VLLM_CPU_PREFILL=vllm;
+2. vLLM + the plugin, our attention kernel (dsv4_cpu), vLLM's indexer: =dsv4-attention;
+3. vLLM + the plugin, our attention kernel and our fused indexer: =dsv4 (the default);
+   (same engine, the kernels switched by that variable per step, prefix caching off, after an
+   untimed warm-up batch; the three alternate for --repeats rounds, medians reported);
+4. our JAX model (`dsv4_jax.model.generate.JaxGenerator`, bfloat16, fp8_ds_mla cache) on the same
    prompts, in the main venv (./.venv), after an untimed run of the same batch (compiles).
 For each run: prefill tokens/s (prompt tokens / wall time of the batch) and per CPU-second (the
 process's CPU time: on a shared machine the steadier figure), time to first token
@@ -37,6 +39,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
+KERNELS = ("vllm", "dsv4-attention", "dsv4")  # DSV4_PREFILL_VLLM_CPU_PREFILL values, in run order
+NAMES = {
+    "vllm": "vLLM's kernels (plugin metadata)",
+    "dsv4-attention": "our attention, vLLM's indexer",
+    "dsv4": "our attention and indexer",
+}
 
 
 def make_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -98,13 +106,13 @@ def run_vllm(ckpt: str, prompts, args) -> dict:
         disable_log_stats=False,
     )
     warm = make_prompts(2, args.min_len, args.min_len, seed=99)
-    for k in ("vllm", "dsv4"):
+    for k in KERNELS:
         os.environ[cpu_engine.PREFILL_ENV] = k
         vllm_batch(llm, warm)
-    out = {k: {"wall": [], "cpu": [], "ttft_median": [], "ttft_max": [], "stats": None} for k in ("vllm", "dsv4")}
+    out = {k: {"wall": [], "cpu": [], "ttft_median": [], "ttft_max": [], "stats": None} for k in KERNELS}
     tokens = {}
     for _ in range(args.repeats):
-        for k in ("vllm", "dsv4"):
+        for k in KERNELS:
             os.environ[cpu_engine.PREFILL_ENV] = k
             before = dict(cpu_engine.STATS)
             r = vllm_batch(llm, prompts)
@@ -117,10 +125,10 @@ def run_vllm(ckpt: str, prompts, args) -> dict:
             out[k]["stats"] = stats
             tokens[k] = r["tokens"]
             print(f"  vllm+plugin prefill={k}: {r['wall']:.2f} s wall, {r['cpu']:.2f} s CPU", flush=True)
-    for k in ("vllm", "dsv4"):
+    for k in KERNELS:
         os.environ[cpu_engine.PREFILL_ENV] = k
         out[k]["profile"] = profile_batch(llm, prompts) if args.profile else None
-    out["same_first_tokens"] = sum(a == b for a, b in zip(tokens["vllm"], tokens["dsv4"]))
+    out["same_first_tokens"] = {k: sum(a == b for a, b in zip(tokens["vllm"], tokens[k])) for k in KERNELS[1:]}
     return out
 
 
@@ -206,7 +214,8 @@ def main(argv=None) -> dict:
     res["jax"] = None if args.no_jax else run_jax(ckpt, prompts, args)
 
     rows = []
-    for k, name in (("vllm", "vLLM + plugin, vLLM's attention kernel"), ("dsv4", "vLLM + plugin, our CPU kernel")):
+    for k in KERNELS:
+        name = NAMES[k]
         r = res["vllm"][k]
         w = statistics.median(r["wall"])
         s = r["stats"]
@@ -221,6 +230,7 @@ def main(argv=None) -> dict:
                 statistics.median(r["ttft_median"]),
                 statistics.median(r["ttft_max"]),
                 s["vllm_kernel_seconds"] + s["dsv4_prefill_seconds"],
+                s["vllm_indexer_seconds"] + s["dsv4_indexer_seconds"],
                 s["metadata_seconds"],
             )
         )
@@ -229,29 +239,30 @@ def main(argv=None) -> dict:
         w = statistics.median(j["wall"])
         c = statistics.median(j["cpu"]) if j.get("cpu") else None
         rows.append(
-            ("our JAX model (bf16, fp8 cache)", w, n_tok / w, c, n_tok / c if c else None, None, None, None, None)
+            ("our JAX model (bf16, fp8 cache)", w, n_tok / w, c, n_tok / c if c else None, None, None, None, None, None)
         )
     print(
         f"\n{'run (medians)':42s} {'wall s':>8s} {'tok/s':>8s} {'CPU s':>8s} {'tok/CPU-s':>10s} {'TTFT med s':>11s} "
-        f"{'TTFT max s':>11s} {'attention s':>12s} {'metadata s':>11s}"
+        f"{'TTFT max s':>11s} {'attention s':>12s} {'indexer s':>10s} {'metadata s':>11s}"
     )
     f = lambda v, fmt: format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))  # noqa: E731
-    for name, w, tps, c, tpc, tm, tx, att, meta in rows:
+    for name, w, tps, c, tpc, tm, tx, att, idx, meta in rows:
         print(
             f"{name:42s} {w:8.2f} {tps:8.1f} {f(c, '8.2f')} {f(tpc, '10.1f')} {f(tm, '11.2f')} {f(tx, '11.2f')} "
-            f"{f(att, '12.2f')} {f(meta, '11.3f')}"
+            f"{f(att, '12.2f')} {f(idx, '10.2f')} {f(meta, '11.3f')}"
         )
-    v, d = rows[0], rows[1]
     print(
-        f"(our kernel ran on {res['vllm']['dsv4']['stats']['threads']} threads: torch's count in vLLM's worker; "
-        f"attention / metadata: the plugin's timers, last run)"
+        f"(our kernels ran on {res['vllm']['dsv4']['stats']['threads']} threads: torch's count in vLLM's worker; "
+        f"attention / indexer / metadata: the plugin's timers, last run; indexer = forward_cpu, decode included)"
     )
-    print(
-        f"\nE2E gain of our kernel: {v[1] / d[1]:.2f}x wall, {v[3] / d[3]:.2f}x CPU time per batch; attention "
-        f"{v[7]:.2f} s -> {d[7]:.2f} s ({v[7] / max(d[7], 1e-9):.2f}x); first tokens equal in "
-        f"{res['vllm']['same_first_tokens']}/{len(prompts)} requests"
-    )
-    for k in ("vllm", "dsv4"):
+    v = rows[0]
+    for k, d in zip(KERNELS[1:], rows[1:]):
+        print(
+            f"{NAMES[k]} vs vLLM's: {v[1] / d[1]:.2f}x wall, {v[3] / d[3]:.2f}x CPU time per batch; attention "
+            f"{v[7]:.2f} s -> {d[7]:.2f} s ({v[7] / max(d[7], 1e-9):.2f}x), indexer {v[8]:.2f} s -> {d[8]:.2f} s "
+            f"({v[8] / max(d[8], 1e-9):.2f}x); first tokens equal in {res['vllm']['same_first_tokens'][k]}/{len(prompts)}"
+        )
+    for k in KERNELS:
         prof = res["vllm"][k].get("profile")
         if prof:
             print(

@@ -31,6 +31,7 @@ STATS = {
     "dsv4_indexer_calls": 0,  # SparseAttnIndexer.forward_cpu calls through our indexer (dsv4_torch.vllm.cpu_indexer)
     "dsv4_indexer_tokens": 0,
     "dsv4_indexer_seconds": 0.0,
+    "vllm_indexer_seconds": 0.0,  # vLLM's own forward_cpu (prefill kernel "vllm" / "dsv4-attention")
 }
 
 
@@ -172,7 +173,7 @@ def forward_mqa(self, q, kv, positions, output) -> None:
     nd, nt = step.num_decode_tokens, step.num_actual_tokens
     if nt < q.shape[0]:
         output[nt:].zero_()
-    ours = step.kernel == "dsv4"
+    ours = step.kernel != "vllm"  # dsv4 / dsv4-attention
     n_vllm = nd if ours else nt
     if n_vllm > 0:
         vllm_attention(self, q, output, step, swa_md, mla_md, n_vllm)

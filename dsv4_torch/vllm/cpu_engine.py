@@ -45,7 +45,10 @@ from dsv4_torch.vllm.cpu_metadata import (
 logger = logging.getLogger("vllm.dsv4_prefill")
 
 PREFILL_ENV = "DSV4_PREFILL_VLLM_CPU_PREFILL"
-PREFILL_KERNELS = ("dsv4", "vllm")  # ours (dsv4_cpu) / vLLM's flash_mla_with_kvcache_cpu
+# "dsv4": our attention kernel and our indexer (dsv4_cpu); "dsv4-attention": our attention, vLLM's
+# indexer (fp8_paged_mqa_logits_cpu + topk_transform_512_cpu); "vllm": vLLM's
+# flash_mla_with_kvcache_cpu and its indexer (the plugin's metadata either way).
+PREFILL_KERNELS = ("dsv4", "dsv4-attention", "vllm")
 _PATCHED = "__dsv4_prefill_original__"
 
 M_PLATFORM = "vllm.platforms.cpu"
@@ -66,7 +69,8 @@ class CPUPathUnavailableError(RuntimeError):
 
 
 def prefill_kernel() -> str:
-    """The prefill attention kernel the next step uses: "dsv4" (ours) or "vllm" (DSV4_PREFILL_VLLM_CPU_PREFILL)."""
+    """The prefill kernels the next step uses (DSV4_PREFILL_VLLM_CPU_PREFILL): "dsv4" (our attention
+    and indexer), "dsv4-attention" (our attention, vLLM's indexer) or "vllm" (vLLM's both)."""
     v = os.environ.get(PREFILL_ENV, "dsv4").strip().lower() or "dsv4"
     if v not in PREFILL_KERNELS:
         raise ValueError(f"{PREFILL_ENV}: expected one of {PREFILL_KERNELS}, got {os.environ[PREFILL_ENV]!r}")

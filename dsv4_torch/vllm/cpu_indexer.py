@@ -101,20 +101,22 @@ def select(layer, md, q_quant, weights):
 
 def make_forward_cpu(original, prefill_kernel):
     """`SparseAttnIndexer.forward_cpu` routed through `select` (vLLM's `original` when
-    `prefill_kernel()` is "vllm", for the fp4 cache and context parallelism)."""
+    `prefill_kernel()` is not "dsv4", for the fp4 cache and context parallelism; its time in
+    STATS["vllm_indexer_seconds"])."""
+    theirs = timed("vllm_indexer_seconds")(original)
 
     def forward_cpu(self, hidden_states, q_quant, k, weights):
+        if prefill_kernel() != "dsv4" or getattr(self, "use_fp4_cache", False):
+            return theirs(self, hidden_states, q_quant, k, weights)
         from vllm.forward_context import get_forward_context
 
-        if prefill_kernel() == "vllm" or getattr(self, "use_fp4_cache", False):
-            return original(self, hidden_states, q_quant, k, weights)
         md = get_forward_context().attn_metadata
         if isinstance(md, dict):
             md = md.get(self.k_cache.prefix)
         if md is None:  # profiling / dummy run
             return self.topk_indices_buffer
         if not self.skip_k_cache_insert or getattr(self, "dcp_world_size", 1) > 1 or getattr(self, "use_pcp", False):
-            return original(self, hidden_states, q_quant, k, weights)
+            return theirs(self, hidden_states, q_quant, k, weights)
         self.topk_indices_buffer[: hidden_states.shape[0]] = -1
         return select(self, md, q_quant, weights)
 

@@ -61,6 +61,22 @@ def test_prefill_kernel_switch(monkeypatch):
     assert cpu_engine.prefill_kernel() == "dsv4"
     monkeypatch.setenv(cpu_engine.PREFILL_ENV, " VLLM ")
     assert cpu_engine.prefill_kernel() == "vllm"
+    monkeypatch.setenv(cpu_engine.PREFILL_ENV, "dsv4-attention")
+    assert cpu_engine.prefill_kernel() == "dsv4-attention"
     monkeypatch.setenv(cpu_engine.PREFILL_ENV, "flash")
     with pytest.raises(ValueError, match="DSV4_PREFILL_VLLM_CPU_PREFILL.*'flash'"):
         cpu_engine.prefill_kernel()
+
+
+@pytest.mark.parametrize("kernel", ["vllm", "dsv4-attention"])
+def test_indexer_runs_vllms_own_unless_dsv4(kernel):
+    """Prefill kernels "vllm" and "dsv4-attention" keep vLLM's forward_cpu for the indexer (timed
+    into STATS["vllm_indexer_seconds"]); "dsv4" reads the step's metadata for our kernel."""
+    from dsv4_torch.vllm import cpu_attention
+    from dsv4_torch.vllm.cpu_indexer import make_forward_cpu
+
+    calls = []
+    fwd = make_forward_cpu(lambda *a: calls.append(a) or "theirs", lambda: kernel)
+    before = cpu_attention.STATS["vllm_indexer_seconds"]
+    assert fwd("layer", "h", "q", "k", "w") == "theirs" and calls == [("layer", "h", "q", "k", "w")]
+    assert cpu_attention.STATS["vllm_indexer_seconds"] > before
