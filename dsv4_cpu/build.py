@@ -372,6 +372,7 @@ def build_torch(include_dirs: tuple[str, ...], lib_dir: str, cxx11_abi: bool, to
             CXX_FLAGS,
             extra,
             abi,
+            "-fopenmp",
             cxx,
             _version(cxx),
             include_dirs,
@@ -383,12 +384,17 @@ def build_torch(include_dirs: tuple[str, ...], lib_dir: str, cxx11_abi: bool, to
     def make(tmp: str) -> str:
         out = os.path.join(tmp, "lib.so")
         incs = [f"-I{CSRC}", *(f"-I{p}" for p in include_dirs)]
+        # -fopenmp: at::parallel_for is an inline template whose `#pragma omp parallel` is compiled
+        # here; without it the loop runs on the calling thread alone. The OpenMP runtime it binds
+        # (NEEDED libgomp.so.1) is torch's own, already loaded by libtorch_cpu (same soname, and
+        # torch's lib dir first in the rpath), so it is torch's thread pool, not a second one.
         _run(
             [
                 cxx,
                 *CXX_FLAGS,
                 *extra,
                 abi,
+                "-fopenmp",
                 *incs,
                 "-shared",
                 src,

@@ -408,3 +408,27 @@ def test_bad_inputs_name_the_argument(monkeypatch):
     monkeypatch.setenv("DSV4_PREFILL_CPU_ISA", "sse2")
     with pytest.raises(RuntimeError, match="DSV4_PREFILL_CPU_ISA: unknown instruction set 'sse2'"):
         sparse_attention(**c, backend="cpu")
+
+
+def test_torch_parallel_for_runs_on_torch_threads():
+    """`dsv4_torch_parallel_run` (the kernels' parallel-for under torch) spreads its items over
+    torch's intra-op threads: compiled without OpenMP, at::parallel_for's inline pragma is dropped
+    and every item ran on the calling thread (the kernels then used one core of two)."""
+    import ctypes
+    import threading
+
+    from dsv4_torch.kernels import cpu as kcpu
+
+    if kcpu.unavailable_reason() is not None:
+        pytest.skip(f"the C kernels do not build here: {kcpu.unavailable_reason()}")
+    seen = set()
+    fn_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+    fn = fn_t(lambda arg, i: seen.add(threading.get_native_id()))
+    run = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, fn_t, ctypes.c_void_p)(kcpu._runner())
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        run(None, 64, fn, None)
+    finally:
+        torch.set_num_threads(before)
+    assert len(seen) == 2, f"64 items ran on {len(seen)} thread(s) with torch.get_num_threads() == 2"
