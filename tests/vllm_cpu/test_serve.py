@@ -40,7 +40,7 @@ def test_quick_serving_load(tmp_path):
     for (kernel, _), r in runs.items():
         assert "dsv4-vllm-serve" in r["command"].split()[0]  # the console command, not vLLM's `vllm`
         assert all(c["ok"] for c in r["checks"]), (kernel, [c for c in r["checks"] if not c["ok"]])
-        assert r["preemptions"] > 0 and r["alive"]
+        assert r["alive"]  # (preemptions: counted, not required; module doc)
         assert [b["status"] // 100 for b in r["bad_requests"]] == [4, 4, 4]
         (rnd,) = r["rounds"]
         assert rnd["cancelled"] > 0 and rnd["done"] + rnd["cancelled"] == 32
