@@ -138,6 +138,24 @@ static inline void f32_heads(const float *Qf, const float *w, const float *Kt, i
     }
 }
 
+// The last rem (< the tile's) heads from h0 as one tile of rem heads: every head's accumulators
+// stay independent (a one-head tile would leave the FMA units waiting on each chain's latency).
+template <int R>
+static inline void pairs_tail(int64_t rem, const uint32_t *Qp, const float *w, const uint32_t *Kp, int64_t D2, int64_t h0, float *L) {
+    if constexpr (R > 1) {
+        if (rem < R) return pairs_tail<R - 1>(rem, Qp, w, Kp, D2, h0, L);
+    }
+    pairs_heads<R>(Qp, w, Kp, D2, h0, L);
+}
+
+template <int R>
+static inline void f32_tail(int64_t rem, const float *Qf, const float *w, const float *Kt, int64_t D, int64_t h0, float *L) {
+    if constexpr (R > 1) {
+        if (rem < R) return f32_tail<R - 1>(rem, Qf, w, Kt, D, h0, L);
+    }
+    f32_heads<R>(Qf, w, Kt, D, h0, L);
+}
+
 static void block_pairs(const IndexBlockJob &j) {
     float *L = j.logits;
     std::memset(L, 0, sizeof(float) * IDX_KB);
@@ -145,7 +163,7 @@ static void block_pairs(const IndexBlockJob &j) {
     const auto *Kp = static_cast<const uint32_t *>(j.keys);
     int64_t h = 0;
     for (; h + P_RH <= j.H; h += P_RH) pairs_heads<P_RH>(Qp, j.w, Kp, j.depth, h, L);
-    for (; h < j.H; h++) pairs_heads<1>(Qp, j.w, Kp, j.depth, h, L);
+    if (h < j.H) pairs_tail<P_RH - 1>(j.H - h, Qp, j.w, Kp, j.depth, h, L);
 }
 
 static void block_f32(const IndexBlockJob &j) {
@@ -155,7 +173,7 @@ static void block_f32(const IndexBlockJob &j) {
     const auto *Kt = static_cast<const float *>(j.keys);
     int64_t h = 0;
     for (; h + F_RH <= j.H; h += F_RH) f32_heads<F_RH>(Qf, j.w, Kt, j.depth, h, L);
-    for (; h < j.H; h++) f32_heads<1>(Qf, j.w, Kt, j.depth, h, L);
+    if (h < j.H) f32_tail<F_RH - 1>(j.H - h, Qf, j.w, Kt, j.depth, h, L);
 }
 
 }  // namespace idx_<name>
