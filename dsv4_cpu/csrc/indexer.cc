@@ -62,24 +62,25 @@ inline float bf16_f32(uint16_t b) {
     return f;
 }
 
-IndexBlockFn index_kernel_for(int isa, int pairs) {
+// The kernels built for instruction set `isa` (all nullptr if none).
+IndexKernels kernels_for(int isa) {
     switch (isa) {
 #if defined(DSV4_BUILT_AVX512BF16)
         case DSV4_ISA_AVX512BF16:
-            return index_block_kernel_avx512bf16(pairs);
+            return index_kernels_avx512bf16();
 #endif
 #if defined(DSV4_BUILT_AVX512)
         case DSV4_ISA_AVX512:
-            return index_block_kernel_avx512(pairs);
+            return index_kernels_avx512();
 #endif
 #if defined(DSV4_BUILT_AVX2)
         case DSV4_ISA_AVX2:
-            return index_block_kernel_avx2(pairs);
+            return index_kernels_avx2();
 #endif
         case DSV4_ISA_GENERIC:
-            return index_block_kernel_generic(pairs);
+            return index_kernels_generic();
         default:
-            return nullptr;
+            return IndexKernels{};
     }
 }
 
@@ -94,9 +95,9 @@ bool pairs_layout(int isa) {
     return e && std::strcmp(e, "pairs") == 0;
 }
 
-// The instruction set, layout and block kernel for a call (bf16_inputs: q and keys both bf16 or
-// e4m3): DSV4_OK, or an error code with the message set.
-int choose(int isa, bool bf16_inputs, IndexBlockFn *fn, int *chosen, bool *pairs) {
+// The instruction set, layout, block kernel and e4m3 widening for a call (bf16_inputs: q and
+// keys both bf16 or e4m3): DSV4_OK, or an error code with the message set.
+int choose(int isa, bool bf16_inputs, IndexBlockFn *fn, WidenE4m3Fn *widen, int *chosen, bool *pairs) {
     if (env_cap() < 0)
         return fail(DSV4_ERR_ISA, std::string("DSV4_PREFILL_CPU_ISA: unknown instruction set '") +
                                       std::getenv("DSV4_PREFILL_CPU_ISA") +
@@ -107,7 +108,9 @@ int choose(int isa, bool bf16_inputs, IndexBlockFn *fn, int *chosen, bool *pairs
     for (int i = isa_ceiling(isa); i >= 0; i--) {
         if (!runnable(i)) continue;
         *pairs = bf16_inputs && pairs_layout(i);
-        if ((*fn = index_kernel_for(i, *pairs ? 1 : 0)) != nullptr) {
+        const IndexKernels k = kernels_for(i);
+        if ((*fn = *pairs ? k.block_pairs : k.block_f32) != nullptr) {
+            *widen = k.widen;
             *chosen = i;
             return DSV4_OK;
         }
@@ -132,6 +135,7 @@ struct Call {
     float *out_logits;
     int64_t logit_s0;
     IndexBlockFn fn;
+    WidenE4m3Fn widen;  // e4m3 queries, the chosen instruction set's
 };
 
 inline int64_t table_at(const dsv4_kv_source &s, int64_t i) {
@@ -256,30 +260,24 @@ void stage_q(const Call &c, Scratch &s, int64_t slot, int64_t t) {
     const char *row = c.q + (int64_t)c.tk.token_row[t] * c.q_s0 * (int64_t)c.q_esize;
     for (int64_t h = 0; h < c.H; h++) {
         const char *qh = row + h * c.q_s1 * (int64_t)c.q_esize;
-        if (c.pairs) {
-            uint32_t *o = s.qp.data() + (slot * c.H + h) * c.depth;
-            for (int64_t i = 0; i < c.depth; i++) {
-                uint16_t lo = 0, hi = 0;
-                for (int k = 0; k < 2; k++) {
-                    const int64_t d = 2 * i + k;
-                    uint16_t v = 0;
-                    if (d < c.D) {
-                        if (c.q_dtype == DSV4_BF16) std::memcpy(&v, qh + 2 * d, 2);
-                        else v = FP8.b[(uint8_t)qh[d]];
-                    }
-                    (k ? hi : lo) = v;
-                }
-                o[i] = (uint32_t)lo | ((uint32_t)hi << 16);
-            }
+        const uint8_t *q8 = reinterpret_cast<const uint8_t *>(qh);
+        if (c.pairs) {  // the bf16 values in order are the dwords (an odd D's last one padded with 0)
+            uint16_t *o = reinterpret_cast<uint16_t *>(s.qp.data() + (slot * c.H + h) * c.depth);
+            if (c.q_dtype == DSV4_BF16) std::memcpy(o, qh, 2 * (size_t)c.D);
+            else c.widen(q8, c.D, o, nullptr);
+            if (c.D % 2) o[c.D] = 0;
+        } else if (c.q_dtype == DSV4_FP8_E4M3) {
+            c.widen(q8, c.D, nullptr, s.qf.data() + (slot * c.H + h) * c.depth);
         } else {
             float *o = s.qf.data() + (slot * c.H + h) * c.depth;
             for (int64_t d = 0; d < c.D; d++) {
-                if (c.q_dtype == DSV4_F32) std::memcpy(o + d, qh + 4 * d, 4);
-                else if (c.q_dtype == DSV4_BF16) {
+                if (c.q_dtype == DSV4_F32) {
+                    std::memcpy(o + d, qh + 4 * d, 4);
+                } else {  // bf16 (e4m3 was widened above)
                     uint16_t v;
                     std::memcpy(&v, qh + 2 * d, 2);
                     o[d] = bf16_f32(v);
-                } else o[d] = FP8.f[(uint8_t)qh[d]];
+                }
             }
         }
     }
@@ -451,9 +449,10 @@ int dsv4_indexer_isa(int32_t q_dtype, int32_t key_dtype, int32_t isa) {
     if (q_dtype < 0 || q_dtype > DSV4_FP8_E4M3 || key_dtype < 0 || key_dtype > DSV4_FP8_E4M3)
         return (void)fail(DSV4_ERR_ARG, "q_dtype / key_dtype: expected 0 (bf16), 1 (float32) or 2 (e4m3)"), -1;
     IndexBlockFn fn;
+    WidenE4m3Fn widen;
     int chosen = -1;
     bool pairs;
-    if (choose(isa, q_dtype != DSV4_F32 && key_dtype != DSV4_F32, &fn, &chosen, &pairs) != DSV4_OK) return -1;
+    if (choose(isa, q_dtype != DSV4_F32 && key_dtype != DSV4_F32, &fn, &widen, &chosen, &pairs) != DSV4_OK) return -1;
     return chosen;
 }
 
@@ -506,7 +505,7 @@ int dsv4_indexer_topk(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dtype
         c.fp8_keys = s.format == DSV4_KV_INDEX_FP8;
         const int key_dtype = c.fp8_keys ? DSV4_FP8_E4M3 : s.dtype;
         int chosen;
-        if (int rc = choose(isa, q_dtype != DSV4_F32 && key_dtype != DSV4_F32, &c.fn, &chosen, &c.pairs)) return rc;
+        if (int rc = choose(isa, q_dtype != DSV4_F32 && key_dtype != DSV4_F32, &c.fn, &c.widen, &chosen, &c.pairs)) return rc;
         c.q = static_cast<const char *>(q);
         c.q_s0 = q_s0;
         c.q_s1 = q_s1;

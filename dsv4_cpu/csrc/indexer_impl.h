@@ -26,11 +26,20 @@ struct IndexBlockJob {
 
 using IndexBlockFn = void (*)(const IndexBlockJob &);
 
-// The block kernel of one instruction set: pairs = 1 for the bf16 layout, 0 for f32 (nullptr if
-// the set has none).
-IndexBlockFn index_block_kernel_generic(int pairs);
-IndexBlockFn index_block_kernel_avx2(int pairs);
-IndexBlockFn index_block_kernel_avx512(int pairs);
-IndexBlockFn index_block_kernel_avx512bf16(int pairs);
+// n e4m3 (float8_e4m3fn) bytes widened exactly: to bf16 bits (bf16 != nullptr) or to float32
+// (f32 != nullptr); 0x7F / 0xFF to NaN. The same values as indexer.cc's table, in vector lanes.
+using WidenE4m3Fn = void (*)(const uint8_t *src, int64_t n, uint16_t *bf16, float *f32);
+
+// One instruction set's kernels: the block kernel of each layout (pairs: bf16 products; f32) and
+// its e4m3 widening.
+struct IndexKernels {
+    IndexBlockFn block_pairs, block_f32;
+    WidenE4m3Fn widen;
+};
+
+IndexKernels index_kernels_generic();
+IndexKernels index_kernels_avx2();
+IndexKernels index_kernels_avx512();
+IndexKernels index_kernels_avx512bf16();
 
 }  // namespace dsv4

@@ -17,7 +17,7 @@
 
 #include "indexer_impl.h"
 
-#if defined(DSV4_HAVE_BF16_KERNEL)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -176,11 +176,62 @@ static void block_f32(const IndexBlockJob &j) {
     if (h < j.H) f32_tail<F_RH - 1>(j.H - h, Qf, j.w, Kt, j.depth, h, L);
 }
 
+// e4m3 -> bf16 bits, W bytes at a time: normal values move their exponent and mantissa into
+// place and rebias (7 -> 127); subnormals (m x 2^-9, m < 8) go through float32, exactly; 0x7F NaN.
+static inline vu e4m3_bf16_bits(vu x) {
+    const vu v = x & 0x7Fu, m = x & 7u;
+    const vf sub = __builtin_convertvector(m, vf) * (1.0f / 512.0f);
+    vu r = ((v >> 3) == 0u) ? ((vu)sub >> 16) : (v << 4) + (120u << 7);
+    r = (v == 0x7Fu) ? vu{} + 0x7FC0u : r;
+    return r | ((x & 0x80u) << 8);
+}
+
+// W bytes zero-extended to dword lanes, and dword lanes (< 2^16) stored as W uint16 (GCC's
+// generic vector conversions for these come out as scalar inserts).
+static inline vu load_bytes(const uint8_t *p) {
+#if DSV4_WIDTH == 16 && defined(__AVX512F__)
+    return (vu)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+#elif DSV4_WIDTH == 8 && defined(__AVX2__)
+    return (vu)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)));
+#else
+    vu x;
+    for (int i = 0; i < W; i++) x[i] = p[i];
+    return x;
+#endif
+}
+
+static inline void store_halves(uint16_t *p, vu r) {
+#if DSV4_WIDTH == 16 && defined(__AVX512F__)
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(p), _mm512_cvtepi32_epi16((__m512i)r));
+#elif DSV4_WIDTH == 8 && defined(__AVX2__)
+    const __m256i packed = _mm256_packus_epi32((__m256i)r, (__m256i)r);  // lanes 0-3, 0-3, 4-7, 4-7
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(p), _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+#else
+    for (int i = 0; i < W; i++) p[i] = (uint16_t)r[i];
+#endif
+}
+
+static void widen_e4m3(const uint8_t *src, int64_t n, uint16_t *bf16, float *f32) {
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+        const vu r = e4m3_bf16_bits(load_bytes(src + i));
+        if (bf16) store_halves(bf16 + i, r);
+        else storef(f32 + i, (vf)(r << 16));
+    }
+    for (; i < n; i++) {
+        vu x = vu{};
+        x[0] = src[i];
+        const uint32_t r = e4m3_bf16_bits(x)[0];
+        if (bf16) bf16[i] = (uint16_t)r;
+        else f32[i] = bits_f32(r << 16);
+    }
+}
+
 }  // namespace idx_<name>
 
-IndexBlockFn DSV4_CAT(index_block_kernel_, DSV4_ISA)(int pairs) {
+IndexKernels DSV4_CAT(index_kernels_, DSV4_ISA)() {
     namespace k = DSV4_CAT(idx_, DSV4_ISA);
-    return pairs ? &k::block_pairs : &k::block_f32;
+    return IndexKernels{&k::block_pairs, &k::block_f32, &k::widen_e4m3};
 }
 
 }  // namespace dsv4

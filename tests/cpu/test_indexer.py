@@ -102,6 +102,41 @@ def test_rows_sources_and_dtypes(isa):
     check(got, case8, r, H, D, what=f"{isa} e4m3 q")
 
 
+@pytest.mark.parametrize("D", [40, 7])
+def test_e4m3_queries_every_byte(isa, D):
+    """Every e4m3 byte as a query value, exactly (the vector widening at staging; D 40: whole
+    vectors and a tail; D 7: an odd depth; and the same values as bf16 q): token t has byte t at dim t % D and sees two keys,
+    +1 and -1 at that dim, so its two logits are relu(v) and relu(-v) of the byte's value v."""
+    T = 256
+    q = np.zeros((T, 1, D), np.uint8)
+    q[np.arange(T), 0, np.arange(T) % D] = np.arange(T)
+    q = q.view(ml_dtypes.float8_e4m3fn)
+    keys = np.zeros((2 * T, D), np.float32)
+    keys[2 * np.arange(T), np.arange(T) % D] = 1
+    keys[2 * np.arange(T) + 1, np.arange(T) % D] = -1
+    v = np.arange(T, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    for qx, k in [
+        (q, keys.astype(ml_dtypes.bfloat16)),
+        (q, keys),
+        (q.astype(ml_dtypes.bfloat16), keys.astype(ml_dtypes.bfloat16)),
+    ]:
+        idx, val = ik.indexer_topk(
+            qx,
+            np.ones((T, 1), np.float32),
+            ik.IndexKeys.rows(k, 2 * np.arange(T)),
+            np.arange(T),
+            np.ones(T, int),
+            1,
+            2,
+            isa=isa,
+        )
+        nan = np.isnan(v)
+        assert nan.sum() == 2 and np.isnan(val[nan]).all()
+        got = np.sort(val[~nan], axis=1)
+        want = np.sort(np.stack([np.maximum(v, 0), np.maximum(-v, 0)], 1)[~nan], axis=1)
+        np.testing.assert_array_equal(got, want, err_msg=f"{isa} q {qx.dtype} keys {k.dtype}")
+
+
 def test_tie_rule_exact_duplicates(isa):
     """Identical keys give bitwise-equal logits: the lower entry index ranks first, always."""
     rng = np.random.default_rng(9)
