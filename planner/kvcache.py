@@ -299,7 +299,7 @@ def check_page_layout(
                 f"{SLOT_BYTES}, 1), got shape {shape}, strides {strides}"
             )
         if many and (strides[0] < want if padded else strides[0] != want):
-            rule = "at least" if padded else "not"
+            rule = "below" if padded else "not"
             raise ValueError(
                 f"{name}: page stride {strides[0]} bytes is {rule} round_up({S} * 584, 576) = {want} for block_size {S}"
             )
