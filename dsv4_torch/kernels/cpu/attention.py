@@ -1,127 +1,40 @@
-"""The backend "cpu": the C/C++ kernels of `dsv4_cpu` on CPU tensors, through its ctypes binding.
-
-Three calls, one per C entry point (`dsv4_cpu/csrc/dsv4_cpu.h`), each on torch's own intra-op
-threads (`at::parallel_for`, through the small `torch_parallel.cc` library built against the
-installed torch), so the kernels never compete with torch's OpenMP threads for the cores:
+"""The backend "cpu" for torch, its attention: the C kernels of `dsv4_cpu` on CPU tensors.
 
 - `sparse_attention_cpu`: FlashMLA's `flash_mla_sparse_fwd` contract on a flat workspace, what
   `dsv4_torch.sparse_attention(..., backend="cpu")` runs.
 - `prefill_attention`: one prefill layer straight from the caches, no workspace and no chunk loop:
   rows in q's dtype (paged or logical) or vLLM's `fp8_ds_mla` pages, dequantized inside the
-  kernel. `dsv4_torch.prefill.prefill_attention` (through `dsv4_torch.prefill_cpu`) and vLLM's CPU
-  engine (`dsv4_torch.vllm.cpu_attention`) run it.
-- `gather_dequant`: vLLM's `dequantize_and_gather_k_cache` on fp8_ds_mla pages (backend "cpu"
-  of `dsv4_torch.kvcache`; the torch prefill's gathers on CPU).
+  kernel. The prefill's layer call (`dsv4_torch.kernels.cpu.prefill`) and vLLM's CPU engine
+  (`dsv4_torch.vllm.cpu.attention`) run it.
 
 Numerics (the kernels'): bf16 in -> bf16 products, fp32 accumulation, probabilities rounded to
 bf16 before the PV product (FlashMLA's); float32 in -> float32 throughout. A token's result
 depends only on its own keys and their order: not on threads, tiles, chunk plans or the cache
-layout. Threads: `torch.get_num_threads()`. Instruction set: the best this machine runs
-(`dsv4_cpu.isa_supported()`), capped by `DSV4_PREFILL_CPU_ISA=generic|avx2|avx512|avx512bf16`.
-No backward and no dropout: `dsv4_torch.attention` refuses such calls for this backend.
+layout. Threads and instruction sets: `dsv4_torch.kernels.cpu.library`. No backward and no
+dropout: the backend table (`dsv4_torch.backends`) says so and the gradient path refuses it.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 
 import numpy as np
 import torch
 
-from dsv4_cpu import binding, build
-from planner.contract import backend_unavailable, value_dim
+from dsv4_cpu import binding
+from dsv4_torch.kernels.cpu.library import (
+    DTYPES,
+    check_cpu,
+    dtype_code,
+    float_sink,
+    library,
+    make_outputs,
+    parallel,
+    ptr,
+    unit_last,
+)
+from planner.contract import value_dim
 from planner.kvcache import check_page_layout, page_bytes
-
-DTYPES = {torch.bfloat16: binding.BF16, torch.float32: binding.F32}
-
-_lock = threading.Lock()
-_state: dict = {}
-
-
-def torch_parallel_library() -> str:
-    """The path of torch's parallel-for library for this torch (built on first use)."""
-    root = os.path.dirname(os.path.abspath(torch.__file__))
-    include = (os.path.join(root, "include"), os.path.join(root, "include", "torch", "csrc", "api", "include"))
-    return build.build_torch(
-        include, os.path.join(root, "lib"), bool(torch._C._GLIBCXX_USE_CXX11_ABI), torch.__version__
-    )
-
-
-def _runner() -> int:
-    """The address of `dsv4_torch_parallel_run` (at::parallel_for), loaded once."""
-    with _lock:
-        if "run" not in _state:
-            if "error" in _state:
-                raise RuntimeError(_state["error"])
-            try:
-                binding.library()
-                lib = ctypes.CDLL(torch_parallel_library())
-                _state["lib"] = lib  # kept loaded
-                _state["run"] = ctypes.cast(lib.dsv4_torch_parallel_run, ctypes.c_void_p).value
-            except Exception as e:  # noqa: BLE001 - any build or load failure is the reason
-                _state["error"] = f"{type(e).__name__}: {e}"
-                raise RuntimeError(_state["error"]) from None
-        return _state["run"]
-
-
-def unavailable_reason() -> str | None:
-    """None when the kernels and torch's parallel-for build (or are built) here, else why not."""
-    try:
-        _runner()
-    except RuntimeError as e:
-        return str(e)
-    return None
-
-
-def _library():
-    try:
-        _runner()
-        return binding.library()
-    except RuntimeError as e:
-        raise backend_unavailable("cpu", str(e)) from None
-
-
-def _parallel(threads: int | None) -> binding.Parallel:
-    return binding.parallel(int(threads or torch.get_num_threads()), _runner())
-
-
-def _dtype_code(q: torch.Tensor) -> int:
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
-    if q.device.type != "cpu":
-        raise ValueError(f"q: the cpu backend takes CPU tensors, q is on {q.device}")
-    if q.dtype not in DTYPES:
-        raise TypeError(f"q: the cpu backend takes bfloat16 or float32, got {q.dtype}")
-    return DTYPES[q.dtype]
-
-
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    """t itself when its last dim is contiguous (any other strides are passed on), else a copy."""
-    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
-
-
-def _sink(attn_sink: torch.Tensor | None) -> torch.Tensor | None:
-    if attn_sink is None:
-        return None
-    return attn_sink.detach().to(torch.float32).contiguous()
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _outputs(out: torch.Tensor, max_logits: torch.Tensor | None, lse: torch.Tensor | None) -> binding.Outputs:
-    stat = max_logits if max_logits is not None else lse
-    return binding.Outputs(
-        out.data_ptr(), out.stride(0), out.stride(1), _ptr(max_logits), _ptr(lse), 0 if stat is None else stat.stride(0)
-    )
-
-
-def _cpu(t: torch.Tensor | None, name: str) -> None:
-    if t is not None and t.device.type != "cpu":
-        raise ValueError(f"{name}: the cpu backend takes CPU tensors, {name} is on {t.device}")
 
 
 def sparse_attention_cpu(
@@ -145,7 +58,7 @@ def sparse_attention_cpu(
 
     Returns out (T, H, d_v) q.dtype, max_logits and lse (T, H) float32.
     """
-    code = _dtype_code(q)
+    code = dtype_code(q)
     T, H, D = q.shape
     d_v = value_dim(D)
     out = torch.empty((T, H, d_v), dtype=q.dtype)
@@ -154,7 +67,7 @@ def sparse_attention_cpu(
     if T == 0 or H == 0:
         return out, max_logits, lse
     for name, t in (("kv", kv), ("indices", indices), ("attn_sink", attn_sink), ("topk_length", topk_length)):
-        _cpu(t, name)
+        check_cpu(t, name)
     if kv.dtype != q.dtype:
         raise TypeError(f"kv: dtype {kv.dtype} does not match q's dtype {q.dtype}")
     if kv.dim() != 2 or kv.shape[1] != D:
@@ -171,12 +84,12 @@ def sparse_attention_cpu(
         topk_length = topk_length.contiguous()
     if attn_sink is not None and tuple(attn_sink.shape) != (H,):
         raise ValueError(f"attn_sink: expected ({H},), got {tuple(attn_sink.shape)}")
-    lib = _library()
-    q, kv, indices = _unit_last(q.detach()), _unit_last(kv.detach()), _unit_last(indices)
-    sink = _sink(attn_sink)
+    lib = library()
+    q, kv, indices = unit_last(q.detach()), unit_last(kv.detach()), unit_last(indices)
+    sink = float_sink(attn_sink)
     S, K = kv.shape[0], indices.shape[1]
-    outputs = _outputs(out, max_logits, lse)
-    par = _parallel(threads)
+    outputs = make_outputs(out, max_logits, lse)
+    par = parallel(threads)
     rc = lib.dsv4_sparse_attention(
         q.data_ptr(),
         q.stride(0),
@@ -191,9 +104,9 @@ def sparse_attention_cpu(
         indices.data_ptr(),
         indices.stride(0) if K else 0,
         K,
-        _ptr(topk_length),
+        ptr(topk_length),
         float(sm_scale),
-        _ptr(sink),
+        ptr(sink),
         ctypes.byref(outputs),
         ctypes.byref(par),
         binding.isa_code(isa),
@@ -210,13 +123,13 @@ def paged_source(
 ):
     """A `dsv4_kv_source` for pages + a block table: fp8_ds_mla pages (uint8, page stride =
     pages.stride(0) bytes; 2-D or vLLM's 3-D view) or rows of q's dtype (pages, page_size, D)."""
-    _cpu(pages, name)
-    _cpu(block_table, f"{name}.block_table")
+    check_cpu(pages, name)
+    check_cpu(block_table, f"{name}.block_table")
     if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"{name}.block_table: expected int32/int64 (requests, pages), got {block_table.dtype} {tuple(block_table.shape)}"
         )
-    table = _unit_last(block_table)
+    table = unit_last(block_table)
     keep.append(table)
     common = dict(
         num_pages=pages.shape[0],
@@ -267,8 +180,8 @@ def _kv_source(src, name: str, q: torch.Tensor, keep: list) -> binding.KVSource:
         fp8 = src.kv_cache_dtype == "fp8_ds_mla"
         return paged_source(src.pages, src.block_table, src.page_size, fp8, q.dtype, name, keep)
     if hasattr(src, "offsets"):
-        rows, offsets = _unit_last(src.rows), src.offsets.contiguous()
-        _cpu(rows, name)
+        rows, offsets = unit_last(src.rows), src.offsets.contiguous()
+        check_cpu(rows, name)
         if rows.dim() != 2 or offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
             raise ValueError(
                 f"{name}: expected rows (S, D) and int offsets (B,), got {tuple(rows.shape)} {offsets.dtype}"
@@ -314,7 +227,7 @@ def prefill_attention(
     """One prefill layer (all the step's tokens) in one kernel call, straight from the caches.
 
     q (T, H, D) bf16/float32 CPU tensor; tokens (3, n) int32 host array: per token its q row,
-    batch request (block-table row / offsets entry) and absolute position (`dsv4_torch.prefill_cpu`
+    batch request (block-table row / offsets entry) and absolute position (`dsv4_torch.kernels.cpu.prefill`
     builds them once per step); raw_kv / compressed_kv a `PagedKV` (rows in q's dtype, or
     fp8_ds_mla pages: 2-D or vLLM's 3-D view, page stride = pages.stride(0) bytes), a `LogicalKV`,
     or a ready `dsv4_cpu.binding.KVSource` (compressed_kv None for SWA); topk_indices (rows,
@@ -323,7 +236,7 @@ def prefill_attention(
     the kernel before it reads anything (ValueError naming the token). Returns out (T, H, d_v)
     q.dtype (written into `out` when given; rows no token names are left as they were).
     """
-    code = _dtype_code(q)
+    code = dtype_code(q)
     T, H, D = q.shape
     d_v = value_dim(D)
     kind_code = binding.kind_code(kind)
@@ -342,9 +255,9 @@ def prefill_attention(
     n = tok.shape[1]
     if n == 0 or H == 0:
         return out
-    lib = _library()
+    lib = library()
     keep: list = []
-    q = _unit_last(q.detach())
+    q = unit_last(q.detach())
     raw = raw_kv if isinstance(raw_kv, binding.KVSource) else _kv_source(raw_kv, "raw_kv", q, keep)
     comp = None
     if kind != "SWA":
@@ -358,10 +271,10 @@ def prefill_attention(
     if kind == "CSA":
         if not isinstance(topk_indices, torch.Tensor) or topk_indices.dim() != 2:
             raise ValueError("topk_indices: expected a (rows, index_topk) tensor for a CSA layer")
-        _cpu(topk_indices, "topk_indices")
+        check_cpu(topk_indices, "topk_indices")
         if topk_indices.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"topk_indices: expected int32 or int64, got {topk_indices.dtype}")
-        topk = _unit_last(topk_indices)
+        topk = unit_last(topk_indices)
         keep.append(topk)
         topk_rows, topk_width = topk.shape
         topk_ptr, topk_int64, topk_stride = topk.data_ptr(), int(topk.dtype == torch.int64), topk.stride(0)
@@ -383,9 +296,9 @@ def prefill_attention(
         topk_rows,
     )
     dst = out if out.stride(-1) == 1 or d_v == 1 else torch.empty((T, H, d_v), dtype=q.dtype)
-    sink = _sink(attn_sink)
-    outputs = _outputs(dst, None, None)
-    par = _parallel(threads)
+    sink = float_sink(attn_sink)
+    outputs = make_outputs(dst, None, None)
+    par = parallel(threads)
     rc = lib.dsv4_prefill_attention(
         q.data_ptr(),
         q.stride(0),
@@ -398,7 +311,7 @@ def prefill_attention(
         ctypes.byref(raw),
         None if comp is None else ctypes.byref(comp),
         float(sm_scale),
-        _ptr(sink),
+        ptr(sink),
         ctypes.byref(outputs),
         ctypes.byref(par),
         binding.isa_code(isa),
@@ -407,63 +320,3 @@ def prefill_attention(
     if dst is not out:
         out.copy_(dst)
     return out
-
-
-# ----------------------------------------------------------------------------- gather
-
-
-def gather_dequant(
-    out: torch.Tensor,
-    k_cache: torch.Tensor,
-    seq: torch.Tensor,
-    glen: torch.Tensor | None,
-    bt: torch.Tensor,
-    S: int,
-    offset: int,
-    *,
-    threads: int | None = None,
-) -> None:
-    """`dequantize_and_gather_k_cache` on CPU tensors, in place: out bf16 or float32
-    [R', rows, 512] (last dim unit stride), k_cache uint8 pages (stride(0) the page stride),
-    seq / glen int [R] (glen None: all seq positions), bt int32/int64 [R'', B] (unit stride in
-    dim 1). Rows whose page (or position: a gather length above the sequence length) is not in
-    k_cache come out NaN; nothing outside the tensors is read or written."""
-    lib = _library()
-    if out.dtype not in (torch.bfloat16, torch.float32) or out.dim() != 3 or out.shape[2] != 512 or out.stride(2) != 1:
-        raise ValueError(
-            f"out: expected bfloat16 or float32 (R, rows, 512) with unit stride in the last dim, got {out.dtype} "
-            f"{tuple(out.shape)} {out.stride()}"
-        )
-    if bt.dim() != 2 or bt.dtype not in (torch.int32, torch.int64) or (bt.shape[1] > 1 and bt.stride(1) != 1):
-        raise ValueError(
-            f"block_table: expected int32/int64 (R, B) with unit stride in dim 1, got {bt.dtype} {bt.stride()}"
-        )
-    R = seq.shape[0]
-    if out.shape[0] < R or bt.shape[0] < R:
-        raise ValueError(f"out / block_table: {out.shape[0]} / {bt.shape[0]} rows for {R} requests")
-    k_page_bytes = fp8_page_bytes(k_cache, int(S), "k_cache")
-    # the per-request arrays on the host (CPU tensors: no copy), as NumPy: O(requests)
-    seq64 = np.ascontiguousarray(seq.detach().numpy(), dtype=np.int64)
-    g64 = None if glen is None else np.ascontiguousarray(glen.detach().numpy(), dtype=np.int64)
-    par = _parallel(threads)
-    rc = lib.dsv4_gather_dequant(
-        out.data_ptr(),
-        out.stride(0),
-        out.stride(1),
-        out.shape[1],
-        int(out.dtype == torch.float32),
-        k_cache.data_ptr(),
-        k_page_bytes,
-        k_cache.shape[0],
-        int(S),
-        seq64.ctypes.data,
-        None if g64 is None else g64.ctypes.data,
-        bt.data_ptr(),
-        int(bt.dtype == torch.int64),
-        bt.stride(0),
-        bt.shape[1],
-        int(offset),
-        R,
-        ctypes.byref(par),
-    )
-    binding.check(rc)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dsv4_torch.kernels import cpu
+from dsv4_torch.kernels.cpu import attention as cpu
 
 
 def step_tokens(step) -> np.ndarray:

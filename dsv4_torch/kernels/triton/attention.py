@@ -214,13 +214,13 @@ def default_config(
     arch: int | None = None,
     triton_version: tuple[int, int] | None = None,
 ) -> TritonConfig:
-    """A starting point per GPU generation, untuned for speed (bench/gpu_check_torch.py sweeps).
+    """A starting point per GPU generation, untuned for speed (bench/checks/gpu_torch.py sweeps).
 
     arch: compute capability as an int (90 = H100); None = unknown (treated like sm_80).
     triton_version: (major, minor) of the Triton that compiles; None = the installed one.
     Each program re-gathers the token's KV rows, so more heads per program means less gather
     traffic per flop; BLOCK_H = 64 lets Triton use wgmma on sm_90 and tcgen05 on sm_100 (M >= 64).
-    Chosen so no register spills sit in the key loop (bench/triton_resources_torch.py, bf16,
+    Chosen so no register spills sit in the key loop (bench/checks/triton_resources_torch.py, bf16,
     Triton 3.9, regs / spill bytes / loop LDL+STL / shared memory):
 
       arch    D    config (BLOCK_H, BLOCK_K, warps, stages)   regs  spill  loop  smem
@@ -293,7 +293,7 @@ def sparse_attention_triton(
     if q.device.type == "cpu" and not INTERPRETED:
         raise BackendUnavailableError(
             "backend='triton' got CPU tensors, but Triton's interpreter is off: set TRITON_INTERPRET=1 "
-            "before dsv4_torch.kernels.triton_sparse is first imported, or use a CUDA/ROCm device"
+            "before dsv4_torch.kernels.triton.attention is first imported, or use a CUDA/ROCm device"
         )
     if q.device.type == "cpu" and INTERPRETER_UNSUPPORTED:
         raise BackendUnavailableError(f"backend='triton' on CPU tensors: {INTERPRETER_UNSUPPORTED}")

@@ -1,7 +1,7 @@
 """The torch reference kernels of vLLM's `fp8_ds_mla` cache (`dsv4_torch.kvcache`'s backend
 "reference"): vectorized torch on any device, the NumPy reference's bits (`planner.kvcache`).
 
-The twin of `dsv4_jax.kernels.xla_kvcache`. `quantize_insert` encodes whole slots (integer
+The twin of `dsv4_jax.kernels.xla.kvcache`. `quantize_insert` encodes whole slots (integer
 exponents, RTNE e4m3) and copies them into their pages; `gather_dequant` walks the requests'
 rows in chunks of CHUNK_ROWS (the intermediates stay in the caches) and decodes them with integer
 math where a float multiply would flush subnormals; `row_views` / `scale_index` address a page

@@ -2,7 +2,7 @@
 
 One call scores every token against its request's compressed index keys and keeps the top-k,
 reading vLLM's fp8 index pages (or bf16 / float32 rows) in place, on torch's intra-op threads
-(`dsv4_torch.kernels.cpu`'s `at::parallel_for` runner). `dsv4_torch.indexer.indexer_topk` runs
+(`dsv4_torch.kernels.cpu.library`'s `at::parallel_for` runner). `dsv4_torch.indexer.indexer_topk` runs
 it when its backend resolves to "cpu" (argument checks there).
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from dsv4_cpu import binding
-from dsv4_torch.kernels import cpu
+from dsv4_torch.kernels.cpu.library import library, parallel
 
 Q_DTYPES = {torch.bfloat16: binding.BF16, torch.float32: binding.F32, torch.float8_e4m3fn: binding.INDEX_FP8}
 ROW_DTYPES = {torch.bfloat16: binding.BF16, torch.float32: binding.F32}
@@ -46,7 +46,7 @@ def key_source(keys: torch.Tensor, offsets, block_table, keep: list) -> binding.
 def indexer_topk_cpu(q, weights, keys, token_request, token_position, compress_ratio, topk, offsets, block_table):
     """(indices int32 [T, topk], logits float32 [T, topk]): checked CPU tensors; token arrays,
     offsets and block table as host NumPy integers."""
-    lib = cpu._library()
+    lib = library()
     q = q if q.stride(-1) == 1 else q.contiguous()
     w = weights.detach().to(torch.float32)
     w = w if w.stride(-1) == 1 else w.contiguous()
@@ -61,7 +61,7 @@ def indexer_topk_cpu(q, weights, keys, token_request, token_position, compress_r
     )
     idx = torch.empty((T, topk), dtype=torch.int32)
     val = torch.empty((T, topk), dtype=torch.float32)
-    par = cpu._parallel(None)
+    par = parallel(None)
     rc = lib.dsv4_indexer_topk(
         q.data_ptr(), q.stride(0), q.stride(1), Q_DTYPES[q.dtype], T, H, D, w.data_ptr(), w.stride(0),
         ctypes.byref(tk), ctypes.byref(src), topk, idx.data_ptr(), topk, val.data_ptr(), topk, ctypes.byref(par), -1,

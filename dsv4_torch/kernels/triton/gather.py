@@ -78,7 +78,7 @@ def gather_rows(
     """Launch on checked arguments: out (R', rows, D) and src in one dtype with unit stride in
     the last dim; seq_lens / gather_lens (R,) contiguous; index the block-table rows (R, max_pages)
     (page_size = S) or the per-request offsets (R,) (page_size None)."""
-    from dsv4_torch.kernels.triton_kvcache import default_workers
+    from dsv4_torch.kernels.triton.kvcache import default_workers
 
     R = seq_lens.shape[0]
     if R == 0:
