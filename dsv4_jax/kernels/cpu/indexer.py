@@ -1,7 +1,7 @@
 """The indexer backend "cpu" for JAX: `dsv4_cpu`'s fused Lightning Indexer as an XLA FFI call.
 
 The handler (`dsv4_cpu/csrc/xla_indexer.cc`, registered with the other FFI targets by
-`dsv4_jax.kernels.cpu`) calls `dsv4_indexer_topk` on XLA's intra-op threads; usable under
+`dsv4_jax.kernels.cpu.library`) calls `dsv4_indexer_topk` on XLA's intra-op threads; usable under
 `jax.jit` (token arrays and the cache may be traced). `dsv4_jax.indexer.indexer_topk` runs it when
 its backend resolves to "cpu" (argument checks there). No backward (an integer selection).
 """
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax.kernels import cpu
+from dsv4_jax.kernels.cpu.library import require
 
 TARGET = "dsv4_indexer_topk"
 LAYOUT_ROWS, LAYOUT_INDEX_FP8 = 0, 2  # xla_indexer.cc's layouts
@@ -38,7 +38,7 @@ def indexer_topk_cpu(
     q, weights, keys, token_request, token_position, valid, *, compress_ratio, topk, offsets, block_table
 ):
     """(indices int32 [T, topk], logits float32 [T, topk]) by the C kernel; checked inputs."""
-    cpu.require()
+    require()
     if block_table is not None:
         layout, table = LAYOUT_INDEX_FP8, block_table
     else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from dsv4_jax.kernels import cpu
+from dsv4_jax.kernels.cpu import attention as cpu
 from dsv4_jax.prefill_metadata import (
     CHUNK_SEG_START,
     CHUNK_TOKEN_START,

@@ -4,7 +4,7 @@ The FlashMLA `flash_mla_sparse_fwd` contract (spec section 2) as a Pallas Mosaic
 (`plgpu.kernel`, warpgroup-level code, `wgmma`), with no Triton in the way. Needs jax >= 0.12;
 on a machine without an NVIDIA GPU the same kernel runs in Mosaic GPU's interpret mode, and the
 compiled kernel can be lowered for sm_90a there (tests/jax/test_mosaic.py does both). It has not
-yet run on a GPU: speed is unmeasured (bench/gpu_check_jax.py measures it).
+yet run on a GPU: speed is unmeasured (bench/checks/gpu_jax.py measures it).
 
 Design (after FlashMLA's SM90 sparse prefill kernel)
 ----------------------------------------------------
@@ -79,7 +79,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dsv4_jax.kernels.xla import no_key_result
+from dsv4_jax.kernels.xla.attention import no_key_result
 from planner.contract import (
     D_V,  # FlashMLA's value dim
     backend_unavailable,

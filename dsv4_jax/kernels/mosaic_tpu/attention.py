@@ -1,6 +1,6 @@
 """Pallas TPU sparse attention, backend "mosaic_tpu" (JAX's name for the Pallas TPU backend).
 
-Two kernels, one machinery (`dsv4_jax.kernels.mosaic_tpu_rows`):
+Two kernels, one machinery (`dsv4_jax.kernels.mosaic_tpu.rows`):
 
 * `sparse_attention_mosaic_tpu`: FlashMLA's `flash_mla_sparse_fwd` contract (spec section 2) on a
   flat workspace kv (S, D): per token its own index row, gathered by DMA. Sink (incl. -inf),
@@ -8,7 +8,7 @@ Two kernels, one machinery (`dsv4_jax.kernels.mosaic_tpu_rows`):
   a valid key (out 0, lse +inf, max_logits -inf), NaN in the rows a token reads; any H (padded to
   the dtype's sublane tile: 8 rows fp32, 16 bf16), any D (d_v = min(D, 512); 512 and 576 are what
   is compiled and checked for chips), bfloat16 and float32 (fp32 products at HIGHEST precision).
-* `dsv4_jax.kernels.mosaic_tpu_prefill`: one prefill layer straight from the caches, driven by
+* `dsv4_jax.kernels.mosaic_tpu.prefill`: one prefill layer straight from the caches, driven by
   the plan's query tiles (see its docstring).
 
 Design of the flat kernel: a grid step takes 8 tokens (the index rows' (8, K) block is one
@@ -36,15 +36,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dsv4_jax.kernels import mosaic_tpu_rows as R
-from dsv4_jax.kernels.mosaic_tpu_rows import (  # noqa: F401  (re-exported)
+from dsv4_jax.kernels.mosaic_tpu import rows as R
+from dsv4_jax.kernels.mosaic_tpu.rows import (  # noqa: F401  (re-exported)
     block_shapes,
     compile_target,
     compile_target_chip,
     override_block_k,
     target_chip,
 )
-from dsv4_jax.kernels.xla import no_key_result
+from dsv4_jax.kernels.xla.attention import no_key_result
 from planner.contract import backend_unavailable, value_dim
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))

@@ -48,9 +48,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.kernels import mosaic_tpu_rows as R
-from dsv4_jax.kernels import mosaic_tpu_tile as T
-from dsv4_jax.kernels.mosaic_tpu_tile import ROW_CHUNK, window_rows
+from dsv4_jax.kernels.mosaic_tpu import rows as R
+from dsv4_jax.kernels.mosaic_tpu import tile as T
+from dsv4_jax.kernels.mosaic_tpu.tile import ROW_CHUNK, window_rows
 from dsv4_jax.prefill_metadata import SCALARS, TILE_POSITION, TILE_Q_ROW, KindShape
 from planner import LayerKind
 from planner.contract import value_dim
@@ -113,7 +113,7 @@ def layer(
     shapes=None,
 ):
     """The fused prefill layer call of `dsv4_jax.prefill` for backend "mosaic_tpu" (the arguments
-    every fused layer takes, as `dsv4_jax.prefill_cpu.layer`): meta the kind's `KindMetadata`
+    every fused layer takes, as `dsv4_jax.kernels.cpu.prefill.layer`): meta the kind's `KindMetadata`
     (traced); interpret None (compile) or a `pltpu.InterpretParams`; shapes the `BlockShapes`.
     `out` is not written into (XLA may reuse a donated buffer)."""
     del out

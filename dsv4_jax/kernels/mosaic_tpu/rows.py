@@ -1,4 +1,4 @@
-"""The pieces both Pallas TPU kernels of backend "mosaic_tpu" share (`dsv4_jax.kernels.mosaic_tpu`).
+"""The pieces both Pallas TPU kernels of backend "mosaic_tpu" share (`dsv4_jax.kernels.mosaic_tpu.attention`).
 
 * Chips and block shapes: `block_shapes` picks the key block and the query tile per TPU generation
   from `pltpu.get_tpu_info_for_chip` (VMEM size, MXU width); `target_chip` says which chip a call
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dsv4_jax.kernels.xla_kvcache import dequant_bits_exact
+from dsv4_jax.kernels.xla.kvcache import dequant_bits_exact
 from planner import kvcache as KV
 from planner.contract import D_V
 

@@ -1,5 +1,5 @@
 """The body of the mosaic_tpu prefill kernel: one query tile (one grid step) of
-`dsv4_jax.kernels.mosaic_tpu_prefill` (which builds the pallas_call and documents the design).
+`dsv4_jax.kernels.mosaic_tpu.prefill` (which builds the pallas_call and documents the design).
 
 `kernel(refs, cfg)`: the tile's q rows, block-table rows and top-k rows by DMA, the fp8 scale rows
 of the pages it can read (`_fill_scales`), then the compressed part (CSA: `_topk_phase`, per
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from jax import lax
 
-from dsv4_jax.kernels import mosaic_tpu_rows as R
-from dsv4_jax.kernels.mosaic_tpu import job_table, job_token, pipeline
+from dsv4_jax.kernels.mosaic_tpu import rows as R
+from dsv4_jax.kernels.mosaic_tpu.attention import job_table, job_token, pipeline
 from planner import LayerKind
 
 ROW_CHUNK = 256  # query rows per dense product: 2 tokens at H = 128, 4 at H = 64

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dsv4_jax.kernels.xla import no_key_result
+from dsv4_jax.kernels.xla.attention import no_key_result
 from planner.contract import round_up, value_dim
 
 MIN_BLOCK = 16  # Triton's smallest dot dimension.
@@ -72,7 +72,7 @@ def default_tuning(num_heads: int, d_qk: int, interpret: bool) -> TuningConfig:
     head blocks, or two d_v programs), the second time mostly from L2. The price of 32-row
     blocks is mma.sync instead of Hopper's wgmma (which needs 64 rows per warpgroup); a
     64 x 512 block that would get both spills about 1 KB per thread. Offline figures
-    (bench/triton_resources_jax.py, Triton 3.9 wheel, sm_90a; jaxlib's Triton may differ):
+    (bench/checks/triton_resources_jax.py, Triton 3.9 wheel, sm_90a; jaxlib's Triton may differ):
 
       tiling (bh,bk,dv,w,st)  D=512: smem  regs spill   D=576: smem  regs spill   MMA
       32,64,512,8,2 default         100 KB  255    0          112 KB  255    0   mma.sync
@@ -82,7 +82,7 @@ def default_tuning(num_heads: int, d_qk: int, interpret: bool) -> TuningConfig:
       64,32,512,8,2                 128 KB  255 1000          144 KB  255  964   wgmma
 
     Whether wgmma with recomputed scores beats mma.sync without is for the GPU to say:
-    bench/gpu_check_jax.py times `ALTERNATIVE_TILINGS`.
+    bench/checks/gpu_jax.py times `ALTERNATIVE_TILINGS`.
 
     Interpret mode (CPU): as few, as large programs as possible (one per token for H <= 128).
     """

@@ -9,7 +9,7 @@
   reads their pages from the block table and writes bf16 rows. The per-request arrays are all
   it reads: no per-row metadata exists anywhere.
 
-The elementwise codec is `dsv4_jax.kernels.xla_kvcache`'s (integer math; the GPU's decode takes
+The elementwise codec is `dsv4_jax.kernels.xla.kvcache`'s (integer math; the GPU's decode takes
 float32 math by default, `exact=True` the integer one). Callers check arguments first.
 """
 
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dsv4_jax.kernels.xla_kvcache import (
+from dsv4_jax.kernels.xla.kvcache import (
     NAN_BITS,
     bits_to_bf16,
     dequant_bits_exact,

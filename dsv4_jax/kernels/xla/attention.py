@@ -1,6 +1,6 @@
 """Plain-jnp sparse attention: the reference backend ("xla") of `dsv4_jax.sparse_attention`.
 
-Same math as the Pallas kernel (`dsv4_jax.kernels.pallas_triton`), written with ordinary jnp ops so it
+Same math as the Pallas kernel (`dsv4_jax.kernels.triton.attention`), written with ordinary jnp ops so it
 runs anywhere and serves as the fp32 reference on a GPU. Tiled so memory stays bounded: tokens
 go through `lax.map` in blocks of `block_t`, and each block folds its index row in chunks of
 `block_k` with an online softmax, so live memory is about `block_t * block_k * D` floats

@@ -1,7 +1,7 @@
 """The `fp8_ds_mla` cache on `jax.Array`s in plain jnp / lax: the codec and the xla backend.
 
 The elementwise codec (integer math: the e4m3 cast, the UE8M0 exponent, the exact bf16 decode)
-is shared with the Pallas kernels (`dsv4_jax.kernels.pallas_kvcache`); `quantize_insert` and
+is shared with the Pallas kernels (`dsv4_jax.kernels.triton.kvcache`); `quantize_insert` and
 `gather_dequant` are `dsv4_jax.kvcache`'s "xla" backend (gathers and scatters of whole slots, any
 platform). Callers check arguments first (`dsv4_jax.kvcache`); nothing here reads or writes
 outside the arrays.
