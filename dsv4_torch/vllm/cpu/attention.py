@@ -1,5 +1,5 @@
 """Attention inside vLLM's CPU engine (`DeepseekV4CPUAttention.forward_mqa`, installed by
-`dsv4_torch.vllm.cpu_engine`): prefill tokens through our CPU kernel (`dsv4_cpu`,
+`dsv4_torch.vllm.cpu.engine`): prefill tokens through our CPU kernel (`dsv4_cpu`,
 `dsv4_prefill_attention`, reading vLLM's fp8_ds_mla pages in place, on torch's threads), decode tokens (and prefill
 tokens with DSV4_PREFILL_VLLM_CPU_PREFILL=vllm) through vLLM's `flash_mla_with_kvcache_cpu`, fed
 slot lists built once per step per kind. Also the call counters and timers (`STATS`) that the
@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import time
 
-from dsv4_torch.vllm.cpu_metadata import StepMetadata, local_to_global
+from dsv4_torch.vllm.cpu.metadata import StepMetadata, local_to_global
 
 STEP_ATTR = "_dsv4_prefill_step"  # where the SWA builder leaves the step on vLLM's metadata object
 
@@ -28,7 +28,7 @@ STATS = {
     "dsv4_prefill_seconds": 0.0,
     "vllm_kernel_seconds": 0.0,
     "threads": 0,
-    "dsv4_indexer_calls": 0,  # SparseAttnIndexer.forward_cpu calls through our indexer (dsv4_torch.vllm.cpu_indexer)
+    "dsv4_indexer_calls": 0,  # SparseAttnIndexer.forward_cpu calls through our indexer (dsv4_torch.vllm.cpu.indexer)
     "dsv4_indexer_tokens": 0,
     "dsv4_indexer_seconds": 0.0,
     "vllm_indexer_seconds": 0.0,  # vLLM's own forward_cpu (prefill kernel "vllm" / "dsv4-attention")
@@ -75,10 +75,10 @@ def _step_tokens(step: StepMetadata):
 @timed("dsv4_prefill_seconds")
 def prefill_attention(layer, q, output, step: StepMetadata, swa_md, mla_md) -> None:
     """Our CPU kernel on the step's prefill tokens of one layer, straight from vLLM's caches
-    (fp8_ds_mla pages), on torch's threads (`dsv4_torch.kernels.cpu`)."""
+    (fp8_ds_mla pages), on torch's threads (`dsv4_torch.kernels.cpu.attention`)."""
     import torch
 
-    from dsv4_torch.kernels import cpu
+    from dsv4_torch.kernels.cpu import attention as cpu
 
     kind = layer_kind(layer)
     if q.dtype != torch.bfloat16 or output.dtype != torch.bfloat16 or output.stride(-1) != 1:

