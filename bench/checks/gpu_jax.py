@@ -12,8 +12,8 @@ For V4-Flash (H=64, width 640) and V4-Pro (H=128, width 1152), D=512, T=4096, S=
 Every section is guarded: a failure prints and the script carries on. Without an NVIDIA GPU it
 says so and exits 0. The summary prints each kernel's TFLOPS beside FlashMLA's published 640.
 
-  python -m bench.gpu_check_jax [--budget 80]
-  python -m bench.gpu_check_jax --dry-run   # the same steps on CPU: T=8, interpret (the Mosaic
+  python -m bench.checks.gpu_jax [--budget 80]
+  python -m bench.checks.gpu_jax --dry-run   # the same steps on CPU: T=8, interpret (the Mosaic
                                             # kernel: 1 token, jax >= 0.12); or DSV4_GPU_CHECK_DRY_RUN=1
 """
 
@@ -43,7 +43,7 @@ def _dry_run_shapes():
 
 if DRY_RUN:
     _dry_run_shapes()
-# The tilings timed: dsv4_jax.kernels.pallas_triton.ALTERNATIVE_TILINGS ((block_h, block_k, block_dv,
+# The tilings timed: dsv4_jax.kernels.triton.attention.ALTERNATIVE_TILINGS ((block_h, block_k, block_dv,
 # num_warps, num_stages); None = default_tuning's GPU tiling, used explicitly so a dry run on CPU
 # exercises the very tiling a GPU runs).
 FLASHMLA_TOL = dict(abs=8e-4, rel=3 / 128)
@@ -78,8 +78,8 @@ def main(argv=None):
         import numpy as np
 
         import dsv4_jax
-        from dsv4_jax.kernels.pallas_triton import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas
-        from dsv4_jax.kernels.xla import sparse_attention_xla
+        from dsv4_jax.kernels.triton.attention import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas
+        from dsv4_jax.kernels.xla.attention import sparse_attention_xla
     except Exception as e:  # noqa: BLE001
         print(f"cannot import the JAX path: {type(e).__name__}: {e}")
         return 0
@@ -165,7 +165,7 @@ def main(argv=None):
         mosaic_missing = mosaic.interpret_unavailable() if DRY_RUN else mosaic.unavailable(())
 
         def check_and_time_mosaic():
-            from dsv4_jax.kernels.mosaic import sparse_attention_mosaic
+            from dsv4_jax.kernels.mosaic_gpu.attention import sparse_attention_mosaic
 
             n = 1 if DRY_RUN else T  # interpret mode costs ~0.3 s per 32-key block per 64 heads
             args = (q[:n], kv, idx[:n], sink, tl[:n])

@@ -17,7 +17,7 @@ For an H100 / H200 / B200 machine; installs nothing. Sections (each catches its 
      layer call each and the ratio; the outputs must be bitwise equal
   5. writer speed (8192 tokens) and a short launch sweep of the torch gather (block_r, warps)
 
-Run: python -m bench.gpu_check_kvcache [--budget 60] [--iters 20] [--dry-run]
+Run: python -m bench.checks.gpu_kvcache [--budget 60] [--iters 20] [--dry-run]
 Without a GPU it exits 0 with a message; --dry-run runs tiny shapes on CPU (Triton interpreter,
 Pallas interpret mode) to check the script itself; its timings mean nothing.
 """
@@ -487,7 +487,7 @@ def writer_and_sweep(args, ctx):
     import torch
 
     from dsv4_torch import kvcache as TK
-    from dsv4_torch.kernels import triton_kvcache
+    from dsv4_torch.kernels.triton import kvcache as triton_kvcache
     from planner import kvcache as P
 
     dev = "cuda" if ctx["cuda"] else "cpu"

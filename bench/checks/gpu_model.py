@@ -1,7 +1,7 @@
 """GPU check of the JAX model on real-format weights: one V4-Flash-sized layer on one GPU.
 
-    python -m bench.gpu_check_model [--tokens 4096]
-    python -m bench.gpu_check_model --dry-run     # the same steps on CPU at a tiny size
+    python -m bench.checks.gpu_model [--tokens 4096]
+    python -m bench.checks.gpu_model --dry-run     # the same steps on CPU at a tiny size
 
 `check_flash_layer()`: writes one V4-Flash-sized CSA layer (hidden 4096, 64 heads of 512, FP8
 attention projections with E8M0 128x128 scales, 256 FP4 routed experts of width 2048, top-6,

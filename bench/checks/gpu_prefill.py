@@ -7,7 +7,7 @@ D 512, top-k 512 / 1024, W 128), one layer of each kind runs through `dsv4_torch
 workspace MiB, and the step time summed over the model's layers of each kind; the adaptive plan's
 output is compared with the fixed plan's (bitwise expected: same index rows, same kernel).
 
-Run: python -m bench.gpu_check_prefill [--seconds 150] [--frameworks torch,jax] [--workloads a,b] [--dry-run]
+Run: python -m bench.checks.gpu_prefill [--seconds 150] [--frameworks torch,jax] [--workloads a,b] [--dry-run]
 Without a GPU it exits 0 with a message; --dry-run runs tiny shapes on CPU to check the script.
 """
 
@@ -153,11 +153,11 @@ def main(argv=None):
             import torch
 
             if not torch.cuda.is_available():
-                print("gpu_check_prefill: no CUDA GPU visible to torch; nothing to do (use --dry-run on CPU)")
+                print("bench.checks.gpu_prefill: no CUDA GPU visible to torch; nothing to do (use --dry-run on CPU)")
                 return 0
             print(f"GPU: {torch.cuda.get_device_name()} (SM{''.join(map(str, torch.cuda.get_device_capability()))})")
         except ImportError:
-            print("gpu_check_prefill: torch missing")
+            print("bench.checks.gpu_prefill: torch missing")
     scale = 1 / 64 if dry else 1.0
     shapes = [("V4-Flash", 64, 512), ("V4-Pro", 128, 1024)] if not dry else [("tiny", 4, 16)]
     D = 32 if dry else 512

@@ -19,7 +19,7 @@ Every section catches its own errors, prints them and goes on; a section not sta
 Without a GPU it says so and exits 0; --dry-run runs the same code on tiny CPU shapes (reference
 backend, and Triton under its interpreter) to check the script itself.
 
-Run: python -m bench.gpu_check_torch [--tokens 4096] [--rows 65536] [--iters 10] [--sweep-seconds 30] [--budget 100]
+Run: python -m bench.checks.gpu_torch [--tokens 4096] [--rows 65536] [--iters 10] [--sweep-seconds 30] [--budget 100]
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def real_shapes(args, device, results):
 def triton_sweep(args, device, results):
     import torch
 
-    from dsv4_torch.kernels import triton_sparse as ts
+    from dsv4_torch.kernels.triton import attention as ts
 
     if "triton" not in gpu_backends(device):
         print("triton unavailable: no sweep")

@@ -15,8 +15,8 @@ fp8 slot its own 576 bytes, plus each tile's copy of the scale rows of the pages
 576 bytes per page), DMAs issued (HBM and VMEM-to-VMEM), and the roofline time
 max(FLOPs / peak, bytes / HBM bandwidth) on the chip. The table in docs/benchmarks.md is its output.
 
-  python -m bench.tpu_check                 # on a TPU: the checks; elsewhere: the cost model
-  python -m bench.tpu_check --model --chip v6e
+  python -m bench.checks.tpu                 # on a TPU: the checks; elsewhere: the cost model
+  python -m bench.checks.tpu --model --chip v6e
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def _tiles(q_len: int, context: int, bt: int):
 
 def kernel_cost(model: str, kind: str, q_len: int, context: int, requests: int, chip: str, fp8: bool = True, bt=16):
     """Modeled cost of one prefill layer of the mosaic_tpu kernel (our design)."""
-    from dsv4_jax.kernels import mosaic_tpu_prefill as TP
-    from dsv4_jax.kernels import mosaic_tpu_rows as R
+    from dsv4_jax.kernels.mosaic_tpu import prefill as TP
+    from dsv4_jax.kernels.mosaic_tpu import rows as R
 
     H, topk = MODELS[model]["H"], MODELS[model]["topk"]
     bk = R.block_shapes(chip).block_k
@@ -113,7 +113,7 @@ def per_token_cost(model: str, kind: str, q_len: int, context: int, requests: in
     own keys (window + compressed part) and scores them alone, M = H rows per product, blocks of
     the MXU width; its cache rows are read once per token (it keeps the bytes of its own layout:
     counted here at the cache's 584 / 1024 bytes per key)."""
-    from dsv4_jax.kernels import mosaic_tpu_rows as R
+    from dsv4_jax.kernels.mosaic_tpu import rows as R
 
     H, topk = MODELS[model]["H"], MODELS[model]["topk"]
     bk = R.block_shapes(chip).block_k
@@ -130,7 +130,7 @@ def per_token_cost(model: str, kind: str, q_len: int, context: int, requests: in
 
 
 def roofline_ms(cost: dict, chip: str) -> float:
-    from dsv4_jax.kernels import mosaic_tpu_rows as R
+    from dsv4_jax.kernels.mosaic_tpu import rows as R
 
     info = R.chip_info(chip)
     cores = 2 if chip in ("v4", "v5p") else 1
@@ -181,7 +181,7 @@ def _tpu_flat_check(repeat: int) -> None:
 
     import dsv4_jax
     from bench.common import random_sparse_inputs
-    from dsv4_jax.kernels import mosaic_tpu_rows as R
+    from dsv4_jax.kernels.mosaic_tpu import rows as R
 
     chip = R.target_chip()
     peak = R.chip_info(chip).bf16_ops_per_second * (2 if chip in ("v4", "v5p") else 1)
@@ -211,7 +211,7 @@ def _tpu_prefill_check(repeat: int) -> None:
     import planner as P
     from dsv4_jax import kvcache
     from dsv4_jax import prefill as JP
-    from dsv4_jax.kernels import mosaic_tpu_rows as R
+    from dsv4_jax.kernels.mosaic_tpu import rows as R
     from planner.kvcache import page_bytes
 
     chip = R.target_chip()
@@ -288,11 +288,11 @@ def main(argv=None):
     ap.add_argument("--bf16", action="store_true", help="cost model with bf16 caches instead of fp8_ds_mla")
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
-    from dsv4_jax.kernels import mosaic_tpu_rows as R
+    from dsv4_jax.kernels.mosaic_tpu import rows as R
 
     if args.model or R.tpu_device_chip() is None:
         if not args.model:
-            print("no TPU here: the cost model instead (python -m bench.tpu_check --model)\n")
+            print("no TPU here: the cost model instead (python -m bench.checks.tpu --model)\n")
         print_cost_model(tuple((args.chip or "v5e,v6e").split(",")), fp8=not args.bf16)
         return
     print(f"TPU: {R.tpu_device_chip()}")

@@ -1,6 +1,6 @@
 """Offline resource check of the Pallas kernel's Triton build: no GPU needed.
 
-Lowers `dsv4_jax.kernels.pallas_triton.sparse_attention_pallas` for CUDA on this machine, takes
+Lowers `dsv4_jax.kernels.triton.attention.sparse_attention_pallas` for CUDA on this machine, takes
 the Triton IR that Pallas produced (`tools.aot.triton_ir`), compiles it with the `triton` pip
 wheel for an SM90 (or SM100) target and runs the wheel's ptxas with -v (`tools.triton_compile`).
 Prints, per tiling: shared memory, registers per
@@ -11,11 +11,11 @@ more than 227 KB of shared memory will be slow or fail on the GPU; this finds ou
 Caveat: XLA compiles Pallas kernels with the Triton bundled in jaxlib, not the pip wheel, so
 numbers are indicative (same IR, possibly different Triton passes).
 
-  python -m bench.triton_resources_jax                 # default tilings, V4-Flash and V4-Pro shapes
-  python -m bench.triton_resources_jax --alternatives  # pallas_triton.ALTERNATIVE_TILINGS
-  python -m bench.triton_resources_jax --sweep         # a grid of tilings
-  python -m bench.triton_resources_jax --arch 100      # Blackwell target
-  python -m bench.triton_resources_jax --d 576 --shape V4-Pro --tiling 64,16,256,8,2
+  python -m bench.checks.triton_resources_jax                 # default tilings, V4-Flash and V4-Pro shapes
+  python -m bench.checks.triton_resources_jax --alternatives  # pallas_triton.ALTERNATIVE_TILINGS
+  python -m bench.checks.triton_resources_jax --sweep         # a grid of tilings
+  python -m bench.checks.triton_resources_jax --arch 100      # Blackwell target
+  python -m bench.checks.triton_resources_jax --d 576 --shape V4-Pro --tiling 64,16,256,8,2
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import argparse
 import itertools
 import time
 
-from dsv4_jax.kernels.pallas_triton import ALTERNATIVE_TILINGS, default_tuning
+from dsv4_jax.kernels.triton.attention import ALTERNATIVE_TILINGS, default_tuning
 from tools.aot import triton_ir
 from tools.triton_compile import compile_ttir
 

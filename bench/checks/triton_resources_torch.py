@@ -6,9 +6,9 @@ H100 (sm_90), B200 (sm_100), A100 (sm_80), L40/4090 (sm_89) or RTX 50xx (sm_120)
 thread, spill bytes (ptxas -v), shared memory, whether the matmuls became wgmma (Hopper,
 BLOCK_H >= 64), tcgen05 (datacenter Blackwell) or mma.sync, and how many local-memory
 loads/stores (spills) sit inside the key loop (nvdisasm). It cannot tell speed; the GPU check
-script (`python -m bench.gpu_check_torch`) measures that.
+script (`python -m bench.checks.gpu_torch`) measures that.
 
-Run: python -m bench.triton_resources_torch [--arch 90] [--dim 576] [--dtype bf16] [--sweep]
+Run: python -m bench.checks.triton_resources_torch [--arch 90] [--dim 576] [--dtype bf16] [--sweep]
      [--configs "64,16,8,2 64,32,8,1"]   (unset TRITON_INTERPRET first)
 
 Figures (Triton 3.9, bf16, H = 64; regs / spill B / loop LDL+STL / smem B):
@@ -25,7 +25,7 @@ Figures (Triton 3.9, bf16, H = 64; regs / spill B / loop LDL+STL / smem B):
 of feeding the accumulator to tl.dot (a second 64 x 512 fp32 temporary); every other row is the
 current kernel ("-": not measured). sm_80 and sm_120 run BLOCK_H = 32 (32,32,8,2): 180-186
 registers, no spills, 67712 / 75904 B of shared memory (fits sm_120's ~100 KB; BLOCK_K = 64
-does not). Defaults per arch: `dsv4_torch.kernels.triton_sparse.default_config`.
+does not). Defaults per arch: `dsv4_torch.kernels.triton.attention.default_config`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def compile_config(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from dsv4_torch.kernels import triton_sparse as ts
+    from dsv4_torch.kernels.triton import attention as ts
     from planner.oracle import value_dim
 
     d_v = value_dim(dim)
@@ -142,7 +142,7 @@ def main():
 
     import torch
 
-    from dsv4_torch.kernels import triton_sparse as ts
+    from dsv4_torch.kernels.triton import attention as ts
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     default = ts.default_config(args.heads, args.dim, torch_dtype, arch=args.arch)
