@@ -1,17 +1,25 @@
 """`python -m dsv4_cpu build`: build the CPU kernels (and, for each installed framework, its binding)
-ahead of time, e.g. in a container image; `python -m dsv4_cpu info`: what is built and what runs."""
+ahead of time, e.g. in a container image; `python -m dsv4_cpu info`: what is built and what runs.
+
+The library knows no framework: each framework package registers the builder of its binding as
+an entry point of group `dsv4_cpu.bindings` (pyproject.toml: torch's parallel-for library,
+`dsv4_torch.kernels.cpu.library:torch_parallel_library`; JAX's FFI handlers,
+`dsv4_jax.kernels.cpu.library:ffi_library`), and `build` calls those of the frameworks installed."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import sys
 
+GROUP = "dsv4_cpu.bindings"
 
-def _frameworks(names: list[str] | None) -> list[str]:
-    if names:
-        return names
-    return [n for n in ("torch", "jax") if importlib.util.find_spec(n) is not None]
+
+def bindings() -> dict:
+    """Framework name -> the entry point of its binding's builder (registered, framework installed)."""
+    eps = importlib.metadata.entry_points(group=GROUP)
+    return {ep.name: ep for ep in sorted(eps, key=lambda e: e.name) if importlib.util.find_spec(ep.name) is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,18 +39,21 @@ def main(argv: list[str] | None = None) -> int:
             "instruction sets: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in binding.isa_supported().items())
         )
         print(f"best (bf16): {binding.best_isa()}")
+        print(f"bindings registered ({GROUP}): {', '.join(bindings()) or 'none'}")
         return 0
+    found = bindings()
+    missing = [fw for fw in args.framework or () if fw not in found]
+    if missing:
+        print(
+            f"python -m dsv4_cpu build: no binding registered for {', '.join(missing)} (entry points {GROUP!r}: "
+            "install the project, `pip install -e .`, and the framework)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         print(build.build_kernels())
-        for fw in _frameworks(args.framework):
-            if fw == "torch":
-                from dsv4_torch.kernels.cpu import library as cpu
-
-                print(cpu.torch_parallel_library())
-            else:
-                from dsv4_jax.kernels.cpu import library as cpu
-
-                print(cpu.ffi_library())
+        for fw in args.framework or list(found):
+            print(found[fw].load()())
     except RuntimeError as e:
         print(f"python -m dsv4_cpu build: {e}", file=sys.stderr)
         return 1

@@ -21,6 +21,7 @@ devices (or without an interpret mode, asked for one) `BackendUnavailableError` 
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,17 +32,33 @@ from dsv4_jax import devices
 from planner.contract import backend_unavailable
 
 
+def load(path: str) -> Callable:
+    """The callable a table entry names as "module:function", imported on first use: the only
+    place a name becomes a callable (so `import dsv4_jax` imports no kernel module)."""
+    module, fn = path.split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
 @dataclass(frozen=True)
 class Backend:
     """One kernel. `unavailable(arrays)` says why its compiled form cannot run on the arrays'
     devices (None: it can); `interpret_unavailable()` why its interpret mode cannot run here
-    (only for kernels with one); `serves(q)` why it cannot take q's shape (beyond its dtypes)."""
+    (only for kernels with one); `serves(q)` why it cannot take q's shape (beyond its dtypes).
+
+    Its callables come resolved, each imported on first use: `kernel` (the table's operation:
+    sparse attention `(q, kv, indices, sm_scale, sink, topk_length[, interpret=])`, the indexer's
+    top-k), `prefill` (a per-layer call that replaces the chunk loop, or None), `op(name)` (a
+    cache backend's "gather" / "insert"; with `interpret=` where the backend has an interpret
+    mode). `has_backward`: whether `jax.grad` goes through it (xla: JAX's autodiff of plain jnp;
+    the cpu backend's FFI calls raise NotImplementedError, the Pallas kernels have no derivative
+    rule)."""
 
     name: str
     summary: str
     dtypes: tuple
     unavailable: Callable[[tuple], str | None]
-    function: str = ""  # "module:function": (q, kv, indices, sm_scale, sink, topk_length[, interpret=])
+    function: str = ""  # "module:function" of the kernel
+    backward: bool = False  # jax.grad goes through it
     interpret: bool = False  # has an interpret mode (any platform)
     interpret_unavailable: Callable[[], str | None] = lambda: None
     serves: Callable[[object], str | None] = lambda q: None
@@ -49,11 +66,28 @@ class Backend:
     # static keyword arguments of the fused layer call for an `interpret` value (e.g. the TPU
     # kernel's interpret parameters and the block shapes of the chip it compiles for)
     prefill_options: Callable[[object], tuple] = lambda interpret: ()
-    ops: tuple[str, ...] = ()  # cache backends: "gather", "insert"
+    operations: tuple[tuple[str, str], ...] = ()  # cache backends: (op, "module:function") pairs
 
-    def kernel(self):
-        module, fn = self.function.split(":")
-        return getattr(importlib.import_module(module), fn)
+    @property
+    def has_backward(self) -> bool:
+        return self.backward
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """A cache backend's operations ("gather", "insert")."""
+        return tuple(op for op, _ in self.operations)
+
+    @functools.cached_property
+    def kernel(self) -> Callable:
+        return load(self.function)
+
+    @functools.cached_property
+    def prefill(self) -> Callable | None:
+        return load(self.fused_prefill) if self.fused_prefill else None
+
+    def op(self, name: str) -> Callable:
+        """A cache backend's callable for operation `name` (KeyError: it has none)."""
+        return load(dict(self.operations)[name])
 
 
 _BF16, _F16, _F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
@@ -149,6 +183,7 @@ ATTENTION = {
             (_BF16, _F16, _F32),
             _ANY,
             "dsv4_jax.kernels.xla.attention:sparse_attention_xla",
+            backward=True,
         ),
         Backend(
             "cpu",
@@ -195,16 +230,37 @@ AUTO = {"gpu": ("mosaic_gpu", "triton", "xla"), "cpu": ("cpu", "xla"), "tpu": ("
 CACHE = {
     b.name: b
     for b in (
-        Backend("xla", "plain jnp / lax: any platform", (), _ANY, ops=("gather", "insert")),
+        Backend(
+            "xla",
+            "plain jnp / lax: any platform",
+            (),
+            _ANY,
+            operations=(
+                ("gather", "dsv4_jax.kernels.xla.kvcache:gather_dequant"),
+                ("insert", "dsv4_jax.kernels.xla.kvcache:quantize_insert"),
+            ),
+        ),
         Backend(
             "triton",
             "Pallas kernels lowered through Triton: NVIDIA GPUs",
             (),
             _triton,
             interpret=True,
-            ops=("gather", "insert"),
+            operations=(
+                ("gather", "dsv4_jax.kernels.triton.kvcache:gather_dequant"),
+                ("insert", "dsv4_jax.kernels.triton.kvcache:quantize_insert"),
+            ),
         ),
-        Backend("cpu", "the C gather (dsv4_cpu) as an XLA FFI call: CPU arrays", (), _cpu, ops=("gather",)),
+        Backend(
+            "cpu",
+            "the C gather (dsv4_cpu) as an XLA FFI call: CPU arrays",
+            (),
+            _cpu,
+            operations=(
+                ("gather", "dsv4_jax.kernels.cpu.kvcache:gather_dequant"),
+                ("gather_segments", "dsv4_jax.kernels.cpu.kvcache:gather_segments"),  # the prefill's workspace regions
+            ),
+        ),
     )
 }
 CACHE_AUTO = {"gpu": ("triton", "xla"), "cpu": ("cpu", "xla")}
@@ -337,4 +393,4 @@ def run_backend(name: str, q, kv, indices, sm_scale: float, attn_sink=None, topk
     checks; the prefill's tiles, resolved once per layer call)."""
     b = ATTENTION[name]
     kw = {"interpret": interpret} if b.interpret else {}
-    return b.kernel()(q, kv, indices, sm_scale, attn_sink, topk_length, **kw)
+    return b.kernel(q, kv, indices, sm_scale, attn_sink, topk_length, **kw)

@@ -105,7 +105,7 @@ def indexer_topk(
     req = jnp.asarray(token_request, jnp.int32)
     pos = jnp.asarray(token_position, jnp.int32)
     ok = jnp.ones((T,), jnp.int32) if valid is None else jnp.asarray(valid).astype(jnp.int32)
-    fn = backends.INDEXER[name].kernel()
+    fn = backends.INDEXER[name].kernel
     if name == "cpu":
         idx, val = fn(q, weights, keys, req, pos, ok, compress_ratio=compress_ratio, topk=topk, offsets=offsets,
                       block_table=block_table)  # fmt: skip

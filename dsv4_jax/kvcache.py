@@ -37,8 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax import backends
-from dsv4_jax.kernels.triton import kvcache as pallas_kvcache
-from dsv4_jax.kernels.xla import kvcache as xla_kvcache
 from planner import kvcache as ref
 from planner.checks import as_int
 from planner.kvcache import HEAD_DIM, SLOT_DATA_BYTES, SLOT_SCALE_BYTES, page_bytes
@@ -118,9 +116,9 @@ def quantize_and_insert_k_cache(
         ref.check_slot_mapping(np.asarray(slot_mapping), k.shape[0], num_blocks * S)
     if n == 0:
         return k_cache
-    if name == "xla":
-        return xla_kvcache.quantize_insert(k[:n], k_cache, slot_mapping.astype(jnp.int32), S)
-    return pallas_kvcache.quantize_insert(k[:n], k_cache, slot_mapping.astype(jnp.int32), S, interpret=bool(interpret))
+    b = backends.CACHE[name]
+    kw = {"interpret": bool(interpret)} if b.interpret else {}
+    return b.op("insert")(k[:n], k_cache, slot_mapping.astype(jnp.int32), S, **kw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,13 +188,9 @@ def dequantize_and_gather_k_cache(
     seq = seq_lens.astype(jnp.int32)
     glen = seq if gather_lens is None else gather_lens.astype(jnp.int32)
     bt = block_table[:R].astype(jnp.int32)
-    if name == "xla":
-        return xla_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
-    if name == "cpu":
-        from dsv4_jax.kernels.cpu import kvcache as cpu
-
-        return cpu.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
-    return pallas_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset, interpret=bool(interpret))
+    b = backends.CACHE[name]
+    kw = {"interpret": bool(interpret)} if b.interpret else {}
+    return b.op("gather")(out, k_cache, seq, glen, bt, S, offset, **kw)
 
 
 # --------------------------------------------------------------------------------------------

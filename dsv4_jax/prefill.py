@@ -55,7 +55,6 @@ count, cache sizes, top-k rows on the host) run when the metadata still carries 
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import NamedTuple
 
 import jax
@@ -64,7 +63,6 @@ import numpy as np
 from jax import lax
 
 from dsv4_jax import backends
-from dsv4_jax import kvcache as jax_kvcache
 from dsv4_jax.backends import resolve_backend, run_backend
 from dsv4_jax.prefill_kv import (  # noqa: F401  (the caches are part of this module's API)
     KVSource,
@@ -145,17 +143,17 @@ def _run_ladder(count, ladder, body, carry):
     return carry
 
 
-def _gather_region(ws, src, f: _Fields, region_start, s0, s1, dst_offset, src_start, ladder):
+def _gather_region(ws, src, f: _Fields, region_start, s0, s1, dst_offset, src_start, ladder, gather: str):
     """One region (compressed or raw) of a chunk into the workspace, one gather per tile.
 
     Segment s of the chunk owns flat rows region_start[s] .. region_start[s+1] - 1; its row j
     goes to workspace row seg_row_base[s] + dst_offset + j and comes from entry
-    (src_start[s] if given else 0) + j of request seg_request[s].
+    (src_start[s] if given else 0) + j of request seg_request[s]. gather: the cache backend
+    resolved for the layer call (`gather_backend`): "cpu" gathers fp8_ds_mla pages with the C
+    kernel (an XLA FFI call), else the tiles' exact decode (the same bits).
     """
-    if isinstance(src, PagedKV) and src.fp8 and _cpu_gather():
-        from dsv4_jax.kernels.cpu import kvcache as cpu
-
-        return cpu.gather_segments(
+    if isinstance(src, PagedKV) and src.fp8 and gather == "cpu":
+        return backends.CACHE["cpu"].op("gather_segments")(
             ws,
             src.pages,
             src.block_table,
@@ -185,18 +183,21 @@ def _gather_region(ws, src, f: _Fields, region_start, s0, s1, dst_offset, src_st
     return _run_ladder(count, ladder, tile, ws)
 
 
-def _cpu_gather() -> bool:
-    """Whether fp8_ds_mla pages are gathered by the C kernel (an XLA FFI call): on the CPU
-    platform (where a jitted call runs) when it builds; else by the tiles' exact decode (the
-    same bits)."""
-    return jax_kvcache.resolve_backend("auto") == "cpu"
+def gather_backend(raw, comp) -> str:
+    """The cache backend that gathers a layer call's fp8_ds_mla pages, resolved once per call
+    on the host: "cpu" (the C kernel) where "auto" picks it for the pages (CPU arrays, the
+    library builds), else "xla" (the tiles' exact decode, the same bits). Rows in q's dtype are
+    always gathered by the tiles."""
+    pages = [s.pages for s in (raw, comp) if isinstance(s, PagedKV) and s.fp8]
+    return "xla" if not pages else backends.resolve_cache_backend("auto", *pages, op="gather")
 
 
-def _gather_chunk(ws, f: _Fields, c, raw, comp, shape: KindShape):
+def _gather_chunk(ws, f: _Fields, c, raw, comp, shape: KindShape, gather: str):
     s0, s1 = f.chunk_seg_start[c], f.chunk_seg_start[c + 1]
+    ladder = shape.gather_ladder
     if comp is not None:
-        ws = _gather_region(ws, comp, f, f.seg_comp_start, s0, s1, 0, None, shape.gather_ladder)
-    return _gather_region(ws, raw, f, f.seg_raw_start, s0, s1, f.chunk_n[c], f.seg_gather_start, shape.gather_ladder)
+        ws = _gather_region(ws, comp, f, f.seg_comp_start, s0, s1, 0, None, ladder, gather)
+    return _gather_region(ws, raw, f, f.seg_raw_start, s0, s1, f.chunk_n[c], f.seg_gather_start, ladder, gather)
 
 
 def _tile_indices(f: _Fields, shape: KindShape, c, k, valid, topk_rows):
@@ -243,7 +244,7 @@ TRACE_COUNT = {"prefill": 0}  # traces of `_prefill_jit`; each is one compilatio
 
 @functools.partial(
     jax.jit,
-    static_argnames=("shape", "sm_scale", "backend", "interpret", "fused_options", "fill"),
+    static_argnames=("shape", "sm_scale", "backend", "gather", "interpret", "fused_options", "fill"),
     donate_argnames=("out",),
 )
 def _prefill_jit(
@@ -258,20 +259,20 @@ def _prefill_jit(
     shape: KindShape,
     sm_scale: float,
     backend: str,
+    gather: str = "xla",
     interpret=False,
     fused_options: tuple = (),
     fill=0.0,
 ):
-    """The layer call on resolved backend `backend`. `out`: a donated buffer for the result (None:
+    """The layer call on resolved backend `backend` (and fp8 page gathers on cache backend
+    `gather`, `gather_backend`). `out`: a donated buffer for the result (None:
     XLA allocates it). `fill`: the workspace's initial value (tests pass NaN: rows no chunk wrote
     must never reach an output)."""
     TRACE_COUNT["prefill"] += 1
     f = _Fields.of(table)
     T_q, H, D = q.shape
-    fused = backends.ATTENTION[backend].fused_prefill
-    if fused and T_q:  # a kernel that reads the caches itself: one call, no workspace, no chunk loop
-        module, fn = fused.split(":")
-        layer = getattr(importlib.import_module(module), fn)
+    layer = backends.ATTENTION[backend].prefill
+    if layer is not None and T_q:  # a kernel that reads the caches itself: one call, no workspace, no chunk loop
         meta = KindMetadata(table, shape)
         kw = dict(sm_scale=sm_scale, attn_sink=attn_sink, topk_indices=topk_rows, out=out, **dict(fused_options))
         return layer(q, meta, raw, comp, **kw)
@@ -282,7 +283,7 @@ def _prefill_jit(
 
     def chunk(c, carry):
         ws, out = carry
-        ws = _gather_chunk(ws, f, c, raw, comp, shape)
+        ws = _gather_chunk(ws, f, c, raw, comp, shape, gather)
         t0, t1 = f.chunk_token_start[c], f.chunk_token_start[c + 1]
 
         def attend(out, off, size):
@@ -394,6 +395,7 @@ def prefill_attention(
         shape=shape,
         sm_scale=float(sm_scale),
         backend=name,
+        gather=gather_backend(raw, comp),
         interpret=interpret,
         fused_options=entry.prefill_options(interpret) if entry.fused_prefill else (),
     )
@@ -445,13 +447,14 @@ def gather_workspace(
         rows, _ = _flat_rows(raw)
         D, default = rows.shape[1], rows.dtype
     dtype = jnp.dtype(default if dtype is None else dtype)
-    return _gather_jit(meta.table, raw, comp, jnp.int32(c), shape=meta.shape, D=D, dtype=dtype)
+    gather = gather_backend(raw, comp)
+    return _gather_jit(meta.table, raw, comp, jnp.int32(c), shape=meta.shape, D=D, dtype=dtype, gather=gather)
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "D", "dtype"))
-def _gather_jit(table, raw, comp, c, *, shape, D, dtype):
+@functools.partial(jax.jit, static_argnames=("shape", "D", "dtype", "gather"))
+def _gather_jit(table, raw, comp, c, *, shape, D, dtype, gather):
     ws = jnp.zeros((shape.workspace_rows, D), dtype)
-    return _gather_chunk(ws, _Fields.of(table), c, raw, comp, shape)
+    return _gather_chunk(ws, _Fields.of(table), c, raw, comp, shape, gather)
 
 
 # ----------------------------------------------------------------------------- checks

@@ -16,6 +16,7 @@ order below, and the caller can read which backend ran (`KindMetadata.last_backe
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,25 +27,58 @@ from dsv4_torch import devices
 from planner.contract import BackendUnavailableError, backend_unavailable
 
 
+def load(path: str) -> Callable:
+    """The callable a table entry names as "module:function", imported on first use: the only
+    place a name becomes a callable (so `import dsv4_torch` imports no kernel module)."""
+    module, fn = path.split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
 @dataclass(frozen=True)
 class Backend:
     """One kernel. `unavailable(device)` says why it cannot run on tensors on `device` (None: it
-    can); `serves(q)` why it cannot take this q (shape), beyond dtype and device."""
+    can); `serves(q)` why it cannot take this q (shape), beyond dtype and device.
+
+    Its callables come resolved, each imported on first use: `kernel` (the table's operation:
+    sparse attention, the indexer's top-k), `backward_kernel` (the differentiable form, taking
+    dropout; None without a backward), `prefill` (a per-layer call that replaces the chunk loop,
+    or None), `op(name)` (a cache backend's "gather" / "insert")."""
 
     name: str
     summary: str
     dtypes: tuple[torch.dtype, ...]
     device_types: tuple[str, ...]
     unavailable: Callable[[torch.device], str | None]
-    function: str = ""  # "module:function" of the sparse-attention kernel
-    backward: bool = False  # has a backward pass (and attention dropout)
+    function: str = ""  # "module:function" of the kernel
+    backward: str = ""  # "module:function" of the differentiable form (with attention dropout); "" = none
     fused_prefill: str = ""  # "module:function" of a per-layer call that replaces the chunk loop
-    ops: tuple[str, ...] = ()  # cache backends: the operations it has ("gather", "insert")
+    operations: tuple[tuple[str, str], ...] = ()  # cache backends: (op, "module:function") pairs
     serves: Callable[[torch.Tensor], str | None] = lambda q: None
 
-    def kernel(self):
-        module, fn = self.function.split(":")
-        return getattr(importlib.import_module(module), fn)
+    @property
+    def has_backward(self) -> bool:
+        return bool(self.backward)
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """A cache backend's operations ("gather", "insert")."""
+        return tuple(op for op, _ in self.operations)
+
+    @functools.cached_property
+    def kernel(self) -> Callable:
+        return load(self.function)
+
+    @functools.cached_property
+    def backward_kernel(self) -> Callable | None:
+        return load(self.backward) if self.backward else None
+
+    @functools.cached_property
+    def prefill(self) -> Callable | None:
+        return load(self.fused_prefill) if self.fused_prefill else None
+
+    def op(self, name: str) -> Callable:
+        """A cache backend's callable for operation `name` (KeyError: it has none)."""
+        return load(dict(self.operations)[name])
 
 
 # ----------------------------------------------------------------------------- why not
@@ -141,7 +175,7 @@ ATTENTION = {
             ("cpu", "cuda"),
             _ANY,
             "dsv4_torch.kernels.reference.attention:sparse_attention_reference",
-            backward=True,
+            backward="dsv4_torch.kernels.reference.attention:sparse_attention_reference_autograd",
         ),
     )
 }
@@ -157,10 +191,31 @@ CACHE = {
             (),
             ("cuda", "cpu"),
             _triton_cache,
-            ops=("gather", "insert"),
+            operations=(
+                ("gather", "dsv4_torch.kernels.triton.kvcache:gather_dequant"),
+                ("insert", "dsv4_torch.kernels.triton.kvcache:quantize_insert"),
+                ("gather_rows", "dsv4_torch.kernels.triton.gather:gather_rows"),  # the prefill's rows in q's dtype
+            ),
         ),
-        Backend("cpu", "the C gather (dsv4_cpu): CPU tensors", (), ("cpu",), _cpu, ops=("gather",)),
-        Backend("reference", "vectorized torch: any device", (), ("cpu", "cuda"), _ANY, ops=("gather", "insert")),
+        Backend(
+            "cpu",
+            "the C gather (dsv4_cpu): CPU tensors",
+            (),
+            ("cpu",),
+            _cpu,
+            operations=(("gather", "dsv4_torch.kernels.cpu.kvcache:gather_dequant"),),
+        ),
+        Backend(
+            "reference",
+            "vectorized torch: any device",
+            (),
+            ("cpu", "cuda"),
+            _ANY,
+            operations=(
+                ("gather", "dsv4_torch.kernels.reference.kvcache:gather_dequant"),
+                ("insert", "dsv4_torch.kernels.reference.kvcache:quantize_insert"),
+            ),
+        ),
     )
 }
 CACHE_AUTO = {"cuda": ("triton", "reference"), "cpu": ("cpu", "reference")}
@@ -224,8 +279,8 @@ def resolve_backend(backend: str, q: torch.Tensor, *, needs_grad: bool = False, 
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
     if needs_grad or dropout_p:
-        if backend == "auto" or ATTENTION[backend].backward:
-            return next(b.name for b in ATTENTION.values() if b.backward)
+        if backend == "auto" or ATTENTION[backend].has_backward:
+            return next(b.name for b in ATTENTION.values() if b.has_backward)
         if needs_grad:
             why = "no backward, and this call needs a gradient (grad mode is on and q, kv or attn_sink requires grad)"
             fix = "run it under torch.no_grad()"
@@ -288,22 +343,19 @@ def run_backend(name: str, q, kv, indices, sm_scale: float, attn_sink, topk_leng
     """Run resolved backend `name` on checked arguments (`sparse_attention` after its checks and
     `resolve_backend`; the prefill's chunk loop, which resolves once per layer call). kv (S, D),
     indices (T, K); grad / dropout_p as resolved."""
-    if grad or dropout_p:  # the reference backend, with its backward / dropout
-        from dsv4_torch.kernels.reference import attention as reference
-
+    b = ATTENTION[name]
+    if grad or dropout_p:  # resolve_backend returned a backend with a backward (and dropout)
         seed = _dropout_seed() if dropout_p else 0
         if grad:
-            return reference.sparse_attention_reference_autograd(
+            return b.backward_kernel(
                 q, kv, indices, sm_scale, attn_sink, topk_length, dropout_p=dropout_p, dropout_seed=seed
             )
         with torch.no_grad():
-            return reference.sparse_attention_reference(
-                q, kv, indices, sm_scale, attn_sink, topk_length, dropout_p=dropout_p, dropout_seed=seed
-            )
+            return b.kernel(q, kv, indices, sm_scale, attn_sink, topk_length, dropout_p=dropout_p, dropout_seed=seed)
     with torch.no_grad():
         if q.shape[0] == 0 or q.shape[1] == 0:  # never launch a kernel on zero rows
             return _empty_result(q, name)
-        return ATTENTION[name].kernel()(q, kv, indices, sm_scale, attn_sink, topk_length)
+        return b.kernel(q, kv, indices, sm_scale, attn_sink, topk_length)
 
 
 def resolve_cache_backend(backend: str, device: torch.device, op: str) -> str:
@@ -342,7 +394,7 @@ def _empty_result(q: torch.Tensor, backend: str):
     from planner.contract import value_dim
 
     T, H, D = q.shape
-    stat = torch.float64 if (q.dtype == torch.float64 and ATTENTION[backend].backward) else torch.float32
+    stat = torch.float64 if (q.dtype == torch.float64 and ATTENTION[backend].has_backward) else torch.float32
     return (
         torch.empty((T, H, value_dim(D)), dtype=q.dtype, device=q.device),
         torch.empty((T, H), dtype=stat, device=q.device),

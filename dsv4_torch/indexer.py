@@ -171,7 +171,7 @@ def indexer_topk(
             name,
         )
     with torch.no_grad():
-        fn = backends.INDEXER[name].kernel()
+        fn = backends.INDEXER[name].kernel
         if name == "reference":
             fn = functools.partial(fn, elems=int(reference_elems))
         idx, val = fn(q, weights, keys, req, pos, compress_ratio, topk, offsets, block_table)

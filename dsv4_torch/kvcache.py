@@ -9,7 +9,7 @@ reference, whose bytes and values these match exactly):
 Backends (keyword `backend=`):
   "triton"     Triton kernels (`dsv4_torch/kernels/triton/kvcache.py`): CUDA/ROCm tensors, or CPU
                tensors under TRITON_INTERPRET=1 (slow; for tests).
-  "cpu"        the gather only: a C kernel for CPU tensors (`dsv4_torch/kernels/cpu/attention.py`,
+  "cpu"        the gather only: a C kernel for CPU tensors (`dsv4_torch/kernels/cpu/kvcache.py`,
                compiled once per machine with the system C compiler), one pass over the rows.
   "reference"  vectorized torch, any device (`dsv4_torch/kernels/reference/kvcache.py`; on a GPU its
                gather syncs once for the row count).
@@ -34,7 +34,6 @@ import numbers
 import torch
 
 from dsv4_torch import backends
-from dsv4_torch.kernels.reference import kvcache as reference_kvcache
 from dsv4_torch.kernels.reference.kvcache import (  # noqa: F401  (part of this module's API)
     decode_slots,
     encode_slots,
@@ -134,13 +133,7 @@ def quantize_and_insert_k_cache(
         ref.check_slot_mapping(slot_mapping.cpu().numpy(), k.shape[0], num_blocks * S)
     if k.stride(1) != 1:
         k = k.contiguous()
-    slots = slot_mapping.contiguous()
-    if name == "triton":
-        from dsv4_torch.kernels.triton import kvcache as triton_kvcache
-
-        triton_kvcache.quantize_insert(k, k_cache, slots, S)
-        return
-    reference_kvcache.quantize_insert(k, k_cache, slots, S)
+    backends.CACHE[name].op("insert")(k, k_cache, slot_mapping.contiguous(), S)
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,17 +207,7 @@ def dequantize_and_gather_k_cache(
     seq = seq_lens.contiguous()
     glen = None if gather_lens is None else gather_lens.contiguous()
     bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    if name == "triton":
-        from dsv4_torch.kernels.triton import kvcache as triton_kvcache
-
-        triton_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
-        return
-    if name == "cpu":
-        from dsv4_torch.kernels.cpu import kvcache as cpu
-
-        cpu.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
-        return
-    reference_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
+    backends.CACHE[name].op("gather")(out, k_cache, seq, glen, bt, S, offset)
 
 
 # --------------------------------------------------------------------------------------------

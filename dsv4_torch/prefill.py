@@ -17,8 +17,6 @@ the kernel). Its result does not depend on the plan.
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import torch
 
@@ -37,7 +35,6 @@ from dsv4_torch.prefill_kv import (  # noqa: F401  (the caches are part of this 
     PagedKV,
     Rows,
     check_source_values,
-    triton_gather,
 )
 from dsv4_torch.prefill_metadata import (  # noqa: F401  (the metadata is part of this module's API)
     ChunkIndices,
@@ -65,8 +62,9 @@ def _gather(ws: torch.Tensor, src: Rows, meta: KindMetadata, chunk: ChunkMeta, i
     reach the caches' rows.
 
     On a GPU: one Triton kernel per region reads the block table (or offsets) and writes the
-    rows (`dsv4_torch.kernels.triton.gather`; fp8 pages: `triton_kvcache.gather_dequant`, which
-    dequantizes); fp8 pages on CPU: the C kernel `cpu.gather_dequant`, the same walk;
+    rows (`dsv4_torch.kernels.triton.gather`; fp8 pages: the cache backend's `gather_dequant`,
+    which dequantizes: Triton on GPUs, the C kernel on CPU, the same walk), resolved once per
+    layer call (`Rows.gather`);
     elsewhere the row maps of a block of rows are formed on the device
     (`gather_map`) and the rows copied (or dequantized) with index ops. Nothing reads
     device values on the host; every step's size is a host number from the plan.
@@ -75,7 +73,7 @@ def _gather(ws: torch.Tensor, src: Rows, meta: KindMetadata, chunk: ChunkMeta, i
     n = chunk.compressed_rows if compressed else chunk.raw_rows
     if n == 0:
         return ws
-    if src.kernel and in_place:
+    if src.gather is not None and in_place:
         s0, s1 = chunk.s0, chunk.s1
         R = s1 - s0
         out = ws[: R * chunk.M].view(R, chunk.M, ws.shape[1])
@@ -84,18 +82,8 @@ def _gather(ws: torch.Tensor, src: Rows, meta: KindMetadata, chunk: ChunkMeta, i
             seq, glen, offset = meta.seg_compressed_len[s0:s1], None, 0
         else:
             seq, glen, offset = meta.seg_seq_len[s0:s1], meta.seg_gather_len[s0:s1], chunk.N
-        if src.fp8 and src.kernel == "cpu":
-            from dsv4_torch.kernels.cpu import kvcache as cpu
-
-            cpu.gather_dequant(out, src.pages, seq, glen, idx, src.page_size, offset)
-        elif src.fp8:
-            from dsv4_torch.kernels.triton import kvcache as triton_kvcache
-
-            triton_kvcache.gather_dequant(out, src.pages, seq, glen, idx, src.page_size, offset)
-        else:
-            triton_gather().gather_rows(
-                out, src.pages if src.pages is not None else src.rows, seq, glen, idx, src.page_size, offset
-            )
+        # (fp8 pages: the resolved cache backend's gather_dequant; rows: the Triton row gather)
+        src.gather(out, src.pages if src.pages is not None else src.rows, seq, glen, idx, src.page_size, offset)
         return ws
     step = DEQUANT_ROWS if src.fp8 else GATHER_ROWS
     for a in range(0, n, step):
@@ -245,10 +233,9 @@ def prefill_attention(
     meta.last_backend = name
     sm_scale = check_sm_scale(sm_scale)  # checked once per layer call, not per chunk
     check_sink(attn_sink, H, q.device)
-    fused = backends.ATTENTION[name].fused_prefill  # no such backend serves gradients or dropout
-    if fused:  # a kernel that reads the caches itself: one call, no workspace, no chunk loop
-        module, fn = fused.split(":")
-        return getattr(importlib.import_module(module), fn)(
+    fused = backends.ATTENTION[name].prefill  # no such backend serves gradients or dropout
+    if fused is not None:  # a kernel that reads the caches itself: one call, no workspace, no chunk loop
+        return fused(
             q,
             meta,
             raw.source,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dsv4_torch import kvcache
+from dsv4_torch import backends, kvcache
 from dsv4_torch.prefill_metadata import KindMetadata
 from planner.checks import shape_of
 from planner.kvcache import KV_CACHE_DTYPES
@@ -222,11 +222,14 @@ class Rows:
             check_source_values(self, name, needed, first)
         # CUDA/ROCm: one Triton kernel per region walks the block table / offsets (no row maps);
         # fp8 pages on CPU: the C kernel (dsv4_torch.kernels.cpu.kvcache) where it builds
+        # (resolved once here, per layer call: the gather callable, or None for index ops)
         if self.fp8:
             name = kvcache.resolve_backend("auto", src.pages)
-            self.kernel = None if name == "reference" else name
+            self.gather = None if name == "reference" else backends.CACHE[name].op("gather")
+        elif use_gather_kernel(self.pages if self.pages is not None else self.rows):
+            self.gather = backends.CACHE["triton"].op("gather_rows")
         else:
-            self.kernel = "triton" if use_gather_kernel(self.pages if self.pages is not None else self.rows) else None
+            self.gather = None
 
 
 def check_source_values(src: Rows, name: str, needed: np.ndarray, first: np.ndarray) -> None:
@@ -259,14 +262,5 @@ def check_source_values(src: Rows, name: str, needed: np.ndarray, first: np.ndar
 
 def use_gather_kernel(t: torch.Tensor) -> bool:
     """Whether rows in q's dtype are gathered by the Triton kernel: CUDA/ROCm tensors with a
-    contiguous last dim, where Triton imports."""
-    return t.device.type == "cuda" and t.stride(-1) == 1 and triton_gather() is not None
-
-
-def triton_gather():
-    """The Triton gather module, or None where Triton does not import (then: device index ops)."""
-    try:
-        from dsv4_torch.kernels.triton import gather as triton_gather
-    except Exception:  # noqa: BLE001 - any import failure: the index-op path runs
-        return None
-    return triton_gather
+    contiguous last dim, where the Triton cache kernels run (else: device index ops)."""
+    return t.device.type == "cuda" and t.stride(-1) == 1 and backends.CACHE["triton"].unavailable(t.device) is None

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from planner.batch import PrefillBatch
+from planner.config import PlanConfig
 from planner.contract import LayerKind, LayerSpec
-
-if TYPE_CHECKING:
-    from planner.plan import PlanConfig
 
 
 class ChunkLayout:

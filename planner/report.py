@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from planner.batch import PrefillBatch
+from planner.config import PlanConfig
 from planner.contract import LayerKind, ModelShape
-from planner.plan import PlanConfig, plan_step
+from planner.plan import plan_step
 
 BYTES_PER_ROW = 512 * 2  # one bf16 latent of 512 dims
 

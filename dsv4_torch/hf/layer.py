@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -22,8 +22,16 @@ from dsv4_torch.hf import fp8_cache, ragged
 from dsv4_torch.prefill import PagedKV, StepMetadata, prefill_attention
 from planner import LayerKind
 
-if TYPE_CHECKING:
-    from dsv4_torch.hf.integration import _Integration
+
+class Settings(Protocol):
+    """What a patched layer reads of its integration (`dsv4_torch.hf.integration`'s, set once at
+    `enable_sparse_prefill`): the per-layer specs, the backends and the cache format."""
+
+    layers: tuple
+    backend: str
+    indexer_backend: str
+    indexer_chunk_elems: int
+    kv_cache_dtype: str | None
 
 
 # ----------------------------------------------------------------------------- per-forward context
@@ -74,7 +82,7 @@ def copy_layer_state(ls: ragged.LayerState) -> ragged.LayerState:
 
 
 def sparse_layer(
-    integ: _Integration, ctx: ForwardContext, module, lstate: ragged.LayerState, hidden_states, position_embeddings
+    integ: Settings, ctx: ForwardContext, module, lstate: ragged.LayerState, hidden_states, position_embeddings
 ):
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb as rope
 
@@ -196,7 +204,7 @@ def compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: ForwardContext,
     return cs.entries
 
 
-def indexer_topk(ind, x, q_residual, entries, ctx: ForwardContext, integ: _Integration):
+def indexer_topk(ind, x, q_residual, entries, ctx: ForwardContext, integ: Settings):
     """(Tr, index_topk) request-local top-k entry ids per token, -1 = none: transformers' indexer
     queries and weights, scored and selected by `dsv4_torch.indexer.indexer_topk` (each request
     against its own entries; "auto": the fused C kernel on CPU tensors). transformers' scorer

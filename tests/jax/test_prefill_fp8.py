@@ -150,8 +150,8 @@ def test_cpu_gather_path_equals_tile_decode(monkeypatch):
 
     if (reason := cpu_library.unavailable_reason()) is not None:
         pytest.skip(f"the cpu backend's FFI kernel cannot be built here: {reason}")
-    assert JP._cpu_gather()
     case, raw, comp = fp8_cases(4)[1]
+    assert JP.gather_backend(_fp8(raw), _fp8(comp)) == "cpu"
     step, m = _meta(case, budget_rows=max(case.seq_lens) // 4 + case.window_size + 13)
     meta = m[case.kind]
     kw = dict(sm_scale=case.sm_scale, attn_sink=case.sink, topk_indices=m.pad_tokens(case.topk_rows), backend="xla")
@@ -166,7 +166,7 @@ def test_cpu_gather_path_equals_tile_decode(monkeypatch):
     }
     ws = [np.asarray(JP.gather_workspace(meta, c, _fp8(raw), _fp8(comp))) for c in range(step[case.kind].num_chunks)]
     assert calls  # the kernel ran
-    monkeypatch.setattr(JP, "_cpu_gather", lambda: False)
+    monkeypatch.setattr(JP, "gather_backend", lambda raw, comp: "xla")
     jax.clear_caches()
     for dt, g in got.items():
         assert np.array_equal(np.asarray(JP.prefill_attention(q.astype(dt), meta, _fp8(raw), _fp8(comp), **kw)), g), dt

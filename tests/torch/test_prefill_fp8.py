@@ -122,7 +122,10 @@ def test_cpu_gather_path_equals_device_op_path(monkeypatch):
     if TK.cpu_unavailable_reason() is not None:
         pytest.skip(f"the cpu backend's C kernel cannot be built here: {TK.cpu_unavailable_reason()}")
     case, raw, comp = fp8_case("fp8-cpu", [70, 33, 5], [6, 33, 5], 4, seed=8, window_size=8, H=2)
-    assert TP.Rows(_fp8(raw), "raw_kv", torch.zeros(1, 1, 512), run_meta(case), "raw").kernel == "cpu"
+    from dsv4_torch.kernels.cpu import kvcache as cpu_kvcache
+
+    rows = TP.Rows(_fp8(raw), "raw_kv", torch.zeros(1, 1, 512), run_meta(case), "raw")
+    assert rows.gather is cpu_kvcache.gather_dequant
     got = {dt: run(case, _fp8(raw), _fp8(comp), dtype=dt, budget_rows=40)[0] for dt in (torch.float32, torch.bfloat16)}
     monkeypatch.setattr(TK, "resolve_backend", lambda backend="auto", k_cache=None, op="gather": "reference")
     for dt, g in got.items():
