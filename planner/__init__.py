@@ -4,7 +4,7 @@ Pure NumPy. Both framework packages (`dsv4_torch`, `dsv4_jax`) consume what it c
 contract they share (kinds, names, constants, formulas, presets) is `planner.contract`.
 """
 
-from planner import contract, oracle, schedule, sizes
+from planner import contract, cost, oracle, schedule, sizes
 from planner.batch import BandRows, PrefillBatch
 from planner.contract import (
     BANDS,
@@ -64,6 +64,7 @@ __all__ = [
     "check_topk_rows",
     "chunk_gather_rows",
     "contract",
+    "cost",
     "gather_workspace",
     "get_prefill_chunk_plan",
     "index_width",

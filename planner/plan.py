@@ -4,10 +4,13 @@ Two layers of API (the plan objects themselves: `planner.kind_plan`):
 
 * `get_prefill_chunk_plan` / `get_fixed_chunk_plan`: vLLM's tuples `(start, end, N, M)`, the same
   values vLLM returns for the same inputs (adaptive and the old fixed plan).
-* `plan_step` -> `StepPlan`: one `KindPlan` per layer kind, computed once per step on the host and
-  shared by every layer of that kind. A `KindPlan` holds the workspace layout of every chunk and
-  compact per-token metadata as flat NumPy arrays (one host-to-device copy per kind per step);
-  `KindPlan.chunks` gives a readable per-chunk view (`ChunkLayout`).
+* `plan_step` -> `StepPlan`: one `KindPlan` per distinct plan of the step's layers, computed once
+  per step on the host and shared by every layer that reads it: per layer kind for V4's layers,
+  per (layer spec, band) for a DeepSeek-V4.1 `planner.Schedule` (its ratio-2 and ratio-1 layers
+  both take a top-k; under decoder bounded replay the cut and the layers past it compute each
+  request's last min(query_len, W) rows only). A `KindPlan` holds the workspace layout of every
+  chunk and compact per-token metadata as flat NumPy arrays (one host-to-device copy per plan
+  per step); `KindPlan.chunks` gives a readable per-chunk view (`ChunkLayout`).
 
 Beyond vLLM: requests with `query_len == 0` never form or widen a chunk (they are recorded in
 `KindPlan.skipped`); an explicit `budget_rows` is honoured, splitting a request that does not fit
