@@ -16,7 +16,8 @@ G o_groups, ol o_lora_rank, IH / ID index heads / dim, hc hc_mult, r the layer's
 * moe: router 2 h n_routed_experts, (num_experts_per_tok + n_shared_experts) SwiGLU experts of
   3 x 2 h moe_intermediate_size.
 
-Under replay, layers past the cut do all of it on their kept rows; the cut layer first runs its KV
+Under replay (when some request has more than W new rows: vLLM makes no replay batch otherwise),
+layers past the cut do all of it on their kept rows; the cut layer first runs its KV
 part (wq_a, wkv, the attention-site mHC mix, compressor, weights_proj, index keys: vLLM's
 `forward_kv`) on every row, then the whole layer on its kept rows (vLLM's replay batch: that KV
 part again there). Not counted: embeddings and the LM head, norms, RoPE, softmax, top-k
@@ -79,7 +80,8 @@ def step_flops(config: dict, batch: PrefillBatch, *, replay: bool | None = False
     if not isinstance(batch, PrefillBatch):
         raise TypeError(f"batch: expected a planner.PrefillBatch, got {type(batch).__name__}")
     schedule = Schedule.from_config(config)
-    on = schedule.resolve_replay(replay)
+    # no request trimmed: vLLM makes no replay batch (`PrefillBatch.band` would keep every row)
+    on = schedule.resolve_replay(replay) and bool((batch.query_lens > schedule.sliding_window).any())
     cfg = {**V41_PRESETS["V4.1"], **text_config(config)}
     h, ql, H, D, G, ol, IH, ID, hc, inter, E, k, S = (int(cfg[f]) for f in SHAPE_FIELDS)
     W, topk = schedule.sliding_window, schedule.index_topk

@@ -351,7 +351,8 @@ class StepPlan:
       (compress_ratio, has_compressed = ratio != 0, band).
     schedule, layer_keys: the schedule planned from and each of its layers' key (None / ()
       for a plain list of layers).
-    replay: whether decoder bounded replay ran (`PlanConfig.replay` resolved by the schedule).
+    replay: whether decoder bounded replay changed this step: `PlanConfig.replay` resolved by the
+      schedule, and some request has more than W new rows (vLLM makes no replay batch otherwise).
 
     Index it with a kind (`step[LayerKind.CSA]`, `step["CSA"]`: that kind's plan where the step
     has exactly one, `kinds`), a `PlanKey`, or ask per layer: `step.for_layer(i)`.
@@ -440,7 +441,10 @@ def plan_step(batch: PrefillBatch, config: PlanConfig, layers=V4_LAYERS) -> Step
                 f"window_size: PlanConfig.window_size = {config.window_size} differs from the schedule's "
                 f"sliding_window = {layers.sliding_window}"
             )
+        # vLLM builds its replay batch only when some request has more than W new rows: otherwise
+        # every layer computes every row with the batch's windows (the "full" band's plans).
         replay = layers.resolve_replay(None if config.replay is None else bool(config.replay))
+        replay = replay and bool((batch.query_lens > config.window_size).any())
         keys = tuple(layers.plan_key(i, replay) for i in range(layers.num_layers))
         plans: dict[PlanKey, KindPlan] = {}
         for k in keys:

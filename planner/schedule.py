@@ -291,13 +291,10 @@ class Schedule:
     @classmethod
     def from_config(cls, config: dict) -> Schedule:
         """The schedule of a V4.1 config.json dict (transformers' or the official fields, module doc)."""
-        cfg = text_config(config)
-        n = as_int(cfg.get("num_hidden_layers", DEFAULTS["num_hidden_layers"]), "num_hidden_layers", minimum=1)
-        n_draft = as_int(
-            cfg.get("num_nextn_predict_layers", DEFAULTS["num_nextn_predict_layers"]),
-            "num_nextn_predict_layers",
-            minimum=0,
-        )
+        cfg = {k: v for k, v in text_config(config).items() if v is not None}  # None (JSON null): the default
+        cfg = {**DEFAULTS, **cfg}
+        n = as_int(cfg["num_hidden_layers"], "num_hidden_layers", minimum=1)
+        n_draft = as_int(cfg["num_nextn_predict_layers"], "num_nextn_predict_layers", minimum=0)
         ratios = cfg.get("compress_ratios")
         if ratios is None:
             if n == len(RELEASED_COMPRESS_RATIOS):
@@ -339,9 +336,8 @@ class Schedule:
             kv_source_layer_ids=kv,
             index_source_layer_ids=_ids(ix, "index_source_layer_ids"),
             candidate_source_layer_id=cand,
-            engram_layer_ids=cfg.get("engram_layer_ids") or (),
-            **{k: cfg.get(k, DEFAULTS[k]) for k in ("candidate_topk_blocks", "candidate_block_size", "index_topk")},
-            sliding_window=cfg.get("sliding_window", DEFAULTS["sliding_window"]),
+            engram_layer_ids=cfg.get("engram_layer_ids", ()),
+            **{k: cfg[k] for k in ("candidate_topk_blocks", "candidate_block_size", "index_topk", "sliding_window")},
         )
 
     @classmethod
