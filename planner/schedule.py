@@ -24,8 +24,11 @@ flat, or the official release's composite (`model_type` "deepseek_v41", the text
 layers where transformers says `num_nextn_predict_layers`). Missing fields take transformers'
 defaults (`configuration_deepseek_v41.py`: the released schedule for 40 layers, a scaled one
 otherwise; KV sources: the first layer of each run of one ratio > 0; index sources: the KV
-sources; candidate source: the last KV source). Every rule below raises ValueError naming the
-field and the bad value:
+sources; candidate source: the last KV source). vLLM reads the fields as given, with other
+defaults where one is absent (`getattr(config, "candidate_source_layer_id", -1)`: off; no KV or
+index sources: it refuses every compressed layer), so the two agree on configs that spell the
+schedule out, as the released one does. Every rule below raises ValueError naming the field and
+the bad value:
 
 * transformers': `compress_ratios` has `num_hidden_layers` entries, plus at most
   `num_nextn_predict_layers` draft entries (0 here: the draft layers are window only); KV sources
