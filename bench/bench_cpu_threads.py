@@ -39,7 +39,8 @@ def main(argv=None) -> None:
 
     from dsv4_cpu import binding
     from dsv4_torch import prefill as TP
-    from dsv4_torch.kernels import cpu as TC
+    from dsv4_torch.kernels.cpu import attention as TC
+    from dsv4_torch.kernels.cpu import library as TL
 
     T, H, D, W = args.tokens, args.heads, 512, 128
     g = torch.Generator().manual_seed(0)
@@ -51,7 +52,7 @@ def main(argv=None) -> None:
     b = torch.randn(2048, 2048, generator=g)
     out = torch.empty(T, H, D, dtype=torch.bfloat16)
     threads = torch.get_num_threads()
-    run_torch = TC._runner()  # at::parallel_for
+    run_torch = TL.runner()  # at::parallel_for
     modes = {
         "torch threads": binding.parallel(threads, run_torch),
         "own pool": binding.parallel(threads),

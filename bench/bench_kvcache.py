@@ -11,7 +11,7 @@ bytes at the copy's speed would give 2 * 584 / (584 + 1024) = 73% of it.
 
 Timings interleave the contenders rep by rep (each after a 10 ms pause, so the previous one's
 spinning worker threads are idle) and report the median and the best rep, so a shared
-machine's noise hits them alike. `cpu` columns: process CPU time, all threads. GPU figures: bench/gpu_check_kvcache.py.
+machine's noise hits them alike. `cpu` columns: process CPU time, all threads. GPU figures: bench/checks/gpu_kvcache.py.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def main(argv=None):
 
             fns["jax cpu (C kernel, FFI)"] = run_jax_c
         else:
-            from dsv4_jax.kernels import cpu as JC
+            from dsv4_jax.kernels.cpu import library as JC
 
             print(f"jax cpu (C kernel, FFI): skipped, {JC.unavailable_reason()}")
 

@@ -32,7 +32,7 @@ MEGACORE = {"v4", "v5p"}  # one JAX device = both TensorCores of a chip
 
 
 def hbm_per_chip(chip: str) -> int:
-    from dsv4_jax.kernels import mosaic_tpu_rows as R
+    from dsv4_jax.kernels.mosaic_tpu import rows as R
 
     cores = 2 if chip in MEGACORE else 1
     return int(R.chip_info(chip).hbm_capacity_bytes) * cores
@@ -104,7 +104,7 @@ def compile_step(model: str, topology: str, tokens: int, requests: int, context:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from dsv4_jax.kernels import mosaic_tpu
+    from dsv4_jax.kernels.mosaic_tpu import attention as mosaic_tpu
     from dsv4_jax.model import model as MM
     from dsv4_jax.model.attention import init_cache
     from tools import tpu_aot

@@ -92,7 +92,7 @@ def profile_batch(llm, prompts, rows: int = 14) -> list[dict]:
 def run_vllm(ckpt: str, prompts, args) -> dict:
     from vllm import LLM
 
-    from dsv4_torch.vllm import cpu_engine
+    from dsv4_torch.vllm.cpu import engine as cpu_engine
 
     llm = LLM(
         model=ckpt,

@@ -10,13 +10,13 @@ measured, so a cap loses nothing done); the model and KV-cache checks have their
 Runs, each in its own process with its own time cap, and prints their tables:
   0. pytest -m gpu            the test suite's GPU-only tests (marked `gpu`: FlashMLA against the
                               oracle, Triton grids past CUDA's limits, ...); without a GPU they skip
-  1. bench.gpu_check_torch    FlashMLA (where its wheel imports) and our Triton kernel vs the
+  1. bench.checks.gpu_torch    FlashMLA (where its wheel imports) and our Triton kernel vs the
                               reference; TFLOPS vs FlashMLA's published 640
-  2. bench.gpu_check_jax      Mosaic GPU and Pallas-Triton kernels vs xla; TFLOPS vs 640
-  3. bench.gpu_check_prefill  whole prefill layers, adaptive vs fixed vs per-request, both frameworks
-  4. bench.gpu_check_model    one V4-Flash-sized layer in the official FP8/FP4 format: load time,
+  2. bench.checks.gpu_jax      Mosaic GPU and Pallas-Triton kernels vs xla; TFLOPS vs 640
+  3. bench.checks.gpu_prefill  whole prefill layers, adaptive vs fixed vs per-request, both frameworks
+  4. bench.checks.gpu_model    one V4-Flash-sized layer in the official FP8/FP4 format: load time,
                               device bytes, prefill tokens/s of the JAX model
-  5. bench.gpu_check_kvcache  vLLM's fp8_ds_mla pages: writer/gather bytes vs the NumPy reference,
+  5. bench.checks.gpu_kvcache  vLLM's fp8_ds_mla pages: writer/gather bytes vs the NumPy reference,
                               gather GB/s vs HBM peak and a device copy (torch Triton, JAX
                               Pallas-Triton), prefill layers on fp8 vs bf16 pages (ms, bitwise)
 Logs go to $OUT (when set, as on the device tool) or ./out/gpu-check/.
@@ -59,12 +59,12 @@ def main(argv=None):
     # The GPU tests take 15% of the budget, checks 1-3 the rest, as before in proportion.
     checks = [
         ("pytest", ["-m", "gpu", "-v", "-rs", "-p", "no:cacheprovider", *gpu_test_files()], 0.15),
-        ("bench.gpu_check_torch", ["--budget", f"{0.22 * b:.0f}", "--sweep-seconds", f"{0.07 * b:.0f}"], 0.3),
-        ("bench.gpu_check_jax", ["--budget", f"{0.19 * b:.0f}"], 0.25),
-        ("bench.gpu_check_prefill", ["--seconds", f"{0.21 * b:.0f}"], 0.3),
-        ("bench.gpu_check_model", [], args.model_seconds / b),
+        ("bench.checks.gpu_torch", ["--budget", f"{0.22 * b:.0f}", "--sweep-seconds", f"{0.07 * b:.0f}"], 0.3),
+        ("bench.checks.gpu_jax", ["--budget", f"{0.19 * b:.0f}"], 0.25),
+        ("bench.checks.gpu_prefill", ["--seconds", f"{0.21 * b:.0f}"], 0.3),
+        ("bench.checks.gpu_model", [], args.model_seconds / b),
         # its own budget leaves ~25% of the cap for the measurement it has started
-        ("bench.gpu_check_kvcache", ["--budget", f"{0.75 * args.kvcache_seconds:.0f}"], args.kvcache_seconds / b),
+        ("bench.checks.gpu_kvcache", ["--budget", f"{0.75 * args.kvcache_seconds:.0f}"], args.kvcache_seconds / b),
     ]
     # JAX would take 75% of GPU memory at start-up; the prefill check runs torch and JAX in one process.
     env = child_env(PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")

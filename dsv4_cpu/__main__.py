@@ -36,11 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         print(build.build_kernels())
         for fw in _frameworks(args.framework):
             if fw == "torch":
-                from dsv4_torch.kernels import cpu
+                from dsv4_torch.kernels.cpu import library as cpu
 
                 print(cpu.torch_parallel_library())
             else:
-                from dsv4_jax.kernels import cpu
+                from dsv4_jax.kernels.cpu import library as cpu
 
                 print(cpu.ffi_library())
     except RuntimeError as e:

@@ -69,13 +69,13 @@ def _cpu(arrays) -> str | None:
     platforms = sorted({d.platform for d in devices.devices_for(arrays)})
     if platforms != ["cpu"]:
         return f"runs on CPU arrays, but the arrays are on {platforms or 'no device'}"
-    from dsv4_jax.kernels import cpu
+    from dsv4_jax.kernels.cpu import library as cpu
 
     return cpu.unavailable_reason()
 
 
 def _mosaic_gpu(arrays) -> str | None:
-    from dsv4_jax.kernels import mosaic
+    from dsv4_jax.kernels.mosaic_gpu import attention as mosaic
 
     if (reason := mosaic.unavailable_reason()) is not None:
         return reason
@@ -89,13 +89,13 @@ def _mosaic_gpu(arrays) -> str | None:
 
 
 def _mosaic_gpu_interpret() -> str | None:
-    from dsv4_jax.kernels import mosaic
+    from dsv4_jax.kernels.mosaic_gpu import attention as mosaic
 
     return mosaic.unavailable_reason()
 
 
 def _mosaic_gpu_serves(q) -> str | None:
-    from dsv4_jax.kernels import mosaic
+    from dsv4_jax.kernels.mosaic_gpu import attention as mosaic
 
     shape = tuple(getattr(q, "shape", ()))
     if len(shape) != 3:
@@ -108,7 +108,7 @@ def _mosaic_gpu_serves(q) -> str | None:
 
 
 def _mosaic_tpu(arrays) -> str | None:
-    from dsv4_jax.kernels import mosaic_tpu
+    from dsv4_jax.kernels.mosaic_tpu import attention as mosaic_tpu
 
     if mosaic_tpu.compile_target_chip() is not None:  # compiling for a chosen TPU from this machine
         return mosaic_tpu.unavailable_reason()
@@ -123,13 +123,13 @@ def _mosaic_tpu(arrays) -> str | None:
 
 
 def _mosaic_tpu_interpret() -> str | None:
-    from dsv4_jax.kernels import mosaic_tpu
+    from dsv4_jax.kernels.mosaic_tpu import attention as mosaic_tpu
 
     return mosaic_tpu.unavailable_reason()
 
 
 def _mosaic_tpu_options(interpret) -> tuple:
-    from dsv4_jax.kernels import mosaic_tpu
+    from dsv4_jax.kernels.mosaic_tpu import attention as mosaic_tpu
 
     params = mosaic_tpu.interpret_params(interpret)
     chip = None if params is not None else mosaic_tpu.target_chip()
@@ -148,22 +148,22 @@ ATTENTION = {
             "the plain-jnp reference: any platform, fp32 math, tiled, deterministic",
             (_BF16, _F16, _F32),
             _ANY,
-            "dsv4_jax.kernels.xla:sparse_attention_xla",
+            "dsv4_jax.kernels.xla.attention:sparse_attention_xla",
         ),
         Backend(
             "cpu",
             "our C kernel (dsv4_cpu) as XLA FFI calls on XLA's threads: CPU arrays, no backward",
             (_BF16, _F32),
             _cpu,
-            "dsv4_jax.kernels.cpu:sparse_attention",
-            fused_prefill="dsv4_jax.prefill_cpu:layer",
+            "dsv4_jax.kernels.cpu.attention:sparse_attention",
+            fused_prefill="dsv4_jax.kernels.cpu.prefill:layer",
         ),
         Backend(
             "triton",
             "a Pallas kernel lowered through Triton: NVIDIA GPUs of compute capability >= 8.0",
             (_BF16, _F16, _F32),
             _triton,
-            "dsv4_jax.kernels.pallas_triton:sparse_attention_pallas",
+            "dsv4_jax.kernels.triton.attention:sparse_attention_pallas",
             interpret=True,
         ),
         Backend(
@@ -171,7 +171,7 @@ ATTENTION = {
             "a Pallas Mosaic GPU kernel: Hopper (SM90) GPUs, jax >= 0.12, bf16, H 16-128, D 512/576",
             (_BF16,),
             _mosaic_gpu,
-            "dsv4_jax.kernels.mosaic:sparse_attention_mosaic",
+            "dsv4_jax.kernels.mosaic_gpu.attention:sparse_attention_mosaic",
             interpret=True,
             interpret_unavailable=_mosaic_gpu_interpret,
             serves=_mosaic_gpu_serves,
@@ -181,10 +181,10 @@ ATTENTION = {
             "Pallas TPU kernels (flat contract; the prefill per query tile from the caches): TPUs, bf16 / float32",
             (_BF16, _F32),
             _mosaic_tpu,
-            "dsv4_jax.kernels.mosaic_tpu:sparse_attention_mosaic_tpu",
+            "dsv4_jax.kernels.mosaic_tpu.attention:sparse_attention_mosaic_tpu",
             interpret=True,
             interpret_unavailable=_mosaic_tpu_interpret,
-            fused_prefill="dsv4_jax.kernels.mosaic_tpu_prefill:layer",
+            fused_prefill="dsv4_jax.kernels.mosaic_tpu.prefill:layer",
             prefill_options=_mosaic_tpu_options,
         ),
     )
@@ -213,13 +213,19 @@ _F8 = jnp.dtype(jnp.float8_e4m3fn)
 INDEXER = {
     b.name: b
     for b in (
-        Backend("xla", "plain jnp / lax: any platform", (_BF16, _F32, _F8), _ANY, "dsv4_jax.indexer:indexer_topk_xla"),
+        Backend(
+            "xla",
+            "plain jnp / lax: any platform",
+            (_BF16, _F32, _F8),
+            _ANY,
+            "dsv4_jax.kernels.xla.indexer:indexer_topk_xla",
+        ),
         Backend(
             "cpu",
             "our fused C indexer (dsv4_cpu) as an XLA FFI call: CPU arrays",
             (_BF16, _F32, _F8),
             _cpu,
-            "dsv4_jax.kernels.cpu_indexer:indexer_topk_cpu",
+            "dsv4_jax.kernels.cpu.indexer:indexer_topk_cpu",
         ),
     )
 }

@@ -9,11 +9,11 @@ and values these match exactly), functional: each returns the new array.
 Both work under `jax.jit` (block_size and offset are static Python ints; donate k_cache / out to
 update them in place). Backends (keyword `backend=`; the table is `dsv4_jax.backends.CACHE`):
   "xla"     plain jnp / lax (gathers and scatters of whole slots), any platform
-            (`dsv4_jax/kernels/xla_kvcache.py`, with the codec the kernels share);
-  "triton"  Pallas kernels lowered through Triton, NVIDIA GPUs (`dsv4_jax/kernels/pallas_kvcache.py`);
+            (`dsv4_jax/kernels/xla/kvcache.py`, with the codec the kernels share);
+  "triton"  Pallas kernels lowered through Triton, NVIDIA GPUs (`dsv4_jax/kernels/triton/kvcache.py`);
             `interpret=True` runs them under Pallas' interpreter (any platform; for tests);
   "cpu"     the gather only: `dsv4_cpu`'s C kernel as an XLA FFI call on CPU
-            (`dsv4_jax/kernels/cpu.py`, built once per machine), one pass per row;
+            (`dsv4_jax/kernels/cpu/kvcache.py`, built once per machine), one pass per row;
   "auto" = triton on an NVIDIA GPU; on CPU the gather runs "cpu" where it builds (else xla: the
   same bits) and the writer xla.
 
@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax import backends
-from dsv4_jax.kernels import pallas_kvcache, xla_kvcache
+from dsv4_jax.kernels.triton import kvcache as pallas_kvcache
+from dsv4_jax.kernels.xla import kvcache as xla_kvcache
 from planner import kvcache as ref
 from planner.checks import as_int
 from planner.kvcache import HEAD_DIM, SLOT_DATA_BYTES, SLOT_SCALE_BYTES, page_bytes
@@ -61,9 +62,9 @@ OPS = ("gather", "insert")
 
 def cpu_unavailable_reason() -> str | None:
     """Why the C gather kernel (backend "cpu") cannot run on this machine (None: it can)."""
-    from dsv4_jax.kernels import cpu
+    from dsv4_jax.kernels.cpu import library
 
-    return cpu.unavailable_reason()
+    return library.unavailable_reason()
 
 
 def resolve_backend(backend: str = "auto", *arrays, op: str = "gather", interpret=False) -> str:
@@ -192,7 +193,7 @@ def dequantize_and_gather_k_cache(
     if name == "xla":
         return xla_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
     if name == "cpu":
-        from dsv4_jax.kernels import cpu
+        from dsv4_jax.kernels.cpu import kvcache as cpu
 
         return cpu.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
     return pallas_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset, interpret=bool(interpret))

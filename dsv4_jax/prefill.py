@@ -38,7 +38,7 @@ Design: one jitted function per layer call, jit-compatible all the way down.
     rows a chunk does not write are never indexed.
   * Backend "cpu" (the default on the CPU for bf16 / float32 q) skips all of that: one call of
     the C kernel per layer reads every token's keys from the caches directly (fp8_ds_mla pages
-    dequantized inside it), from the per-token rows of the metadata table (`dsv4_jax.prefill_cpu`).
+    dequantized inside it), from the per-token rows of the metadata table (`dsv4_jax.kernels.cpu.prefill`).
     Its output is the same, bit for bit, for every plan of a batch.
 
 Why not the alternatives: one uniform per-chunk token and row window (a scan over chunks)
@@ -153,7 +153,7 @@ def _gather_region(ws, src, f: _Fields, region_start, s0, s1, dst_offset, src_st
     (src_start[s] if given else 0) + j of request seg_request[s].
     """
     if isinstance(src, PagedKV) and src.fp8 and _cpu_gather():
-        from dsv4_jax.kernels import cpu
+        from dsv4_jax.kernels.cpu import kvcache as cpu
 
         return cpu.gather_segments(
             ws,

@@ -17,7 +17,7 @@ from jax import lax
 from jax.tree_util import register_pytree_node_class
 
 from dsv4_jax import kvcache as jax_kvcache
-from dsv4_jax.kernels import xla_kvcache
+from dsv4_jax.kernels.xla import kvcache as xla_kvcache
 from dsv4_jax.prefill_metadata import MIN_WORKSPACE_ROWS, KindMetadata
 from planner import kvcache as kvcache_ref
 from planner.kvcache import KV_CACHE_DTYPES, page_bytes

@@ -44,7 +44,7 @@ CHUNK_SEG_START = 8  # chunk -> first segment; entries >= num_chunks: n_seg
 CHUNK_TOKEN_START = 9  # chunk -> first planned token; entries >= num_chunks: T
 CHUNK_N = 10  # chunk -> N
 SCALARS = 11  # [num_chunks, T, n_seg, num_tiles]
-# Query tiles of backend "mosaic_tpu" (`dsv4_jax.kernels.mosaic_tpu_prefill`): up to query_tile
+# Query tiles of backend "mosaic_tpu" (`dsv4_jax.kernels.mosaic_tpu.prefill`): up to query_tile
 # consecutive new tokens of one request, from the batch alone (the same tiles for every plan).
 TILE_Q_ROW = 12  # tile -> first q row
 TILE_LEN = 13  # tile -> tokens (1 .. query_tile)

@@ -53,13 +53,13 @@ class Backend:
 def _flashmla(device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"needs an SM90/SM100 GPU, the tensors are on {device}"
-    from dsv4_torch.kernels import flashmla
+    from dsv4_torch.kernels.flashmla import attention as flashmla
 
     return flashmla.unavailable_reason(device)
 
 
 def _flashmla_serves(q: torch.Tensor) -> str | None:
-    from dsv4_torch.kernels import flashmla
+    from dsv4_torch.kernels.flashmla import attention as flashmla
 
     if q.ndim != 3 or q.shape[-1] not in flashmla.FLASHMLA_HEAD_DIMS:
         return f"FlashMLA takes head dim D in {flashmla.FLASHMLA_HEAD_DIMS}, q has shape {tuple(q.shape)}"
@@ -71,21 +71,21 @@ def _triton(device: torch.device) -> str | None:
         return err
     if device.type == "cuda":
         return None
-    from dsv4_torch.kernels import triton_sparse
+    from dsv4_torch.kernels.triton import attention as triton_sparse
 
     if device.type == "cpu" and triton_sparse.INTERPRETED:
         return triton_sparse.INTERPRETER_UNSUPPORTED
     return (
         f"the tensors are on {device}; the triton backend needs CUDA/ROCm tensors, or CPU tensors with "
-        "TRITON_INTERPRET=1 set before dsv4_torch.kernels.triton_sparse is first imported"
+        "TRITON_INTERPRET=1 set before dsv4_torch.kernels.triton.attention is first imported"
     )
 
 
 def _cpu(device: torch.device) -> str | None:
     def built():
-        from dsv4_torch.kernels import cpu
+        from dsv4_torch.kernels.cpu import library
 
-        return cpu.unavailable_reason()
+        return library.unavailable_reason()
 
     return devices.cpu_unavailable(device, built)
 
@@ -94,9 +94,9 @@ def _triton_cache(device: torch.device) -> str | None:
     if (err := devices.triton_import_error()) is not None:
         return err
     try:
-        from dsv4_torch.kernels import triton_kvcache
+        from dsv4_torch.kernels.triton import kvcache as triton_kvcache
     except Exception as e:  # noqa: BLE001 - any import failure is the reason
-        return f"cannot import dsv4_torch.kernels.triton_kvcache ({type(e).__name__}: {e})"
+        return f"cannot import dsv4_torch.kernels.triton.kvcache ({type(e).__name__}: {e})"
     return devices.triton_unavailable(device, interpreted=triton_kvcache.INTERPRETED, module=triton_kvcache.__name__)
 
 
@@ -114,7 +114,7 @@ ATTENTION = {
             (_BF16,),
             ("cuda",),
             _flashmla,
-            "dsv4_torch.kernels.flashmla:sparse_attention_flashmla",
+            "dsv4_torch.kernels.flashmla.attention:sparse_attention_flashmla",
             serves=_flashmla_serves,
         ),
         Backend(
@@ -123,7 +123,7 @@ ATTENTION = {
             (_BF16, _F16, _F32),
             ("cuda", "cpu"),
             _triton,
-            "dsv4_torch.kernels.triton_sparse:sparse_attention_triton",
+            "dsv4_torch.kernels.triton.attention:sparse_attention_triton",
         ),
         Backend(
             "cpu",
@@ -131,8 +131,8 @@ ATTENTION = {
             (_BF16, _F32),
             ("cpu",),
             _cpu,
-            "dsv4_torch.kernels.cpu:sparse_attention_cpu",
-            fused_prefill="dsv4_torch.prefill_cpu:layer",
+            "dsv4_torch.kernels.cpu.attention:sparse_attention_cpu",
+            fused_prefill="dsv4_torch.kernels.cpu.prefill:layer",
         ),
         Backend(
             "reference",
@@ -140,7 +140,7 @@ ATTENTION = {
             (_BF16, _F16, _F32, _F64),
             ("cpu", "cuda"),
             _ANY,
-            "dsv4_torch.kernels.reference:sparse_attention_reference",
+            "dsv4_torch.kernels.reference.attention:sparse_attention_reference",
             backward=True,
         ),
     )
@@ -175,7 +175,7 @@ INDEXER = {
             (_BF16, _F32, _FP8),
             ("cpu",),
             _cpu,
-            "dsv4_torch.kernels.cpu_indexer:indexer_topk_cpu",
+            "dsv4_torch.kernels.cpu.indexer:indexer_topk_cpu",
         ),
         Backend(
             "reference",
@@ -183,7 +183,7 @@ INDEXER = {
             (_BF16, _F32, _FP8),
             ("cpu", "cuda"),
             _ANY,
-            "dsv4_torch.indexer:indexer_topk_reference",
+            "dsv4_torch.kernels.reference.indexer:indexer_topk_reference",
         ),
     )
 }
@@ -289,7 +289,7 @@ def run_backend(name: str, q, kv, indices, sm_scale: float, attn_sink, topk_leng
     `resolve_backend`; the prefill's chunk loop, which resolves once per layer call). kv (S, D),
     indices (T, K); grad / dropout_p as resolved."""
     if grad or dropout_p:  # the reference backend, with its backward / dropout
-        from dsv4_torch.kernels import reference
+        from dsv4_torch.kernels.reference import attention as reference
 
         seed = _dropout_seed() if dropout_p else 0
         if grad:

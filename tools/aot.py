@@ -6,7 +6,7 @@ difference. `triton_ir` returns the Triton IR that Pallas emits for the sparse-a
 which `tools.triton_compile.compile_ttir` compiles offline with the `triton` wheel.
 
 Used by tests (`tests/jax/test_sparse_attention.py`, `tests/jax/test_prefill.py`) and by
-`bench/triton_resources_jax.py`.
+`bench/checks/triton_resources_jax.py`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def triton_ir(T: int, H: int, D: int, S: int, K: int, tiling: dict) -> str:
     """
     from jax._src.pallas.triton import pallas_call_registration as registration
 
-    from dsv4_jax.kernels.pallas_triton import sparse_attention_pallas
+    from dsv4_jax.kernels.triton.attention import sparse_attention_pallas
 
     captured = []
     original = registration.lowering.lower_jaxpr_to_triton_module

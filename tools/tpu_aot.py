@@ -8,7 +8,7 @@ commands do it from a CPU machine (README, "JAX on TPU"):
     .venv-jax-new/bin/python -m pytest tests/jax/test_mosaic_tpu_compile.py   # the kernels
     .venv-jax-new/bin/python -m bench.bench_tpu_compile                       # the model on slices
 
-Used by `tests/jax/test_mosaic_tpu_compile.py`, `bench/bench_tpu_compile.py` and `bench/tpu_check.py`.
+Used by `tests/jax/test_mosaic_tpu_compile.py`, `bench/bench_tpu_compile.py` and `bench/checks/tpu.py`.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def on_device(specs, device):
 def compile_for_chip(chip: str, fn, *specs, vmem_limit: int | None = None):
     """`jax.jit(fn)` compiled for one `chip` ("v5e", "v6e", "v5p", "v4", "7x"), the mosaic_tpu
     kernels inside targeting it (vmem_limit: override their scoped-VMEM limit)."""
-    from dsv4_jax.kernels import mosaic_tpu
+    from dsv4_jax.kernels.mosaic_tpu import attention as mosaic_tpu
 
     args = on_device(specs, chip_device(chip))
     with mosaic_tpu.compile_target(chip, vmem_limit=vmem_limit):
@@ -109,7 +109,7 @@ def prefill_case(model: str, kind: str, tokens: int, requests: int = 1, fp8: boo
     fresh prompts of tokens / requests tokens, caches as vLLM's pages (fp8_ds_mla, or bf16 rows)."""
     import planner as P
     from dsv4_jax import prefill as JP
-    from dsv4_jax.kernels import mosaic_tpu_prefill
+    from dsv4_jax.kernels.mosaic_tpu import prefill as mosaic_tpu_prefill
     from planner.kvcache import page_bytes
 
     H, topk = MODELS[model]["H"], MODELS[model]["topk"]
@@ -166,7 +166,7 @@ def prefill_case(model: str, kind: str, tokens: int, requests: int = 1, fp8: boo
 
 def flat_case(model: str, tokens: int, keys: int, rows: int = 65536, dtype=jnp.bfloat16):
     """(fn, specs) of one `sparse_attention` call on backend mosaic_tpu (FlashMLA's contract)."""
-    from dsv4_jax.kernels import mosaic_tpu
+    from dsv4_jax.kernels.mosaic_tpu import attention as mosaic_tpu
 
     H = MODELS[model]["H"]
     sds = jax.ShapeDtypeStruct

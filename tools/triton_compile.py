@@ -3,8 +3,8 @@
 The wheel compiles for any CUDA target (`GPUTarget("cuda", 90, 32)`) and ships ptxas, so a CPU
 machine can read what a kernel costs on a GPU: registers per thread, spill bytes, shared memory,
 which tensor-core instructions the dots became. Used by `tests/jax/test_sparse_attention.py`,
-`bench/triton_resources_jax.py` (Triton IR that Pallas emits, from `tools.aot.triton_ir`) and
-`bench/triton_resources_torch.py` (our Triton kernel).
+`bench/checks/triton_resources_jax.py` (Triton IR that Pallas emits, from `tools.aot.triton_ir`) and
+`bench/checks/triton_resources_torch.py` (our Triton kernel).
 """
 
 from __future__ import annotations

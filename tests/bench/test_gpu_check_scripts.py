@@ -26,14 +26,14 @@ def _run(args, env_extra=None, timeout=300):
 
 def test_torch_kernel_check_dry_run():
     pytest.importorskip("triton")
-    text = _run(["-m", "bench.gpu_check_torch", "--dry-run", "--sweep-seconds", "1"])
+    text = _run(["-m", "bench.checks.gpu_torch", "--dry-run", "--sweep-seconds", "1"])
     assert "[error in" not in text and "FAIL" not in text and "Traceback" not in text, text[-4000:]
     assert text.count("PASS") >= 3  # the real shapes, Triton (interpreted) against the reference
     assert "TFLOPS" in text
 
 
 def test_jax_kernel_check_dry_run():
-    text = _run(["-m", "bench.gpu_check_jax", "--budget", "60"], {"DSV4_GPU_CHECK_DRY_RUN": "1"})
+    text = _run(["-m", "bench.checks.gpu_jax", "--budget", "60"], {"DSV4_GPU_CHECK_DRY_RUN": "1"})
     assert "FAILED" not in text and "Traceback" not in text, text[-4000:]
     assert "triton vs xla: PASS" in text and "vs float64 oracle on 6 tokens: PASS" in text, text[-4000:]
     # the Mosaic kernel runs (interpreted, jax >= 0.12) and agrees, or says why it cannot
@@ -41,7 +41,7 @@ def test_jax_kernel_check_dry_run():
 
 
 def test_prefill_check_dry_run():
-    text = _run(["-m", "bench.gpu_check_prefill", "--dry-run", "--iters", "1", "--workloads", "spec-example"])
+    text = _run(["-m", "bench.checks.gpu_prefill", "--dry-run", "--iters", "1", "--workloads", "spec-example"])
     assert "Traceback" not in text, text[-4000:]
     rows = [line for line in text.splitlines() if line.startswith("spec-example")]
     assert len(rows) >= 2 * 2 * 3 * 3, text[-4000:]  # all rows, printed twice: as measured and at the end
@@ -57,8 +57,8 @@ def test_gpu_check_runs_its_modules(tmp_path):
     if torch.cuda.is_available() or jax.default_backend() != "cpu":
         pytest.skip("a GPU is visible: bench.gpu_check would run the real checks (minutes)")
     text = _run(["-m", "bench.gpu_check", "--budget", "270"], {"OUT": str(tmp_path)})
-    for module in ("gpu_check_torch", "gpu_check_jax", "gpu_check_prefill", "gpu_check_model", "gpu_check_kvcache"):
-        assert f"##### bench.{module}: exit 0," in text, text[-4000:]
+    for module in ("gpu_torch", "gpu_jax", "gpu_prefill", "gpu_model", "gpu_kvcache"):
+        assert f"##### bench.checks.{module}: exit 0," in text, text[-4000:]
         assert (tmp_path / f"{module}.log").read_text().strip(), module
     assert "Traceback" not in text, text[-4000:]
     # the suite's GPU tests: found by their marker, collected, skipped here with the reason
@@ -69,7 +69,7 @@ def test_gpu_check_runs_its_modules(tmp_path):
 
 
 def test_model_check_dry_run():
-    """bench.gpu_check_model: one layer written in the official format, loaded, two prefill steps."""
-    text = _run(["-m", "bench.gpu_check_model", "--dry-run"])
+    """bench.checks.gpu_model: one layer written in the official format, loaded, two prefill steps."""
+    text = _run(["-m", "bench.checks.gpu_model", "--dry-run"])
     assert "Traceback" not in text and "FAILED" not in text, text[-4000:]
     assert "logits finite: True" in text and "tokens/s" in text and "on the device" in text, text[-4000:]

@@ -18,11 +18,12 @@ torch = pytest.importorskip("torch")
 import dsv4_torch  # noqa: E402
 from dsv4_torch import kvcache as TK  # noqa: E402
 from dsv4_torch import prefill as TP  # noqa: E402
-from dsv4_torch.kernels import cpu as TC  # noqa: E402
+from dsv4_torch.kernels.cpu import attention as TC  # noqa: E402
+from dsv4_torch.kernels.cpu import library as TL  # noqa: E402
 from planner import kvcache as PK  # noqa: E402
 from planner import oracle  # noqa: E402
 
-if (_reason := TC.unavailable_reason()) is not None:
+if (_reason := TL.unavailable_reason()) is not None:
     pytest.fail(f"the cpu backend cannot be built here: {_reason}", pytrace=False)
 
 I32 = np.iinfo(np.int32)
@@ -223,7 +224,7 @@ def test_jax_entry_points_fuzz(seed):
 
     import dsv4_jax
     from dsv4_jax import prefill as JP
-    from dsv4_jax.kernels import cpu as JC
+    from dsv4_jax.kernels.cpu import attention as JC
 
     rng = np.random.default_rng(3000 + seed)
     T, H, S, K, D = (
@@ -291,7 +292,7 @@ def test_jax_gathers_fuzz(seed):
     import jax.numpy as jnp
 
     from dsv4_jax import kvcache as JK
-    from dsv4_jax.kernels import cpu as JC
+    from dsv4_jax.kernels.cpu import kvcache as JCK
 
     rng = np.random.default_rng(4000 + seed)
     S, nb, R = int(rng.choice([1, 2, 16])), int(rng.integers(1, 6)), int(rng.integers(1, 4))
@@ -315,7 +316,7 @@ def test_jax_gathers_fuzz(seed):
     start = None if rng.random() < 0.5 else jnp.asarray(_hostile_ints(rng, (L,), 0, 8))
     s0, s1, dst = (int(x) for x in _hostile_ints(rng, (3,), 0, L + 1))
     try:
-        got = JC.gather_segments(ws, cache, bt, *args, start, s0, s1, dst, S)
+        got = JCK.gather_segments(ws, cache, bt, *args, start, s0, s1, dst, S)
         assert got.shape == ws.shape
     except CLEAN:
         pass

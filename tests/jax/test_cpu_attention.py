@@ -20,10 +20,11 @@ import pytest
 
 import dsv4_jax
 from dsv4_cpu import binding as ckernel
-from dsv4_jax.kernels import cpu as cpu_attention
+from dsv4_jax.kernels.cpu import attention as cpu_attention
+from dsv4_jax.kernels.cpu import library as cpu_library
 from planner import oracle
 
-if (_reason := cpu_attention.unavailable_reason()) is not None:
+if (_reason := cpu_library.unavailable_reason()) is not None:
     pytest.skip(f"the C kernel cannot be built here: {_reason}", allow_module_level=True)
 
 ISAS = [isa for isa, ok in ckernel.isa_supported().items() if ok]
@@ -300,7 +301,7 @@ def test_resolution_on_the_cpu():
 def test_unbuildable_kernel_is_reported(monkeypatch):
     """Where the library cannot be built: "auto" keeps xla, a named "cpu" raises with the reason."""
     monkeypatch.setattr(
-        cpu_attention, "_state", {"error": "RuntimeError: no C compiler found ('cc' is not on PATH; set CC)"}
+        cpu_library, "_state", {"error": "RuntimeError: no C compiler found ('cc' is not on PATH; set CC)"}
     )
     q = jnp.zeros((2, 16, 64), jnp.float32)
     assert dsv4_jax.resolve_backend("auto", q) == "xla"

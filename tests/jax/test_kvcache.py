@@ -1,7 +1,7 @@
 """dsv4_jax.kvcache against the NumPy reference (planner.kvcache), and torch == JAX == NumPy.
 
 The xla path and the Pallas kernels (interpret mode here; Triton on NVIDIA GPUs, checked by
-bench/gpu_check_kvcache.py) write the reference's bytes and gather its values exactly.
+bench/checks/gpu_kvcache.py) write the reference's bytes and gather its values exactly.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from dsv4_jax import kvcache as JK
-from dsv4_jax.kernels import pallas_kvcache, xla_kvcache
+from dsv4_jax.kernels.triton import kvcache as pallas_kvcache
+from dsv4_jax.kernels.xla import kvcache as xla_kvcache
 from planner import kvcache as P
 
 
@@ -64,7 +65,7 @@ def _kw(spec: str) -> dict:
 
 def _need(backend):
     if backend == "cpu":
-        from dsv4_jax.kernels import cpu as cpu_kvcache
+        from dsv4_jax.kernels.cpu import library as cpu_kvcache
 
         if (reason := cpu_kvcache.unavailable_reason()) is not None:
             pytest.skip(f"the cpu backend's FFI kernel cannot be built here: {reason}")

@@ -1,4 +1,4 @@
-"""The Mosaic GPU kernel (`dsv4_jax.kernels.mosaic`, backend "mosaic_gpu") on CPU, jax >= 0.12 only.
+"""The Mosaic GPU kernel (`dsv4_jax.kernels.mosaic_gpu.attention`, backend "mosaic_gpu") on CPU, jax >= 0.12 only.
 
 1. Correctness in Mosaic GPU's interpret mode (simulated shared memory, warpgroups, barriers,
    TMA and wgmma) with race detection on: every run must match the float64 oracle on the same
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax
-from dsv4_jax.kernels import mosaic as M
+from dsv4_jax.kernels.mosaic_gpu import attention as M
 from planner import oracle
 from tests.parity import cases as C
 from tests.parity import tolerances as TOL

@@ -1,4 +1,4 @@
-"""Backend "mosaic_tpu" (`dsv4_jax.kernels.mosaic_tpu`, `mosaic_tpu_prefill`) in TPU interpret mode on CPU.
+"""Backend "mosaic_tpu" (`dsv4_jax.kernels.mosaic_tpu.attention`, `mosaic_tpu_prefill`) in TPU interpret mode on CPU.
 
 TPU interpret mode simulates HBM, VMEM, SMEM, every DMA and semaphore (jax 0.10.2 and 0.12); each
 simulated access is a Python callback (about 1-5 ms here), and a kernel gathers its keys row by
@@ -33,8 +33,8 @@ import dsv4_jax
 import planner as P
 from dsv4_jax import prefill as JP
 from dsv4_jax import prefill_metadata as PM
-from dsv4_jax.kernels import mosaic_tpu as M
-from dsv4_jax.kernels import mosaic_tpu_rows as R
+from dsv4_jax.kernels.mosaic_tpu import attention as M
+from dsv4_jax.kernels.mosaic_tpu import rows as R
 from planner import oracle
 from tests.cases import make_case
 from tests.parity import cases as C

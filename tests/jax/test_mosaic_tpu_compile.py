@@ -20,8 +20,8 @@ import os
 import jax
 import pytest
 
-from dsv4_jax.kernels import mosaic_tpu as M
-from dsv4_jax.kernels import mosaic_tpu_rows as R
+from dsv4_jax.kernels.mosaic_tpu import attention as M
+from dsv4_jax.kernels.mosaic_tpu import rows as R
 
 _JAX = tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in jax.__version__.split(".")[:2])
 pytestmark = pytest.mark.skipif(

@@ -23,13 +23,14 @@ import dsv4_jax
 import planner as P
 from dsv4_cpu import binding as ckernel
 from dsv4_jax import prefill as JP
-from dsv4_jax import prefill_cpu
-from dsv4_jax.kernels import cpu as cpu_attention
+from dsv4_jax.kernels.cpu import attention as cpu_attention
+from dsv4_jax.kernels.cpu import library as cpu_library
+from dsv4_jax.kernels.cpu import prefill as prefill_cpu
 from tests.cases import boundary_cases, make_case
 from tests.fp8_cases import fp8_cases
 from tests.jax.test_prefill import FAST, POLICIES, logical, paged
 
-if (_reason := cpu_attention.unavailable_reason()) is not None:
+if (_reason := cpu_library.unavailable_reason()) is not None:
     pytest.skip(f"the C kernel cannot be built here: {_reason}", allow_module_level=True)
 
 ISAS = [isa for isa, ok in ckernel.isa_supported().items() if ok]

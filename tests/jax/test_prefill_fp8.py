@@ -145,9 +145,10 @@ def test_cpu_gather_path_equals_tile_decode(monkeypatch):
     the same bits as the tiles' exact decode it replaces, workspace and layer output."""
     import jax
 
-    from dsv4_jax.kernels import cpu as cpu_kvcache
+    from dsv4_jax.kernels.cpu import kvcache as cpu_kvcache
+    from dsv4_jax.kernels.cpu import library as cpu_library
 
-    if (reason := cpu_kvcache.unavailable_reason()) is not None:
+    if (reason := cpu_library.unavailable_reason()) is not None:
         pytest.skip(f"the cpu backend's FFI kernel cannot be built here: {reason}")
     assert JP._cpu_gather()
     case, raw, comp = fp8_cases(4)[1]

@@ -19,8 +19,8 @@ import pytest
 
 import dsv4_jax
 import dsv4_jax.kvcache
-from dsv4_jax.kernels.pallas_triton import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas
-from dsv4_jax.kernels.xla import sparse_attention_xla
+from dsv4_jax.kernels.triton.attention import ALTERNATIVE_TILINGS, default_tuning, sparse_attention_pallas
+from dsv4_jax.kernels.xla.attention import sparse_attention_xla
 from planner import oracle
 from tools.aot import kernel_arg_specs, lower_for_cuda, triton_ir
 
@@ -376,7 +376,7 @@ def test_backend_follows_committed_arrays(fake_gpu, caplog):
     cpu = jax.devices("cpu")[0]
     q, kv, idx, _, _ = _case(0, T=2)
     committed = [jax.device_put(x, cpu) for x in (q, kv, jnp.asarray(idx))]
-    from dsv4_jax.kernels import mosaic
+    from dsv4_jax.kernels.mosaic_gpu import attention as mosaic
 
     # No q: the first GPU kernel this jax has (mosaic_gpu from jax 0.12 on an SM90); this q's
     # 4 heads of 64 are not mosaic_gpu's shapes, so it takes triton.

@@ -23,7 +23,8 @@ import torch
 
 from dsv4_cpu import binding as ckernel
 from dsv4_torch import BackendUnavailableError, available_backends, resolve_backend, sparse_attention
-from dsv4_torch.kernels import cpu as CA
+from dsv4_torch.kernels.cpu import attention as CA
+from dsv4_torch.kernels.cpu import library as kcpu_library
 from planner import oracle
 from tests.parity import cases as C
 from tests.parity import tolerances as TOL
@@ -321,7 +322,7 @@ def test_zero_tokens_and_heads_never_reach_the_kernel(monkeypatch):
     def refuse():
         raise AssertionError("the kernel was called")
 
-    monkeypatch.setattr(CA, "_library", refuse)
+    monkeypatch.setattr(CA, "library", refuse)
     for T, H in ((0, 16), (3, 0)):
         c = case(T, max(H, 1), 64, 10, 16, seed=13)
         c["q"] = torch.zeros(T, H, 64)
@@ -373,7 +374,9 @@ def test_gradient_or_dropout_goes_to_reference():
 
 
 def test_kernel_that_cannot_build_is_reported(monkeypatch):
-    monkeypatch.setattr(CA, "_state", {"error": "RuntimeError: no C compiler found ('cc' is not on PATH; set CC)"})
+    monkeypatch.setattr(
+        kcpu_library, "_state", {"error": "RuntimeError: no C compiler found ('cc' is not on PATH; set CC)"}
+    )
     q = torch.zeros(1, 16, 64)
     assert resolve_backend("auto", q) == "reference"
     with pytest.raises(BackendUnavailableError, match="backend='cpu' cannot run here: RuntimeError: no C compiler"):
@@ -417,14 +420,14 @@ def test_torch_parallel_for_runs_on_torch_threads():
     import ctypes
     import threading
 
-    from dsv4_torch.kernels import cpu as kcpu
+    from dsv4_torch.kernels.cpu import library as kcpu
 
     if kcpu.unavailable_reason() is not None:
         pytest.skip(f"the C kernels do not build here: {kcpu.unavailable_reason()}")
     seen = set()
     fn_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
     fn = fn_t(lambda arg, i: seen.add(threading.get_native_id()))
-    run = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, fn_t, ctypes.c_void_p)(kcpu._runner())
+    run = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, fn_t, ctypes.c_void_p)(kcpu.runner())
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)

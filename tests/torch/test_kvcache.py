@@ -282,7 +282,7 @@ def test_unread_block_table_entries_are_free():
 
 
 def _torch_backends():
-    from dsv4_torch.kernels import triton_kvcache
+    from dsv4_torch.kernels.triton import kvcache as triton_kvcache
 
     names = ["reference"]
     if triton_kvcache.INTERPRETED or torch.cuda.is_available():
@@ -394,7 +394,7 @@ def test_triton_hardware_cast_branch_on_representable_inputs():
     """The GPU branch (hardware e4m3 cast) run by the interpreter, on values the cast need not round:
     the interpreter's cast is wrong on rounding carries (shared/docs/real-formats.md), so random
     inputs would fail there, while these pass. The default interpreted branch rounds by integers."""
-    from dsv4_torch.kernels import triton_kvcache
+    from dsv4_torch.kernels.triton import kvcache as triton_kvcache
 
     if not triton_kvcache.INTERPRETED:
         pytest.skip("checks the interpreter (CPU, TRITON_INTERPRET=1); on a GPU the other tests cover this branch")
@@ -496,7 +496,7 @@ def test_cpu_kernel_fast_and_edge_paths():
     bytes outside 10..246) at their boundaries, and calls split across threads mid-request."""
     _need("cpu")
     from dsv4_cpu import binding
-    from dsv4_torch.kernels import cpu
+    from dsv4_torch.kernels.cpu import kvcache as cpu
 
     rng = np.random.default_rng(21)
     S, nb = 16, 9
@@ -581,12 +581,12 @@ def test_triton_kernels_compile_for_gpus():
 
     code = (
         "import re, json\n"
-        "from dsv4_torch.kernels import triton_kvcache as K\n"
+        "from dsv4_torch.kernels.triton import kvcache as K\n"
         "out = {}\n"
         "for arch in (90, 80):\n"
         "    for name, ptx in K.compile_for(arch).items():\n"
         "        out[f'{arch}-{name}'] = [len(re.findall(p, ptx)) for p in (r'ld\\.global(?:\\.\\w+)*\\.v4', r'st\\.global(?:\\.\\w+)*\\.v4', r'e4m3')]\n"
-        "from dsv4_torch.kernels import triton_gather as G\n"
+        "from dsv4_torch.kernels.triton import gather as G\n"
         "for arch in (90, 80):\n"
         "    for name, ptx in G.compile_for(arch).items():\n"
         "        out[f'{arch}-rows-{name}'] = [len(re.findall(p, ptx)) for p in (r'ld\\.global(?:\\.\\w+)*\\.v4', r'st\\.global(?:\\.\\w+)*\\.v4')]\n"
@@ -605,7 +605,7 @@ def test_triton_kernels_compile_for_gpus():
     assert c["90-gather"][0] > 0 and c["90-gather"][1] > 0 and c["90-gather"][2] > 0
     assert c["90-insert"][2] > 0  # cvt ... e4m3x2
     assert c["80-gather"][2] == 0 and c["80-insert"][2] == 0 and c["80-gather"][1] > 0
-    # the prefill's gather of caches in q's dtype (dsv4_torch.kernels.triton_gather), paged and packed
+    # the prefill's gather of caches in q's dtype (dsv4_torch.kernels.triton.gather), paged and packed
     assert all(c[f"{a}-rows-{n}"][0] > 0 and c[f"{a}-rows-{n}"][1] > 0 for a in (90, 80) for n in ("paged", "packed"))
 
 

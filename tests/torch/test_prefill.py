@@ -331,7 +331,7 @@ def test_layer_call_makes_no_host_sync(ratio, layout, monkeypatch):
     monkeypatch.setattr("dsv4_torch.prefill_kv.check_source_values", lambda *a: None)
     monkeypatch.setattr(TP, "_check_topk_values", lambda *a: None)
     # The whole layer call is guarded, the reference kernel included, as it runs on a GPU.
-    from dsv4_torch.kernels import reference as ref_kernel
+    from dsv4_torch.kernels.reference import attention as ref_kernel
 
     monkeypatch.setattr(ref_kernel, "SKIP_EMPTY_BLOCKS_ON_CPU", False)
     for _ in range(2):  # the first call builds the row maps, the second reuses them

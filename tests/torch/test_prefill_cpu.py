@@ -17,9 +17,10 @@ import torch
 
 import planner as P
 from dsv4_cpu import binding as ckernel
-from dsv4_torch import BackendUnavailableError, prefill_cpu
+from dsv4_torch import BackendUnavailableError
 from dsv4_torch import prefill as TP
-from dsv4_torch.kernels import cpu as CA
+from dsv4_torch.kernels.cpu import attention as CA
+from dsv4_torch.kernels.cpu import prefill as prefill_cpu
 from planner import kvcache as KV
 from tests.cases import boundary_cases, make_case
 from tests.fp8_cases import RAW_SLOTS, bf16_values, fp8_case, fp8_cases
@@ -279,8 +280,8 @@ def test_fp8_pages_with_real_vllm_page_stride():
     # The engine path (vLLM's CPU engine pads every page to one size for all layer kinds:
     # 95616-byte strides for 37440-byte SWA pages) reads the padded view through the C kernel's
     # page stride: the same bits as the packed pages.
-    from dsv4_torch.kernels import cpu
-    from dsv4_torch.prefill_cpu import step_tokens
+    from dsv4_torch.kernels.cpu import attention as cpu
+    from dsv4_torch.kernels.cpu.prefill import step_tokens
 
     table = torch.from_numpy(raw.block_table)
     q = torch.from_numpy(case.q)
@@ -436,7 +437,7 @@ def test_zero_token_step_never_reaches_the_kernel(monkeypatch):
     def refuse():
         raise AssertionError("the kernel was called")
 
-    monkeypatch.setattr(CA, "_library", refuse)
+    monkeypatch.setattr(CA, "library", refuse)
     out, meta = run(case, backend="auto")
     assert out.shape == (0, 4, 32) and meta.last_backend == "cpu"
 

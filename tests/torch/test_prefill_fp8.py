@@ -104,7 +104,7 @@ def test_fp8_workspace_is_exactly_the_dequantized_rows(ratio):
 def test_triton_gather_path_equals_reference(monkeypatch):
     """The GPU path (one Triton dequant-gather per region, here under the interpreter) writes the
     same bits as the device-op path."""
-    from dsv4_torch.kernels import triton_kvcache
+    from dsv4_torch.kernels.triton import kvcache as triton_kvcache
 
     if not triton_kvcache.INTERPRETED and not torch.cuda.is_available():
         pytest.skip("the triton backend needs a CUDA GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it on CPU)")
@@ -138,7 +138,7 @@ def run_meta(case):
 def test_triton_gather_path_for_float_caches(layout, monkeypatch):
     """The GPU gather of caches in q's dtype (`triton_gather`, here under the interpreter) == the
     device-op path, bit for bit, for paged and packed caches (a window-only packed cache too)."""
-    from dsv4_torch.kernels import triton_kvcache
+    from dsv4_torch.kernels.triton import kvcache as triton_kvcache
     from tests.cases import boundary_cases
 
     if not triton_kvcache.INTERPRETED and not torch.cuda.is_available():
@@ -156,7 +156,7 @@ def test_triton_gather_path_for_float_caches(layout, monkeypatch):
 
 
 def test_fp8_layer_call_makes_no_host_sync(monkeypatch):
-    from dsv4_torch.kernels import reference as ref_kernel
+    from dsv4_torch.kernels.reference import attention as ref_kernel
     from tests.no_host_sync import forbid_host_sync
 
     case, raw, comp = fp8_cases(4)[1]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dsv4_torch import BackendUnavailableError, available_backends, resolve_backend, sparse_attention
-from dsv4_torch.kernels import reference as ref_kernel
+from dsv4_torch.kernels.reference import attention as ref_kernel
 from tests.torch.sparse_cases import (
     AVAILABLE,
     DEVICE,
@@ -34,7 +34,7 @@ from tests.torch.sparse_cases import (
 @pytest.mark.parametrize("cfg", [(16, 16, 4, 1), (32, 64, 4, 2), (64, 32, 8, 2)])
 def test_triton_launch_configs_agree(cfg):
     # H = 40: several head blocks, the last one partly masked; D = 48: masked value dims.
-    from dsv4_torch.kernels import triton_sparse as ts
+    from dsv4_torch.kernels.triton import attention as ts
 
     case = make_case(5, 40, 48, 60, 150, seed=17, topk=True, sink="random")
     got = ts.sparse_attention_triton(**on(DEVICE, case), config=ts.TritonConfig(*cfg))
@@ -47,7 +47,7 @@ def test_triton_launch_configs_agree(cfg):
 @needs_triton
 def test_triton_two_head_blocks_per_token():
     # H = 128 with block_h = 64: two programs per token, pid -> (token, head block) on a 1-D grid.
-    from dsv4_torch.kernels import triton_sparse as ts
+    from dsv4_torch.kernels.triton import attention as ts
 
     case = make_case(3, 128, 32, 40, 64, seed=19, topk=True, sink="random")
     got = ts.sparse_attention_triton(**on(DEVICE, case), config=ts.TritonConfig(64, 32, 4, 1))
@@ -61,7 +61,7 @@ def test_triton_two_head_blocks_per_token():
 def test_triton_grid_fits_cuda_limits(monkeypatch):
     """CUDA caps grid axes y and z at 65,535 (the interpreter does not): T > 65,535 tokens must
     launch on axis x. The launch is recorded, not run."""
-    from dsv4_torch.kernels import triton_sparse as ts
+    from dsv4_torch.kernels.triton import attention as ts
 
     grids = []
 
@@ -104,7 +104,7 @@ def test_triton_more_tokens_than_grid_axis_y_on_gpu():
     ],
 )
 def test_triton_config_rejects_bad_fields(fields, match):
-    from dsv4_torch.kernels import triton_sparse as ts
+    from dsv4_torch.kernels.triton import attention as ts
 
     with pytest.raises(ValueError, match=match):
         ts.TritonConfig(*fields)
@@ -137,7 +137,7 @@ def test_flashmla_sinks_and_edge_rows(sink):
 def test_flashmla_wrapper_pads_and_strips(monkeypatch):
     """The wrapper's padding, index clean-up and head split, run on CPU against a stand-in kernel
     that enforces FlashMLA's input constraints and computes with the reference."""
-    from dsv4_torch.kernels import flashmla
+    from dsv4_torch.kernels.flashmla import attention as flashmla
 
     calls = []
 
@@ -174,7 +174,7 @@ def test_flashmla_wrapper_inspects_the_signature_once(monkeypatch):
     signature is looked up once per function, not per call."""
     import inspect
 
-    from dsv4_torch.kernels import flashmla
+    from dsv4_torch.kernels.flashmla import attention as flashmla
 
     def upstream_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
         return ref_kernel.sparse_attention_reference(q, kv[:, 0], indices[:, 0], sm_scale, attn_sink, topk_length)
@@ -273,7 +273,7 @@ def test_triton_kernel_compiles_for_gpus(arch):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run(
-        [sys.executable, "-m", "bench.triton_resources_torch", "--arch", str(arch), "--dim", "512"],
+        [sys.executable, "-m", "bench.checks.triton_resources_torch", "--arch", str(arch), "--dim", "512"],
         cwd=root,
         env=env,
         capture_output=True,
@@ -292,7 +292,7 @@ def test_triton_kernel_compiles_for_gpus(arch):
 def test_default_config_follows_the_triton_version_on_hopper():
     """Triton 3.6 (torch 2.11) spills 64,16,8,2 inside the key loop on sm_90 and not 64,16,8,1;
     Triton 3.9 the other way round (offline compiles, see default_config's docstring)."""
-    from dsv4_torch.kernels import triton_sparse as ts
+    from dsv4_torch.kernels.triton import attention as ts
 
     old = ts.default_config(64, 512, torch.bfloat16, 90, triton_version=(3, 6))
     new = ts.default_config(64, 512, torch.bfloat16, 90, triton_version=(3, 9))
@@ -303,7 +303,7 @@ def test_default_config_follows_the_triton_version_on_hopper():
 
 def test_old_triton_interpreter_is_reported_not_run(monkeypatch):
     """Interpreters before Triton 3.9 cannot run the kernel: the backend says why instead."""
-    from dsv4_torch.kernels import triton_sparse as ts
+    from dsv4_torch.kernels.triton import attention as ts
 
     if not ts.INTERPRETED:
         pytest.skip("needs TRITON_INTERPRET=1 (set by the test suite's conftest)")

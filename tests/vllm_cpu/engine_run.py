@@ -54,7 +54,8 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     from vllm import LLM, SamplingParams
 
-    from dsv4_torch.vllm import cpu_engine, plugin
+    from dsv4_torch.vllm import plugin
+    from dsv4_torch.vllm.cpu import engine as cpu_engine
 
     llm = LLM(
         model=spec["checkpoint"],

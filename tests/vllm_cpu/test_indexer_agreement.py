@@ -1,4 +1,4 @@
-"""vLLM's CPU engine with the plugin's Lightning Indexer (`dsv4_torch.vllm.cpu_indexer`): a
+"""vLLM's CPU engine with the plugin's Lightning Indexer (`dsv4_torch.vllm.cpu.indexer`): a
 V4-Flash-shaped (index_topk 512) and a V4-Pro-shaped (index_topk 1024) small checkpoint served,
 each agreeing with our JAX model teacher-forced (test_agreement.py's envelope: JAX bf16 + the fp8
 cache against JAX float32), our kernel on every indexer token of every CSA layer;

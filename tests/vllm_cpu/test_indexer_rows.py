@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4_torch.vllm import cpu_engine, plugin
+from dsv4_torch.vllm import plugin
+from dsv4_torch.vllm.cpu import engine as cpu_engine
 from tests.torch.test_vllm_cpu_step_shapes import PAGE, Step
 
 R = 4

@@ -10,7 +10,8 @@ from importlib.metadata import entry_points, version
 
 import pytest
 
-from dsv4_torch.vllm import cpu_engine, plugin
+from dsv4_torch.vllm import plugin
+from dsv4_torch.vllm.cpu import engine as cpu_engine
 from tests.vllm_cpu.conftest import ROOT
 
 

@@ -1,0 +1,51 @@
+"""The indexer backend "cpu" for JAX: `dsv4_cpu`'s fused Lightning Indexer as an XLA FFI call.
+
+The handler (`dsv4_cpu/csrc/xla_indexer.cc`, registered with the other FFI targets by
+`dsv4_jax.kernels.cpu.library`) calls `dsv4_indexer_topk` on XLA's intra-op threads; usable under
+`jax.jit` (token arrays and the cache may be traced). `dsv4_jax.indexer.indexer_topk` runs it when
+its backend resolves to "cpu" (argument checks there). No backward (an integer selection).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv4_jax.kernels.cpu.library import require
+
+TARGET = "dsv4_indexer_topk"
+LAYOUT_ROWS, LAYOUT_INDEX_FP8 = 0, 2  # xla_indexer.cc's layouts
+
+
+@functools.cache
+def _call(layout: int, compress_ratio: int, topk: int):
+    def impl(q, weights, keys, table, request, position, valid):
+        T = q.shape[0]
+        out = (jax.ShapeDtypeStruct((T, topk), jnp.int32), jax.ShapeDtypeStruct((T, topk), jnp.float32))
+        call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
+        return call(
+            q, weights, keys, table, request, position, valid,
+            layout=np.int64(layout), compress_ratio=np.int64(compress_ratio), topk=np.int64(topk),
+        )  # fmt: skip
+
+    return impl
+
+
+def indexer_topk_cpu(
+    q, weights, keys, token_request, token_position, valid, *, compress_ratio, topk, offsets, block_table
+):
+    """(indices int32 [T, topk], logits float32 [T, topk]) by the C kernel; checked inputs."""
+    require()
+    if block_table is not None:
+        layout, table = LAYOUT_INDEX_FP8, block_table
+    else:
+        layout = LAYOUT_ROWS
+        table = jnp.zeros((1,), jnp.int32) if offsets is None else offsets
+    i32 = jnp.int32
+    return _call(layout, int(compress_ratio), int(topk))(
+        q, weights.astype(jnp.float32), keys, table.astype(i32), token_request.astype(i32), token_position.astype(i32),
+        valid.astype(i32),
+    )  # fmt: skip

@@ -1,0 +1,1 @@
+"""Backend "mosaic_tpu": Pallas TPU kernels (the flat contract and the per-tile prefill). See `dsv4_jax.kernels`."""

@@ -1,0 +1,1 @@
+"""Backend "triton": Pallas kernels lowered through Triton on NVIDIA GPUs. See `dsv4_jax.kernels`."""
