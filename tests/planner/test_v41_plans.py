@@ -339,3 +339,27 @@ def test_replay_start_and_bad_inputs():
         P.plan_kind(batch, limits(16), ("SWA", 0), band="kept")
     with pytest.raises(ValueError, match="layer_id: this step was planned from a list"):
         P.plan_step(batch, limits(16)).for_layer(0)
+
+
+def test_ratio_1_workspace_reaches_max_model_len():
+    """Ratio 1 gathers every earlier token's compressed entry: N = seq_len, up to max_model_len."""
+    mml, W, topk = 1 << 20, 128, 512
+    batch = P.PrefillBatch([mml, 700], [3, 700])
+    cfg = P.PlanConfig(window_size=W, max_model_len=mml, max_num_batched_tokens=1024)
+    plan = P.plan_kind(batch, cfg, ("CSA", 1))
+    c = plan.chunks[0]
+    assert plan.num_chunks == 1 and c.N == mml and c.M == mml + 700  # the short one's 700 new rows
+    rows = np.full((batch.num_tokens, topk), -1, dtype=np.int32)
+    for t, p in enumerate(batch.token_position.tolist()):
+        k = min(p + 1, topk)
+        rows[t, :k] = p - np.arange(k)  # the newest visible entries, the query's own (j = p) first
+    idx, lengths = P.build_chunk_indices(plan, c, rows)
+    assert idx.shape == (703, round_up(topk + W, 128)) and idx.dtype == np.int32
+    assert int(idx.max()) < c.workspace_rows
+    # the long request (slot 0), its first new token p = mml - 3: entries p, p-1, ..., then its window
+    p = mml - 3
+    assert idx[0, 0] == p and idx[0, topk - 1] == p - topk + 1 and lengths[0] == topk + W
+    assert idx[0, topk] == c.N + 0 and idx[0, topk + W - 1] == c.N + W - 1  # gathered from p - 127
+    # the short one (slot 1, base M), position 699: entries 699.., its window from N + 699 - 127
+    assert idx[702, 0] == c.M + 699 and idx[702, topk] == c.M + c.N + 699 - (W - 1) and lengths[702] == topk + W
+    assert lengths[3] == 1 + 1 and idx[3, :2].tolist() == [c.M + 0, c.M + c.N]  # position 0: entry 0, itself
