@@ -4,18 +4,22 @@ Pure NumPy. Both framework packages (`dsv4_torch`, `dsv4_jax`) consume what it c
 contract they share (kinds, names, constants, formulas, presets) is `planner.contract`.
 """
 
-from planner import contract, oracle, sizes
-from planner.batch import PrefillBatch
+from planner import contract, cost, oracle, schedule, sizes
+from planner.batch import BandRows, PrefillBatch
 from planner.contract import (
+    BANDS,
     POLICIES,
     PRESETS,
     V4_LAYERS,
+    V41_PRESETS,
     BackendUnavailableError,
     LayerKind,
     LayerSpec,
     ModelShape,
+    PlanKey,
     cdiv,
     layer_specs,
+    replay_start_of_hit,
 )
 from planner.kind_plan import ChunkLayout, KindPlan
 from planner.layout import (
@@ -33,19 +37,26 @@ from planner.plan import (
     plan_kind,
     plan_step,
 )
+from planner.schedule import LayerRole, Schedule
 
 __all__ = [
+    "BANDS",
     "BackendUnavailableError",
+    "BandRows",
     "ChunkLayout",
     "KindPlan",
     "LayerKind",
+    "LayerRole",
     "LayerSpec",
     "ModelShape",
     "POLICIES",
     "PRESETS",
     "PlanConfig",
+    "PlanKey",
     "PrefillBatch",
+    "Schedule",
     "StepPlan",
+    "V41_PRESETS",
     "V4_LAYERS",
     "as_step_plan",
     "build_chunk_indices",
@@ -53,6 +64,7 @@ __all__ = [
     "check_topk_rows",
     "chunk_gather_rows",
     "contract",
+    "cost",
     "gather_workspace",
     "get_prefill_chunk_plan",
     "index_width",
@@ -60,5 +72,7 @@ __all__ = [
     "oracle",
     "plan_kind",
     "plan_step",
+    "replay_start_of_hit",
+    "schedule",
     "sizes",
 ]

@@ -22,12 +22,18 @@ class PrefillBatch:
     `max_model_len` and `max_num_batched_tokens`, when given, are checked here too. Lengths, their
     total (the step's tokens) and the limits must fit int32 (`planner.checks.INT32_MAX`): the
     per-token arrays and plans are int32.
+
+    `replay_start` (B,) (DeepSeek-V4.1's bounded replay; None: zeros): the lowest position whose
+    window KV request i holds (vLLM's `Request.replay_start`: a prefix hit's last W tokens are
+    recomputed from there, `contract.prefix_hit_replay`); no window reaches below it. Checked:
+    0 <= replay_start[i] <= seq_lens[i] - query_lens[i].
     """
 
     seq_lens: np.ndarray
     query_lens: np.ndarray
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
+    replay_start: np.ndarray | None = None
 
     def __post_init__(self):
         seq = as_int_vector(self.seq_lens, "seq_lens")
@@ -58,6 +64,19 @@ class PrefillBatch:
             if qry.size and qry.max() > mnbt:
                 i = int(np.argmax(qry > mnbt))
                 raise ValueError(f"query_lens: query_lens[{i}] = {int(qry[i])} exceeds max_num_batched_tokens = {mnbt}")
+        if self.replay_start is not None:
+            rs = as_int_vector(self.replay_start, "replay_start")
+            if rs.shape != seq.shape:
+                raise ValueError(f"replay_start: {rs.shape[0]} entries for {seq.shape[0]} requests")
+            bad = (rs < 0) | (rs > seq - qry)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(
+                    f"replay_start: replay_start[{i}] = {int(rs[i])} is outside 0 .. seq_lens[{i}] - query_lens[{i}] "
+                    f"= {int(seq[i] - qry[i])} (the request's prefix)"
+                )
+            rs.setflags(write=False)
+            object.__setattr__(self, "replay_start", rs)
         seq.setflags(write=False)
         qry.setflags(write=False)
         self.__dict__["_min_query_len"] = qmin  # planners ask whether any request has no queries
@@ -120,7 +139,85 @@ class PrefillBatch:
         hc = contract.has_compressed(compress_ratio, has_compressed)
         return contract.compressed_len(self.seq_lens, int(compress_ratio), hc)
 
+    @property
+    def window_floor(self) -> np.ndarray | int:
+        """`replay_start`, or 0 where none was given."""
+        return 0 if self.replay_start is None else self.replay_start
+
     def gather_lens(self, window_size: int) -> np.ndarray:
-        """Raw rows each request gathers: its new tokens plus up to W-1 tokens of history."""
+        """Raw rows each request gathers: its new tokens plus up to W-1 tokens of history (none
+        below `replay_start`)."""
         w = as_int(window_size, "window_size", minimum=1, maximum=INT32_MAX)
-        return contract.gather_len(self.seq_lens, self.query_lens, w)
+        return contract.gather_len(self.seq_lens, self.query_lens, w, self.window_floor)
+
+    def band(self, band: str, window_size: int) -> BandRows:
+        """The rows layers of `band` compute in this step (`contract.BANDS`), made once per band."""
+        if band not in contract.BANDS:
+            raise ValueError(f"band: expected one of {contract.BANDS}, got {band!r}")
+        w = as_int(window_size, "window_size", minimum=1, maximum=INT32_MAX)
+        memo = self.__dict__.setdefault("_band_memo", {})
+        rows = memo.get((band, w))
+        if rows is None:
+            rows = memo[(band, w)] = BandRows.of(self, band, w)
+        return rows
+
+
+@dataclass(frozen=True, eq=False)
+class BandRows:
+    """The query rows one band of layers computes in a step, and where their windows start.
+
+    band: "full" (every new row), "cut" or "replay" (each request's last min(query_len, W) rows;
+      `contract.BANDS`, `planner.schedule` for vLLM's sources).
+    query_lens: (B,) int64, rows computed per request: the last query_lens[i] of its new tokens.
+    query_offsets: (B,) int64, the first of them within the request's new tokens
+      (`batch.query_lens - query_lens`).
+    window_starts: (B,) int64, the lowest position whose window KV these layers hold: a row at
+      position p attends the window max(0, p - W + 1, window_starts[i]) .. p. "full" and "cut":
+      the batch's `replay_start`; "replay": `max(replay_start, seq_len - W)` for a request whose
+      rows were trimmed (vLLM's `_gather_replay_batch_kernel`), else `replay_start`.
+    gather_lens: (B,) int64, raw rows each request gathers for them (`contract.gather_len` with
+      the window starts): the workspace's window part, never below a window start.
+    token_index: (T_band,) int32, the rows' places in the step's token array (request-major).
+    token_position: (T_band,) int32, their absolute positions.
+    """
+
+    band: str
+    window_size: int
+    query_lens: np.ndarray
+    query_offsets: np.ndarray
+    window_starts: np.ndarray
+    gather_lens: np.ndarray
+    token_index: np.ndarray
+    token_position: np.ndarray
+
+    @classmethod
+    def of(cls, batch: PrefillBatch, band: str, window_size: int) -> BandRows:
+        qry, seq = batch.query_lens, batch.seq_lens
+        floor = np.broadcast_to(np.asarray(batch.window_floor, dtype=np.int64), qry.shape)
+        if band == "full":
+            kept, starts = qry, floor
+        else:
+            kept = np.minimum(qry, window_size)
+            starts = floor if band == "cut" else np.where(kept < qry, np.maximum(floor, seq - window_size), floor)
+        offsets = qry - kept
+        if band == "full":
+            token_index, token_position = batch.token_arange, batch.token_position
+        else:
+            keep = (
+                np.arange(batch.num_tokens) - batch.query_start_loc[:-1][batch.token_request]
+                >= offsets[batch.token_request]
+            )
+            token_index = np.flatnonzero(keep).astype(np.int32)
+            token_position = batch.token_position[token_index]
+        gath = contract.gather_len(seq, kept, window_size, starts)
+        arrays = [np.array(a, dtype=np.int64) for a in (kept, offsets, starts, gath)] + [
+            np.asarray(token_index, dtype=np.int32),
+            np.asarray(token_position, dtype=np.int32),
+        ]
+        for a in arrays:
+            a.setflags(write=False)
+        return cls(band, int(window_size), *arrays)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_index.shape[0])

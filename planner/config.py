@@ -35,6 +35,11 @@ class PlanConfig:
       batch range `[start, end)` has queries. What vLLM's chunk loop needs (it gathers every
       request of the range into workspace slot `request - start`); plans of batches without such
       requests do not change. Batch order only.
+    replay: DeepSeek-V4.1's decoder bounded replay, for steps planned from a `planner.Schedule`:
+      None (vLLM's default `swa_bounded_replay`): on wherever the schedule allows it; True:
+      required (ValueError where `Schedule.replay_off_reason` says it cannot run); False: off,
+      the exact computation (every row with full windows at every layer, as transformers
+      computes). A step planned from a plain list of layers has no cut: True is refused there.
     """
 
     window_size: int
@@ -45,6 +50,7 @@ class PlanConfig:
     budget_rows: int | None = None
     order: str = "batch"
     contiguous: bool = False
+    replay: bool | None = None
 
     def __post_init__(self):
         for name in ("window_size", "max_model_len", "max_num_batched_tokens", "prefill_chunk_size"):
@@ -61,6 +67,8 @@ class PlanConfig:
             raise ValueError(f"contiguous: expected True or False, got {self.contiguous!r}")
         if self.contiguous and self.order != "batch":
             raise ValueError(f"contiguous: batch ranges need order='batch', got order={self.order!r}")
+        if self.replay is not None and not isinstance(self.replay, (bool, np.bool_)):
+            raise ValueError(f"replay: expected True, False or None, got {self.replay!r}")
 
     def max_compressed_len(self, layer: LayerSpec) -> int:
         """Upper bound of compressed rows per request: cdiv(max_model_len, r), 0 without a

@@ -75,6 +75,24 @@ _LAYER_TYPE_OF_KIND = {
 _KIND_OF_LAYER_TYPE = {v: k for k, v in _LAYER_TYPE_OF_KIND.items()}
 LAYER_TYPES = tuple(_LAYER_TYPE_OF_KIND.values())
 
+V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")  # the official composite, transformers' text config
+V41_FIELDS = ("kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id")
+
+
+def is_v41_config(config) -> bool:
+    """Whether a config.json dict is DeepSeek-V4.1's (its model type, or a V4.1-only field)."""
+    if not isinstance(config, dict):
+        return False
+    text = config.get("text_config")
+    return (
+        config.get("model_type") in V41_MODEL_TYPES
+        or (
+            isinstance(text, dict) and (text.get("model_type") in V41_MODEL_TYPES or any(k in text for k in V41_FIELDS))
+        )
+        or any(k in config for k in V41_FIELDS)
+    )
+
+
 # DeepSeek-V4.0's ratios per kind, what its published `compress_ratios` lists mean.
 V4_RATIOS = {LayerKind.SWA: 0, LayerKind.CSA: 4, LayerKind.HCA: 128}
 _V4_KIND_OF_RATIO = {0: LayerKind.SWA, 4: LayerKind.CSA, 128: LayerKind.HCA}
@@ -116,6 +134,46 @@ class LayerSpec:
 # Kinds and V4.0 ratios: what a plan covers when the caller names no model.
 V4_LAYERS = tuple(LayerSpec(k, r) for k, r in V4_RATIOS.items())
 
+# The rows a layer computes in a prefill step (DeepSeek-V4.1's decoder bounded replay, vLLM's
+# `swa_bounded_replay`; `planner.schedule` says which layer takes which band):
+#   "full":   every new row, windows reaching back W - 1 positions (down to a request's
+#             `replay_start`, where a prefix hit's window KV begins);
+#   "cut":    the last KV source under replay: each request's last min(query_len, W) rows, with
+#             the full band's windows (it wrote every row's window KV first);
+#   "replay": layers past the cut: the same rows, windows clamped to them for a trimmed request.
+BANDS = ("full", "cut", "replay")
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """What a plan depends on besides the batch: the layer spec and the band of rows it computes.
+
+    Layers with equal keys share one plan per step. `band` is one of `BANDS`.
+    """
+
+    layer: LayerSpec
+    band: str = "full"
+
+    def __post_init__(self):
+        object.__setattr__(self, "layer", LayerSpec.of(self.layer))
+        if self.band not in BANDS:
+            raise ValueError(f"band: expected one of {BANDS}, got {self.band!r}")
+
+    @property
+    def kind(self) -> LayerKind:
+        return self.layer.kind
+
+    @property
+    def compress_ratio(self) -> int:
+        return self.layer.compress_ratio
+
+    @property
+    def has_compressed(self) -> bool:
+        return self.layer.has_compressed
+
+    def __str__(self):
+        return f"{self.kind.name}{self.compress_ratio if self.has_compressed else ''}/{self.band}"
+
 
 def as_layer_specs(layers) -> tuple[LayerSpec, ...]:
     """The distinct layer specs of `layers`, one per kind, in first-seen order.
@@ -155,9 +213,18 @@ def layer_specs(config: dict) -> tuple[LayerSpec, ...]:
     V4.0's 4 / 128; `compress_rate_csa` / `compress_rate_hca` fold in). DeepSeek's published
     fields: per-layer `compress_ratios` (0 / 4 / 128, V4.0's meaning; the trailing MTP entries are
     dropped), used only when `layer_types` is absent.
+
+    A DeepSeek-V4.1 config (`is_v41_config`) is refused: its layers are a `planner.Schedule`
+    (`Schedule.from_config(config)`, whose `layer_specs` are these specs and whose roles say which
+    plan each layer reads).
     """
     if not isinstance(config, dict):
         raise TypeError(f"config: expected a config.json dict, got {type(config).__name__}")
+    if is_v41_config(config):
+        raise ValueError(
+            "config: a DeepSeek-V4.1 config (model_type or kv/index source fields); its layers are a "
+            "planner.Schedule: Schedule.from_config(config)"
+        )
     n = config.get("num_hidden_layers")
     rates = {
         "compressed_sparse_attention": V4_RATIOS[LayerKind.CSA],
@@ -264,9 +331,33 @@ def compressed_len(seq_len, compress_ratio: int, has_compressed: bool = True):
     return seq_len // compress_ratio
 
 
-def gather_len(seq_len, query_len, window_size: int):
-    """Raw rows a request gathers: its new tokens plus up to W-1 tokens of history."""
-    return query_len + np.minimum(seq_len - query_len, window_size - 1)
+def gather_len(seq_len, query_len, window_size: int, window_start=0):
+    """Raw rows a request gathers: its new tokens plus up to W-1 tokens of history.
+
+    window_start: the lowest position whose window KV the request holds (vLLM's `replay_start`
+      after a prefix hit, or the replay band's clamp; 0: all of it); history below it is not
+      gathered: `query_len + min(max(prefix - window_start, 0), W - 1)` (vLLM's
+      `ComputePrefillMetadataKernel`, `v1/attention/backends/mla/sparse_swa.py`).
+    """
+    return query_len + np.minimum(np.maximum(seq_len - query_len - window_start, 0), window_size - 1)
+
+
+def replay_start_of_hit(hit_tokens, window_size: int, block_size: int = 1):
+    """Where a prefix-cache hit's bounded replay starts (DeepSeek-V4.1 in vLLM): `hit - W`, or 0.
+
+    The hit is first rounded down to a multiple of `block_size` (vLLM rounds an external hit; a
+    local hit is whole blocks already). A hit of at most W tokens is dropped (the request is
+    computed from 0); a longer one recomputes its last W tokens, so the request's computed prefix
+    after the rewind is this same value (`Scheduler._mark_prefix_replay`,
+    `v1/core/sched/scheduler.py`). Ints or integer arrays.
+    """
+    hit = np.asarray(hit_tokens, dtype=np.int64)
+    if hit.size and int(hit.min()) < 0:
+        raise ValueError(f"hit_tokens: must be >= 0, got {hit_tokens!r}")
+    w = as_int(window_size, "window_size", minimum=1)
+    hit = hit - hit % as_int(block_size, "block_size", minimum=1)
+    start = np.where(hit > w, hit - w, 0)
+    return int(start) if start.ndim == 0 else start
 
 
 def max_compressed_len(max_model_len: int, compress_ratio: int, has_compressed: bool = True) -> int:
@@ -389,18 +480,90 @@ PRESETS = {
 }
 
 
-def preset(name: str) -> dict:
-    """A copy of one preset's config dict; `name` is matched without case ("v4_flash" works)."""
+def _v41_preset(**fields) -> dict:
+    """A DeepSeek-V4.1 text config (transformers' `DeepseekV41TextConfig` fields, flat)."""
+    head_dim, rope_dim = 512, 64
+    cfg = {
+        "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41_text",
+        "vocab_size": 129280, "hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 64,
+        "num_key_value_heads": 1, "head_dim": head_dim, "qk_rope_head_dim": rope_dim, "q_lora_rank": 1280,
+        "o_groups": 8, "o_lora_rank": 1024, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 65536},
+        "max_position_embeddings": 1048576, "sliding_window": 128,
+        "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0] * 3,
+        "kv_source_layer_ids": [2, 8, 14, 20], "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+        "candidate_source_layer_id": 20, "candidate_topk_blocks": 2048, "candidate_block_size": 8,
+        "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512,
+        "moe_intermediate_size": 2304, "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 6,
+        "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "routed_scaling_factor": 1.5,
+        "swiglu_limit": 10.0, "hidden_act": "silu", "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+        "engram_layer_ids": [1, 14], "num_nextn_predict_layers": 3, "rms_norm_eps": 1e-20,
+        "tie_word_embeddings": False, "eos_token_id": 1,
+    }  # fmt: skip
+    cfg.update(fields)
+    return cfg
+
+
+# DeepSeek-V4.1 (`planner.Schedule` reads their layer schedule). Not in `PRESETS`: that table's
+# readers (`dsv4_jax.model.config.PRESETS`) take V4.0 configs only.
+V41_PRESETS = {
+    # The released DeepSeek-V4.1-Flash text model: transformers' DeepseekV41TextConfig defaults (its
+    # docstring: the released checkpoint's config), widths as vLLM 0.32's V4.1 kernels hard-code
+    # them (hidden 5120, q rank 1280, 64 heads, MoE 384 x 2304); 40 layers + 3 DSpark draft layers.
+    "V4.1": _v41_preset(),
+    # 7 layers of every role (v41-facts.md): window, ratio-2 source and reuse, the ratio-1 cut
+    # (candidate source), a reuse, a reindex (candidate consumer) and its reuse; real head geometry
+    # (head_dim 512, RoPE 64, index_head_dim 128, 16 indexer heads), toy widths; no Engram (it
+    # needs the real tokenizer), no draft layers.
+    "V4.1-tiny": _v41_preset(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=7,
+        num_attention_heads=8,
+        q_lora_rank=64,
+        o_groups=2,
+        o_lora_rank=32,
+        sliding_window=16,
+        compress_ratios=[0, 2, 2, 1, 1, 1, 1],
+        kv_source_layer_ids=[1, 3],
+        index_source_layer_ids=[1, 3, 5],
+        candidate_source_layer_id=3,
+        candidate_topk_blocks=4,
+        candidate_block_size=4,
+        index_n_heads=16,
+        index_topk=8,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        engram_layer_ids=[],
+        num_nextn_predict_layers=0,
+        rms_norm_eps=1e-6,
+        pad_token_id=2,
+        dtype="float32",
+    ),
+}
+
+
+def _preset_name(name: str) -> str:
     key = str(name).lower().replace("_", "-")
-    for k, v in PRESETS.items():
+    for k in (*PRESETS, *V41_PRESETS):
         if k.lower() == key:
-            return copy.deepcopy(v)
-    raise ValueError(f"name: expected one of {list(PRESETS)}, got {name!r}")
+            return k
+    raise ValueError(f"name: expected one of {[*PRESETS, *V41_PRESETS]}, got {name!r}")
+
+
+def preset(name: str) -> dict:
+    """A copy of one preset's config dict (`PRESETS` or `V41_PRESETS`); `name` is matched without
+    case ("v4_flash", "v4.1-tiny" work)."""
+    k = _preset_name(name)
+    return copy.deepcopy(PRESETS[k] if k in PRESETS else V41_PRESETS[k])
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What attention planning needs of a model: its layer specs (the MTP layer last) and shapes."""
+    """What attention planning needs of a DeepSeek-V4.0 model: its layer specs (the MTP layer last)
+    and shapes. (A V4.1 model's layers are a `planner.Schedule`.)"""
 
     name: str
     num_heads: int
@@ -417,8 +580,7 @@ class ModelShape:
 
     @classmethod
     def from_name(cls, name: str) -> ModelShape:
-        cfg = preset(name)
-        return cls.from_config(cfg, next(k for k in PRESETS if k.lower() == str(name).lower().replace("_", "-")))
+        return cls.from_config(preset(name), _preset_name(name))
 
     def layers_per_kind(self) -> dict[LayerKind, int]:
         counts = Counter(s.kind for s in self.layers)

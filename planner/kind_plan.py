@@ -15,7 +15,7 @@ import numpy as np
 
 from planner.batch import PrefillBatch
 from planner.config import PlanConfig
-from planner.contract import LayerKind, LayerSpec
+from planner.contract import LayerKind, LayerSpec, PlanKey
 
 
 class ChunkLayout:
@@ -93,7 +93,8 @@ class KindPlan:
     """The chunk plan and workspace layout of one layer kind for one step.
 
     Segments are the planned pieces in plan order (one per request with queries, unless
-    budget_rows split one); `seg_*` arrays are per segment, `chunk_*` per chunk (`chunk_starts`
+    budget_rows split one; of a "cut" / "replay" band, its kept rows, `seg_query_offset` saying
+    where they start); `seg_*` arrays are per segment, `chunk_*` per chunk (`chunk_starts`
     and `chunk_token_starts` have one extra entry), `token_*` per planned token, chunk-major.
     All integer arrays are int32 (what device kernels want), read-only.
     """
@@ -110,6 +111,7 @@ class KindPlan:
     # and chunks (starts, N, M). The int32 arrays below are made from them on first use.
     seg_source: tuple = field(repr=False)
     chunk_source: tuple = field(repr=False)
+    band: str = "full"  # the rows it computes (`contract.BANDS`): segments hold each request's kept rows
     _chunks: list = field(default_factory=list, repr=False)
 
     # Everything but the chunk boundaries is derived on first use: a plan read only for its chunks
@@ -186,7 +188,7 @@ class KindPlan:
     def _tokens(self):
         batch, seg_req, chunk_starts = self.batch, self.seg_request, self.chunk_starts
         seg_slot = self._segments[0]
-        if not self.split_requests.size and self.config.order == "batch":
+        if not self.split_requests.size and self.config.order == "batch" and self.seg_source[3] is None:
             # Segments are the requests with queries, in batch order: the planned tokens are the
             # step's tokens in their own order, so the per-token arrays come from the batch.
             token_index = batch.token_arange
@@ -231,6 +233,11 @@ class KindPlan:
     def token_position(self) -> np.ndarray:
         """Per planned token: its absolute position p."""
         return self._tokens[3]
+
+    @property
+    def key(self) -> PlanKey:
+        """The layer spec and band this plan serves (layers with this key share it)."""
+        return PlanKey(self.layer, self.band)
 
     @property
     def kind(self) -> LayerKind:

@@ -31,11 +31,15 @@ def index_width(plan: KindPlan, topk: int | None = None) -> int:
     )
 
 
-def check_topk_rows(topk_rows, token_index, token_position, compress_ratio: int, name: str = "topk_rows"):
+def check_topk_rows(
+    topk_rows, token_index, token_position, compress_ratio: int, name: str = "topk_rows", *, allow_invalid=False
+):
     """Refuse top-k rows whose used entries are not visible (negative, or >= (p+1)//r).
 
     topk_rows: (T_step, topk) integers, request-local; row token_index[t] belongs to the token at
     position token_position[t], which uses its first min((p+1)//r, topk) entries.
+    allow_invalid: -1 entries among the used ones are accepted (vLLM V4.1's rows: a failed pick
+      stays -1 and still counts in topk_length); other negatives are refused all the same.
     Returns (the selected rows as int64, the visible counts). Raises ValueError naming `name`.
     """
     rows = np.asarray(topk_rows)
@@ -47,7 +51,7 @@ def check_topk_rows(topk_rows, token_index, token_position, compress_ratio: int,
     visible = contract.visible_entries(pos, compress_ratio)
     sel = rows[token_index].astype(np.int64)
     used = np.arange(rows.shape[1])[None, :] < np.minimum(visible, rows.shape[1])[:, None]
-    bad = used & ((sel < 0) | (sel >= visible[:, None]))
+    bad = used & ((sel < (-1 if allow_invalid else 0)) | (sel >= visible[:, None]))
     if bad.any():
         t = int(np.argmax(bad.any(axis=1)))
         raise ValueError(
@@ -65,17 +69,24 @@ def _chunk(plan: KindPlan, chunk) -> ChunkLayout:
     return plan.chunks[int(chunk)]
 
 
-def build_chunk_indices(plan: KindPlan, chunk, topk_rows=None, *, width: int | None = None):
-    """Combined sparse indices of one chunk's tokens into its workspace.
+def build_chunk_indices(plan: KindPlan, chunk, topk_rows=None, *, width: int | None = None, allow_invalid=False):
+    """Combined sparse indices of one chunk's tokens into its workspace (vLLM's row layout).
 
     Args:
-      plan: the step's `KindPlan` for this layer kind.
+      plan: the step's `KindPlan` for this layer kind (any ratio >= 1, any band).
       chunk: a chunk number or a `ChunkLayout` of `plan`.
       topk_rows: CSA only. (T_step, topk) integers: the indexer's request-local top-k row of every
         token of the step (rows are picked with `chunk.token_index`). For a token at position p
         the first min((p+1)//r, topk) entries are used; each must lie in 0 .. (p+1)//r - 1.
-      width: columns of the result; default `index_width(plan, topk)`, the same for every chunk
-        and every plan of the step. Must hold every row.
+      width: columns of the result; default `index_width(plan, topk)` (round_up(topk + W, 128)
+        for CSA), the same for every chunk and every plan of the step. Must hold every row.
+      allow_invalid: CSA: a -1 among a row's used entries stays -1 and counts in topk_length
+        (DeepSeek-V4.1's `combine_topk_swa_indices`); False refuses it (V4.0's kernel would
+        offset it into the previous request's rows).
+
+    A row is `[min((p+1)//r, topk) compressed slots] + [window slots] + [-1 ...]`: the window
+    covers positions max(p - W + 1, gather_start) .. p, gather_start = seq_len - gather_len of the
+    token's segment (its request's window start: `replay_start`, or the replay band's clamp).
 
     Returns:
       indices: (T_chunk, width) int32, compressed part then window part, -1 padded.
@@ -93,12 +104,13 @@ def build_chunk_indices(plan: KindPlan, chunk, topk_rows=None, *, width: int | N
     if kind is LayerKind.CSA:
         if topk_rows is None:
             raise ValueError("topk_rows: required for CSA layers")
-        sel, _ = check_topk_rows(topk_rows, c.token_index, p, r)
+        sel, _ = check_topk_rows(topk_rows, c.token_index, p, r, allow_invalid=allow_invalid)
         topk = sel.shape[1]
         ncomp = np.minimum(visible, topk)
     else:
         ncomp, topk = visible, None
-    nwin = np.minimum(p + 1, W)
+    wstart = np.maximum(p - W + 1, gstart)  # gstart >= 0: the window never starts below 0
+    nwin = p - wstart + 1
     lengths = ncomp + nwin
     if width is None:
         width = index_width(plan, topk)
@@ -115,9 +127,10 @@ def build_chunk_indices(plan: KindPlan, chunk, topk_rows=None, *, width: int | N
         comp_val[:, :k] = sel[:, :k]
     else:
         comp_val = np.broadcast_to(col, (p.shape[0], int(width)))
-    # Window position q = p - nwin + 1 + (col - ncomp); its row is N + q - gather_start.
-    win_val = c.N + (p - nwin + 1 - gstart)[:, None] + (col - ncomp[:, None])
-    idx = np.where(in_comp, base[:, None] + comp_val, np.where(in_win, base[:, None] + win_val, -1))
+    # Window position q = wstart + (col - ncomp); its row is N + q - gather_start.
+    win_val = c.N + (wstart - gstart)[:, None] + (col - ncomp[:, None])
+    comp_idx = np.where(comp_val < 0, -1, base[:, None] + comp_val)  # -1: allow_invalid's failed picks
+    idx = np.where(in_comp, comp_idx, np.where(in_win, base[:, None] + win_val, -1))
     return idx.astype(np.int32), lengths.astype(np.int32)
 
 

@@ -1,11 +1,15 @@
 """Float64 NumPy oracle of DeepSeek-V4 sparse attention (spec sections 1 and 2).
 
-Two references, both chunk-free and slow on purpose:
+References, chunk-free and slow on purpose:
 
 * `sparse_attention`: the FlashMLA `flash_mla_sparse_fwd` contract on a flat workspace.
+* `key_set`: one query's keys by definition (spec section 1; DeepSeek-V4.1's ratio 2 / ratio 1
+  visibility, its top-k rows and clamped windows).
 * `prefill_attention`: per-request attention straight from the logical (unpaged) raw and
-  compressed KV, with the per-query key set of spec section 1. It never looks at a plan, so
-  "gather by plan + sparse_attention == prefill_attention" proves the plan and layout right.
+  compressed KV, each query's keys from `key_set`. It never looks at a plan, so "gather by plan +
+  sparse_attention == prefill_attention" proves the plan and layout right.
+* `layer_attention`: one V4.1 layer as its `planner.Schedule` wires it: its KV source's shared
+  compressed cache, its index source's top-k, its band's rows and window starts.
 """
 
 from __future__ import annotations
@@ -86,6 +90,43 @@ def sparse_attention(q, kv, indices, sm_scale, attn_sink=None, topk_length=None)
     return out, max_logits, lse
 
 
+def key_set(
+    position: int,
+    *,
+    kind,
+    compress_ratio: int,
+    window_size: int,
+    topk_row=None,
+    window_start: int = 0,
+    allow_invalid: bool = False,
+):
+    """The keys of the query at absolute `position` (spec section 1; DeepSeek-V4.1's rows), by definition.
+
+    Returns (compressed, window): lists of compressed entry ids and of raw positions, in vLLM's
+    row order. Entry w pools tokens r*w .. r*w + r - 1 and is visible iff w < (p + 1) // r (ratio
+    2: w < (p + 1) // 2; ratio 1: w <= p, the query's own token included).
+    * compressed: SWA none; HCA every visible entry; CSA the first min((p + 1) // r, topk) of
+      `topk_row` (the index source's request-local top-k; each must be visible, or -1 with
+      `allow_invalid`, kept as -1: no key, as vLLM V4.1 keeps a failed pick).
+    * window: positions max(0, p - W + 1, window_start) .. p (`window_start`: the request's
+      `replay_start`, or the replay band's clamp, `PrefillBatch.band`).
+    """
+    layer = LayerSpec(LayerKind.of(kind), compress_ratio)
+    p, W = int(position), as_int(window_size, "window_size", minimum=1)
+    visible = (p + 1) // layer.compress_ratio if layer.has_compressed else 0
+    if layer.kind is LayerKind.CSA:
+        if topk_row is None:
+            raise ValueError("topk_row: required for CSA layers")
+        row = np.asarray(topk_row, dtype=np.int64).reshape(-1)
+        compressed = row[: min(visible, row.shape[0])].tolist()
+        bad = [e for e in compressed if not (0 <= e < visible or (allow_invalid and e == -1))]
+        if bad:
+            raise ValueError(f"topk_rows: position {p} points at entries outside 0..{visible - 1}: {compressed}")
+    else:
+        compressed = list(range(visible))
+    return compressed, list(range(max(0, p - W + 1, int(window_start)), p + 1))
+
+
 def prefill_attention(
     q,
     raw_kv,
@@ -99,6 +140,8 @@ def prefill_attention(
     sm_scale: float,
     attn_sink=None,
     topk_rows=None,
+    window_starts=None,
+    allow_invalid: bool = False,
 ):
     """Chunk-free prefill attention from each request's logical KV (spec section 1).
 
@@ -117,6 +160,9 @@ def prefill_attention(
       attn_sink: optional (H,) float.
       topk_rows: CSA only, (T, topk) integers: the indexer's request-local top-k row of each
         query token. The first min((p+1)//r, topk) entries are used; they must be visible.
+      window_starts: optional (B,) integers: no window of request i reaches below position
+        window_starts[i] (`key_set`'s `window_start`); default 0.
+      allow_invalid: CSA: -1 among the used top-k entries is no key (V4.1), not an error.
 
     Returns:
       (out, max_logits, lse) as `sparse_attention`, for the T query tokens.
@@ -140,6 +186,11 @@ def prefill_attention(
         topk_rows = np.asarray(topk_rows)
         if topk_rows.ndim != 2 or topk_rows.shape[0] != batch.num_tokens:
             raise ValueError(f"topk_rows: expected ({batch.num_tokens}, topk), got {topk_rows.shape}")
+    starts = np.zeros(batch.num_requests, dtype=np.int64)
+    if window_starts is not None:
+        starts = as_int_vector(window_starts, "window_starts")
+        if starts.shape != (batch.num_requests,):
+            raise ValueError(f"window_starts: expected ({batch.num_requests},), got {starts.shape}")
 
     outs, maxes, lses = [], [], []
     for i in range(batch.num_requests):
@@ -157,21 +208,18 @@ def prefill_attention(
                 raise ValueError(f"compressed_kv[{i}]: {comp.shape[0]} rows, expected {seq_len // r}")
         keys = np.concatenate([comp, raw[:seq_len]])  # entries first, then raw tokens
         n_comp = comp.shape[0]
-        rows = np.full((qlen, 0), -1, dtype=np.int64).tolist()
+        rows = []
         for j in range(qlen):
-            p = seq_len - qlen + j
-            visible = (p + 1) // r if kind is not LayerKind.SWA else 0
-            if kind is LayerKind.CSA:
-                sel = np.asarray(topk_rows[t0 + j][: min(visible, topk_rows.shape[1])], dtype=np.int64)
-                if np.any((sel < 0) | (sel >= visible)):
-                    raise ValueError(
-                        f"topk_rows: row {t0 + j} (position {p}) points at entries outside 0..{visible - 1}: {sel.tolist()}"
-                    )
-                comp_part = sel.tolist()
-            else:
-                comp_part = list(range(visible))
-            window = list(range(n_comp + max(0, p - W + 1), n_comp + p + 1))
-            rows[j] = comp_part + window
+            compressed, window = key_set(
+                seq_len - qlen + j,
+                kind=kind,
+                compress_ratio=r,
+                window_size=W,
+                topk_row=None if topk_rows is None else topk_rows[t0 + j],
+                window_start=int(starts[i]),
+                allow_invalid=allow_invalid,
+            )
+            rows.append(compressed + [n_comp + w for w in window])  # -1 stays invalid
         width = max(1, max(len(row) for row in rows))
         idx = np.full((qlen, width), -1, dtype=np.int64)
         for j, row in enumerate(rows):
@@ -184,3 +232,82 @@ def prefill_attention(
     if not outs:
         return np.zeros((0, H, value_dim(D))), np.zeros((0, H)), np.zeros((0, H))
     return np.concatenate(outs), np.concatenate(maxes), np.concatenate(lses)
+
+
+def layer_attention(
+    schedule,
+    layer_id: int,
+    q,
+    raw_kv,
+    compressed_kv,
+    seq_lens,
+    query_lens,
+    *,
+    sm_scale: float,
+    attn_sink=None,
+    topk_rows=None,
+    replay: bool | None = False,
+    replay_start=None,
+    allow_invalid: bool = False,
+):
+    """One DeepSeek-V4.1 layer's prefill attention, chunk-free, as its schedule wires it.
+
+    Args:
+      schedule: the model's `planner.Schedule`; layer_id: the layer.
+      q: (T, H, D) float, the layer's queries for every new token of the step (request-major);
+        only the rows of the layer's band are read.
+      raw_kv: per-request (seq_lens[i], D) arrays: this layer's own window latents.
+      compressed_kv: {kv_source_layer_id: per-request (seq_lens[i] // r, D) arrays}: the shared
+        compressed caches; the layer reads its KV source's (ignored for ratio 0).
+      seq_lens, query_lens: (B,) integers.
+      topk_rows: {index_source_layer_id: (T, topk) integers}: each index source's request-local
+        top-k rows for the step's tokens; the layer uses its index source's (ignored for ratio 0).
+      replay: decoder bounded replay (`Schedule.resolve_replay`: None = vLLM's default, False =
+        every row with full windows, as transformers computes).
+      replay_start: optional (B,) integers, the batch's `PrefillBatch.replay_start`.
+
+    Returns:
+      token_index: (T_band,) int32, the step rows the layer computes (`PrefillBatch.band`);
+      out, max_logits, lse: as `prefill_attention`, for those rows.
+    """
+    from planner.batch import PrefillBatch
+
+    role = schedule[layer_id]
+    band = role.band(schedule.resolve_replay(replay))
+    batch = PrefillBatch(seq_lens, query_lens, replay_start=replay_start)
+    rows = batch.band(band, schedule.sliding_window)
+    q = _as_float_array(q, "q", (3,))
+    if q.shape[0] != batch.num_tokens:
+        raise ValueError(f"q: {q.shape[0]} tokens, but query_lens sum to {batch.num_tokens}")
+    comp, sel = None, None
+    if role.has_compressed:
+        for name, table, key in (
+            ("compressed_kv", compressed_kv, role.kv_source_layer_id),
+            ("topk_rows", topk_rows, role.index_source_layer_id),
+        ):
+            if not isinstance(table, dict) or key not in table:
+                raise ValueError(f"{name}: layer {layer_id} reads layer {key}'s; expected a dict holding it")
+        comp = compressed_kv[role.kv_source_layer_id]
+        sel = np.asarray(topk_rows[role.index_source_layer_id])
+        if sel.ndim != 2 or sel.shape[0] != batch.num_tokens:
+            raise ValueError(
+                f"topk_rows[{role.index_source_layer_id}]: expected ({batch.num_tokens}, topk), got {sel.shape}"
+            )
+        sel = sel[rows.token_index]
+    spec = role.spec
+    out = prefill_attention(
+        q[rows.token_index],
+        raw_kv,
+        comp,
+        batch.seq_lens,
+        rows.query_lens,
+        kind=spec.kind,
+        compress_ratio=spec.compress_ratio,
+        window_size=schedule.sliding_window,
+        sm_scale=sm_scale,
+        attn_sink=attn_sink,
+        topk_rows=sel,
+        window_starts=rows.window_starts,
+        allow_invalid=allow_invalid,
+    )
+    return (rows.token_index, *out)

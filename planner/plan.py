@@ -4,10 +4,13 @@ Two layers of API (the plan objects themselves: `planner.kind_plan`):
 
 * `get_prefill_chunk_plan` / `get_fixed_chunk_plan`: vLLM's tuples `(start, end, N, M)`, the same
   values vLLM returns for the same inputs (adaptive and the old fixed plan).
-* `plan_step` -> `StepPlan`: one `KindPlan` per layer kind, computed once per step on the host and
-  shared by every layer of that kind. A `KindPlan` holds the workspace layout of every chunk and
-  compact per-token metadata as flat NumPy arrays (one host-to-device copy per kind per step);
-  `KindPlan.chunks` gives a readable per-chunk view (`ChunkLayout`).
+* `plan_step` -> `StepPlan`: one `KindPlan` per distinct plan of the step's layers, computed once
+  per step on the host and shared by every layer that reads it: per layer kind for V4's layers,
+  per (layer spec, band) for a DeepSeek-V4.1 `planner.Schedule` (its ratio-2 and ratio-1 layers
+  both take a top-k; under decoder bounded replay the cut and the layers past it compute each
+  request's last min(query_len, W) rows only). A `KindPlan` holds the workspace layout of every
+  chunk and compact per-token metadata as flat NumPy arrays (one host-to-device copy per plan
+  per step); `KindPlan.chunks` gives a readable per-chunk view (`ChunkLayout`).
 
 Beyond vLLM: requests with `query_len == 0` never form or widen a chunk (they are recorded in
 `KindPlan.skipped`); an explicit `budget_rows` is honoured, splitting a request that does not fit
@@ -16,21 +19,25 @@ alone along its query axis (pieces see all the KV before them); an optional leng
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
 from planner import contract
-from planner.batch import PrefillBatch
+from planner.batch import BandRows, PrefillBatch
 from planner.checks import INT32_MAX
 from planner.config import PlanConfig
 from planner.contract import (
     V4_LAYERS,
     LayerKind,
     LayerSpec,
+    PlanKey,
     as_layer_specs,
 )
 from planner.kind_plan import EMPTY_INT32, KindPlan, readonly_int32
+from planner.schedule import Schedule
 
 
 def _greedy_chunks(comp: list[int], gath: list[int], area: int, breaks=()):
@@ -63,16 +70,17 @@ def _greedy_chunks(comp: list[int], gath: list[int], area: int, breaks=()):
     return starts, Ns, Ms
 
 
-def _split_request(prefix: int, query_len: int, r: int, W: int, budget: int, request: int):  # r = 0: no compressed rows
+def _split_request(prefix: int, query_len: int, r: int, W: int, budget: int, request: int, window_start: int = 0):
     """Cut one request's queries into pieces [a, b) whose rows fit `budget` (greedy, longest first).
 
     A piece is planned as a request of seq_len prefix+b and query_len b-a: it gathers every
-    compressed entry and window token its queries can see.
+    compressed entry and window token its queries can see (none below `window_start`). r = 0: no
+    compressed rows.
     """
 
     def rows(a, b):
         comp = 0 if r == 0 else (prefix + b) // r
-        return comp + (b - a) + min(prefix + a, W - 1)
+        return comp + (b - a) + min(prefix + a - window_start, W - 1)
 
     pieces, a = [], 0
     while a < query_len:
@@ -127,7 +135,8 @@ def _active_requests(batch: PrefillBatch, config: PlanConfig):
         seq_a, qry_a = seq[active], qry[active]
         skipped.setflags(write=False)
     active.setflags(write=False)
-    gath_a = contract.gather_len(seq_a, qry_a, config.window_size)
+    floor = batch.window_floor
+    gath_a = contract.gather_len(seq_a, qry_a, config.window_size, floor if np.ndim(floor) == 0 else floor[active])
     memo[key] = hit = (active, skipped, seq_a, qry_a, gath_a)
     return hit
 
@@ -154,10 +163,13 @@ def _check_inputs(batch, config) -> None:
         raise TypeError(f"config: expected a planner.PlanConfig, got {type(config).__name__}")
 
 
-def plan_kind(batch: PrefillBatch, config: PlanConfig, layer, _shared=None) -> KindPlan:
+def plan_kind(batch: PrefillBatch, config: PlanConfig, layer, _shared=None, *, band: str = "full") -> KindPlan:
     """Plan one layer kind for one step.
 
     layer: a `LayerSpec` or `(kind, compress_ratio)` pair: any ratio >= 1 for CSA/HCA.
+    band: the rows its layers compute (`contract.BANDS`, `PrefillBatch.band`): "full" (every new
+      row), "cut" / "replay" (each request's last min(query_len, W) rows, with the band's window
+      starts). A plan's segments, chunks and per-token arrays cover those rows only.
     """
     _check_inputs(batch, config)
     layer = LayerSpec.of(layer)
@@ -166,12 +178,25 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, layer, _shared=None) -> K
     W = config.window_size
     shared = _shared or _active_requests(batch, config)
     active, skipped, seq_a, qry_a, gath_a = shared
+    floor = batch.window_floor
+    ws_a = floor if np.ndim(floor) == 0 else floor[active]  # window starts (replay_start)
+    off_a = None  # every query offset is 0
+    if band != "full":
+        rows_b = batch.band(band, W)
+        qry_b = rows_b.query_lens[active]
+        if (qry_b != qry_a).any():  # some requests trimmed: their last rows, their floors
+            off_a, qry_a, ws_a = rows_b.query_offsets[active], qry_b, rows_b.window_starts[active]
+            gath_a = rows_b.gather_lens[active]
     comp_a = contract.compressed_len(seq_a, r) if hc else None  # None: all zero (no compressed cache)
     if config.order == "length" and active.size:
         if comp_a is None:
             comp_a = np.zeros_like(seq_a)
         perm = np.lexsort((-gath_a, -comp_a), axis=0)  # widest first; stable for ties
         active, seq_a, qry_a, comp_a, gath_a = (x[perm] for x in (active, seq_a, qry_a, comp_a, gath_a))
+        if off_a is not None:
+            off_a = off_a[perm]
+        if np.ndim(ws_a):
+            ws_a = ws_a[perm]
 
     budget = config.budget(layer)
     if budget > INT32_MAX:  # workspace rows are int32 (row bases, indices into the workspace)
@@ -193,18 +218,19 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, layer, _shared=None) -> K
         and int(((0 if comp_a is None else comp_a) + gath_a).max()) > budget
     ):
         rows = []  # (request, seq_len, query_len, query_offset)
-        for i, s, q in zip(active.tolist(), seq_a.tolist(), qry_a.tolist()):
-            pieces = _split_request(s - q, q, r, W, budget, i)
+        offs = [0] * len(active) if off_a is None else off_a.tolist()
+        starts = np.broadcast_to(ws_a, active.shape).tolist()
+        for i, s, q, o, w in zip(active.tolist(), seq_a.tolist(), qry_a.tolist(), offs, starts):
+            pieces = _split_request(s - q, q, r, W, budget, i, w)
             if len(pieces) > 1:
                 split.append(i)
-            rows.extend((i, s - q + b, b - a, a) for a, b in pieces)
-        seg = np.array(rows, dtype=np.int64).reshape(-1, 4)
-        seg_req, seg_seq, seg_q, seg_off = seg.T
+            rows.extend((i, s - q + b, b - a, o + a, w) for a, b in pieces)
+        seg = np.array(rows, dtype=np.int64).reshape(-1, 5)
+        seg_req, seg_seq, seg_q, seg_off, seg_ws = seg.T
         seg_comp = contract.compressed_len(seg_seq, r, hc)
-        seg_gath = contract.gather_len(seg_seq, seg_q, W)
+        seg_gath = contract.gather_len(seg_seq, seg_q, W, seg_ws)
     else:
-        seg_req, seg_seq, seg_q = active, seq_a, qry_a
-        seg_off = None  # every query offset is 0
+        seg_req, seg_seq, seg_q, seg_off = active, seq_a, qry_a, off_a
         seg_comp, seg_gath = comp_a, gath_a
 
     n = int(seg_req.shape[0])
@@ -235,42 +261,126 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, layer, _shared=None) -> K
         split_requests=readonly_int32(split) if split else EMPTY_INT32,
         seg_source=(seg_req, seg_seq, seg_q, seg_off, seg_comp, seg_gath),
         chunk_source=chunks,
+        band=band,
     )
 
 
 @dataclass(frozen=True, eq=False)
 class StepPlan:
-    """One step's plans: a `KindPlan` per layer kind, shared by all layers of that kind.
+    """One step's plans, each made once and shared by every layer that reads it.
 
-    Index it with a kind: `step[LayerKind.CSA]` or `step["CSA"]`.
+    plans: {PlanKey: KindPlan}, one per distinct (layer spec, band) of the step's layers, in the
+      order of the first layer reading each. Planned from a plain list of layers (V4): one per
+      kind, band "full". Planned from a `planner.Schedule` (V4.1): one per distinct
+      (compress_ratio, has_compressed = ratio != 0, band).
+    schedule, layer_keys: the schedule planned from and each of its layers' key (None / ()
+      for a plain list of layers).
+    replay: whether decoder bounded replay changed this step: `PlanConfig.replay` resolved by the
+      schedule, and some request has more than W new rows (vLLM makes no replay batch otherwise).
+
+    Index it with a kind (`step[LayerKind.CSA]`, `step["CSA"]`: that kind's plan where the step
+    has exactly one, `kinds`), a `PlanKey`, or ask per layer: `step.for_layer(i)`.
+
+    A DeepSeek-V4.1 step (40 layers) has 3 plans without replay (ratio 0, 2 and 1, band "full")
+    and 4 with it (ratio 0 and 2 "full", the cut's ratio 1 "cut", layers 21-39's ratio 1
+    "replay"); vLLM 0.32 calls its planner once per attention layer (40 calls a step, recomputed
+    each time, 3 distinct results: it plans the cut's and the later layers' kept rows alike, with
+    the unclamped bound `query_len + min(prefix, W - 1)` of their window rows, where these plans
+    take each band's exact gather lengths).
     """
 
     batch: PrefillBatch
     config: PlanConfig
-    kinds: dict[LayerKind, KindPlan]
+    plans: dict[PlanKey, KindPlan]
+    schedule: Schedule | None = None
+    layer_keys: tuple[PlanKey, ...] = ()
+    replay: bool = False
 
-    def __getitem__(self, kind) -> KindPlan:
-        k = LayerKind.of(kind)
-        if k not in self.kinds:
-            raise KeyError(f"no plan for {k.name} in this step (planned: {[x.name for x in self.kinds]})")
-        return self.kinds[k]
+    @cached_property
+    def kinds(self) -> dict[LayerKind, KindPlan]:
+        """{kind: plan} for every kind with exactly one plan in the step (all kinds of a V4 step)."""
+        counts = Counter(k.kind for k in self.plans)
+        return {k.kind: p for k, p in self.plans.items() if counts[k.kind] == 1}
+
+    def __getitem__(self, key) -> KindPlan:
+        if isinstance(key, PlanKey):
+            if key not in self.plans:
+                raise KeyError(f"no plan for {key} in this step (planned: {[str(k) for k in self.plans]})")
+            return self.plans[key]
+        k = LayerKind.of(key)
+        if k in self.kinds:
+            return self.kinds[k]
+        several = [str(x) for x in self.plans if x.kind is k]
+        if several:
+            raise KeyError(
+                f"{k.name}: this step has {len(several)} {k.name} plans ({several}); index it with a PlanKey or "
+                "ask step.for_layer(layer_id)"
+            )
+        raise KeyError(f"no plan for {k.name} in this step (planned: {[str(x) for x in self.plans]})")
+
+    @property
+    def num_plans(self) -> int:
+        return len(self.plans)
+
+    def for_layer(self, layer_id: int) -> KindPlan:
+        """The plan layer `layer_id` of the schedule reads."""
+        if self.schedule is None:
+            raise ValueError("layer_id: this step was planned from a list of layers, not a Schedule; index it by kind")
+        return self.plans[self.schedule.plan_key(layer_id, self.replay)]
+
+    @cached_property
+    def sharing(self) -> dict[PlanKey, tuple[int, ...]]:
+        """{PlanKey: the schedule's layers reading that plan} (empty without a schedule)."""
+        out: dict[PlanKey, list[int]] = {k: [] for k in self.plans}
+        for i, k in enumerate(self.layer_keys):
+            out[k].append(i)
+        return {k: tuple(v) for k, v in out.items()} if self.layer_keys else {}
+
+    @property
+    def bands(self) -> dict[str, BandRows]:
+        """{band: the rows its layers compute} for every band the step's plans use."""
+        bands = dict.fromkeys(k.band for k in self.plans)
+        return {b: self.batch.band(b, self.config.window_size) for b in bands}
 
     @property
     def max_workspace_rows(self) -> int:
-        return max((p.max_workspace_rows for p in self.kinds.values()), default=0)
+        return max((p.max_workspace_rows for p in self.plans.values()), default=0)
 
 
 def plan_step(batch: PrefillBatch, config: PlanConfig, layers=V4_LAYERS) -> StepPlan:
-    """Plan every layer kind of `layers` once for this step.
+    """Plan every distinct plan of `layers` once for this step.
 
-    layers: `{kind: compress_ratio}` or `LayerSpec` / `(kind, ratio)` entries (a model's
-      per-layer list is fine; `planner.layer_specs(config_json)` reads one). Default: the three
-      kinds at V4.0's ratios (SWA, CSA 4, HCA 128).
+    layers: a `planner.Schedule` (DeepSeek-V4.1: a plan per distinct (ratio, has_compressed,
+      band), `PlanConfig.replay` deciding the bands; its `sliding_window` must equal
+      `config.window_size`), or V4's `{kind: compress_ratio}` / `LayerSpec` / `(kind, ratio)`
+      entries, one ratio per kind (a model's per-layer list is fine;
+      `planner.layer_specs(config_json)` reads one). Default: the three kinds at V4.0's ratios
+      (SWA, CSA 4, HCA 128).
     """
     _check_inputs(batch, config)
     shared = _active_requests(batch, config)
-    kinds = {spec.kind: plan_kind(batch, config, spec, shared) for spec in as_layer_specs(layers)}
-    return StepPlan(batch=batch, config=config, kinds=kinds)
+    if isinstance(layers, Schedule):
+        if layers.sliding_window != config.window_size:
+            raise ValueError(
+                f"window_size: PlanConfig.window_size = {config.window_size} differs from the schedule's "
+                f"sliding_window = {layers.sliding_window}"
+            )
+        # vLLM builds its replay batch only when some request has more than W new rows: otherwise
+        # every layer computes every row with the batch's windows (the "full" band's plans).
+        replay = layers.resolve_replay(None if config.replay is None else bool(config.replay))
+        replay = replay and bool((batch.query_lens > config.window_size).any())
+        keys = tuple(layers.plan_key(i, replay) for i in range(layers.num_layers))
+        plans: dict[PlanKey, KindPlan] = {}
+        for k in keys:
+            if k not in plans:
+                plans[k] = plan_kind(batch, config, k.layer, shared, band=k.band)
+        return StepPlan(batch=batch, config=config, plans=plans, schedule=layers, layer_keys=keys, replay=replay)
+    if config.replay:
+        raise ValueError(
+            "replay: True needs a planner.Schedule (a V4.1 layer schedule with a cut); got a list of layers"
+        )
+    plans = {PlanKey(spec): plan_kind(batch, config, spec, shared) for spec in as_layer_specs(layers)}
+    return StepPlan(batch=batch, config=config, plans=plans)
 
 
 def as_step_plan(
