@@ -328,9 +328,10 @@ class DeepseekV4:
         min_tokens = (
             self._min_tokens if self._token_buckets == "fine" else pow2_bucket(batch.num_tokens, self._min_tokens)
         )
-        for kind, kp in plan.kinds.items():
+        for key, kp in plan.plans.items():
+            kind = key.kind
             rows = max(self._min_workspace_rows, pow2_bucket(kp.max_workspace_rows))
-            one = StepPlan(batch=batch, config=self.plan_config, kinds={kind: kp})
+            one = StepPlan(batch=batch, config=self.plan_config, plans={key: kp})
             m = build_step_metadata(
                 one,
                 index_topk=self.config.index_topk,
