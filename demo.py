@@ -19,7 +19,16 @@ import time
 import numpy as np
 
 from planner import V4_LAYERS, LayerKind, LayerSpec, PlanConfig, PrefillBatch, oracle, plan_step
-from planner.report import SPEC_LIMITS, SPEC_QUERY_LENS, SPEC_SEQ_LENS, plan_report, table
+from planner.report import (
+    SPEC_LIMITS,
+    SPEC_QUERY_LENS,
+    SPEC_SEQ_LENS,
+    V41_QUERY_LENS,
+    V41_SEQ_LENS,
+    plan_report,
+    table,
+    v41_report,
+)
 
 FRAMEWORKS = ("torch", "jax")
 PLANS = ("adaptive", "fixed")
@@ -228,6 +237,12 @@ def main(argv=None) -> int:
     try:
         batch = PrefillBatch(args.seq_lens, args.query_lens, args.max_model_len, args.max_num_batched_tokens)
         print(plan_report(batch, limits))
+        print()
+        print(v41_report(batch, limits))
+        if not (batch.query_lens > 128).any():  # show replay on a batch of fresh prompts too
+            fresh = PrefillBatch(V41_SEQ_LENS, V41_QUERY_LENS, max(args.max_model_len, 2048), 4096)
+            print()
+            print(v41_report(fresh, {**limits, "max_num_batched_tokens": 4096}))
         if args.frameworks:
             print()
             print(attention_report(batch, limits, args))

@@ -6,8 +6,14 @@ from planner.batch import PrefillBatch
 from planner.config import PlanConfig
 from planner.contract import LayerKind, ModelShape
 from planner.plan import plan_step
+from planner.schedule import Schedule
 
 BYTES_PER_ROW = 512 * 2  # one bf16 latent of 512 dims
+
+# A fresh-prompt batch for the V4.1 section: requests with more new rows than V4.1's window (128),
+# so decoder bounded replay has rows to drop.
+V41_SEQ_LENS = (2048, 900, 300, 130, 17)
+V41_QUERY_LENS = (2048, 900, 300, 130, 17)
 
 # The worked example of spec section 4.
 SPEC_SEQ_LENS = (256, 320, 448, 640, 1024, 1536, 3072, 4096, 6144, 8192)
@@ -116,4 +122,53 @@ def plan_report(batch: PrefillBatch, limits: dict, policies=("adaptive", "fixed"
             "Sparse-attention kernel launches per prefill step (chunks x layers, MTP layer included):",
             table(rows, ["model", "layers SWA/CSA/HCA", "adaptive", "fixed", "saved"]),
         ]
+    return "\n".join(out)
+
+
+def v41_report(batch: PrefillBatch, limits: dict, schedule: Schedule | None = None) -> str:
+    """A DeepSeek-V4.1 step's plans for `batch`: how many against vLLM's one call per attention
+    layer, which layers share each, their chunks and workspace, and the rows each band computes,
+    with decoder bounded replay on and off. `limits` as `plan_report` takes them; the window is
+    the schedule's own (`sliding_window`, 128 in the released model)."""
+    sched = schedule if schedule is not None else Schedule.from_name("V4.1")
+    lim = {**limits, "window_size": sched.sliding_window}
+    out = [
+        f"DeepSeek-V4.1 ({sched.num_layers} layers, ratios 0/2/1, KV sources {list(sched.kv_source_layer_ids)}): "
+        f"{batch.num_requests} prefill requests, {batch.num_tokens} query tokens, window {sched.sliding_window}"
+    ]
+    rows = []
+    for replay in (False, True):
+        step = plan_step(batch, PlanConfig(replay=replay if replay and sched.can_replay else False, **lim), sched)
+        computed = {b: int(r.query_lens.sum()) for b, r in step.bands.items()}
+        for key, kp in step.plans.items():
+            layers = step.sharing[key]
+            rows.append(
+                [
+                    "on" if replay else "off",
+                    key.compress_ratio,
+                    key.band,
+                    f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0]),
+                    len(layers),
+                    kp.num_chunks,
+                    kp.max_workspace_rows,
+                    mib(kp.max_workspace_rows),
+                    computed[key.band],
+                ]
+            )
+        rows.append(["", "", "", "", "", "", "", "", ""])
+        if replay and not step.replay:
+            why = sched.replay_off_reason or f"no request has more than {sched.sliding_window} new rows"
+            out.append(f"(replay requested, not applied: {why})")
+    rows.pop()
+    n_off = len({(r[1], r[2]) for r in rows if r[0] == "off"})
+    n_on = len({(r[1], r[2]) for r in rows if r[0] == "on"})
+    out += [
+        "",
+        f"Plans per step: {n_off} without replay, {n_on} with it, against vLLM's {sched.num_layers} planner calls "
+        "(one per attention layer, each recomputed):",
+        table(
+            rows,
+            ["replay", "r", "band", "layers", "n", "chunks", "peak rows", "peak MiB", "rows computed"],
+        ),
+    ]
     return "\n".join(out)

@@ -40,3 +40,23 @@ def test_demo_runs_attention_in_both_frameworks(capsys):
 def test_demo_bad_input_is_a_clear_error(capsys):
     assert demo.main(["--seq-lens", "5,5", "--query-lens", "6,1", "--frameworks", ""]) == 2
     assert "query_lens[0] = 6 exceeds seq_lens[0] = 5" in capsys.readouterr().err
+
+
+def test_demo_shows_a_v41_step_beside_v4(capsys):
+    """The V4.1 section: 3 plans without replay, 4 with it (the cut and the replay band), and the
+    replay bands compute each request's last min(query_len, 128) rows, counted here apart."""
+    import re
+
+    from planner.report import V41_QUERY_LENS
+
+    assert demo.main(["--frameworks", ""]) == 0
+    out = capsys.readouterr().out
+    assert "DeepSeek-V4.1 (40 layers" in out
+    assert "no request has more than 128 new rows" in out  # the spec batch: replay has nothing to drop
+    fresh = out.rsplit("DeepSeek-V4.1 (40 layers", 1)[1]
+    assert "3 without replay, 4 with it, against vLLM's 40 planner calls" in fresh
+    kept = sum(min(q, 128) for q in V41_QUERY_LENS)
+    rows = {m.group(1): int(m.group(2)) for m in re.finditer(r"^on\s+1\s+(cut|replay)\s+\S+.*?(\d+)$", fresh, re.M)}
+    assert rows == {"cut": kept, "replay": kept}, rows
+    full = [int(line.split()[-1]) for line in fresh.splitlines() if line.startswith("off ")]
+    assert full == [sum(V41_QUERY_LENS)] * 3
