@@ -48,6 +48,40 @@ print(K.is_supported()[0], X._supports_current_device())
 """
 
 
+REFUSED = """
+import logging, vllm.plugins; vllm.plugins.load_general_plugins()
+from dsv4_torch.vllm import plugin
+print(plugin._registered)
+"""
+
+
+def test_loader_refuses_a_cpu_without_avx512_bf16_or_amx():
+    """Where vLLM's DeepSeek-V4 CPU operators cannot run, the loader leaves the plugin inactive with
+    one warning naming the reason, and DSV4_PREFILL_VLLM_PLUGIN=require makes that an error."""
+    reason = cpu_engine.unlock_reason()
+    if reason is None:  # a capable CPU: nothing to refuse; the check itself must agree
+        from tools.vllm_cpu_hardware import cpu_flags, refusal
+
+        assert refusal(cpu_flags()) is None
+        return
+    done = subprocess.run(
+        [sys.executable, "-c", REFUSED], capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(os.environ)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "False"
+    assert "vLLM plugin inactive on this CPU" in done.stderr and reason in done.stderr
+    req = subprocess.run(
+        [sys.executable, "-c", REFUSED],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=dict(os.environ, DSV4_PREFILL_VLLM_PLUGIN="require"),
+    )
+    assert req.returncode != 0 and "CPUPathUnavailableError" in req.stderr, req.stderr[-2000:]
+
+
+@pytest.mark.skipif(cpu_engine.unlock_reason() is not None, reason="vLLM-cpu's DeepSeek-V4 kernels do not run here")
 def test_loader_patches_the_cpu_path():
     lines = _run(PATCHED)
     assert lines[-4] == "True"
