@@ -240,9 +240,10 @@ def main(argv=None) -> int:
         print()
         print(v41_report(batch, limits))
         if not (batch.query_lens > 128).any():  # show replay on a batch of fresh prompts too
-            fresh = PrefillBatch(V41_SEQ_LENS, V41_QUERY_LENS, max(args.max_model_len, 2048), 4096)
+            fresh_limits = {**limits, "max_model_len": max(args.max_model_len, 2048), "max_num_batched_tokens": 4096}
+            fresh = PrefillBatch(V41_SEQ_LENS, V41_QUERY_LENS, fresh_limits["max_model_len"], 4096)
             print()
-            print(v41_report(fresh, {**limits, "max_num_batched_tokens": 4096}))
+            print(v41_report(fresh, fresh_limits))
         if args.frameworks:
             print()
             print(attention_report(batch, limits, args))
