@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from planner import V4_LAYERS, LayerKind, LayerSpec, PlanConfig, PrefillBatch, oracle, plan_step
+from planner import V4_LAYERS, LayerKind, LayerSpec, PlanConfig, PrefillBatch, Schedule, oracle, plan_step
 from planner.report import (
     SPEC_LIMITS,
     SPEC_QUERY_LENS,
@@ -238,12 +238,13 @@ def main(argv=None) -> int:
         batch = PrefillBatch(args.seq_lens, args.query_lens, args.max_model_len, args.max_num_batched_tokens)
         print(plan_report(batch, limits))
         print()
-        print(v41_report(batch, limits))
-        if not (batch.query_lens > 128).any():  # show replay on a batch of fresh prompts too
+        v41 = Schedule.from_name("V4.1")
+        print(v41_report(batch, limits, v41))
+        if not (batch.query_lens > v41.sliding_window).any():  # show replay on a batch of fresh prompts too
             fresh_limits = {**limits, "max_model_len": max(args.max_model_len, 2048), "max_num_batched_tokens": 4096}
             fresh = PrefillBatch(V41_SEQ_LENS, V41_QUERY_LENS, fresh_limits["max_model_len"], 4096)
             print()
-            print(v41_report(fresh, fresh_limits))
+            print(v41_report(fresh, fresh_limits, v41))
         if args.frameworks:
             print()
             print(attention_report(batch, limits, args))

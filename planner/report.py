@@ -136,9 +136,10 @@ def v41_report(batch: PrefillBatch, limits: dict, schedule: Schedule | None = No
         f"DeepSeek-V4.1 ({sched.num_layers} layers, ratios 0/2/1, KV sources {list(sched.kv_source_layer_ids)}): "
         f"{batch.num_requests} prefill requests, {batch.num_tokens} query tokens, window {sched.sliding_window}"
     ]
-    rows = []
+    rows, num_plans = [], {}
     for replay in (False, True):
-        step = plan_step(batch, PlanConfig(replay=replay if replay and sched.can_replay else False, **lim), sched)
+        step = plan_step(batch, PlanConfig(replay=replay and sched.can_replay, **lim), sched)
+        num_plans[replay] = step.num_plans
         computed = {b: int(r.query_lens.sum()) for b, r in step.bands.items()}
         for key, kp in step.plans.items():
             layers = step.sharing[key]
@@ -160,11 +161,9 @@ def v41_report(batch: PrefillBatch, limits: dict, schedule: Schedule | None = No
             why = sched.replay_off_reason or f"no request has more than {sched.sliding_window} new rows"
             out.append(f"(replay requested, not applied: {why})")
     rows.pop()
-    n_off = len({(r[1], r[2]) for r in rows if r[0] == "off"})
-    n_on = len({(r[1], r[2]) for r in rows if r[0] == "on"})
     out += [
         "",
-        f"Plans per step: {n_off} without replay, {n_on} with it, against vLLM's {sched.num_layers} planner calls "
+        f"Plans per step: {num_plans[False]} without replay, {num_plans[True]} with it, against vLLM's {sched.num_layers} planner calls "
         "(one per attention layer, each recomputed):",
         table(
             rows,
