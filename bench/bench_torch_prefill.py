@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.bench_torch_prefill [--scale 0.125] [--heads 16] [--dim 128]
 
 For each named workload (`bench.common.workloads`, lengths scaled down for CPU) and each layer kind,
-one layer's `dsv4_torch.prefill_attention` is timed per plan, interleaved, median of repeats.
+one layer's `dsv4_torch.prefill.prefill_attention` is timed per plan, interleaved, median of repeats.
 Tokens/s and the ratio to the adaptive plan are printed, with chunks and peak workspace.
 """
 

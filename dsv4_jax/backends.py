@@ -96,7 +96,7 @@ _BF16, _F16, _F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(j
 
 
 def _triton(arrays) -> str | None:
-    return devices.pallas_triton_unavailable(arrays)
+    return devices.triton_unavailable(arrays)
 
 
 def _cpu(arrays) -> str | None:
@@ -151,7 +151,7 @@ def _mosaic_tpu(arrays) -> str | None:
         return (
             f"compiles for TPU arrays, but the arrays are on {', '.join(platforms) or 'no device'}; pass "
             "interpret=True to run it in TPU interpret mode, or compile for a chip inside "
-            "dsv4_jax.kernels.mosaic_tpu.compile_target"
+            "dsv4_jax.kernels.mosaic_tpu.attention.compile_target"
         )
     return mosaic_tpu.unavailable_reason()
 

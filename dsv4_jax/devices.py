@@ -70,7 +70,7 @@ def nvidia_gpu_unavailable(device) -> str | None:
     return None
 
 
-def pallas_triton_unavailable(arrays) -> str | None:
+def triton_unavailable(arrays) -> str | None:
     """None if the Pallas -> Triton kernels can run on every device of a call on `arrays`, else
     the first reason."""
     devices = devices_for(arrays)

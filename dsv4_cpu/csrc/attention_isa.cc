@@ -1,6 +1,6 @@
 // One token's sparse attention (all heads at once), compiled once per instruction set.
 //
-// Build: planner/ckernel.py compiles this file once per instruction set with
+// Build: dsv4_cpu/build.py compiles this file once per instruction set with
 //   -DDSV4_ISA=<name> -DDSV4_WIDTH=<fp32 lanes> and that set's -m flags:
 //   generic (4 lanes of GCC/Clang vector code, any CPU), avx2 (8), avx512 (16), avx512bf16 (16 +
 //   the bf16 dot-product kernel). Nothing here is chosen at build time by the machine: the

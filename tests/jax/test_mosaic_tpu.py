@@ -1,4 +1,4 @@
-"""Backend "mosaic_tpu" (`dsv4_jax.kernels.mosaic_tpu.attention`, `mosaic_tpu_prefill`) in TPU interpret mode on CPU.
+"""Backend "mosaic_tpu" (`dsv4_jax.kernels.mosaic_tpu.attention`, `dsv4_jax.kernels.mosaic_tpu.prefill`) in TPU interpret mode on CPU.
 
 TPU interpret mode simulates HBM, VMEM, SMEM, every DMA and semaphore (jax 0.10.2 and 0.12); each
 simulated access is a Python callback (about 1-5 ms here), and a kernel gathers its keys row by

@@ -45,7 +45,7 @@ def test_jax_cache_auto_on_an_nvidia_gpu_is_triton(fake_gpu, op):
 
 def test_jax_cache_backends_without_a_gpu():
     cache = jnp.zeros((2, 64), jnp.uint8)
-    if jax_devices.pallas_triton_unavailable([cache]) is None:
+    if jax_devices.triton_unavailable([cache]) is None:
         pytest.skip("needs a machine without an NVIDIA GPU")
     assert JK.resolve_backend("auto", cache, op="insert") == "xla"
     assert JK.resolve_backend("auto", cache) == ("cpu" if JK.cpu_unavailable_reason() is None else "xla")

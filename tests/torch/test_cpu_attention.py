@@ -1,4 +1,4 @@
-"""The torch backend "cpu" (`dsv4_torch.kernels.cpu_attention`, the C kernel of `dsv4_cpu`) of
+"""The torch backend "cpu" (`dsv4_torch.kernels.cpu.attention`, the C kernel of `dsv4_cpu`) of
 `sparse_attention`: FlashMLA's contract against the float64 oracle, on every instruction set this
 machine runs (DSV4_PREFILL_CPU_ISA caps the kernel's choice; `dsv4_cpu.isa_supported()`).
 

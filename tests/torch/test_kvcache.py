@@ -573,7 +573,7 @@ def test_triton_kernels_compile_for_gpus():
     """Ahead-of-time compile for H100/H200 (sm_90) and A100 (sm_80), no GPU needed: what the
     interpreter cannot see. sm_90 converts e4m3 in hardware, sm_80 in integers; both move the
     slot bytes and bf16 rows with 16-byte vector loads and stores (so does the prefill's gather
-    of bf16 caches, `triton_gather`)."""
+    of bf16 caches, `dsv4_torch.kernels.triton.gather`)."""
     import os
     import re
     import subprocess

@@ -71,7 +71,7 @@ def compiled_unavailable_reason() -> str | None:
         platforms = sorted({d.platform for d in jax.devices()})
         return (
             f"compiles for a TPU, and JAX has none here (devices: {', '.join(platforms)}); pass interpret=True "
-            "to run it in TPU interpret mode, or compile for a chip inside dsv4_jax.kernels.mosaic_tpu.compile_target"
+            "to run it in TPU interpret mode, or compile for a chip inside dsv4_jax.kernels.mosaic_tpu.attention.compile_target"
         )
     return None
 
