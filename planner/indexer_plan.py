@@ -16,10 +16,9 @@ query tokens from 0. vLLM's loop reads two tensor items per request on every met
 Here:
 
 * `split_indexer_prefill_chunks`: the same list for the same inputs (checked against vLLM's own
-  function on thousands of random batches, tests/vllm/test_indexer_plan.py), from cumulative sums
-  and a binary search per chunk: both bounds only grow as a chunk takes the next request, so the
-  first request that breaks one is found by bisection. O(requests) NumPy, O(chunks log requests)
-  Python steps.
+  function on thousands of random batches, tests/vllm/test_indexer_plan.py), from one pass over
+  the lengths read as Python lists (one `tolist()` each): vLLM's loop reads two tensor items per
+  request, which is what its time goes to.
 * `plan_indexer`: the step's `IndexerPlan` for our kernels: the same chunks in arrays (vLLM's
   budgets, or `max_logits_bytes=None`: the streaming mode of a kernel that keeps a running top-k
   per token and never holds a logits buffer, so only the key workspace, if any, bounds a chunk),
@@ -34,7 +33,6 @@ pieces without query tokens as well, and needs no budget at all unless a key wor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 
 import numpy as np
 
@@ -179,13 +177,52 @@ def _chunks(n_c, q, workspace_size, max_logits_bytes, request_offset, streaming)
     return offset, starts[cid] + offset, ends[cid] + offset, q0, q1, chunk_n[cid]
 
 
+_INT_DTYPES = frozenset(
+    f"{prefix}{t}"
+    for prefix in ("", "torch.")
+    for t in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32")
+)
+
+
+_INT_DTYPE_SEEN: dict = {}  # dtype object -> whether it is one of _INT_DTYPES (str() once per dtype)
+
+
 def _int_list(x, name: str) -> list[int]:
-    """A 1-D integer array (list, NumPy array, CPU tensor) as a list of non-negative Python ints."""
-    a = x if isinstance(x, list) and all(type(v) is int for v in x) else as_int_vector(x, name).tolist()
+    """A 1-D integer array (list, NumPy array, CPU tensor) as a list of non-negative Python ints.
+
+    An integer NumPy vector or CPU tensor goes straight through its own `tolist()` (one C call);
+    anything else through `as_int_vector`'s checks."""
+    # `is_cpu`: torch's flag (False for a device tensor, whose tolist would wait for the device)
+    dtype = getattr(x, "dtype", None)
+    is_int = _INT_DTYPE_SEEN.get(dtype)
+    if is_int is None and dtype is not None:
+        is_int = _INT_DTYPE_SEEN[dtype] = str(dtype) in _INT_DTYPES
+    if is_int and getattr(x, "ndim", None) == 1 and getattr(x, "is_cpu", True):
+        a = x.tolist()
+    elif isinstance(x, list) and all(type(v) is int for v in x):
+        a = x
+    elif getattr(x, "is_cpu", True) is False:
+        raise ValueError(f"{name}: expected a host array or CPU tensor, got a tensor on {x.device}")
+    else:
+        a = as_int_vector(x, name).tolist()
     if a and min(a) < 0:
         i = next(i for i, v in enumerate(a) if v < 0)
         raise ValueError(f"{name}: {name}[{i}] = {a[i]} is negative")
     return a
+
+
+def _pieces_of(out: list, r0: int, r1: int, m: int, k: int, elems: int) -> None:
+    """Append one chunk's query pieces (vLLM's `max(1, elems // N)` tokens each; N == 0: one piece;
+    no query tokens: none)."""
+    step = elems // k if k > 0 else m
+    rs = slice(r0, r1)
+    if step >= m:
+        if m:
+            out.append((rs, slice(0, m)))
+        return
+    if step < 1:
+        step = 1
+    out.extend((rs, slice(a, min(a + step, m))) for a in range(0, m, step))
 
 
 def split_indexer_prefill_chunks(
@@ -205,8 +242,11 @@ def split_indexer_prefill_chunks(
     compressed_seq_lens, query_lens: 1-D non-negative integers per prefill request (lists, NumPy
       arrays, CPU tensors), vLLM's `compressed_seq_lens_cpu` and `prefill_query_lens_cpu`.
 
-    Plain Python on the lengths (this runs every step, mostly on small batches, where NumPy's
-    per-call overhead would dominate): two cumulative sums, a bisection per chunk.
+    This runs every step, mostly on small batches, where NumPy's per-call overhead would dominate:
+    the lengths become Python lists in one C call each and one pass over them closes each chunk at
+    the first request that breaks a bound (both bounds only grow as a chunk takes requests, so a
+    request that does not fit a chunk cannot fit it later, and one that does not fit alone is a
+    chunk alone).
     """
     comp = _int_list(compressed_seq_lens, "compressed_seq_lens")
     qry = _int_list(query_lens, "query_lens")
@@ -214,23 +254,31 @@ def split_indexer_prefill_chunks(
         raise ValueError(
             f"query_lens: {len(qry)} entries for {len(comp)} requests (compressed_seq_lens has {len(comp)})"
         )
-    workspace = as_int(workspace_size, "workspace_size", minimum=0)
-    elems = as_int(max_logits_bytes, "max_logits_bytes", minimum=0) // 4
-    offset = as_int(request_offset, "request_offset", minimum=0)
-    n = len(comp)
-    cn = [0, *accumulate(comp)]
-    cm = [0, *accumulate(qry)]
-    if n and cn[n] <= workspace and cm[n] * cn[n] <= elems:
-        ends = [n]
+    workspace, elems, offset = workspace_size, max_logits_bytes, request_offset
+    if not (type(workspace) is int is type(elems) is type(offset) and workspace >= 0 and elems >= 0 and offset >= 0):
+        workspace = as_int(workspace_size, "workspace_size", minimum=0)
+        elems = as_int(max_logits_bytes, "max_logits_bytes", minimum=0)
+        offset = as_int(request_offset, "request_offset", minimum=0)
+    elems //= 4
+    out: list[tuple[slice, slice]] = []
+    start = i = offset  # request indices as vLLM returns them (offset added)
+    m = k = 0
+    for c, q in zip(comp, qry):
+        n2, m2 = k + c, m + q
+        if (n2 > workspace or m2 * n2 > elems) and i > start:  # request i opens the next chunk
+            if m * k <= elems:  # the common case, one piece (vLLM's max_q >= m), inline
+                if m:
+                    out.append((slice(start, i), slice(0, m)))
+            else:
+                _pieces_of(out, start, i, m, k, elems)
+            start, n2, m2 = i, c, q
+        k, m = n2, m2
+        i += 1
+    if m * k <= elems:
+        if m:
+            out.append((slice(start, i), slice(0, m)))
     else:
-        ends = _chunk_ends(cn, cm, workspace, elems)
-    out, s = [], 0
-    for e in ends:
-        m, k = cm[e] - cm[s], cn[e] - cn[s]
-        step = max(1, elems // k) if k > 0 else max(1, m)
-        rs = slice(s + offset, e + offset)
-        out.extend((rs, slice(a, min(a + step, m))) for a in range(0, m, step))
-        s = e
+        _pieces_of(out, start, i, m, k, elems)
     return out
 
 

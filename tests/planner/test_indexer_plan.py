@@ -105,6 +105,28 @@ def test_token_arrays():
     assert p.token_request.dtype == np.int32 and not p.token_position.flags.writeable
 
 
+class _DeviceTensor:
+    """What the planner sees of a torch tensor on a GPU: an int32 vector whose `is_cpu` is False."""
+
+    dtype, ndim, is_cpu, device = "torch.int32", 1, False, "cuda:0"
+
+    def tolist(self):
+        raise AssertionError("read a device tensor")
+
+
+def test_every_input_kind_gives_the_same_chunks():
+    """Lists, NumPy vectors of each integer width and CPU tensors: the same list (the fast paths
+    read integer vectors with one tolist())."""
+    torch = pytest.importorskip("torch", reason="torch: the CPU-tensor input of vLLM's call")
+    comp, qry = [70000, 16, 0, 4096, 3], [2048, 64, 3, 8192, 0]
+    want = loop_rule(comp, qry, 65536, 64 << 20, 2)
+    kinds = [list, *(lambda v, t=t: np.asarray(v, t) for t in (np.int32, np.int64, np.uint32))]
+    kinds += [lambda v, t=t: torch.tensor(v, dtype=t) for t in (torch.int32, torch.int64)]
+    for kind in kinds:
+        assert split_indexer_prefill_chunks(kind(comp), kind(qry), 65536, 64 << 20, 2) == want
+    assert split_indexer_prefill_chunks(np.asarray(comp, np.uint64), qry, 65536, 64 << 20, 2) == want
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -113,6 +135,12 @@ def test_token_arrays():
         (lambda: split_indexer_prefill_chunks([1], [1.5], 10, 10), "query_lens: expected integers"),
         (lambda: split_indexer_prefill_chunks([1], [1], -1, 10), "workspace_size: must be >= 0"),
         (lambda: split_indexer_prefill_chunks([1], [1], 10, None), "max_logits_bytes: expected an integer"),
+        (lambda: split_indexer_prefill_chunks([1], [True], 10, 10), "query_lens"),
+        (lambda: split_indexer_prefill_chunks(np.array([[1]]), [1], 10, 10), "compressed_seq_lens: expected a 1-D"),
+        (lambda: split_indexer_prefill_chunks(np.array([1, -3], np.int32), [1, 1], 10, 10), r"\[1\] = -3"),
+        (lambda: split_indexer_prefill_chunks(_DeviceTensor(), [1], 10, 10), "compressed_seq_lens: expected a host"),
+        (lambda: split_indexer_prefill_chunks([1], [1], 10, 10, 1.0), "request_offset: expected an integer"),
+        (lambda: split_indexer_prefill_chunks([1], [1], True, 10), "workspace_size: expected an integer"),
         (lambda: plan_indexer([4], [5], 4), r"query_lens\[0\] = 5 exceeds seq_lens\[0\] = 4"),
         (lambda: plan_indexer([4], [1], 0), "compress_ratio: must be >= 1"),
         (lambda: plan_indexer([[4]], [1], 4), "seq_lens: expected a 1-D array"),
