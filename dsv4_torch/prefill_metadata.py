@@ -1,8 +1,9 @@
 """Per-step prefill metadata for PyTorch, built once on the host from the planner's step plan.
 
 The twin of `dsv4_jax.prefill_metadata`. `build_step_metadata` plans every layer kind (or takes
-a `planner.StepPlan`), copies the plan's per-token, per-segment and per-chunk arrays to the
-device in one transfer per kind, and keeps the host integers the chunk loop needs. Its host work
+a `planner.StepPlan`); at the first layer call of a backend that loops over chunks it copies the
+plan's per-token, per-segment and per-chunk arrays to the device in one transfer per kind and
+keeps the host integers the chunk loop needs (the fused "cpu" backend never needs them). Its host work
 is O(requests + tokens): nothing is sized by the context lengths (no per-row gather maps on the
 host). On the device, `dsv4_torch.prefill.prefill_attention` forms each chunk's gathers from the
 per-request arrays (vLLM's `(seq_lens, gather_lens, block_table)` walk) and, at the first layer
@@ -74,33 +75,43 @@ class ChunkIndices:
     row_base: torch.Tensor | None = None
 
 
+# The plan's arrays a chunked backend reads on the device, in the order of their one host buffer.
+_DEVICE_ARRAYS = (
+    ("token_index", "(T,) int64, planned order -> row of q / out"),
+    ("token_request", "(T,) int64, chunk-local request b"),
+    ("token_position", "(T,) int64, absolute position p"),
+    ("seg_request", "(n_seg,) int64, batch request index"),
+    ("seg_row_base", "(n_seg,) int64, b * M"),
+    ("seg_compressed_len", "(n_seg,) int64: compressed entries 0 .. len - 1 are gathered"),
+    ("seg_gather_len", "(n_seg,) int64: raw positions seq_len - len .. seq_len - 1"),
+    ("seg_gather_start", "(n_seg,) int64, seq_len - gather_len"),
+    ("seg_seq_len", "(n_seg,) int64, the segment's seq_len"),
+    ("chunk_seg_start", "(num_chunks,) int64, first segment of each chunk"),
+    ("chunk_tokens", "(num_chunks,) int64, planned tokens of each chunk"),
+    ("chunk_N", "(num_chunks,) int64"),
+)
+
+
+def _device_array(name: str, doc: str) -> property:
+    return property(lambda self: self.device_arrays()[name], doc=doc)
+
+
 @dataclass(eq=False)
 class KindMetadata:
     """Device-side plan of one layer kind for one step; reuse it for every layer of that kind.
 
-    The per-token, per-segment and per-chunk arrays of the plan are on the device (one copy by
-    `build_step_metadata`); a layer call gathers each chunk's rows from them (device ops or one
-    kernel per region), adds CSA's top-k part to the index rows and runs `sparse_attention`. The
-    top-k-independent index rows are formed on the device at the first layer call and kept
-    (`index_rows`). Reuse is valid while the batch and the plan are those of this step.
+    The per-token, per-segment and per-chunk arrays of the plan go to the device in one copy,
+    made at the first layer call of a backend that loops over chunks (a fused backend, such as
+    "cpu", reads the caches itself and never needs them); a layer call gathers each chunk's rows
+    from them (device ops or one kernel per region), adds CSA's top-k part to the index rows and
+    runs `sparse_attention`. The top-k-independent index rows are formed on the device at the
+    first chunked layer call of the kind and kept (`chunk_indices`). Reuse is valid while the
+    batch and the plan are those of this step.
     """
 
     plan: KindPlan
     index_width: int
-    chunks: list[ChunkMeta]
     tokens_in_batch_order: bool  # planned tokens == the step's tokens in order: slices, no index
-    token_index: torch.Tensor  # (T,) int64, planned order -> row of q / out
-    token_request: torch.Tensor  # (T,) int64, chunk-local request b
-    token_position: torch.Tensor  # (T,) int64, absolute position p
-    seg_request: torch.Tensor  # (n_seg,) int64, batch request index
-    seg_row_base: torch.Tensor  # (n_seg,) int64, b * M
-    seg_compressed_len: torch.Tensor  # (n_seg,) int64: compressed entries 0 .. len - 1 are gathered
-    seg_gather_len: torch.Tensor  # (n_seg,) int64: raw positions seq_len - len .. seq_len - 1
-    seg_gather_start: torch.Tensor  # (n_seg,) int64, seq_len - gather_len
-    seg_seq_len: torch.Tensor  # (n_seg,) int64, the segment's seq_len
-    chunk_seg_start: torch.Tensor  # (num_chunks,) int64, first segment of each chunk
-    chunk_tokens: torch.Tensor  # (num_chunks,) int64, planned tokens of each chunk
-    chunk_N: torch.Tensor  # (num_chunks,) int64
     num_requests: int  # requests in the step's batch (rows a block table / offsets need)
     raw_needed: np.ndarray  # (B,) int64, host: entries 0 .. raw_needed[i] - 1 of request i may be read
     raw_first: np.ndarray  # (B,) int64, host: the first raw entry read (seq_len for unplanned requests)
@@ -109,10 +120,28 @@ class KindMetadata:
     step: StepMetadata = field(repr=False)
     last_backend: str | None = None  # the concrete backend the last call ran
     _index_rows: list | None = field(default=None, repr=False)
+    _arrays: dict | None = field(default=None, repr=False)
+    _chunks: list | None = field(default=None, repr=False)
+    # CPU caches whose page ids / offsets this step's plan was checked against (`prefill_kv.Rows`):
+    # (region, id, version, rows) -> the index tensor, kept so that its id is not reused this step
+    checked_sources: dict = field(default_factory=dict, repr=False)
 
     @property
     def kind(self) -> LayerKind:
         return self.plan.kind
+
+    @property
+    def chunks(self) -> list[ChunkMeta]:
+        """The chunks' host integers (`ChunkMeta`), formed on first use, then kept."""
+        if self._chunks is None:
+            self._chunks = _chunk_metas(self.plan)
+        return self._chunks
+
+    def device_arrays(self) -> dict[str, torch.Tensor]:
+        """The plan's device arrays by name (one host -> device copy, at the first use)."""
+        if self._arrays is None:
+            self._arrays = _copy_arrays(self.plan, self.step.device)
+        return self._arrays
 
     @property
     def chunk_indices(self) -> list[ChunkIndices]:
@@ -120,6 +149,10 @@ class KindMetadata:
         if self._index_rows is None:
             self._index_rows = chunk_index_rows(self)
         return self._index_rows
+
+
+for _name, _doc in _DEVICE_ARRAYS:  # KindMetadata.token_index, ... (device tensors, copied on first use)
+    setattr(KindMetadata, _name, _device_array(_name, _doc))
 
 
 @dataclass(eq=False)
@@ -160,9 +193,10 @@ def build_step_metadata(
 ) -> StepMetadata:
     """Per-step metadata for every layer kind, built once on the host and copied in one go.
 
-    Per kind: one host -> device transfer of the plan's per-token, per-segment and per-chunk
-    arrays, and the chunks' host integers: O(requests + tokens) host work and memory, whatever
-    the context lengths. Gathers and index rows are formed from these on the device.
+    Per kind: the host numbers the layer calls check caches against now; the plan's per-token,
+    per-segment and per-chunk arrays (one host -> device transfer) and the chunks' host integers
+    at the first layer call of a chunked backend: O(requests + tokens) host work and memory,
+    whatever the context lengths. Gathers and index rows are formed from these on the device.
 
     Args:
       plan_or_batch: a `planner.StepPlan`, or a `PrefillBatch` to plan here with `config`.
@@ -180,11 +214,11 @@ def build_step_metadata(
     for kind, kp in step.kinds.items():
         if kind is LayerKind.CSA and index_topk is None:
             raise ValueError("index_topk: required when CSA layers are planned")
-        meta.kinds[kind] = _kind_metadata(kp, meta, device, index_topk)
+        meta.kinds[kind] = _kind_metadata(kp, meta, index_topk)
     return meta
 
 
-def _kind_metadata(kp: KindPlan, step: StepMetadata, device: torch.device, index_topk) -> KindMetadata:
+def _copy_arrays(kp: KindPlan, device: torch.device) -> dict[str, torch.Tensor]:
     # One host buffer -> one transfer; the per-array tensors are views of it. Every array is per
     # token, per segment or per chunk: nothing here grows with the context lengths.
     cs, cts = kp.chunk_starts, kp.chunk_token_starts
@@ -206,11 +240,16 @@ def _kind_metadata(kp: KindPlan, step: StepMetadata, device: torch.device, index
     if device.type == "cuda":
         host = host.pin_memory()
     views = torch.split(host.to(device, non_blocking=True), [p.shape[0] for p in parts])
+    return {name: v for (name, _), v in zip(_DEVICE_ARRAYS, views)}
+
+
+def _chunk_metas(kp: KindPlan) -> list[ChunkMeta]:
+    cs, cts = kp.chunk_starts, kp.chunk_token_starts
     comp_cum = np.zeros(kp.seg_request.shape[0] + 1, np.int64)
     gath_cum = np.zeros_like(comp_cum)
     np.cumsum(kp.seg_compressed_len, out=comp_cum[1:])
     np.cumsum(kp.seg_gather_len, out=gath_cum[1:])
-    chunks = [
+    return [
         ChunkMeta(*v, c)
         for c, v in enumerate(
             zip(
@@ -225,6 +264,9 @@ def _kind_metadata(kp: KindPlan, step: StepMetadata, device: torch.device, index
             )
         )
     ]
+
+
+def _kind_metadata(kp: KindPlan, step: StepMetadata, index_topk) -> KindMetadata:
     # What each request's caches must hold (host numbers, for the per-call shape checks).
     B = step.step_plan.batch.num_requests
     req = kp.seg_request
@@ -240,9 +282,7 @@ def _kind_metadata(kp: KindPlan, step: StepMetadata, device: torch.device, index
     return KindMetadata(
         kp,
         index_width(kp, topk),
-        chunks,
         in_order,
-        *views,
         num_requests=B,
         raw_needed=raw_needed,
         raw_first=raw_first,

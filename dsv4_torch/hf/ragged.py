@@ -88,8 +88,17 @@ class RawPlan:
     keep: np.ndarray
 
 
+def _owners(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(owner, k) of concat(arange(n) for n in lengths): the request and the index within it."""
+    lengths = lengths.astype(np.int64)
+    owner = np.repeat(np.arange(lengths.shape[0]), lengths)
+    return owner, np.arange(owner.shape[0], dtype=np.int64) - _excl_cumsum(lengths)[owner]
+
+
 def plan_raw(prefix: np.ndarray, query: np.ndarray, W: int) -> RawPlan:
-    """Raw rows of every request: positions prefix - min(prefix, W-1) .. seq - 1, page aligned."""
+    """Raw rows of every request: positions prefix - min(prefix, W-1) .. seq - 1, page aligned.
+
+    Vectorized over requests (no per-request loop: this runs every forward, decode included)."""
     B = prefix.shape[0]
     seq = prefix + query
     nwin = np.minimum(prefix, W - 1)
@@ -103,17 +112,18 @@ def plan_raw(prefix: np.ndarray, query: np.ndarray, W: int) -> RawPlan:
     src = np.zeros(max(int(pages.sum()), 1) * RAW_PAGE, dtype=np.int64)
     table = np.zeros((B, max(1, int(-(-seq.max(initial=0) // RAW_PAGE)))), dtype=np.int64)
 
-    def stream_row(b, pos):  # pos: array of absolute positions of request b, all >= gstart[b]
+    def stream_row(b, pos):  # pos: absolute positions of requests b, each >= gstart[b]
         return np.where(pos < prefix[b], win_off[b] + pos - gstart[b], new_off[b] + pos - prefix[b])
 
-    keep = []
-    for b in range(B):
-        if active[b]:
-            pos = np.arange(gstart[b], seq[b])
-            src[page_base[b] * RAW_PAGE + pos - first_page[b] * RAW_PAGE] = stream_row(b, pos)
-            table[b, first_page[b] : first_page[b] + pages[b]] = page_base[b] + np.arange(pages[b])
-        keep.append(stream_row(b, np.arange(seq[b] - min(seq[b], W - 1), seq[b])))
-    return RawPlan(src, table, np.concatenate(keep).astype(np.int64) if keep else np.zeros(0, np.int64))
+    b, k = _owners(np.where(active, seq - gstart, 0))  # the rows of active requests
+    pos = gstart[b] + k
+    src[(page_base[b] - first_page[b]) * RAW_PAGE + pos] = stream_row(b, pos)
+    b, k = _owners(pages)
+    table[b, first_page[b] + k] = page_base[b] + k
+    kept = np.minimum(seq, W - 1)
+    b, k = _owners(kept)
+    keep = stream_row(b, seq[b] - kept[b] + k)
+    return RawPlan(src, table, keep.astype(np.int64))
 
 
 @dataclass
@@ -150,11 +160,10 @@ def plan_compress(prefix: np.ndarray, query: np.ndarray, r: int, old: EntryLayou
     new_off = int(nbuf.sum()) + _excl_cumsum(query)
     comb = nbuf + query
     nw = comb // r
-    usable, leftover = [], []
-    for b in range(B):
-        rows = np.concatenate([buf_off[b] + np.arange(nbuf[b]), new_off[b] + np.arange(query[b])])
-        usable.append(rows[: nw[b] * r])
-        leftover.append(rows[nw[b] * r :])
+    # request b's stream rows: its old buffer, then its new tokens; the first nw[b] * r are usable
+    b, k = _owners(comb)
+    rows = np.where(k < nbuf[b], buf_off[b] + k, new_off[b] + k - nbuf[b])
+    used = k < nw[b] * r
     n_windows = int(nw.sum())
     win_off = _excl_cumsum(nw)
     count_old = prefix // r
@@ -174,8 +183,8 @@ def plan_compress(prefix: np.ndarray, query: np.ndarray, r: int, old: EntryLayou
     return CompressPlan(
         ratio=r,
         n_windows=n_windows,
-        usable=np.concatenate(usable).astype(np.int64),
-        leftover=np.concatenate(leftover).astype(np.int64),
+        usable=rows[used].astype(np.int64),
+        leftover=rows[~used].astype(np.int64),
         prev=prev.astype(np.int64),
         overlap=overlap.astype(np.int64),
         positions=positions.astype(np.int64),
