@@ -221,11 +221,16 @@ class Rows:
         if self.index.device.type == "cpu":  # values are free to check on the host
             # once per step and kind for each cache (every layer of a kind passes the same block
             # table): an in-place change to it bumps its version and is checked again
+            # (an inference tensor has no version counter and may change in place under
+            # inference_mode unseen: it is checked on every call)
             held_rows = self.num_pages if self.page_size is not None else self.rows.shape[0]
-            key = (region, id(self.index), self.index._version, held_rows)
-            if key not in meta.checked_sources:
+            if self.index.is_inference():
                 check_source_values(self, name, needed, first)
-                meta.checked_sources[key] = self.index
+            else:
+                key = (region, id(self.index), self.index._version, held_rows)
+                if key not in meta.checked_sources:
+                    check_source_values(self, name, needed, first)
+                    meta.checked_sources[key] = self.index
         # CUDA/ROCm: one Triton kernel per region walks the block table / offsets (no row maps);
         # fp8 pages on CPU: the C kernel (dsv4_torch.kernels.cpu.kvcache) where it builds
         # (resolved once here, per layer call: the gather callable, or None for index ops)

@@ -230,6 +230,20 @@ def test_fp8_bad_inputs():
         match=rf"raw_kv.block_table: request 1 page 31 is {pages.shape[0]}, outside 0 .. {pages.shape[0] - 1}",
     ):
         call(TP.PagedKV(pages, bad, **fp8))
+    # the values are checked once per (table, version): an in-place change after a good call with
+    # the same metadata is seen; an inference tensor (no version counter) is checked every call
+    good = table.clone()
+    call(TP.PagedKV(pages, good, **fp8))
+    good[1, 31] = pages.shape[0]
+    with pytest.raises(ValueError, match=r"raw_kv.block_table: request 1 page 31 is"):
+        call(TP.PagedKV(pages, good, **fp8))
+    with torch.inference_mode():
+        frozen = table.clone()
+        assert frozen.is_inference()
+        call(TP.PagedKV(pages, frozen, **fp8))
+        frozen[1, 31] = pages.shape[0]
+        with pytest.raises(ValueError, match=r"raw_kv.block_table: request 1 page 31 is"):
+            call(TP.PagedKV(pages, frozen, **fp8))
     with pytest.raises(ValueError, match=r"raw_kv.block_table: 1 pages of 16 entries hold 16, but request 1 needs 517"):
         call(TP.PagedKV(pages, table[:, :1].contiguous(), **fp8))
     with pytest.raises(ValueError, match=r"raw_kv.block_table: 2 rows, but the step's batch has 3 requests"):
