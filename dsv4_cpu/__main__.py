@@ -38,7 +38,26 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "instruction sets: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in binding.isa_supported().items())
         )
-        print(f"best (bf16): {binding.best_isa()}")
+        from dsv4_cpu.build import cpu_flags
+
+        if "amx_bf16" in cpu_flags().split():
+            print("  (this CPU has AMX-BF16; the library has no AMX kernel yet, so amx=no)")
+        print("kernels run (DSV4_PREFILL_CPU_ISA caps the choice):")
+        for name, k in binding.kernel_isas().items():
+            how = (
+                "bf16 dot products"
+                if k["bf16_dot"]
+                else "float32 FMAs" + ("" if name.endswith("float32") else " (inputs widened)")
+            )
+            print(f"  {name:<18} {k['isa']:<11} {how}")
+        if binding.bf16_matmul_native():
+            print("bf16 GEMM in torch / XLA: native (the CPU has AVX512-BF16 or AMX-BF16)")
+        else:
+            print(
+                "bf16 GEMM in torch / XLA: EMULATED, no AVX512-BF16 or AMX-BF16 (torch's 2048^3 bf16 matmul ran at "
+                "0.3 GFLOP/s against 132 for float32 on a Zen 3): run models and references in float32 here; "
+                "our kernels above take bf16 inputs at float32 speed"
+            )
         print(f"bindings registered ({GROUP}): {', '.join(bindings()) or 'none'}")
         return 0
     found = bindings()

@@ -26,7 +26,7 @@
 
 #include "attention_impl.h"
 
-#if defined(DSV4_HAVE_BF16_KERNEL) || defined(DSV4_HAVE_AVX512BW)
+#if defined(DSV4_HAVE_BF16_KERNEL) || defined(DSV4_HAVE_AVX512BW) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -62,7 +62,18 @@ constexpr float POS_INF = std::numeric_limits<float>::infinity();
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static inline vf load(const float *p) { return *reinterpret_cast<const vf_u *>(p); }
 static inline void store(float *p, vf v) { *reinterpret_cast<vf_u *>(p) = v; }
-static inline vf splat(float x) { return vf{} + x; }
+// A true broadcast (one vbroadcastss): `vf{} + x` would cost an add per use in the micro-kernels
+// and turn -0 into +0.
+static inline vf splat(float x) {
+#if DSV4_WIDTH == 16 && defined(__AVX512F__)
+    return (vf)_mm512_set1_ps(x);
+#elif DSV4_WIDTH == 8 && defined(__AVX2__)
+    return (vf)_mm256_set1_ps(x);
+#else
+    static_assert(W == 4, "a broadcast for this width");
+    return vf{x, x, x, x};
+#endif
+}
 
 // exp(x) per lane, Cephes' single-precision polynomial (about 1 ulp): -inf and anything below
 // -87.34 give 0, above 88.38 +inf, NaN stays NaN.
@@ -255,6 +266,75 @@ static inline void dispatch_count(int n, F &&f) {  // f(std::integral_constant) 
     }
 }
 
+// dst[d] = src[d] as float, d < n (bf16 -> fp32 is exact: the bits shifted up by 16).
+static inline void widen_bf16(const uint16_t *src, int64_t n, float *dst) {
+    int64_t d = 0;
+#if defined(__AVX2__)
+    for (; d + 8 <= n; d += 8) {
+        __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(src + d)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(dst + d), _mm256_slli_epi32(x, 16));
+    }
+#endif
+    for (; d < n; d++) dst[d] = bf16_to_f32(src[d]);
+}
+
+#if defined(__AVX2__)
+// 8 x 8 transpose of floats: r[i] holds row i on entry, column i on return.
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    __m256 u[8];
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+template <class T>
+static inline __m256 load8(const T *p) {
+    if constexpr (sizeof(T) == 4) return _mm256_loadu_ps(reinterpret_cast<const float *>(p));
+    else {
+        __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    }
+}
+#endif
+
+// Qt[d][h] = q[h][d] as float (0 for padding heads h >= H), d < D; Hp % W == 0. With AVX2 in
+// 8 x 8 register blocks (the strided stores of a scalar transpose cost as much as the QK of a
+// short key list).
+template <class T>
+static void transpose_queries(const T *q, int64_t q_hs, int64_t H, int64_t Hp, int64_t D, float *Qt) {
+    int64_t d0 = 0;
+#if defined(__AVX2__)
+    for (; d0 + 8 <= D; d0 += 8)
+        for (int64_t hb = 0; hb < Hp; hb += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) r[i] = hb + i < H ? load8(q + (hb + i) * q_hs + d0) : _mm256_setzero_ps();
+            transpose8(r);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(Qt + (d0 + i) * Hp + hb, r[i]);
+        }
+#endif
+    for (int64_t h = 0; h < Hp; h++)
+        for (int64_t d = d0; d < D; d++) {
+            float x = 0.0f;
+            if (h < H) {
+                if constexpr (sizeof(T) == 4) x = q[h * q_hs + d];
+                else x = bf16_to_f32(q[h * q_hs + d]);
+            }
+            Qt[d * Hp + h] = x;
+        }
+}
+
 template <class T>
 static void token_f32(const TokenJob &j, Scratch &sc) {
     const int64_t H = j.H, D = j.D, dv = j.dv;
@@ -264,18 +344,7 @@ static void token_f32(const TokenJob &j, Scratch &sc) {
     float *S = sc.s.as<float>(KB * Hp);
     float *O = sc.o.as<float>(Hp * dvp);
     float *m = sc.stat.as<float>(3 * Hp), *l = m + Hp, *alpha = l + Hp;
-    const T *q = reinterpret_cast<const T *>(j.q);
-    for (int64_t h = 0; h < Hp; h++) {
-        if (h < H) {
-            const T *row = q + h * j.q_hs;
-            for (int64_t d = 0; d < D; d++) {
-                if constexpr (sizeof(T) == 4) Qt[d * Hp + h] = row[d];
-                else Qt[d * Hp + h] = bf16_to_f32(row[d]);
-            }
-        } else {
-            for (int64_t d = 0; d < D; d++) Qt[d * Hp + h] = 0.0f;
-        }
-    }
+    transpose_queries(reinterpret_cast<const T *>(j.q), j.q_hs, H, Hp, D, Qt);
     for (int64_t h = 0; h < Hp; h++) {
         m[h] = NEG_INF;
         l[h] = 0.0f;
@@ -290,8 +359,7 @@ static void token_f32(const TokenJob &j, Scratch &sc) {
             if (k < nk) {
                 const T *src = reinterpret_cast<const T *>(j.keys[k0 + k]);
                 if constexpr (sizeof(T) == 4) std::memcpy(dst, src, sizeof(float) * D);
-                else
-                    for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(src[d]);
+                else widen_bf16(src, D, dst);
                 for (int64_t d = D; d < Dp; d++) dst[d] = 0.0f;
             } else {
                 std::memset(dst, 0, sizeof(float) * Dp);
