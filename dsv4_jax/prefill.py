@@ -8,48 +8,12 @@ to the device in one transfer per step, plus a few static ints (`KindShape`). Ev
 calls `prefill_attention` with the metadata of its kind. Nothing in a layer call reads device
 memory on the host, so nothing syncs.
 
-Design: one jitted function per layer call, jit-compatible all the way down.
-  * Static: `KindShape` = kind, W, the token count padded to a bucket (`padded_tokens`), the index
-    width (bucketed for HCA, whose width grows with the batch's longest context; fixed by topk
-    and W for CSA/SWA), the workspace rows padded to a bucket, and two tile ladders derived from
-    those. Token buckets are 1, 1.25, 1.5, 1.75 x 2^k (`planner.sizes.bucket`: pad at most
-    1.25x); the workspace rows and the HCA width (in 128-column units) are padded to powers of
-    two (`pow2_bucket`: under 2x), since they cost memory but no attention work, and every
-    bucket they add multiplies the programs (a program per token x rows x width combination).
-    A stream of varied batches compiles once per bucket combination, not once per batch.
-    `sizes="fine"` pads rows and width like the tokens (less memory, about 1.5x the programs).
-  * `sizes="server"` trades memory for compiles: the workspace takes the plan's budget and the
-    HCA width max_model_len's, both fixed for a server, so the token bucket is the only static
-    size left that varies (what a jitted model wants: it compiles once per token bucket).
-    Padding the tokens costs no attention work either way: the loops cover real tokens only.
-  * Dynamic (device int32): everything per token, per segment and per chunk, including the
-    number of chunks. Segment and chunk arrays are padded to `padded_tokens` too (a segment has
-    at least one token), so their lengths add nothing to the compile key.
-  * The chunk loop is a `lax.fori_loop` over the (dynamic) chunk count. Per chunk, the
-    compressed and the raw region of the workspace are gathered from the paged or logical
-    cache, and the chunk's tokens are attended, each as a ladder of static-size tiles:
-    as many tiles of the largest size (256 tokens, 4096 rows by default) as fit, then up to
-    three of each 4x smaller size, and on the last rung (16) the remainder rounded up, the tail
-    masked. Each tile is one vectorized
-    gather (or one `sparse_attention` call) at a dynamic offset. So a chunk costs its own
-    size plus at most 15 masked items per region, whatever the other chunks look like, with a
-    bounded transient (one tile) and a handful of static tile sizes per program.
-  * The workspace is one `(workspace_rows, D)` buffer, the loop carry, reused by every chunk;
-    rows a chunk does not write are never indexed.
-  * Backend "cpu" (the default on the CPU for bf16 / float32 q) skips all of that: one call of
-    the C kernel per layer reads every token's keys from the caches directly (fp8_ds_mla pages
-    dequantized inside it), from the per-token rows of the metadata table (`dsv4_jax.kernels.cpu.prefill`).
-    Its output is the same, bit for bit, for every plan of a batch.
-
-Why not the alternatives: one uniform per-chunk token and row window (a scan over chunks)
-pads every chunk to the largest one, which costs several x for per-request plans and mixed
-batches; a host loop over chunks with per-chunk shapes is cheap outside `jax.jit` but, inside a
-user's jitted model, unrolls into a program whose shape depends on every chunk, so the model
-recompiles for most new batches.
-
 Under a user's `jax.jit`, pass the metadata as an argument (it is a pytree: the table is a leaf,
 `KindShape` is static), never as a closure constant. Host-only checks that need the plan (token
 count, cache sizes, top-k rows on the host) run when the metadata still carries it.
+
+The design (static and dynamic sizes, buckets, the chunk loop and its tile ladder, the "cpu"
+backend's one call, and why not the alternatives): `docs/kernel-design.md`, "JAX prefill under jit".
 """
 
 from __future__ import annotations

@@ -6,68 +6,8 @@ on a machine without an NVIDIA GPU the same kernel runs in Mosaic GPU's interpre
 compiled kernel can be lowered for sm_90a there (tests/jax/test_mosaic.py does both). It has not
 yet run on a GPU: speed is unmeasured (bench/checks/gpu_jax.py measures it).
 
-Design (after FlashMLA's SM90 sparse prefill kernel)
-----------------------------------------------------
-One CTA per (query token, block of 64 heads): all heads of a token share its index row, so each
-gathered KV row serves 64 heads (H = 128 runs two CTAs per token, adjacent in the 1-D grid so the
-second finds the rows in L2; H = 16 / 32 pad q to 64 heads, as FlashMLA does). Three warpgroups
-(384 threads):
-
-* producer (warpgroup 2, 40 registers): TMA-loads the token's q block once, then walks the index
-  row in blocks of BLOCK_K = 32 columns, only as far as `topk_length[t]`. Per block it
-  1. TMA-loads the block's indices into shared memory (one 128-byte copy, one block ahead),
-  2. gathers each row with its own TMA copy (one (1, D/64, 64) box, 1 KB / 1.1 KB), kv[row] ->
-     staging[i] (Hopper has no TMA row gather; gather4 is Blackwell-only). An invalid entry (-1,
-     < 0, >= S, or a column past `topk_length`) is redirected to row S, one past the end, which
-     TMA's out-of-bounds fill delivers as zeros without reading memory: garbage or NaN in
-     unreferenced rows never leaks in, and invalid columns cost no HBM traffic,
-  3. re-lays the staged rows out into the swizzled, (8, 32)-tiled buffer `wgmma` reads (shared ->
-     registers -> shared, 16-byte vectors). Pallas writes a tiled buffer only in whole 8-row
-     tiles, and a swizzled `wgmma` operand interleaves 8 rows per atom, so a gathered row cannot
-     land there directly (it could with per-thread cp.async, which FlashMLA uses and Pallas does
-     not expose on Hopper). The staged reads are a 2-way bank conflict (1024/1152-byte rows read
-     64 bytes at a time; TMA needs 128-byte aligned rows, so padding cannot skew them),
-  and counts the valid entries (the "no valid key" test, so that NaN propagates as in the oracle).
-  The gather of block j runs while block j-1 is re-laid out and block j-2 is consumed.
-* consumers (warpgroups 0 and 1, 232 registers): each owns half of d_v = 512 (two 64 x 128 fp32
-  accumulators, 128 registers per thread). Per block each computes S = Q K^T (64 x 32, `wgmma`,
-  both operands in shared memory; both warpgroups compute the same S rather than exchange it),
-  masks invalid columns to -inf, runs the online softmax in registers in log2 units (sm_scale *
-  log2(e) folded into one multiply, exp2), writes P (bf16) to its own shared buffer and
-  accumulates acc = acc * alpha + P @ V per 128-column half (V = the same tiled rows, first 512
-  dims; each half into a fresh wgmma accumulator, 64 extra registers). The sink joins the
-  denominator at the end: out *= 1 / (l (1 + exp(sink - lse))), so lse stays sink-free; tokens
-  without a valid key get out = 0, lse = +inf, max_logits = -inf; NaN in q or in a gathered row
-  gives NaN in exactly the oracle's rows (the rules of the xla and Pallas-Triton backends).
-
-Why P goes through shared memory and the swizzle is 64 bytes: Mosaic GPU's interpreter (jax 0.12)
-runs `wgmma` only with both operands in shared memory, and a shared-memory A operand needs the
-same swizzle as B; P's 32 bf16 columns are 64 bytes, so every operand uses 64-byte swizzle. (A
-register-A P @ V would save the 4 KB P round trip per block but could not be verified here.)
-
-Shared memory per CTA (bytes; BLOCK_K = 32, 2 stages; sm_90a allows 232,448 = 227 KB per block):
-
-  buffer                          D = 512            D = 576
-  q block, 64 x D bf16             65,536             73,728
-  tiled K/V ring, 2 x 32 x D       65,536             73,728
-  staging ring, 2 x 32 x D         65,536             73,728
-  P, 2 consumers x 64 x 32 bf16     8,192              8,192
-  index ring 2 x 32 int32, count      260                260
-  barriers (10 x 8)                    80                 80
-  sum                             205,140            229,716
-  Mosaic's allocation (alignment)  206,928            231,504   (<= 232,448: fits, 944 B spare)
-
-One stage is 2 x 32 x D x 2 = 65,536 / 73,728 bytes (staged + tiled copy of 32 rows). FlashMLA's
-64-row blocks would need 2 x 147,456 bytes of rings at D = 576: no second stage fits and the
-re-layout could not overlap the MMAs; hence 32-row blocks, double-buffered. D = 576 fits only
-without Mosaic's cross-warp reduction scratch (this kernel reduces only within warps).
-
-Expected cost per 32-key block (reasoned, not measured): the two consumers issue 2 x (64x32x576)
-+ 2 x (64x256x32) MMA work, 1.6x FlashMLA's useful FLOPs (the price of the duplicated QK^T), and
-the SM moves about 0.37 MB through shared memory (wgmma operand reads, staging, re-layout, P),
-the likely bound. The producer issues 32 row TMAs per block, each behind a warpgroup barrier
-that Pallas inserts. The duplicated QK^T, the re-layout pass and the per-copy barriers are the
-first things to remove once the kernel can be timed.
+Its design (CTA layout, warpgroups, shared-memory budget, expected cost) is in
+`docs/kernel-design.md`, "Mosaic GPU sparse attention".
 """
 
 from __future__ import annotations

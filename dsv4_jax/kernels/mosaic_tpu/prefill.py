@@ -7,40 +7,8 @@ rows, positions, request). They come from the batch alone, so every plan of a st
 tiles; the grid is the tile count (dynamic), the tile table is scalar-prefetched into SMEM. This
 module builds the call; `mosaic_tpu_tile` is the body of one grid step.
 
-One grid step = one tile of BT tokens x Hp heads = M = BT * Hp query rows (2048 at V4-Pro's
-H = 128): q rows are DMA'd into VMEM, the running softmax state (fp32) covers all M rows, and the
-keys come straight from the caches by DMA (`mosaic_tpu_rows`: bf16 / fp32 rows, paged or packed,
-or vLLM's fp8_ds_mla pages dequantized in VMEM: each gathered slot moves its own 576 bytes, its
-scales come from a VMEM copy of the scale rows of the pages the tile can read, made once per tile):
-
-1. compressed part, CSA: each token's own top-k entries (the indexer's ids, first
-   min((p+1)//r, topk) columns), gathered by DMA from the compressed cache's pages per key block
-   of `block_k` (the MXU width); per token M = Hp rows, N = block_k.
-   HCA: every compressed entry the tile can see (w < (p_last + 1) // r), dense: blocks of
-   block_k entries from entry 0, shared by all BT tokens: S = (M, D) x (D, block_k) MXU tiles
-   (in chunks of ROW_CHUNK rows), each row masked to its own token's w < (p + 1) // r.
-2. window: the raw rows of positions p0 - Wp + 1 .. p_last (Wp = W rounded up to 16) are gathered
-   once per tile into a VMEM buffer (the tile reads W + BT - 1 rows, not BT * W); each token then
-   takes its own Wp rows by a sublane roll of the buffer and scores them alone (M = Hp, N = Wp:
-   one MXU pass at W = 128, none of a shared dense tile's masked columns), masked to
-   p - W < pos <= p.
-3. out = acc / (l (1 + exp(sink - lse))) per token, DMA'd to its q row (rows of no planned
-   token stay 0: the output buffer starts as zeros).
-
-Same bits for every plan and every split of a prompt over steps: a row's state changes only by
-blocks holding one of its keys (a fully masked block leaves it exactly as it was), the blocks a
-token sees are its window (positions p - Wp + 1 .. p), its top-k row's blocks, or HCA blocks
-aligned to absolute entries, and every MXU product of a phase has the same static shape; so a
-token's result depends on its keys alone, not on the tile it shares. Tests check it bitwise
-across plans and splits (TPU interpret mode).
-
-VMEM per tile (V4-Pro, H = 128, bf16, BT = 16, 128-wide blocks): q 2 MB, fp32 state 6.3 MB, the
-output staging 2 MB, scores and probabilities 1 MB each, the window buffer 0.25 MB and its rolled
-copy, row buffers 0.25 MB per source (fp8: data and scale groups, 4 rows of 144 bytes per slot,
-0.5 MB) and the fp8 scale rows of a request's compressed pages (1 KB per page: 4 MB at 1M tokens
-of context): Mosaic reports 11-13 MB (`tests/jax/test_mosaic_tpu_compile.py` compiles it with
-libtpu and reads Mosaic's own figure), under the 48 MB limit of v5p / 7x and the 96 MB of v5e /
-v6e; `vmem_bytes` (our estimate) refuses a call that cannot fit.
+What one grid step does, why the output is the same bits for every plan, and its VMEM per tile:
+`docs/kernel-design.md`, "Mosaic TPU prefill".
 """
 
 from __future__ import annotations
