@@ -370,6 +370,7 @@ void run_tile(const Call &c, int64_t t0, int64_t t1, int64_t e_lo, int64_t e_hi,
             const int64_t nv = std::min<int64_t>({(int64_t)IDX_KB, n - e0, n_max - e0});
             job.q = c.pairs ? (const void *)(s.qp.data() + i * c.H * c.depth) : (const void *)(s.qf.data() + i * c.H * c.depth);
             job.w = c.w + (int64_t)tk.token_row[t] * c.w_s0;
+            job.nkeys = nv;
             c.fn(job);
             float *L = s.logits.data(), *val = s.val.data() + i * cap, th = s.th[i];
             int32_t *idx = s.idx.data() + i * cap;
