@@ -229,13 +229,15 @@ static inline void qk_f32(const float *__restrict Qg, int64_t d0, int64_t d1, co
         for (int r = 0; r < RB; r++) store(S + n * Hs + r * W, acc[n][r]);
 }
 
-// O[r][z W ..] = alpha_r O[r][z W ..] + sum_k P[k][r] V_k[z W ..] for R heads x NZ dim vectors.
+// O[r][z W ..] = alpha_r O[r][z W ..] + sum_k P[k][r] V_k[z W ..] for R heads x NZ dim vectors;
+// the first block starts from 0 (what alpha 0 times the zeros O would hold gives), so O is never
+// cleared.
 template <int R, int NZ>
 static inline void pv_f32(float *__restrict O, int64_t dvo, const float *__restrict alpha, const float *__restrict P,
-                          int64_t Hs, const float *__restrict Kf, int64_t Dk, int nk) {
+                          int64_t Hs, const float *__restrict Kf, int64_t Dk, int nk, bool first) {
     vf acc[R][NZ];
     for (int r = 0; r < R; r++)
-        for (int z = 0; z < NZ; z++) acc[r][z] = load(O + r * dvo + z * W) * alpha[r];
+        for (int z = 0; z < NZ; z++) acc[r][z] = first ? splat(0.0f) : load(O + r * dvo + z * W) * alpha[r];
     for (int k = 0; k < nk; k++) {
         vf v[NZ];
         for (int z = 0; z < NZ; z++) v[z] = load(Kf + k * Dk + z * W);
@@ -370,7 +372,6 @@ static void token_f32(const TokenJob &j, Scratch &sc) {
         m[h] = NEG_INF;
         l[h] = 0.0f;
     }
-    std::memset(O, 0, sizeof(float) * Hp * dvo);
     const bool round_p = sizeof(T) == 2;
     for (int64_t k0 = 0; k0 < j.n; k0 += KB) {
         const int nk = (int)(j.n - k0 < KB ? j.n - k0 : KB);
@@ -386,6 +387,11 @@ static void token_f32(const TokenJob &j, Scratch &sc) {
                 std::memset(dst, 0, sizeof(float) * Dp);
             }
         }
+        // the next block's key rows towards L2 while this block computes (scattered staging rows
+        // or cache rows, read once per token: the widening above waited on them)
+        for (int64_t k = k0 + KB; k < std::min<int64_t>(j.n, k0 + 2 * KB); k++)
+            for (int64_t b = 0; b < D * (int64_t)sizeof(T); b += 64)
+                __builtin_prefetch(static_cast<const char *>(j.keys[k]) + b, 0, 2);
         const int64_t hv = Hp / W;
         for (int64_t v = 0; v < hv; v += QK_RB) {
             const int rb = (int)(hv - v < QK_RB ? hv - v : QK_RB);
@@ -406,9 +412,9 @@ static void token_f32(const TokenJob &j, Scratch &sc) {
                     constexpr int R = decltype(c)::value;
                     float *o = O + r * dvo + z * W;
                     const float *v = Kf + z * W;
-                    if (w == PV_NZ) pv_f32<R, PV_NZ>(o, dvo, alpha + r, S + r, Hs, v, Dk, nk);
-                    else if (w == 2) pv_f32<R, 2>(o, dvo, alpha + r, S + r, Hs, v, Dk, nk);
-                    else pv_f32<R, 1>(o, dvo, alpha + r, S + r, Hs, v, Dk, nk);
+                    if (w == PV_NZ) pv_f32<R, PV_NZ>(o, dvo, alpha + r, S + r, Hs, v, Dk, nk, k0 == 0);
+                    else if (w == 2) pv_f32<R, 2>(o, dvo, alpha + r, S + r, Hs, v, Dk, nk, k0 == 0);
+                    else pv_f32<R, 1>(o, dvo, alpha + r, S + r, Hs, v, Dk, nk, k0 == 0);
                 });
             }
             z += w;
