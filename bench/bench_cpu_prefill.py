@@ -11,7 +11,11 @@ One process, the same pages and the same key sets for every contender, V4-Flash 
   jax.xla           our previous JAX CPU path
 plus this run's `torch.matmul` 2048^3 for the machine's ceiling, of the one dtype that applies
 (`bench.common.cpu_ceiling`: bf16 where our kernel uses AVX512-BF16, else float32; capped alike in a
-child process when DSV4_PREFILL_CPU_ISA forces a set below the machine's). --threads below the
+child process when DSV4_PREFILL_CPU_ISA forces a set below the machine's): the best of 5 before the
+cases (the header), and one more call in every round of every case (`bench.common.ceiling_call`),
+so each case's ratio reads its median against the matmul's median of the same rounds (on a shared
+machine the load moves between a ceiling timed once and the cases; a capped ceiling runs in a child
+and is not in the rounds: its best of 5 is used). --threads below the
 machine's cores pins the whole process to that many cores (XLA's thread pool follows the cores).
 
 GFLOP/s = 2 * H * (512 + 512) * valid keys / time (FlashMLA's count: QK and PV, valid keys only).
@@ -308,21 +312,26 @@ def main(argv=None) -> int:
         # the whole process on --threads cores: JAX's "cpu" backend runs on XLA's intra-op pool,
         # sized from the cores this process may use, not from torch.set_num_threads
         os.sched_setaffinity(0, cpus[: args.threads])
-    from bench.common import cpu_ceiling, describe_ceiling
+    from bench.common import ceiling_call, cpu_ceiling, describe_ceiling
 
     # The machine's ceiling, timed for the one dtype that applies: the bf16 matmul where our kernel
     # multiplies bf16 with bf16 dot products, else the float32 one (the kernel widens bf16 to float32;
     # torch's bf16 matmul without AVX512-BF16 / AMX is emulated, 0.3 GFLOP/s on a Zen 3).
     top = cpu_ceiling(args.threads)
-    ceiling, mm = top["dtype"], {top["dtype"]: top["gflops"]}
+    ceiling = top["dtype"]
+    mm_call, mm_flop = ceiling_call(top, args.threads)
     print(f"# threads {args.threads} (cores {cpus[: args.threads]}); the ceiling: {describe_ceiling(top)}")
+    print(
+        "# each case's ratio: its median against "
+        + ("the same rounds' matmul median" if mm_call else "the ceiling above (capped: timed in a child)")
+    )
     rows = []
     print(
         "| case | kind | GFLOP | "
         + " | ".join(f"{c} GFLOP/s" for c in runnable)
-        + f" | best ours / vllm | best ours / {ceiling} matmul |"
+        + f" | {ceiling} matmul GFLOP/s | best ours / vllm | best ours / {ceiling} matmul |"
     )
-    print("|---|---|---:|" + "---:|" * len(runnable) + "---:|---:|")
+    print("|---|---|---:|" + "---:|" * len(runnable) + "---:|---:|---:|")
     for case in args.cases.split(","):
         seq, ql = CASES[case]
         for kind in args.kinds.split(","):
@@ -343,7 +352,8 @@ def main(argv=None) -> int:
                 err = float(np.max(np.abs(as_numpy(call(), layer.T) - ref))) if c != ref_name else 0.0
                 if not err <= 0.05 * max(1.0, float(np.max(np.abs(ref)))):
                     raise AssertionError(f"{case} {kind}: {c} differs from {ref_name} by {err}")
-            timed = time_calls(calls, args.repeats)
+            timed = time_calls({**calls, "matmul": mm_call} if mm_call else calls, args.repeats)
+            mm = mm_flop / timed.pop("matmul") / 1e9 if mm_call else top["gflops"]
             g = {c: layer.gflop() / timed[c] for c in calls}
             ours = max([g[c] for c in g if c.endswith(".cpu")], default=float("nan"))
             vs = ours / g["vllm"] if "vllm" in g else float("nan")
@@ -355,14 +365,15 @@ def main(argv=None) -> int:
                     seconds=timed,
                     gflops=g,
                     vs_vllm=vs,
-                    vs_matmul=ours / mm[ceiling],
+                    vs_matmul=ours / mm,
                     ceiling=ceiling,
+                    matmul_gflops=mm,
                 )
             )
             print(
                 f"| {case} | {kind} | {layer.gflop():.0f} | "
                 + " | ".join(f"{g[c]:.0f}" if c in g else "-" for c in runnable)
-                + f" | {_cell(vs, '{:.2f}x')} | {_cell(100 * ours / mm[ceiling], '{:.0f}%')} |",
+                + f" | {mm:.0f} | {_cell(vs, '{:.2f}x')} | {_cell(100 * ours / mm, '{:.0f}%')} |",
                 flush=True,
             )
     if args.json:

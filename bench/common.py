@@ -227,6 +227,30 @@ def cpu_ceiling(threads: int, repeats: int = 5, n: int = 2048) -> dict:
     return dict(dtype=dtype, gflops=gflops, isa=isa, capped=capped)
 
 
+def ceiling_call(c: dict, threads: int, n: int = 2048):
+    """One n^3 torch.matmul of `cpu_ceiling` result c's dtype on `threads` threads, as a zero-argument
+    call to time in the same rounds as the kernels (`time_interleaved`): on a shared machine a
+    ceiling timed once, before the cases, meets another load than the cases do. None where c was
+    timed in a capped child process (its GEMM libraries cannot be capped in this one).
+    Returns (call, flop of one call)."""
+    if c["capped"]:
+        return None, 0.0
+    import torch
+
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[c["dtype"]]
+    a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
+
+    def call():
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return a @ b
+        finally:
+            torch.set_num_threads(before)
+
+    return call, 2.0 * n**3
+
+
 def describe_ceiling(c: dict) -> str:
     """One line naming a `cpu_ceiling` result."""
     how = f", GEMM capped to {c['isa']} as our kernels are" if c["capped"] else ""

@@ -125,18 +125,19 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// The online-softmax step of one key block, heads in lanes. S [KB][Hp] holds the block's raw
+// The online-softmax step of one key block, heads in lanes. S [KB][Hp] (row stride Hs) holds the block's raw
 // dot products for its first nk keys; on return rows k < nk hold the probabilities
 // exp(scale S - m_new) (rounded to bf16 when round_p, as FlashMLA feeds them to PV) and rows
 // nk .. round_up(nk, 2) - 1 hold 0. m (running max of the scaled logits), l (running sum of the
 // unrounded probabilities) are updated, alpha receives each head's rescale factor for O. NaN
 // logits propagate (to m, l and the output), as in the float64 oracle.
-static void softmax_block(float *S, int nk, int64_t Hp, float scale, float *m, float *l, float *alpha, bool round_p) {
+static void softmax_block(float *S, int nk, int64_t Hp, int64_t Hs, float scale, float *m, float *l, float *alpha,
+                          bool round_p) {
     for (int64_t h = 0; h < Hp; h += W) {
         vf mx = splat(NEG_INF);
         for (int k = 0; k < nk; k++) {
-            vf s = load(S + k * Hp + h) * scale;
-            store(S + k * Hp + h, s);
+            vf s = load(S + k * Hs + h) * scale;
+            store(S + k * Hs + h, s);
             mx = (s > mx || s != s) ? s : mx;
         }
         vf mo = load(m + h);
@@ -145,11 +146,11 @@ static void softmax_block(float *S, int nk, int64_t Hp, float scale, float *m, f
         vf a = vexp(mo - mref);
         vf sum = splat(0.0f);
         for (int k = 0; k < nk; k++) {
-            vf p = vexp(load(S + k * Hp + h) - mref);
+            vf p = vexp(load(S + k * Hs + h) - mref);
             sum += p;
-            store(S + k * Hp + h, round_p ? round_bf16(p) : p);
+            store(S + k * Hs + h, round_p ? round_bf16(p) : p);
         }
-        for (int k = nk; k < (nk + 1) / 2 * 2; k++) store(S + k * Hp + h, splat(0.0f));
+        for (int k = nk; k < (nk + 1) / 2 * 2; k++) store(S + k * Hs + h, splat(0.0f));
         store(l + h, load(l + h) * a + sum);
         store(m + h, mn);
         store(alpha + h, a);
@@ -205,54 +206,62 @@ static void finish(const TokenJob &j, const float *O, int64_t dvp, const float *
 
 // ---------------------------------------------------------------- fp32 path (every set)
 
+// S[n][r W .. r W + W - 1] (+)= <key n, q of those heads> over dims d0 .. d1 - 1: NB keys x RB head
+// vectors of accumulators, a key's dim broadcast against the group's packed queries (Qg[d][RB W],
+// one contiguous stream). Keys are rows of Kf (stride Dk), S rows have stride Hs. A dim
+// range continues the sums stored in S (a float stored and reloaded is the same float: the sum
+// over all dims keeps its order).
 template <int RB, int NB>
-static inline void qk_f32(const float *__restrict Qt, int64_t Hp, int64_t D, const float *__restrict Kf, int64_t Dp,
-                          float *__restrict S) {
+static inline void qk_f32(const float *__restrict Qg, int64_t d0, int64_t d1, const float *__restrict Kf, int64_t Dk,
+                          float *__restrict S, int64_t Hs, bool accumulate) {
     vf acc[NB][RB];
     for (int n = 0; n < NB; n++)
-        for (int r = 0; r < RB; r++) acc[n][r] = splat(0.0f);
-    for (int64_t d = 0; d < D; d++) {
+        for (int r = 0; r < RB; r++) acc[n][r] = accumulate ? load(S + n * Hs + r * W) : splat(0.0f);
+    for (int64_t d = d0; d < d1; d++) {
         vf q[RB];
-        for (int r = 0; r < RB; r++) q[r] = load(Qt + d * Hp + r * W);
+        for (int r = 0; r < RB; r++) q[r] = load(Qg + (d * RB + r) * W);
         for (int n = 0; n < NB; n++) {
-            vf k = splat(Kf[n * Dp + d]);
+            vf k = splat(Kf[n * Dk + d]);
             for (int r = 0; r < RB; r++) acc[n][r] += k * q[r];
         }
     }
     for (int n = 0; n < NB; n++)
-        for (int r = 0; r < RB; r++) store(S + n * Hp + r * W, acc[n][r]);
+        for (int r = 0; r < RB; r++) store(S + n * Hs + r * W, acc[n][r]);
 }
 
+// O[r][z W ..] = alpha_r O[r][z W ..] + sum_k P[k][r] V_k[z W ..] for R heads x NZ dim vectors;
+// the first block starts from 0 (what alpha 0 times the zeros O would hold gives), so O is never
+// cleared.
 template <int R, int NZ>
-static inline void pv_f32(float *__restrict O, int64_t dvp, const float *__restrict alpha, const float *__restrict P,
-                          int64_t Hp, const float *__restrict Kf, int64_t Dp, int nk) {
+static inline void pv_f32(float *__restrict O, int64_t dvo, const float *__restrict alpha, const float *__restrict P,
+                          int64_t Hs, const float *__restrict Kf, int64_t Dk, int nk, bool first) {
     vf acc[R][NZ];
     for (int r = 0; r < R; r++)
-        for (int z = 0; z < NZ; z++) acc[r][z] = load(O + r * dvp + z * W) * alpha[r];
+        for (int z = 0; z < NZ; z++) acc[r][z] = first ? splat(0.0f) : load(O + r * dvo + z * W) * alpha[r];
     for (int k = 0; k < nk; k++) {
         vf v[NZ];
-        for (int z = 0; z < NZ; z++) v[z] = load(Kf + k * Dp + z * W);
+        for (int z = 0; z < NZ; z++) v[z] = load(Kf + k * Dk + z * W);
         for (int r = 0; r < R; r++) {
-            vf p = splat(P[k * Hp + r]);
+            vf p = splat(P[k * Hs + r]);
             for (int z = 0; z < NZ; z++) acc[r][z] += p * v[z];
         }
     }
     for (int r = 0; r < R; r++)
-        for (int z = 0; z < NZ; z++) store(O + r * dvp + z * W, acc[r][z]);
+        for (int z = 0; z < NZ; z++) store(O + r * dvo + z * W, acc[r][z]);
 }
 
+// The block's QK for RB head vectors: dims in chunks of QK_DIMS (the chunk of those heads'
+// transposed queries, QK_DIMS x RB W floats, stays in L1 while every key of the block passes),
+// keys in micro-tiles of QK_NB.
+#ifndef DSV4_F32_QK_DIMS
+#define DSV4_F32_QK_DIMS 128
+#endif
 template <int RB>
-static void qk_f32_rows(const float *Qt, int64_t Hp, int64_t D, const float *Kf, int64_t Dp, float *S, int nk) {
-    for (int k = 0; k < nk; k += QK_NB) qk_f32<RB, QK_NB>(Qt, Hp, D, Kf + k * Dp, Dp, S + k * Hp);
-}
-
-template <int R>
-static void pv_f32_dims(float *O, int64_t dvp, const float *alpha, const float *P, int64_t Hp, const float *Kf, int64_t Dp,
-                        int nk) {
-    const int64_t nz = dvp / W;
-    int64_t z = 0;
-    for (; z + PV_NZ <= nz; z += PV_NZ) pv_f32<R, PV_NZ>(O + z * W, dvp, alpha, P, Hp, Kf + z * W, Dp, nk);
-    for (; z < nz; z++) pv_f32<R, 1>(O + z * W, dvp, alpha, P, Hp, Kf + z * W, Dp, nk);
+static void qk_f32_rows(const float *Qg, int64_t D, const float *Kf, int64_t Dk, float *S, int64_t Hs, int nk) {
+    for (int64_t d0 = 0; d0 < D; d0 += DSV4_F32_QK_DIMS) {
+        const int64_t d1 = d0 + DSV4_F32_QK_DIMS < D ? d0 + DSV4_F32_QK_DIMS : D;
+        for (int k = 0; k < nk; k += QK_NB) qk_f32<RB, QK_NB>(Qg, d0, d1, Kf + k * Dk, Dk, S + k * Hs, Hs, d0 > 0);
+    }
 }
 
 template <int N, class F>
@@ -309,20 +318,31 @@ static inline __m256 load8(const T *p) {
 }
 #endif
 
-// Qt[d][h] = q[h][d] as float (0 for padding heads h >= H), d < D; Hp % W == 0. With AVX2 in
-// 8 x 8 register blocks (the strided stores of a scalar transpose cost as much as the QK of a
-// short key list).
+// The queries packed for QK, as float (0 for padding heads h >= H): head vectors (W heads) in
+// groups of QK_RB (the last group may hold fewer, rb), group g at Qt + g QK_RB W D holding
+// Qg[d][rb W] (a micro-kernel's queries are one contiguous stream). With AVX2 in 8 x 8 register
+// blocks (the strided stores of a scalar transpose cost as much as the QK of a short key list).
+static inline int64_t packed_query_index(int64_t h, int64_t d, int64_t Hp, int64_t D) {
+    const int64_t v = h / W, g0 = v / QK_RB * QK_RB;
+    const int64_t rb = Hp / W - g0 < QK_RB ? Hp / W - g0 : QK_RB;
+    return g0 * W * D + d * rb * W + (h - g0 * W);
+}
+
 template <class T>
-static void transpose_queries(const T *q, int64_t q_hs, int64_t H, int64_t Hp, int64_t D, float *Qt) {
+static void pack_queries_f32(const T *q, int64_t q_hs, int64_t H, int64_t Hp, int64_t D, float *Qt) {
     int64_t d0 = 0;
 #if defined(__AVX2__)
-    for (; d0 + 8 <= D; d0 += 8)
-        for (int64_t hb = 0; hb < Hp; hb += 8) {
-            __m256 r[8];
-            for (int i = 0; i < 8; i++) r[i] = hb + i < H ? load8(q + (hb + i) * q_hs + d0) : _mm256_setzero_ps();
-            transpose8(r);
-            for (int i = 0; i < 8; i++) _mm256_storeu_ps(Qt + (d0 + i) * Hp + hb, r[i]);
-        }
+    if (W == 8) {
+        for (; d0 + 8 <= D; d0 += 8)
+            for (int64_t hb = 0; hb < Hp; hb += 8) {
+                __m256 r[8];
+                for (int i = 0; i < 8; i++) r[i] = hb + i < H ? load8(q + (hb + i) * q_hs + d0) : _mm256_setzero_ps();
+                transpose8(r);
+                float *dst = Qt + packed_query_index(hb, d0, Hp, D);
+                const int64_t rs = packed_query_index(hb, d0 + 1, Hp, D) - packed_query_index(hb, d0, Hp, D);
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + i * rs, r[i]);
+            }
+    }
 #endif
     for (int64_t h = 0; h < Hp; h++)
         for (int64_t d = d0; d < D; d++) {
@@ -331,7 +351,7 @@ static void transpose_queries(const T *q, int64_t q_hs, int64_t H, int64_t Hp, i
                 if constexpr (sizeof(T) == 4) x = q[h * q_hs + d];
                 else x = bf16_to_f32(q[h * q_hs + d]);
             }
-            Qt[d * Hp + h] = x;
+            Qt[packed_query_index(h, d, Hp, D)] = x;
         }
 }
 
@@ -339,23 +359,25 @@ template <class T>
 static void token_f32(const TokenJob &j, Scratch &sc) {
     const int64_t H = j.H, D = j.D, dv = j.dv;
     const int64_t Hp = round_up(H, W), Dp = round_up(D, W), dvp = round_up(dv, W);
+    // Row strides one cache line past a multiple of W: rows 2 KB apart (D 512) would all fall in
+    // the same few L1 sets.
+    const int64_t Dk = Dp + 64 / 4, Hs = Hp + 64 / 4, dvo = dvp + 64 / 4;
     float *Qt = sc.q.as<float>(D * Hp);
-    float *Kf = sc.v.as<float>(KB * Dp);
-    float *S = sc.s.as<float>(KB * Hp);
-    float *O = sc.o.as<float>(Hp * dvp);
+    float *Kf = sc.v.as<float>(KB * Dk);
+    float *S = sc.s.as<float>(KB * Hs);
+    float *O = sc.o.as<float>(Hp * dvo);
     float *m = sc.stat.as<float>(3 * Hp), *l = m + Hp, *alpha = l + Hp;
-    transpose_queries(reinterpret_cast<const T *>(j.q), j.q_hs, H, Hp, D, Qt);
+    pack_queries_f32(reinterpret_cast<const T *>(j.q), j.q_hs, H, Hp, D, Qt);
     for (int64_t h = 0; h < Hp; h++) {
         m[h] = NEG_INF;
         l[h] = 0.0f;
     }
-    std::memset(O, 0, sizeof(float) * Hp * dvp);
     const bool round_p = sizeof(T) == 2;
     for (int64_t k0 = 0; k0 < j.n; k0 += KB) {
         const int nk = (int)(j.n - k0 < KB ? j.n - k0 : KB);
         const int nk6 = (int)round_up(nk, QK_NB);
         for (int k = 0; k < nk6; k++) {
-            float *dst = Kf + k * Dp;
+            float *dst = Kf + k * Dk;
             if (k < nk) {
                 const T *src = reinterpret_cast<const T *>(j.keys[k0 + k]);
                 if constexpr (sizeof(T) == 4) std::memcpy(dst, src, sizeof(float) * D);
@@ -365,20 +387,40 @@ static void token_f32(const TokenJob &j, Scratch &sc) {
                 std::memset(dst, 0, sizeof(float) * Dp);
             }
         }
+        // the next block's key rows towards L2 while this block computes (scattered staging rows
+        // or cache rows, read once per token: the widening above waited on them)
+        for (int64_t k = k0 + KB; k < std::min<int64_t>(j.n, k0 + 2 * KB); k++)
+            for (int64_t b = 0; b < D * (int64_t)sizeof(T); b += 64)
+                __builtin_prefetch(static_cast<const char *>(j.keys[k]) + b, 0, 2);
         const int64_t hv = Hp / W;
         for (int64_t v = 0; v < hv; v += QK_RB) {
             const int rb = (int)(hv - v < QK_RB ? hv - v : QK_RB);
-            dispatch_count<QK_RB>(rb, [&](auto c) { qk_f32_rows<decltype(c)::value>(Qt + v * W, Hp, D, Kf, Dp, S + v * W, nk6); });
-        }
-        softmax_block(S, nk, Hp, j.scale, m, l, alpha, round_p);
-        for (int64_t r = 0; r < H; r += PV_R) {
-            const int rr = (int)(H - r < PV_R ? H - r : PV_R);
-            dispatch_count<PV_R>(rr, [&](auto c) {
-                pv_f32_dims<decltype(c)::value>(O + r * dvp, dvp, alpha + r, S + r, Hp, Kf, Dp, nk);
+            dispatch_count<QK_RB>(rb, [&](auto c) {
+                qk_f32_rows<decltype(c)::value>(Qt + v * W * D, D, Kf, Dk, S + v * W, Hs, nk6);
             });
         }
+        softmax_block(S, nk, Hp, Hs, j.scale, m, l, alpha, round_p);
+        // PV, dims outer: a strip of the block's values (nk x NZ W floats) stays in L1 while every
+        // head passes; strips of PV_NZ vectors, and of 2 rather than leaving one vector alone.
+        const int64_t nz = dvp / W;
+        for (int64_t z = 0; z < nz;) {
+            const int64_t left = nz - z;
+            const int w = left == PV_NZ || left >= PV_NZ + 2 ? PV_NZ : left >= 2 ? 2 : 1;
+            for (int64_t r = 0; r < H; r += PV_R) {
+                const int rr = (int)(H - r < PV_R ? H - r : PV_R);
+                dispatch_count<PV_R>(rr, [&](auto c) {
+                    constexpr int R = decltype(c)::value;
+                    float *o = O + r * dvo + z * W;
+                    const float *v = Kf + z * W;
+                    if (w == PV_NZ) pv_f32<R, PV_NZ>(o, dvo, alpha + r, S + r, Hs, v, Dk, nk, k0 == 0);
+                    else if (w == 2) pv_f32<R, 2>(o, dvo, alpha + r, S + r, Hs, v, Dk, nk, k0 == 0);
+                    else pv_f32<R, 1>(o, dvo, alpha + r, S + r, Hs, v, Dk, nk, k0 == 0);
+                });
+            }
+            z += w;
+        }
     }
-    finish<T>(j, O, dvp, m, l);
+    finish<T>(j, O, dvo, m, l);
 }
 
 // ---------------------------------------------------------------- bf16 path (avx512bf16)
@@ -583,7 +625,7 @@ static void token_bf16(const TokenJob &j, Scratch &sc) {
         if (k0 + KB < j.n)  // the next block's first micro-tile, while this block's PV runs
             for (int64_t k = k0 + KB; k < std::min<int64_t>(j.n, k0 + KB + BQK_NB); k++)
                 for (int64_t b = 0; b < 4 * D2; b += 64) _mm_prefetch(static_cast<const char *>(j.keys[k]) + b, _MM_HINT_T1);
-        softmax_block(S, nk, Hp, j.scale, m, l, alpha, false);
+        softmax_block(S, nk, Hp, Hp, j.scale, m, l, alpha, false);
         const int npairs = (nk + 1) / 2;
         pack_probs(S, npairs, Hp, Pp);
         pack_values(blk, npairs, dv, Vp);

@@ -342,11 +342,15 @@ void run_tile(const Call &c, int64_t t0, int64_t t1, int64_t e_lo, int64_t e_hi,
     int64_t n_max = 0;
     for (int64_t t = t0; t < t1; t++) n_max = std::max(n_max, visible(tk, t));
     n_max = std::min(n_max, e_hi);
+    // A tile whose tokens see one block each (short contexts) stages each token's q right before
+    // its block, in one slot that stays in L1 / L2; otherwise all of them first (read per block).
+    const bool one_block = n_max - e_lo <= IDX_KB;
+    const int64_t slots = one_block ? 1 : nt;
     if (c.pairs) {
-        s.qp.resize((size_t)(nt * c.H * c.depth));
+        s.qp.resize((size_t)(slots * c.H * c.depth));
         s.kp.resize((size_t)(c.depth * IDX_KB));
     } else {
-        s.qf.resize((size_t)(nt * c.H * c.depth));
+        s.qf.resize((size_t)(slots * c.H * c.depth));
         s.kt.resize((size_t)(c.depth * IDX_KB));
     }
     s.scale.assign(IDX_KB, 1.0f);
@@ -356,7 +360,8 @@ void run_tile(const Call &c, int64_t t0, int64_t t1, int64_t e_lo, int64_t e_hi,
     s.size.assign(nt, 0);
     s.th.assign(nt, NEG_INF);
     s.has_th.assign(nt, 0);
-    for (int64_t t = t0; t < t1; t++) stage_q(c, s, t - t0, t);
+    if (!one_block)
+        for (int64_t t = t0; t < t1; t++) stage_q(c, s, t - t0, t);
     IndexBlockJob job;
     job.H = c.H;
     job.depth = c.depth;
@@ -368,8 +373,11 @@ void run_tile(const Call &c, int64_t t0, int64_t t1, int64_t e_lo, int64_t e_hi,
             const int64_t n = visible(tk, t), i = t - t0;
             if (n <= e0) continue;
             const int64_t nv = std::min<int64_t>({(int64_t)IDX_KB, n - e0, n_max - e0});
-            job.q = c.pairs ? (const void *)(s.qp.data() + i * c.H * c.depth) : (const void *)(s.qf.data() + i * c.H * c.depth);
+            if (one_block) stage_q(c, s, 0, t);
+            const int64_t slot = one_block ? 0 : i;
+            job.q = c.pairs ? (const void *)(s.qp.data() + slot * c.H * c.depth) : (const void *)(s.qf.data() + slot * c.H * c.depth);
             job.w = c.w + (int64_t)tk.token_row[t] * c.w_s0;
+            job.nkeys = nv;
             c.fn(job);
             float *L = s.logits.data(), *val = s.val.data() + i * cap, th = s.th[i];
             int32_t *idx = s.idx.data() + i * cap;

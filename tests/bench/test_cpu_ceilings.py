@@ -40,3 +40,16 @@ def test_forced_set_caps_the_gemm_in_a_child(monkeypatch):
 def test_bad_threads():
     with pytest.raises(ValueError, match="threads.*0"):
         common.cpu_ceiling(0)
+
+
+def test_ceiling_call_times_the_same_matmul_in_process(monkeypatch):
+    monkeypatch.delenv("DSV4_PREFILL_CPU_ISA", raising=False)
+    c = common.cpu_ceiling(1, repeats=1, n=64)
+    call, flop = common.ceiling_call(c, 1, n=64)
+    assert flop == 2.0 * 64**3
+    out = call()
+    assert (
+        tuple(out.shape) == (64, 64)
+        and str(out.dtype) == {"bf16": "torch.bfloat16", "fp32": "torch.float32"}[c["dtype"]]
+    )
+    assert common.ceiling_call(dict(c, capped=True), 1) == (None, 0.0)
