@@ -170,7 +170,14 @@ def run(ckpt: str, args) -> dict:
 
     import jax
 
-    results = {"setup": {**vars(args), "checkpoint": ckpt, "jax_devices": str(jax.devices())}}
+    from dsv4_cpu.binding import bf16_matmul_native
+
+    # bf16 on a CPU without AVX512-BF16 / AMX-BF16: both frameworks' matmuls (the model's
+    # projections) run emulated, hundreds of times slower than float32; the run says so
+    emulated = args.dtype == "bfloat16" and jax.devices()[0].platform == "cpu" and not bf16_matmul_native()
+    results = {
+        "setup": {**vars(args), "checkpoint": ckpt, "jax_devices": str(jax.devices()), "bf16_gemm_emulated": emulated}
+    }
     outputs = {}
     for b in args.backend:
         outputs[f"jax.{b}"], results[f"jax.{b}"] = jax_run(ckpt, prompts, args.new_tokens, args, b)
@@ -197,6 +204,11 @@ def run(ckpt: str, args) -> dict:
     for b in args.backend:
         j = results[f"jax.{b}"]
         print(f"JAX {b}: warm-up (compilation) {j['warmup_seconds']:.1f} s, compiles {j['compiles']}")
+    if emulated:
+        print(
+            "bfloat16 on a CPU without AVX512-BF16 / AMX-BF16: torch's and XLA's bf16 matmuls (the model's "
+            "projections) are emulated here; these figures measure that emulation, use --dtype float32"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)

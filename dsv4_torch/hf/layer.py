@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dsv4_torch.hf import fp8_cache, ragged
-from dsv4_torch.prefill import PagedKV, StepMetadata, prefill_attention
+from dsv4_torch.prefill import LogicalKV, PagedKV, StepMetadata, prefill_attention
 from planner import LayerKind
 
 
@@ -50,9 +50,10 @@ class ForwardContext:
     seq: np.ndarray
     query: np.ndarray
     meta: StepMetadata
-    raw: ragged.RawPlan
+    raw: ragged.RawPlan | None  # fp8_ds_mla caches: the raw pages of this call
+    window: ragged.WindowPlan | None  # caches in the model's dtype: the window regions
     compress: dict[int, ragged.CompressPlan]
-    dev: dict[str, torch.Tensor]  # device index tensors: "raw_src", ..., and per ratio "4.usable", ...
+    dev: dict[str, torch.Tensor]  # device index tensors: "window_append", ..., and per ratio "4.usable", ...
     real_index: torch.Tensor | None  # (Tr,) rows of the (B*T) flattening; None = every token is real
     replayable: bool = False  # keep each layer's input state, so a checkpoint can recompute the layer
     layer_inputs: dict = field(default_factory=dict)  # layer_idx -> copy of the LayerState it first saw
@@ -106,9 +107,7 @@ def sparse_layer(
     if fp8:
         raw = fp8_cache.raw_kv(lstate, kv, ctx.dev, int(np.minimum(ctx.state.seen, cfg.sliding_window - 1).sum()))
     else:
-        stream = kv if lstate.window is None else torch.cat([lstate.window, kv])  # old windows, then new tokens
-        raw = PagedKV(stream[ctx.dev["raw_src"]].view(-1, ragged.RAW_PAGE, D), ctx.dev["raw_table"])
-        lstate.window = stream[ctx.dev["raw_keep"]]
+        raw = LogicalKV(write_window(lstate, kv, ctx), ctx.dev["window_offsets"])
 
     compressed = topk = None
     comp = module.compressor
@@ -147,6 +146,33 @@ def sparse_layer(
     out = rope(out, cos, -sin)  # undo the values' RoPE at the query position, as transformers does
     y = module.o_b_proj(module.o_a_proj(out.reshape(Tr, cfg.o_groups, -1)).flatten(1))
     return ctx.unpack(y)
+
+
+def write_window(lstate: ragged.LayerState, kv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    """The layer's window regions after this call's tokens `kv` (Tr, D) are written
+    (`ragged.plan_window`): in place, or into new regions holding each request's last W-1 rows
+    when the plan rebuilds them. A replayable forward writes into a copy (the old tensor is a
+    layer's input state)."""
+    plan, dev = ctx.window, ctx.dev
+    buf = lstate.window
+    if plan.relayout or buf is None:
+        grown = kv.new_zeros((plan.layout.total_rows, kv.shape[1]))
+        if buf is not None and plan.move_src.size:
+            grown[dev["window_move_dst"]] = buf[dev["window_move_src"]]
+        buf = grown.index_copy_(0, dev["window_append"], kv)
+    elif writable_in_place(buf, ctx):
+        buf.index_copy_(0, dev["window_append"], kv)
+    else:
+        buf = buf.index_copy(0, dev["window_append"], kv)
+    lstate.window = buf
+    return buf
+
+
+def writable_in_place(t: torch.Tensor, ctx: ForwardContext) -> bool:
+    """Whether a state tensor may take this call's rows in place: not when the forward is
+    replayable (the old tensor is a layer's input state), nor for an inference tensor outside
+    inference mode (torch refuses it)."""
+    return not ctx.replayable and (not t.is_inference() or torch.is_inference_mode_enabled())
 
 
 def compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: ForwardContext, r: int, overlapped: bool, fp8=False):
@@ -197,10 +223,10 @@ def compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: ForwardContext,
             grown[dev["move_dst"]] = cs.entries[dev["move_src"]]
         cs.entries = grown
     if n:
-        if ctx.replayable:  # a new tensor: the one before is kept as a layer's input state
-            cs.entries = cs.entries.index_put((dev["append_dst"],), new_entries)
-        else:
+        if writable_in_place(cs.entries, ctx):
             cs.entries[dev["append_dst"]] = new_entries
+        else:  # a new tensor (a replayable forward keeps the one before as a layer's input state)
+            cs.entries = cs.entries.index_put((dev["append_dst"],), new_entries)
     return cs.entries
 
 
