@@ -11,6 +11,7 @@ only: the host planning happened once per forward (`integration._Integration.pre
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -82,11 +83,27 @@ def copy_layer_state(ls: ragged.LayerState) -> ragged.LayerState:
 # ----------------------------------------------------------------------------- the layer
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> torch.Tensor:
+    """transformers' `apply_rotary_pos_emb` (DeepSeek-V4's interleaved RoPE on the trailing
+    2 * cos.shape[-1] channels, in float32), bit for bit, without expanding cos / sin to the full
+    rope width: out[2i] = x[2i] cos_i - x[2i+1] sin_i, out[2i+1] = x[2i+1] cos_i + x[2i] sin_i
+    (transformers adds (-x[2i+1]) sin_i: the same rounding). With a gradient to compute it is
+    transformers' function itself: the backward then rounds and sums as eager's does."""
+    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+
+        return apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)
+    c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    R = 2 * cos.shape[-1]
+    pairs = x[..., -R:].float().unflatten(-1, (R // 2, 2))
+    xe, xo = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((xe * c - xo * s, xo * c + xe * s), dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-R], rotated], dim=-1)
+
+
 def sparse_layer(
     integ: Settings, ctx: ForwardContext, module, lstate: ragged.LayerState, hidden_states, position_embeddings
 ):
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb as rope
-
     cfg = module.config
     if ctx.num_tokens == 0:  # only padding in this call
         return hidden_states.new_zeros((ctx.B, ctx.T, cfg.hidden_size))
@@ -125,7 +142,7 @@ def sparse_layer(
         else:
             compressed = PagedKV(entries.view(-1, ragged.ENTRY_PAGE, entries.shape[1]), ctx.dev[f"{ratio}.table"])
         if csa:  # the indexer's output is an integer selection: no gradient, as in eager
-            with torch.no_grad():
+            with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
                 index_entries = compress(comp.indexer, x, lstate, "indexer", ctx, ratio, overlapped=True)
                 topk = indexer_topk(comp.indexer, x, q_residual, index_entries, ctx, integ)
 
@@ -178,10 +195,6 @@ def writable_in_place(t: torch.Tensor, ctx: ForwardContext) -> bool:
 def compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: ForwardContext, r: int, overlapped: bool, fp8=False):
     """Pool every request's newly completed blocks (transformers' compressor math, ragged) and
     append the entries to the request's region; returns the layer's entry rows."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
-        apply_rotary_pos_emb as rope,
-    )
-
     plan = ctx.compress[r]
     dev = {
         k: ctx.dev[f"{r}.{k}"]
@@ -231,14 +244,10 @@ def compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: ForwardContext,
 
 
 def indexer_topk(ind, x, q_residual, entries, ctx: ForwardContext, integ: Settings):
-    """(Tr, index_topk) request-local top-k entry ids per token, -1 = none: transformers' indexer
+    """(Tr, index_topk) int32 request-local top-k entry ids per token, -1 = none: transformers' indexer
     queries and weights, scored and selected by `dsv4_torch.indexer.indexer_topk` (each request
     against its own entries; "auto": the fused C kernel on CPU tensors). transformers' scorer
     `sum_h (w_h * H**-0.5) * relu(q_h . k) * D**-0.5` with both scales folded into the weights."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
-        apply_rotary_pos_emb as rope,
-    )
-
     from dsv4_torch.indexer import indexer_topk as select
 
     Tr = x.shape[0]
@@ -263,4 +272,4 @@ def indexer_topk(ind, x, q_residual, entries, ctx: ForwardContext, integ: Settin
         backend=integ.indexer_backend,
         reference_elems=integ.indexer_chunk_elems,
     )
-    return res.indices.to(torch.int64)
+    return res.indices  # int32, -1 = none (prefill_attention takes int32 or int64)

@@ -481,3 +481,20 @@ def test_bf16_on_a_cpu_without_bf16_dot_products_warns_once(model, monkeypatch):
         assert not devices.warn_emulated_bf16_gemm(torch.float32, "cpu", "y")
     monkeypatch.setattr(devices, "_bf16_matmul_native", lambda: True)
     assert not devices.emulated_bf16_gemm(torch.bfloat16, "cpu")
+
+
+def test_rope_is_transformers_bit_for_bit():
+    """dsv4_torch.hf.layer.rope (no expanded cos / sin) == transformers' apply_rotary_pos_emb."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for shape, cshape, dim in (
+            ((5, 8, 512), (5, 32), 1),
+            ((5, 1, 512), (5, 32), 1),
+            ((1, 16, 5, 128), (1, 5, 32), 1),
+        ):
+            x = (torch.randn(shape, generator=g) * 3).to(dtype)
+            cos, sin = (torch.randn(cshape, generator=g).to(dtype) for _ in range(2))
+            for s in (sin, -sin):
+                assert torch.equal(L.rope(x, cos, s, dim), apply_rotary_pos_emb(x, cos, s, dim)), (dtype, shape)
