@@ -268,7 +268,15 @@ def plan_compress(prefix: np.ndarray, query: np.ndarray, r: int, old: EntryLayou
 
 
 def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """All int64 host arrays in one host-to-device copy; returns views by name."""
+    """All int64 host arrays in one host-to-device copy; returns views by name. On the CPU the
+    arrays are used as they are (int64, contiguous, writable: the forward's own, never changed
+    after), without a copy."""
+    if device.type == "cpu":
+        out = {}
+        for n, a in arrays.items():
+            a = np.ascontiguousarray(a, dtype=np.int64)
+            out[n] = torch.from_numpy(a if a.flags.writeable else a.copy())
+        return out
     names = list(arrays)
     parts = [np.ascontiguousarray(arrays[n], dtype=np.int64).reshape(-1) for n in names]
     host = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
