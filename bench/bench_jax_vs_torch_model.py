@@ -12,6 +12,8 @@ for transformers + our `enable_sparse_prefill`): by default "auto" (on CPU: the 
   python -m bench.bench_jax_vs_torch_model --batch 4 --prompt-len 256 --new-tokens 32 --json out.json
   python -m bench.bench_jax_vs_torch_model --checkpoint DIR --dtype bfloat16
   python -m bench.bench_jax_vs_torch_model --backend xla --torch-backend reference,cpu
+  python -m bench.bench_jax_vs_torch_model --backend '' --torch-backend cpu --threads 1   # transformers only
+  python -m bench.bench_jax_vs_torch_model --backend '' --torch-backend cpu --interleave  # a shared machine
 """
 
 from __future__ import annotations
@@ -120,6 +122,78 @@ def torch_run(ckpt, prompts, new_tokens, args, backend=None):
     }
 
 
+def torch_interleaved(ckpt, prompts, new_tokens, args, backends) -> tuple[dict, dict]:
+    """eager and our path on each of `backends`, one model each, run in turn call by call: every
+    prefill, then every decode step, the order reversed at each call, so that a shared machine's
+    load falls on all of them alike. Rates from the medians of the per-call times (prefill: of
+    `repeats` prefills; decode: of every timed decode step)."""
+    import torch
+    import transformers
+    from transformers import DynamicCache
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    names = ["torch_eager"] + [f"torch_sparse.{b}" for b in backends]
+    models = {}
+    for name, b in zip(names, [None, *backends]):
+        models[name] = transformers.DeepseekV4ForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
+        if b is not None:
+            from dsv4_torch.hf import enable_sparse_prefill
+
+            enable_sparse_prefill(models[name], backend=b)
+    ids = torch.tensor(prompts)
+    prefill = {n: [] for n in names}
+    decode = {n: [] for n in names}
+    outputs = {}
+    flip = 0
+
+    def turn():
+        nonlocal flip
+        flip ^= 1
+        return names if flip else names[::-1]
+
+    def timed(name, x, cache):
+        t0 = time.perf_counter()
+        tok = models[name](x, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        return tok, time.perf_counter() - t0
+
+    with torch.no_grad():
+        for rep in range(args.repeats + 1):  # the first: warm-up, not timed
+            caches = {n: DynamicCache(config=models[n].config) for n in names}
+            toks = {n: [] for n in names}
+            for n in turn():
+                tok, dt = timed(n, ids, caches[n])
+                toks[n].append(tok)
+                if rep:
+                    prefill[n].append(dt)
+            for _ in range(new_tokens - 1):
+                for n in turn():
+                    tok, dt = timed(n, toks[n][-1], caches[n])
+                    toks[n].append(tok)
+                    if rep:
+                        decode[n].append(dt)
+            for n in names:
+                out = torch.cat(toks[n], 1).tolist()
+                assert outputs.setdefault(n, out) == out, "greedy tokens changed between runs"
+    B, results = len(prompts), {}
+    for i, n in enumerate(names):
+        ran = None
+        if i:
+            from dsv4_torch.hf import last_forward
+
+            ran = dict(last_forward(models[n]).backends)
+        p, d = float(np.median(prefill[n])), float(np.median(decode[n]))
+        results[n] = {
+            "backends_ran": ran,
+            "prefill_tokens_per_s": B * len(prompts[0]) / p,
+            "decode_tokens_per_s": B / d,
+            "prefill_seconds": p,
+            "decode_step_seconds": d,
+        }
+    return outputs, results
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", help="checkpoint dir (default: write the tiny one to a temp dir)")
@@ -128,7 +202,9 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument(
-        "--backend", default="auto,xla", help="JAX attention backends, comma-separated (auto, cpu, xla, pallas)"
+        "--backend",
+        default="auto,xla",
+        help="JAX attention backends, comma-separated (auto, cpu, xla, pallas; '' for none)",
     )
     ap.add_argument(
         "--torch-backend",
@@ -137,6 +213,12 @@ def main(argv=None):
     )
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (medians)")
     ap.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own choice)")
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="transformers' runs (eager, each --torch-backend) in turn call by call, medians of per-call "
+        "times: for a shared machine",
+    )
     ap.add_argument(
         "--policy",
         "--planner",
@@ -157,8 +239,6 @@ def main(argv=None):
         ap.error(f"--threads: need >= 1, got {args.threads}")
     args.backend = [b for b in args.backend.split(",") if b]
     args.torch_backend = [b for b in args.torch_backend.split(",") if b]
-    if not args.backend:
-        ap.error("--backend: name at least one JAX backend")
 
     with checkpoint_or_tiny(args.checkpoint, dtype=args.dtype) as ckpt:
         return run(ckpt, args)
@@ -168,20 +248,36 @@ def run(ckpt: str, args) -> dict:
     rng = np.random.default_rng(args.seed)
     prompts = [[0] + rng.integers(3, 512, size=args.prompt_len - 1).tolist() for _ in range(args.batch)]
 
-    import jax
+    from dsv4_cpu.binding import bf16_matmul_native
 
-    results = {"setup": {**vars(args), "checkpoint": ckpt, "jax_devices": str(jax.devices())}}
+    devices = "not run"
+    if args.backend:  # --backend '': transformers only
+        import jax
+
+        devices = str(jax.devices())
+    # bf16 on a CPU without AVX512-BF16 / AMX-BF16: both frameworks' matmuls (the model's
+    # projections) run emulated, hundreds of times slower than float32; the run says so
+    emulated = args.dtype == "bfloat16" and not bf16_matmul_native()
+    results = {"setup": {**vars(args), "checkpoint": ckpt, "jax_devices": devices, "bf16_gemm_emulated": emulated}}
     outputs = {}
     for b in args.backend:
         outputs[f"jax.{b}"], results[f"jax.{b}"] = jax_run(ckpt, prompts, args.new_tokens, args, b)
-    outputs["torch_eager"], results["torch_eager"] = torch_run(ckpt, prompts, args.new_tokens, args)
-    for b in args.torch_backend:
-        outputs[f"torch_sparse.{b}"], results[f"torch_sparse.{b}"] = torch_run(ckpt, prompts, args.new_tokens, args, b)
+    if args.interleave:
+        got, res = torch_interleaved(ckpt, prompts, args.new_tokens, args, args.torch_backend)
+        outputs.update(got)
+        results.update(res)
+    else:
+        outputs["torch_eager"], results["torch_eager"] = torch_run(ckpt, prompts, args.new_tokens, args)
+        for b in args.torch_backend:
+            outputs[f"torch_sparse.{b}"], results[f"torch_sparse.{b}"] = torch_run(
+                ckpt, prompts, args.new_tokens, args, b
+            )
     eager = results["torch_eager"]
     results["same_tokens_as_torch_eager"] = {k: v == outputs["torch_eager"] for k, v in outputs.items()}
     print(
         f"batch {args.batch} x prompt {args.prompt_len} + {args.new_tokens} new tokens, {args.dtype}, "
         f"policy {args.policy}, medians of {args.repeats}, torch threads {args.threads or 'default'}"
+        + (", transformers' runs interleaved call by call" if args.interleave else "")
     )
     print(f"{'':34s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'vs eager':>16s}  same tokens as eager")
     for name in outputs:
@@ -197,6 +293,11 @@ def run(ckpt: str, args) -> dict:
     for b in args.backend:
         j = results[f"jax.{b}"]
         print(f"JAX {b}: warm-up (compilation) {j['warmup_seconds']:.1f} s, compiles {j['compiles']}")
+    if emulated:
+        print(
+            "bfloat16 on a CPU without AVX512-BF16 / AMX-BF16: torch's and XLA's bf16 matmuls (the model's "
+            "projections) are emulated here; these figures measure that emulation, use --dtype float32"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)

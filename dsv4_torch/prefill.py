@@ -229,7 +229,11 @@ def prefill_attention(
         comp = Rows(compressed_kv, "compressed_kv", q, meta, "compressed")
     dropout_p = check_dropout(dropout_p)
     grad = gradient_required(q, raw.rows, None if comp is None else comp.rows, attn_sink)
-    name = resolve_backend(backend, q, needs_grad=grad, dropout_p=dropout_p)
+    key = (backend, q.dtype, q.device, q.shape[1:], grad, dropout_p) if isinstance(backend, str) else None
+    name = meta.step.resolved_backends.get(key)
+    if name is None:  # resolved at the step's first call with these properties (a bad name raises here)
+        name = resolve_backend(backend, q, needs_grad=grad, dropout_p=dropout_p)
+        meta.step.resolved_backends[key] = name
     meta.last_backend = name
     sm_scale = check_sm_scale(sm_scale)  # checked once per layer call, not per chunk
     check_sink(attn_sink, H, q.device)
@@ -279,10 +283,13 @@ def _check_topk(topk_indices, meta: KindMetadata, q: torch.Tensor) -> None:
 
 
 def _check_topk_values(topk_indices: torch.Tensor, meta: KindMetadata) -> None:
-    """CPU only (a host read): every used top-k entry is visible to its token."""
-    check_topk_rows(
-        topk_indices.numpy(), meta.plan.token_index, meta.plan.token_position, meta.plan.compress_ratio, "topk_indices"
-    )
+    """CPU only (a host read): every used top-k entry is visible to its token (the visibility of
+    the step's tokens formed once per kind; `check_topk_rows` words the error)."""
+    token_index, visible, used = meta.topk_visibility()
+    rows = topk_indices.numpy()
+    sel = rows if meta.tokens_in_batch_order else rows[token_index]
+    if (used & ((sel < 0) | (sel >= visible[:, None]))).any():
+        check_topk_rows(rows, meta.plan.token_index, meta.plan.token_position, meta.plan.compress_ratio, "topk_indices")
 
 
 def _check_q(q, meta: KindMetadata):

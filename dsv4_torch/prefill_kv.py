@@ -147,8 +147,7 @@ class Rows:
     """
 
     def __init__(self, src: KVSource, name: str, q: torch.Tensor, meta: KindMetadata, region: str):
-        needed = meta.raw_needed if region == "raw" else meta.compressed_needed
-        first = meta.raw_first if region == "raw" else np.zeros_like(needed)
+        needed, first, i_most = meta.region_needs(region)
         B, D = meta.num_requests, q.shape[-1]
         self.region = region
         self.fp8 = isinstance(src, PagedKV) and src.kv_cache_dtype == "fp8_ds_mla"
@@ -212,7 +211,7 @@ class Rows:
             raise ValueError(f"{name}.{field_name}: {self.index.shape[0]} rows, but the step's batch has {B} requests")
         if self.page_size is not None:
             held = self.index.shape[1] * self.page_size
-            i = int(np.argmax(needed)) if needed.size else 0
+            i = i_most
             if needed.size and needed[i] > held:
                 raise ValueError(
                     f"{name}.block_table: {self.index.shape[1]} pages of {self.page_size} entries hold {held}, "

@@ -21,8 +21,8 @@ import torch
 
 from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch, StepPlan
 from planner.checks import INT32_MAX, as_int
+from planner.contract import index_width_for
 from planner.kind_plan import KindPlan
-from planner.layout import index_width
 from planner.plan import as_step_plan
 
 
@@ -125,6 +125,8 @@ class KindMetadata:
     # CPU caches whose page ids / offsets this step's plan was checked against (`prefill_kv.Rows`):
     # (region, id, version, rows) -> the index tensor, kept so that its id is not reused this step
     checked_sources: dict = field(default_factory=dict, repr=False)
+    _needs: dict = field(default_factory=dict, repr=False)
+    _topk_visibility: tuple | None = field(default=None, repr=False)
 
     @property
     def kind(self) -> LayerKind:
@@ -142,6 +144,29 @@ class KindMetadata:
         if self._arrays is None:
             self._arrays = _copy_arrays(self.plan, self.step.device)
         return self._arrays
+
+    def region_needs(self, region: str) -> tuple[np.ndarray, np.ndarray, int]:
+        """(needed, first, i) of a region ("raw" / "compressed"): entries first[b] .. needed[b] - 1
+        of request b may be read, request i needs the most (host numbers, formed once)."""
+        got = self._needs.get(region)
+        if got is None:
+            if region == "raw":
+                needed, first = self.raw_needed, self.raw_first
+            else:
+                needed, first = self.compressed_needed, np.zeros_like(self.compressed_needed)
+            got = (needed, first, int(np.argmax(needed)) if needed.size else 0)
+            self._needs[region] = got
+        return got
+
+    def topk_visibility(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """CSA: (token_index, visible (T,), used (T, index_topk) bool) of the planned tokens, the
+        host arrays `planner.layout.check_topk_rows` checks a layer's top-k rows against (formed once)."""
+        if self._topk_visibility is None:
+            tok = np.asarray(self.plan.token_index, np.int64)
+            visible = (np.asarray(self.plan.token_position, np.int64) + 1) // self.plan.compress_ratio
+            used = np.arange(self.index_topk)[None, :] < np.minimum(visible, self.index_topk)[:, None]
+            self._topk_visibility = (tok, visible, used)
+        return self._topk_visibility
 
     @property
     def chunk_indices(self) -> list[ChunkIndices]:
@@ -162,10 +187,17 @@ class StepMetadata:
     step_plan: StepPlan
     device: torch.device
     kinds: dict[LayerKind, KindMetadata]
-    max_workspace_rows: int
     _workspace: torch.Tensor | None = None
     # backend "cpu": (3, T) int32 host arrays (q row, batch request, position), made on first use
     cpu_tokens: np.ndarray | None = field(default=None, repr=False)
+    # the concrete backend of each (asked backend, q's dtype / device / head shape, gradient,
+    # dropout) of this step's layer calls: resolved at the first such call, then reused
+    resolved_backends: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def max_workspace_rows(self) -> int:
+        """Rows of the one workspace every chunked layer call of the step shares (its plans' largest)."""
+        return self.step_plan.max_workspace_rows
 
     def __getitem__(self, kind) -> KindMetadata:
         k = LayerKind.of(kind)
@@ -210,7 +242,7 @@ def build_step_metadata(
     if index_topk is not None:
         index_topk = as_int(index_topk, "index_topk", minimum=1, maximum=INT32_MAX)
     device = torch.device(device)
-    meta = StepMetadata(step_plan=step, device=device, kinds={}, max_workspace_rows=step.max_workspace_rows)
+    meta = StepMetadata(step_plan=step, device=device, kinds={})
     for kind, kp in step.kinds.items():
         if kind is LayerKind.CSA and index_topk is None:
             raise ValueError("index_topk: required when CSA layers are planned")
@@ -267,21 +299,33 @@ def _chunk_metas(kp: KindPlan) -> list[ChunkMeta]:
 
 
 def _kind_metadata(kp: KindPlan, step: StepMetadata, index_topk) -> KindMetadata:
-    # What each request's caches must hold (host numbers, for the per-call shape checks).
+    # What each request's caches must hold (host numbers, for the per-call shape checks), from the
+    # planner's int64 segment sources (no int32 copies: the fused backend never reads those). A
+    # request has one segment unless budget_rows split it: then the extremes over its segments.
     B = step.step_plan.batch.num_requests
-    req = kp.seg_request
+    req, seq, _, _, comp, gath = kp.seg_source
+    req = np.asarray(req, np.int64)
+    seq = np.asarray(seq, np.int64)
+    start = seq - np.asarray(gath, np.int64)
+    comp = np.zeros_like(seq) if comp is None else np.asarray(comp, np.int64)
     raw_needed = np.zeros(B, np.int64)
-    np.maximum.at(raw_needed, req, kp.seg_seq_len.astype(np.int64))
     raw_first = np.asarray(step.step_plan.batch.seq_lens, np.int64).copy()
-    np.minimum.at(raw_first, req, kp.seg_gather_start.astype(np.int64))
     compressed_needed = np.zeros(B, np.int64)
-    np.maximum.at(compressed_needed, req, kp.seg_compressed_len.astype(np.int64))
+    if kp.split_requests.size:
+        np.maximum.at(raw_needed, req, seq)
+        np.minimum.at(raw_first, req, start)
+        np.maximum.at(compressed_needed, req, comp)
+    else:  # one segment per planned request
+        raw_needed[req] = seq
+        raw_first[req] = np.minimum(raw_first[req], start)
+        compressed_needed[req] = comp
 
     in_order = kp.config.order == "batch" and not kp.split_requests.size
     topk = index_topk if kp.kind is LayerKind.CSA else None
     return KindMetadata(
         kp,
-        index_width(kp, topk),
+        # planner.layout.index_width(kp, topk), from the int64 source
+        index_width_for(kp.kind, int(seq.max(initial=0)), kp.compress_ratio, kp.window_size, topk),
         in_order,
         num_requests=B,
         raw_needed=raw_needed,

@@ -64,7 +64,10 @@ class TorchEvalGenerator(Generator):
         import torch
         from transformers import DeepseekV4ForCausalLM
 
+        from dsv4_torch.devices import warn_emulated_bf16_gemm
+
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        warn_emulated_bf16_gemm(getattr(torch, dtype), device, "the eval's transformers model")
         model = DeepseekV4ForCausalLM.from_pretrained(
             str(checkpoint), dtype=getattr(torch, dtype), attn_implementation="eager"
         ).to(device)
@@ -127,6 +130,8 @@ class TorchEvalGenerator(Generator):
         import torch
         import transformers
 
+        from dsv4_torch.devices import emulated_bf16_gemm
+
         return {
             **super().describe(),
             "framework": "torch",
@@ -134,6 +139,8 @@ class TorchEvalGenerator(Generator):
             "policy": self.policy,
             "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
             "device": str(self.device),
+            # bf16 on a CPU without bf16 dot products: torch's matmuls are emulated (hundreds of times slower)
+            "bf16_gemm_emulated": emulated_bf16_gemm(next(self.model.parameters()).dtype, self.device),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "plan_hook": self.plan_hook is not None,
@@ -219,6 +226,9 @@ class JaxEvalGenerator(Generator):
     def describe(self):
         import jax
 
+        from dsv4_cpu.binding import bf16_matmul_native
+
+        cpu = jax.devices()[0].platform == "cpu"
         return {
             **super().describe(),
             "framework": "jax",
@@ -226,6 +236,8 @@ class JaxEvalGenerator(Generator):
             "policy": self.policy,
             "dtype": self.dtype,
             "device": str(jax.devices()[0]),
+            # bf16 on a CPU without bf16 dot products: XLA's dots are emulated (hundreds of times slower)
+            "bf16_gemm_emulated": self.dtype == "bfloat16" and cpu and not bf16_matmul_native(),
             "jax": jax.__version__,
         }
 

@@ -77,6 +77,7 @@ import torch
 
 from dsv4_torch.attention import BACKENDS, resolve_backend
 from dsv4_torch.backends import resolve_indexer_backend
+from dsv4_torch.devices import warn_emulated_bf16_gemm
 from dsv4_torch.hf import layer as hf_layer
 from dsv4_torch.hf import ragged
 from dsv4_torch.hf.layer import ForwardContext
@@ -175,6 +176,7 @@ def enable_sparse_prefill(
         disable_sparse_prefill(model)
     p = next(base.parameters())
     cfg = base.config
+    warn_emulated_bf16_gemm(p.dtype, p.device, "enable_sparse_prefill: the model")
     resolve_backend(backend, torch.empty((0, cfg.num_attention_heads, cfg.head_dim), dtype=p.dtype, device=p.device))
     idx_dtype = torch.float32 if p.dtype == torch.float16 else p.dtype  # (float16 models index in float32)
     resolve_indexer_backend(indexer_backend, torch.empty((0, 1, 1), dtype=idx_dtype, device=p.device))
@@ -371,7 +373,7 @@ class _Integration:
         meta = build_step_metadata(
             batch, device=device, index_topk=int(cfg.index_topk), config=plan_cfg, layers=self.layers
         )
-        raw = ragged.plan_raw(state.seen, query, int(cfg.sliding_window))
+        W = int(cfg.sliding_window)
         compress = {
             r: ragged.plan_compress(state.seen, query, r, state.layout(r))
             for r in sorted({s.compress_ratio for s in self.layers if s.has_compressed})
@@ -379,10 +381,19 @@ class _Integration:
         arrays = {
             "position_ids": np.where(real, positions, 0),
             "token_positions": positions[real],
-            "raw_src": raw.src,
-            "raw_table": raw.table,
-            "raw_keep": raw.keep,
         }
+        raw = window = None
+        if self.kv_cache_dtype == "fp8_ds_mla":  # packed fp8 windows, fresh raw pages per call
+            raw = ragged.plan_raw(state.seen, query, W)
+            arrays.update(raw_src=raw.src, raw_table=raw.table, raw_keep=raw.keep)
+        else:  # window regions, new tokens written in place
+            window = ragged.plan_window(state.seen, query, W, state.windows())
+            arrays.update(
+                window_append=window.append_dst,
+                window_offsets=window.offsets,
+                window_move_src=window.move_src,
+                window_move_dst=window.move_dst,
+            )
         for r, c in compress.items():
             arrays.update(
                 {
@@ -417,6 +428,7 @@ class _Integration:
             query=query,
             meta=meta,
             raw=raw,
+            window=window,
             compress=compress,
             dev=dev,
             real_index=None if all_real else dev["real_index"],
@@ -441,6 +453,8 @@ class _Integration:
         st.columns += ctx.T
         for r, c in ctx.compress.items():
             st.layouts[r] = c.layout
+        if ctx.window is not None:
+            st.window_layout = ctx.window.layout
         st.in_forward = False
         if ctx.cache is not None:
             for layer in ctx.cache.layers:

@@ -11,6 +11,7 @@ only: the host planning happened once per forward (`integration._Integration.pre
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from dsv4_torch.hf import fp8_cache, ragged
-from dsv4_torch.prefill import PagedKV, StepMetadata, prefill_attention
+from dsv4_torch.prefill import LogicalKV, PagedKV, StepMetadata, prefill_attention
 from planner import LayerKind
 
 
@@ -50,9 +51,10 @@ class ForwardContext:
     seq: np.ndarray
     query: np.ndarray
     meta: StepMetadata
-    raw: ragged.RawPlan
+    raw: ragged.RawPlan | None  # fp8_ds_mla caches: the raw pages of this call
+    window: ragged.WindowPlan | None  # caches in the model's dtype: the window regions
     compress: dict[int, ragged.CompressPlan]
-    dev: dict[str, torch.Tensor]  # device index tensors: "raw_src", ..., and per ratio "4.usable", ...
+    dev: dict[str, torch.Tensor]  # device index tensors: "window_append", ..., and per ratio "4.usable", ...
     real_index: torch.Tensor | None  # (Tr,) rows of the (B*T) flattening; None = every token is real
     replayable: bool = False  # keep each layer's input state, so a checkpoint can recompute the layer
     layer_inputs: dict = field(default_factory=dict)  # layer_idx -> copy of the LayerState it first saw
@@ -81,11 +83,27 @@ def copy_layer_state(ls: ragged.LayerState) -> ragged.LayerState:
 # ----------------------------------------------------------------------------- the layer
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> torch.Tensor:
+    """transformers' `apply_rotary_pos_emb` (DeepSeek-V4's interleaved RoPE on the trailing
+    2 * cos.shape[-1] channels, in float32), bit for bit, without expanding cos / sin to the full
+    rope width: out[2i] = x[2i] cos_i - x[2i+1] sin_i, out[2i+1] = x[2i+1] cos_i + x[2i] sin_i
+    (transformers adds (-x[2i+1]) sin_i: the same rounding). With a gradient to compute it is
+    transformers' function itself: the backward then rounds and sums as eager's does."""
+    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+
+        return apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)
+    c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    R = 2 * cos.shape[-1]
+    pairs = x[..., -R:].float().unflatten(-1, (R // 2, 2))
+    xe, xo = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((xe * c - xo * s, xo * c + xe * s), dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-R], rotated], dim=-1)
+
+
 def sparse_layer(
     integ: Settings, ctx: ForwardContext, module, lstate: ragged.LayerState, hidden_states, position_embeddings
 ):
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb as rope
-
     cfg = module.config
     if ctx.num_tokens == 0:  # only padding in this call
         return hidden_states.new_zeros((ctx.B, ctx.T, cfg.hidden_size))
@@ -106,9 +124,7 @@ def sparse_layer(
     if fp8:
         raw = fp8_cache.raw_kv(lstate, kv, ctx.dev, int(np.minimum(ctx.state.seen, cfg.sliding_window - 1).sum()))
     else:
-        stream = kv if lstate.window is None else torch.cat([lstate.window, kv])  # old windows, then new tokens
-        raw = PagedKV(stream[ctx.dev["raw_src"]].view(-1, ragged.RAW_PAGE, D), ctx.dev["raw_table"])
-        lstate.window = stream[ctx.dev["raw_keep"]]
+        raw = LogicalKV(write_window(lstate, kv, ctx), ctx.dev["window_offsets"])
 
     compressed = topk = None
     comp = module.compressor
@@ -126,7 +142,7 @@ def sparse_layer(
         else:
             compressed = PagedKV(entries.view(-1, ragged.ENTRY_PAGE, entries.shape[1]), ctx.dev[f"{ratio}.table"])
         if csa:  # the indexer's output is an integer selection: no gradient, as in eager
-            with torch.no_grad():
+            with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
                 index_entries = compress(comp.indexer, x, lstate, "indexer", ctx, ratio, overlapped=True)
                 topk = indexer_topk(comp.indexer, x, q_residual, index_entries, ctx, integ)
 
@@ -149,13 +165,36 @@ def sparse_layer(
     return ctx.unpack(y)
 
 
+def write_window(lstate: ragged.LayerState, kv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    """The layer's window regions after this call's tokens `kv` (Tr, D) are written
+    (`ragged.plan_window`): in place, or into new regions holding each request's last W-1 rows
+    when the plan rebuilds them. A replayable forward writes into a copy (the old tensor is a
+    layer's input state)."""
+    plan, dev = ctx.window, ctx.dev
+    buf = lstate.window
+    if plan.relayout or buf is None:
+        grown = kv.new_zeros((plan.layout.total_rows, kv.shape[1]))
+        if buf is not None and plan.move_src.size:
+            grown[dev["window_move_dst"]] = buf[dev["window_move_src"]]
+        buf = grown.index_copy_(0, dev["window_append"], kv)
+    elif writable_in_place(buf, ctx):
+        buf.index_copy_(0, dev["window_append"], kv)
+    else:
+        buf = buf.index_copy(0, dev["window_append"], kv)
+    lstate.window = buf
+    return buf
+
+
+def writable_in_place(t: torch.Tensor, ctx: ForwardContext) -> bool:
+    """Whether a state tensor may take this call's rows in place: not when the forward is
+    replayable (the old tensor is a layer's input state), nor for an inference tensor outside
+    inference mode (torch refuses it)."""
+    return not ctx.replayable and (not t.is_inference() or torch.is_inference_mode_enabled())
+
+
 def compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: ForwardContext, r: int, overlapped: bool, fp8=False):
     """Pool every request's newly completed blocks (transformers' compressor math, ragged) and
     append the entries to the request's region; returns the layer's entry rows."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
-        apply_rotary_pos_emb as rope,
-    )
-
     plan = ctx.compress[r]
     dev = {
         k: ctx.dev[f"{r}.{k}"]
@@ -197,22 +236,18 @@ def compress(cmod, x, lstate: ragged.LayerState, name: str, ctx: ForwardContext,
             grown[dev["move_dst"]] = cs.entries[dev["move_src"]]
         cs.entries = grown
     if n:
-        if ctx.replayable:  # a new tensor: the one before is kept as a layer's input state
-            cs.entries = cs.entries.index_put((dev["append_dst"],), new_entries)
-        else:
+        if writable_in_place(cs.entries, ctx):
             cs.entries[dev["append_dst"]] = new_entries
+        else:  # a new tensor (a replayable forward keeps the one before as a layer's input state)
+            cs.entries = cs.entries.index_put((dev["append_dst"],), new_entries)
     return cs.entries
 
 
 def indexer_topk(ind, x, q_residual, entries, ctx: ForwardContext, integ: Settings):
-    """(Tr, index_topk) request-local top-k entry ids per token, -1 = none: transformers' indexer
+    """(Tr, index_topk) int32 request-local top-k entry ids per token, -1 = none: transformers' indexer
     queries and weights, scored and selected by `dsv4_torch.indexer.indexer_topk` (each request
     against its own entries; "auto": the fused C kernel on CPU tensors). transformers' scorer
     `sum_h (w_h * H**-0.5) * relu(q_h . k) * D**-0.5` with both scales folded into the weights."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
-        apply_rotary_pos_emb as rope,
-    )
-
     from dsv4_torch.indexer import indexer_topk as select
 
     Tr = x.shape[0]
@@ -237,4 +272,4 @@ def indexer_topk(ind, x, q_residual, entries, ctx: ForwardContext, integ: Settin
         backend=integ.indexer_backend,
         reference_elems=integ.indexer_chunk_elems,
     )
-    return res.indices.to(torch.int64)
+    return res.indices  # int32, -1 = none (prefill_attention takes int32 or int64)

@@ -4,7 +4,7 @@
 transformers' DeepSeek-V4 cache layers keep for a batch of one (docs/transformers-dsv4.md,
 sections 8 and 13), but without padding between requests:
 
-  window            the last min(seen, W-1) raw latents            flat (sum_i min(seen_i, W-1), D)
+  window            the last min(seen, W-1) raw latents (or more)  regions of whole RAW_PAGEs
   buffer kv / gate  projected tokens of the unfinished block        flat (sum_i seen_i % r, C)
   overlap kv / gate CSA: the Ca half of the last complete block     (B, r, C/2), gate with its bias
   entries           compressed entries 0 .. seen_i // r - 1         pages of ENTRY_PAGE rows
@@ -12,11 +12,15 @@ sections 8 and 13), but without padding between requests:
 All requests' rows sit in one tensor per item, request after request, so one `index_select` with
 a host-built index serves the whole batch. The row counts depend only on each request's token
 count and the layer's ratio (every layer sees the same tokens), so the indices are planned once
-per forward (`plan_forward`) and shared by every layer of that ratio. Entries live in
+per forward (`plan_window`, `plan_compress`) and shared by every layer of that ratio. Entries live in
 per-request regions of whole pages that grow by doubling (amortised O(new entries) per call, no
-re-copy of the history per layer); raw windows and new tokens go to a fresh paged array per call
-(at most W - 1 + query_len + 2 * RAW_PAGE rows per request). Both are read by
-`prefill_attention` through `PagedKV` block tables.
+re-copy of the history per layer), read through a `PagedKV` block table. Raw windows live in
+per-request regions too, with room for W tokens past the call that made them: a call writes its
+new tokens in place after the request's rows (a decode step: one row per request and layer), and
+only a full region is rebuilt from its last W-1 rows (`plan_window`); `prefill_attention` reads
+them as a `LogicalKV` (one offset per request). With fp8_ds_mla caches (`dsv4_torch.hf.fp8_cache`)
+the windows are packed fp8 pages and each call gathers old window and new tokens into fresh
+pages (`plan_raw`).
 """
 
 from __future__ import annotations
@@ -127,6 +131,73 @@ def plan_raw(prefix: np.ndarray, query: np.ndarray, W: int) -> RawPlan:
 
 
 @dataclass
+class WindowLayout:
+    """Host view of the raw-window regions (caches in the model's dtype): request i owns rows
+    start[i] .. start[i] + cap[i] - 1 and holds its last count[i] positions, seen - count ..
+    seen - 1, in rows start[i] .. start[i] + count[i] - 1 (at least min(seen, W-1) of them)."""
+
+    start: np.ndarray
+    cap: np.ndarray
+    count: np.ndarray
+
+    @classmethod
+    def empty(cls, B: int) -> WindowLayout:
+        z = np.zeros(B, dtype=np.int64)
+        return cls(z, z.copy(), z.copy())
+
+    @property
+    def total_rows(self) -> int:
+        return max(int(self.cap.sum()), 1)
+
+
+@dataclass
+class WindowPlan:
+    """Host indices of one forward's raw rows in the window regions (shared by all layers).
+
+    New tokens (packed, request-major) are written to rows append_dst of the regions; when a
+    region cannot take them (relayout), every request's last min(seen, W-1) rows first move to
+    a new set of regions (move_src -> move_dst), each with room for W more tokens past this call's.
+    offsets: entry (position) e of request i is row offsets[i] + e (negative when the region
+    holds only recent positions): the regions read as a `LogicalKV`.
+    """
+
+    layout: WindowLayout
+    relayout: bool
+    move_src: np.ndarray
+    move_dst: np.ndarray
+    append_dst: np.ndarray
+    offsets: np.ndarray
+
+
+def plan_window(prefix: np.ndarray, query: np.ndarray, W: int, old: WindowLayout) -> WindowPlan:
+    """Where this call's tokens go in the raw-window regions (see `WindowPlan`), O(requests).
+
+    Decode writes one row per request and layer in place; a region is rebuilt (its last W-1 rows
+    copied) only when it is full, about once every W + RAW_PAGE decode steps."""
+    seq = prefix + query
+    relayout = bool((old.count + query > old.cap).any())
+    if relayout:
+        keep = np.minimum(prefix, W - 1)
+        cap = round_up(keep + query + W, RAW_PAGE)
+        start = _excl_cumsum(cap)
+        move_src = _ranges(old.start + old.count - keep, keep)
+        move_dst = _ranges(start, keep)
+        held = keep
+    else:
+        cap, start, held = old.cap, old.start, old.count
+        move_src = move_dst = np.zeros(0, np.int64)
+    count = held + query
+    return WindowPlan(
+        layout=WindowLayout(start, cap, count),
+        relayout=relayout,
+        move_src=move_src,
+        move_dst=move_dst,
+        append_dst=_ranges(start + held, query),
+        offsets=(start - (seq - count)).astype(np.int64),
+    )
+
+
+@dataclass
 class CompressPlan:
     """Host indices of one forward for one compress ratio r (shared by all layers of that ratio).
 
@@ -197,7 +268,15 @@ def plan_compress(prefix: np.ndarray, query: np.ndarray, r: int, old: EntryLayou
 
 
 def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """All int64 host arrays in one host-to-device copy; returns views by name."""
+    """All int64 host arrays in one host-to-device copy; returns views by name. On the CPU the
+    arrays are used as they are (int64, contiguous, writable: the forward's own, never changed
+    after), without a copy."""
+    if device.type == "cpu":
+        out = {}
+        for n, a in arrays.items():
+            a = np.ascontiguousarray(a, dtype=np.int64)
+            out[n] = torch.from_numpy(a if a.flags.writeable else a.copy())
+        return out
     names = list(arrays)
     parts = [np.ascontiguousarray(arrays[n], dtype=np.int64).reshape(-1) for n in names]
     host = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
@@ -243,6 +322,7 @@ class RaggedCacheState:
     layouts: dict[int, EntryLayout] = field(default_factory=dict)
     layers: dict[int, LayerState] = field(default_factory=dict)
     in_forward: bool = False
+    window_layout: WindowLayout | None = None  # the raw-window regions (caches in the model's dtype)
 
     @classmethod
     def fresh(cls, B: int) -> RaggedCacheState:
@@ -250,6 +330,9 @@ class RaggedCacheState:
 
     def layout(self, r: int) -> EntryLayout:
         return self.layouts.get(r) or EntryLayout.empty(self.num_requests)
+
+    def windows(self) -> WindowLayout:
+        return self.window_layout or WindowLayout.empty(self.num_requests)
 
     def layer(self, idx: int) -> LayerState:
         if idx not in self.layers:
@@ -264,7 +347,14 @@ class RaggedCacheState:
             raise ValueError(f"beam_idx: expected indices in 0..{B - 1}, got {rows.tolist()}")
         out = RaggedCacheState(num_requests=rows.shape[0], seen=self.seen[rows].copy(), columns=self.columns)
         nwin = np.minimum(self.seen, W - 1)
-        win_idx = _ranges(_excl_cumsum(nwin)[rows], nwin[rows])
+        win_idx = _ranges(_excl_cumsum(nwin)[rows], nwin[rows])  # fp8 windows: the last W-1 rows, packed
+        if self.window_layout is not None:  # float windows: each request's held rows, in new regions
+            wl = self.window_layout
+            count = wl.count[rows]
+            cap = round_up(count, RAW_PAGE)
+            out.window_layout = WindowLayout(_excl_cumsum(cap), cap, count)
+            region_src = torch.from_numpy(_ranges(wl.start[rows], count))
+            region_dst = torch.from_numpy(_ranges(out.window_layout.start, count))
         new_layouts, entry_idx = {}, {}
         for r, lay in self.layouts.items():
             count = lay.count[rows]
@@ -276,11 +366,12 @@ class RaggedCacheState:
         for idx, ls in self.layers.items():
             new = out.layer(idx)
             if ls.window is not None:
-                idx = torch.from_numpy(win_idx).to(ls.window.device)
                 if ls.window.dtype == torch.uint8:  # fp8_ds_mla pages (dsv4_torch.hf.fp8_cache)
-                    new.window = select_window(ls.window, idx)
+                    new.window = select_window(ls.window, torch.from_numpy(win_idx).to(ls.window.device))
                 else:
-                    new.window = ls.window[idx]
+                    dev = ls.window.device
+                    new.window = ls.window.new_zeros((out.window_layout.total_rows, ls.window.shape[1]))
+                    new.window[region_dst.to(dev)] = ls.window[region_src.to(dev)]
             for name, cs in ls.compressors.items():
                 r = cs.ratio
                 nbuf = self.seen % r

@@ -97,7 +97,7 @@ def test_fp8_cache_is_the_model_on_fp8_rounded_latents(model, monkeypatch):
     cache on "auto" whose rows are the pages' values (tests/hf/test_fp8_cache.py's check, on the
     cpu backend). Against another backend the fp8 cache is no fair test: e4m3 rounding steps
     amplify last-bit differences through the layers (and flip CSA's top-k)."""
-    from tests.hf.test_fp8_cache import _fp8_rounded
+    from tests.hf.test_fp8_cache import rounded_source
 
     ids = ids_of(150, 1, rows=2)
     bounds = [0, 37, 130, 148, 149, 150]
@@ -107,8 +107,8 @@ def test_fp8_cache_is_the_model_on_fp8_rounded_latents(model, monkeypatch):
     real = L.prefill_attention
 
     def rounded(q, meta, raw, comp=None, **kw):
-        raw = L.PagedKV(_fp8_rounded(raw.pages), raw.block_table)
-        comp = None if comp is None else L.PagedKV(_fp8_rounded(comp.pages), comp.block_table)
+        raw = rounded_source(raw)
+        comp = None if comp is None else rounded_source(comp)
         return real(q, meta, raw, comp, **kw)
 
     monkeypatch.setattr(L, "prefill_attention", rounded)
@@ -130,3 +130,30 @@ def test_gradient_keeps_the_reference_backend(model):
         with torch.no_grad():
             model(ids)
         assert I.last_forward(model).backends == CPU
+
+
+def test_long_decode_through_window_rebuilds_matches_eager(model):
+    """20 single-token calls after a 50-token prefill: every layer's window region (64 rows: 50
+    tokens + room for W = 8) fills at the 14th step and is rebuilt from its last W-1 rows; logits
+    stay eager's."""
+    ids = ids_of(70, 3, rows=2)
+    bounds = [0, 50, *range(51, 71)]
+    eager = calls(model, ids, bounds)
+    with sparse(model):
+        steps = calls(model, ids, bounds)
+        assert I.last_forward(model).backends == CPU
+    assert err(steps, eager) < TOL
+
+
+def test_cache_moves_between_inference_mode_and_no_grad(model):
+    """State written under torch.inference_mode (inference tensors, which torch refuses to change
+    in place outside it) continues under no_grad and back, with the same logits."""
+    ids = ids_of(40, 4, rows=2)
+    bounds = [0, 30, 31, 32, 33]
+    with sparse(model):
+        ref = calls(model, ids, bounds)
+        cache, out = DynamicCache(config=model.config), []
+        for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            with torch.inference_mode() if k % 2 == 0 else torch.no_grad():
+                out.append(model(ids[:, a:b], past_key_values=cache, use_cache=True).logits.clone())
+    assert torch.equal(torch.cat(out, 1), ref)

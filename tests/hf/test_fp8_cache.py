@@ -52,14 +52,21 @@ def _fp8_rounded(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out[0]).view(t.shape).to(t.dtype)
 
 
+def rounded_source(src):
+    """A float cache (the window regions' `LogicalKV`, the entries' `PagedKV`) with `_fp8_rounded` rows."""
+    if isinstance(src, L.LogicalKV):
+        return L.LogicalKV(_fp8_rounded(src.rows), src.offsets)
+    return L.PagedKV(_fp8_rounded(src.pages), src.block_table)
+
+
 @contextlib.contextmanager
 def float_path_on_fp8_rounded_rows(model, monkeypatch):
     """The default cache, but every page the prefill reads holds fp8-rounded rows."""
     real = L.prefill_attention
 
     def rounded(q, meta, raw, comp=None, **kw):
-        raw = L.PagedKV(_fp8_rounded(raw.pages), raw.block_table)
-        comp = None if comp is None else L.PagedKV(_fp8_rounded(comp.pages), comp.block_table)
+        raw = rounded_source(raw)
+        comp = None if comp is None else rounded_source(comp)
         return real(q, meta, raw, comp, **kw)
 
     with monkeypatch.context() as m:

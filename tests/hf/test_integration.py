@@ -429,3 +429,72 @@ def test_host_plans_of_the_ragged_state():
     assert c.prev.tolist() == [1 + 0]  # first half from req0's overlap (it has entry 0 already)
     assert c.overlap.tolist() == [0, 2, 3]  # req0 takes this call's window; the others keep theirs
     assert c.layout.count.tolist() == [2, 0, 2] and c.layout.cap.tolist() == [64, 0, 64]
+
+
+def test_window_regions_hold_every_position_a_call_reads():
+    """`plan_window` over random call sequences (a NumPy stand-in for the layer's writes): after
+    each call, request i's positions max(0, prefix - W + 1) .. seq - 1 sit at rows offsets[i] + p
+    inside its region; a region is rebuilt only when this call's tokens do not fit, and a rebuilt
+    one has room for W more tokens (decode rewrites no window but every W + 1 or more steps)."""
+    from dsv4_torch.hf import ragged as R
+
+    rng = np.random.default_rng(0)
+    for case in range(40):
+        B, W = int(rng.integers(1, 5)), int(rng.choice([1, 2, 8, 128]))
+        seen, lay, buf = np.zeros(B, np.int64), R.WindowLayout.empty(B), np.zeros(0, np.int64)
+        for step in range(60):
+            query = np.ones(B, np.int64) if step > 2 and rng.random() < 0.8 else rng.integers(0, 300, B)
+            plan = R.plan_window(seen, query, W, lay)
+            assert plan.relayout == bool((lay.count + query > lay.cap).any())
+            if plan.relayout:
+                assert (plan.layout.cap - plan.layout.count >= W).all()
+                grown = np.full(plan.layout.total_rows, -1, np.int64)
+                grown[plan.move_dst] = buf[plan.move_src]
+                buf = grown
+            else:
+                assert plan.move_src.size == 0 and (plan.layout.start == lay.start).all()
+            buf[plan.append_dst] = np.concatenate([seen[i] + np.arange(query[i]) for i in range(B)])
+            seq = seen + query
+            for i in range(B):
+                pos = np.arange(max(0, seen[i] - W + 1), seq[i])
+                rows = plan.offsets[i] + pos
+                np.testing.assert_array_equal(buf[rows], pos, err_msg=f"case {case} step {step} request {i}")
+                start, cap = plan.layout.start[i], plan.layout.cap[i]
+                assert rows.size == 0 or (rows.min() >= start and rows.max() < start + cap)
+            seen, lay = seq, plan.layout
+
+
+def test_bf16_on_a_cpu_without_bf16_dot_products_warns_once(model, monkeypatch):
+    """A bf16 model on such a CPU (torch's bf16 matmul emulated there) gets one RuntimeWarning."""
+    import warnings
+
+    from dsv4_torch import devices
+
+    monkeypatch.setattr(devices, "_bf16_matmul_native", lambda: False)
+    monkeypatch.setattr(devices, "_BF16_WARNED", set())
+    assert devices.emulated_bf16_gemm(torch.bfloat16, "cpu") and not devices.emulated_bf16_gemm(torch.float32, "cpu")
+    with pytest.warns(RuntimeWarning, match="emulated"):
+        assert devices.warn_emulated_bf16_gemm(torch.bfloat16, "cpu", "x")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert devices.warn_emulated_bf16_gemm(torch.bfloat16, "cpu", "x")  # once per process and name
+        assert not devices.warn_emulated_bf16_gemm(torch.float32, "cpu", "y")
+    monkeypatch.setattr(devices, "_bf16_matmul_native", lambda: True)
+    assert not devices.emulated_bf16_gemm(torch.bfloat16, "cpu")
+
+
+def test_rope_is_transformers_bit_for_bit():
+    """dsv4_torch.hf.layer.rope (no expanded cos / sin) == transformers' apply_rotary_pos_emb."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for shape, cshape, dim in (
+            ((5, 8, 512), (5, 32), 1),
+            ((5, 1, 512), (5, 32), 1),
+            ((1, 16, 5, 128), (1, 5, 32), 1),
+        ):
+            x = (torch.randn(shape, generator=g) * 3).to(dtype)
+            cos, sin = (torch.randn(cshape, generator=g).to(dtype) for _ in range(2))
+            for s in (sin, -sin):
+                assert torch.equal(L.rope(x, cos, s, dim), apply_rotary_pos_emb(x, cos, s, dim)), (dtype, shape)

@@ -281,14 +281,15 @@ def prefill_attention(
     if attn_sink is not None and tuple(attn_sink.shape) != (H,):
         raise ValueError(f"attn_sink: expected ({H},), got {tuple(attn_sink.shape)}")
     ratio = int(compress_ratio) if kind != "SWA" else 1
+    base, row = tok.__array_interface__["data"][0], tok.strides[0]  # (cheaper than ndarray.ctypes)
     tokens_c = binding.PrefillTokens(
         kind_code,
         int(window),
         ratio,
         n,
-        tok[0].ctypes.data,
-        tok[1].ctypes.data,
-        tok[2].ctypes.data,
+        base,
+        base + row,
+        base + 2 * row,
         topk_ptr,
         topk_int64,
         topk_stride,

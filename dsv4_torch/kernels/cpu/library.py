@@ -89,8 +89,8 @@ def unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def float_sink(attn_sink: torch.Tensor | None) -> torch.Tensor | None:
-    if attn_sink is None:
-        return None
+    if attn_sink is None or (attn_sink.dtype == torch.float32 and attn_sink.is_contiguous()):
+        return attn_sink  # (only its memory is read)
     return attn_sink.detach().to(torch.float32).contiguous()
 
 
