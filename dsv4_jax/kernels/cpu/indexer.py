@@ -35,17 +35,33 @@ def _call(layout: int, compress_ratio: int, topk: int):
 
 
 def indexer_topk_cpu(
-    q, weights, keys, token_request, token_position, valid, *, compress_ratio, topk, offsets, block_table
+    q,
+    weights,
+    keys,
+    token_request,
+    token_position,
+    valid,
+    *,
+    compress_ratio,
+    topk,
+    offsets,
+    block_table,
+    cand,
+    candidates=None,
 ):
-    """(indices int32 [T, topk], logits float32 [T, topk]) by the C kernel; checked inputs."""
+    """(indices int32 [T, topk], logits float32 [T, topk], level 1's candidate blocks or None) by
+    the C kernel; checked inputs; cand: `planner.checks.CandidateOptions`."""
     require()
+    if cand.level:
+        raise NotImplementedError("the cpu indexer backend: the two-level top-k is not built yet")
     if block_table is not None:
         layout, table = LAYOUT_INDEX_FP8, block_table
     else:
         layout = LAYOUT_ROWS
         table = jnp.zeros((1,), jnp.int32) if offsets is None else offsets
     i32 = jnp.int32
-    return _call(layout, int(compress_ratio), int(topk))(
+    idx, val = _call(layout, int(compress_ratio), int(topk))(
         q, weights.astype(jnp.float32), keys, table.astype(i32), token_request.astype(i32), token_position.astype(i32),
         valid.astype(i32),
     )  # fmt: skip
+    return idx, val, None

@@ -43,9 +43,25 @@ def key_source(keys: torch.Tensor, offsets, block_table, keep: list) -> binding.
     )  # fmt: skip
 
 
-def indexer_topk_cpu(q, weights, keys, token_request, token_position, compress_ratio, topk, offsets, block_table):
-    """(indices int32 [T, topk], logits float32 [T, topk]): checked CPU tensors; token arrays,
-    offsets and block table as host NumPy integers."""
+def indexer_topk_cpu(
+    q,
+    weights,
+    keys,
+    token_request,
+    token_position,
+    compress_ratio,
+    topk,
+    offsets,
+    block_table,
+    *,
+    cand,
+    candidates=None,
+):
+    """(indices int32 [T, topk], logits float32 [T, topk], candidate blocks int32 [T,
+    topk_blocks] or None): checked CPU tensors; token arrays, offsets, block table and level 2's
+    candidates as host NumPy integers; cand: `planner.checks.CandidateOptions`."""
+    if cand.level:
+        raise NotImplementedError("the cpu indexer backend: the two-level top-k is not built yet")
     lib = library()
     q = q if q.stride(-1) == 1 else q.contiguous()
     w = weights.detach().to(torch.float32)
@@ -67,4 +83,4 @@ def indexer_topk_cpu(q, weights, keys, token_request, token_position, compress_r
         ctypes.byref(tk), ctypes.byref(src), topk, idx.data_ptr(), topk, val.data_ptr(), topk, ctypes.byref(par), -1,
     )  # fmt: skip
     binding.check(rc)
-    return idx, val
+    return idx, val, None
