@@ -16,6 +16,10 @@
 // only if it beats the threshold (strictly: a later key has a higher index, so on an equal logit
 // it loses), and each overflow keeps the best k (nth_element by the tie rule) and raises the
 // threshold to the worst of them. The final k are sorted by the tie rule. Amortized O(1) per key.
+//
+// DeepSeek-V4.1's two-level top-k (dsv4_indexer_topk_candidates): level 1 rides on the tiles
+// above (a running top of each token's block maxima, fed from the same block logits); level 2
+// gathers each token's candidate entries instead of walking its context. See the section below.
 
 #include <algorithm>
 #include <cmath>
@@ -136,6 +140,7 @@ struct Call {
     int64_t logit_s0;
     IndexBlockFn fn;
     WidenE4m3Fn widen;  // e4m3 queries, the chosen instruction set's
+    dsv4_index_candidates cand;  // the two-level top-k (mode 0: none)
 };
 
 inline int64_t table_at(const dsv4_kv_source &s, int64_t i) {
@@ -283,8 +288,9 @@ void stage_q(const Call &c, Scratch &s, int64_t slot, int64_t t) {
     }
 }
 
-// Keys e0 .. e0+nb-1 of request b into the staging block (zero keys after nb), their scales.
-void stage_keys(const Call &c, Scratch &s, int64_t b, int64_t e0, int64_t nb) {
+// Keys e0 .. e0+nb-1 of request b (or its entries ents[0 .. nb-1]) into the staging block (zero
+// keys after nb), their scales.
+void stage_keys(const Call &c, Scratch &s, int64_t b, int64_t e0, int64_t nb, const int64_t *ents = nullptr) {
     float *scale = s.scale.data();
     if (nb < IDX_KB) {  // zero keys after nb (their logits are never read; keep them finite)
         if (c.pairs) std::fill(s.kp.begin(), s.kp.end(), 0u);
@@ -292,7 +298,7 @@ void stage_keys(const Call &c, Scratch &s, int64_t b, int64_t e0, int64_t nb) {
     }
     for (int64_t j = 0; j < nb; j++) {
         scale[j] = 1.0f;
-        const char *r = entry(c, b, e0 + j, &scale[j]);
+        const char *r = entry(c, b, ents ? ents[j] : e0 + j, &scale[j]);
         if (c.pairs) {
             uint32_t *o = s.kp.data() + j;
             for (int64_t i = 0; i < c.depth; i++) {
@@ -322,6 +328,227 @@ void stage_keys(const Call &c, Scratch &s, int64_t b, int64_t e0, int64_t nb) {
             }
         }
     }
+}
+
+// ---------------------------------------------------------------- DeepSeek-V4.1's two-level top-k
+//
+// Level 1 (DSV4_CANDIDATES_SELECT): run_tile hands each token's block logits to select_feed,
+// which folds them into the current candidate block's max (candidate blocks may cross key blocks)
+// and offers every completed block before the token's pinned (newest) one to a running
+// top-(topk_blocks - 1): the entries' scheme (a threshold once the array first fills, strict: a
+// later block loses an equal score; amortized O(1) per block). select_finish writes the row.
+// Level 2 (DSV4_CANDIDATES_RESTRICT): restrict_token gathers one token's candidate entries
+// (blocks ascending, so entries ascending), stages them IDX_KB at a time through stage_keys and
+// the same block kernel, and keeps a running top-k of their logits: the work of a token is its
+// candidates', whatever the context.
+
+struct BlockState {  // level 1: one thread's running top blocks, per token of its tile
+    std::vector<float> val, cur_max, th;
+    std::vector<int32_t> idx;
+    std::vector<int64_t> size, cur;
+    std::vector<uint8_t> has_th;
+    int64_t cap = 0, keep = 0;
+};
+thread_local BlockState t_blocks;
+
+inline int64_t pinned_block(const Call &c, int64_t n) { return n > 0 ? (n - 1) / c.cand.block_size : -1; }
+
+void select_init(const Call &c, int64_t nt) {
+    BlockState &b = t_blocks;
+    b.keep = c.cand.topk_blocks - 1;  // besides the pinned block
+    b.cap = 2 * b.keep + 2 * IDX_KB + 2;
+    if (b.keep == 0) return;
+    b.val.resize((size_t)(nt * b.cap));
+    b.idx.resize((size_t)(nt * b.cap));
+    b.size.assign(nt, 0);
+    b.cur.assign(nt, -1);
+    b.cur_max.assign(nt, NEG_INF);
+    b.th.assign(nt, NEG_INF);
+    b.has_th.assign(nt, 0);
+}
+
+// Token i's completed block `blk` scoring v, offered to its running top (NaN and -inf dropped).
+inline void select_offer(Scratch &s, BlockState &b, int64_t i, int64_t blk, float v) {
+    if (v != v || v == NEG_INF || (b.has_th[i] && !(v > b.th[i]))) return;
+    float *val = b.val.data() + i * b.cap;
+    int32_t *idx = b.idx.data() + i * b.cap;
+    int64_t &size = b.size[i];
+    val[size] = v;
+    idx[size] = (int32_t)blk;
+    if (++size == b.cap) {  // keep the best, raise the threshold (no NaN is kept: a number)
+        select_best(s, val, idx, size, b.keep, false);
+        size = b.keep;
+        b.th[i] = val[b.keep - 1];
+        b.has_th[i] = 1;
+    }
+}
+
+// Token i (n visible entries) scored entries e0 .. e0+nv-1: logits L (times scale for fp8 keys).
+void select_feed(const Call &c, Scratch &s, int64_t i, int64_t n, int64_t e0, int64_t nv, const float *L) {
+    BlockState &b = t_blocks;
+    if (b.keep == 0) return;
+    const int64_t bs = c.cand.block_size, edge = pinned_block(c, n) * bs;  // entries before the pinned block
+    const int64_t stop = std::min(e0 + nv, edge);
+    int64_t cur = b.cur[i];
+    float m = b.cur_max[i];
+    for (int64_t e = e0; e < stop; e++) {
+        const float v = c.fp8_keys ? L[e - e0] * s.scale[e - e0] : L[e - e0];
+        const int64_t blk = e / bs;
+        if (blk != cur) {
+            if (cur >= 0) select_offer(s, b, i, cur, m);
+            cur = blk;
+            m = v;
+        } else if (m == m && (v != v || v > m)) {  // (a NaN-propagating max)
+            m = v;
+        }
+    }
+    if (e0 + nv >= edge && cur >= 0) {  // the last block before the pinned one is complete
+        select_offer(s, b, i, cur, m);
+        cur = -1;
+    }
+    b.cur[i] = cur;
+    b.cur_max[i] = m;
+}
+
+// Token t (tile slot i, n visible entries): its row of candidate blocks.
+void select_finish(const Call &c, Scratch &s, int64_t i, int64_t t, int64_t n) {
+    BlockState &b = t_blocks;
+    int32_t *o = c.cand.blocks + (int64_t)c.tk.token_row[t] * c.cand.blocks_s0;
+    int64_t w = 0;
+    if (n > 0) o[w++] = (int32_t)pinned_block(c, n);
+    if (n > 0 && b.keep > 0) {
+        float *val = b.val.data() + i * b.cap;
+        int32_t *idx = b.idx.data() + i * b.cap;
+        const int64_t m = std::min(b.keep, b.size[i]);
+        select_best(s, val, idx, b.size[i], b.keep, true);
+        for (int64_t j = 0; j < m; j++) o[w++] = idx[j];
+    }
+    for (; w < c.cand.topk_blocks; w++) o[w] = -1;
+}
+
+struct RestrictState {  // level 2: one thread's candidate blocks and entries of a token
+    std::vector<int32_t> blk;
+    std::vector<int64_t> ents;
+};
+thread_local RestrictState t_restrict;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Level 2 for token t: its top-k among the visible entries of its candidate blocks, written to the
+// outputs. Returns -1, or a block it lists twice (its outputs then unwritten).
+int64_t restrict_token(const Call &c, int64_t t) {
+    Scratch &s = t_scratch;
+    RestrictState &r = t_restrict;
+    const dsv4_prefill_tokens &tk = c.tk;
+    const int64_t n = visible(tk, t), bs = c.cand.block_size, k = c.topk, cap = 2 * k + 2 * IDX_KB;
+    const int32_t *row = c.cand.blocks + (int64_t)tk.token_row[t] * c.cand.blocks_s0;
+    r.blk.clear();
+    for (int64_t j = 0; j < c.cand.topk_blocks; j++)
+        if (row[j] >= 0) r.blk.push_back(row[j]);
+    std::sort(r.blk.begin(), r.blk.end());
+    for (size_t j = 1; j < r.blk.size(); j++)
+        if (r.blk[j] == r.blk[j - 1]) return r.blk[j];
+    r.ents.clear();
+    for (int32_t b : r.blk)
+        for (int64_t e = (int64_t)b * bs, end = std::min(e + bs, n); e < end; e++) r.ents.push_back(e);
+    const int64_t m = (int64_t)r.ents.size(), req = tk.token_request[t];
+    if (c.pairs) {
+        s.qp.resize((size_t)(c.H * c.depth));
+        s.kp.resize((size_t)(c.depth * IDX_KB));
+    } else {
+        s.qf.resize((size_t)(c.H * c.depth));
+        s.kt.resize((size_t)(c.depth * IDX_KB));
+    }
+    s.scale.assign(IDX_KB, 1.0f);
+    s.logits.resize(IDX_KB);
+    s.val.resize((size_t)cap);
+    s.idx.resize((size_t)cap);
+    float *val = s.val.data(), th = NEG_INF;
+    int32_t *idx = s.idx.data();
+    int64_t size = 0;
+    bool has = false;
+    if (m > 0) stage_q(c, s, 0, t);
+    IndexBlockJob job;
+    job.H = c.H;
+    job.depth = c.depth;
+    job.logits = s.logits.data();
+    job.keys = c.pairs ? (const void *)s.kp.data() : (const void *)s.kt.data();
+    job.q = c.pairs ? (const void *)s.qp.data() : (const void *)s.qf.data();
+    job.w = c.w + (int64_t)tk.token_row[t] * c.w_s0;
+    for (int64_t a = 0; a < m; a += IDX_KB) {
+        const int64_t nb = std::min<int64_t>(IDX_KB, m - a);
+        const int64_t *e = r.ents.data() + a;
+        stage_keys(c, s, req, 0, nb, e);
+        c.fn(job);
+        const float *L = s.logits.data();
+        for (int64_t j = 0; j < nb; j++) {
+            const float v = c.fp8_keys ? L[j] * s.scale[j] : L[j];
+            if (!has || v > th) {  // (entries ascending: a later one loses an equal logit)
+                val[size] = v;
+                idx[size] = (int32_t)e[j];
+                size++;
+            }
+        }
+        if (size > cap - IDX_KB && size > k) {
+            select_best(s, val, idx, size, k, false);
+            size = k;
+            if (val[k - 1] == val[k - 1]) th = val[k - 1], has = true;
+        }
+    }
+    const int64_t kept = std::min(k, size);
+    select_best(s, val, idx, size, k, true);
+    int32_t *oi = c.out_idx + (int64_t)tk.token_row[t] * c.idx_s0;
+    for (int64_t j = 0; j < k; j++) oi[j] = j < kept ? idx[j] : -1;
+    if (c.out_logits) {
+        float *ol = c.out_logits + (int64_t)tk.token_row[t] * c.logit_s0;
+        for (int64_t j = 0; j < k; j++) ol[j] = j < kept ? val[j] : NEG_INF;
+    }
+    return -1;
+}
+
+// The candidates argument: DSV4_OK or DSV4_ERR_ARG naming what is wrong. Level 2: every listed
+// block one its token sees (a token's duplicates are found by restrict_token).
+int check_candidates(const Call &c) {
+    const dsv4_index_candidates &d = c.cand;
+    if (d.mode != DSV4_CANDIDATES_SELECT && d.mode != DSV4_CANDIDATES_RESTRICT)
+        return fail(DSV4_ERR_ARG, "cand: mode must be 1 (select) or 2 (restrict), got " + std::to_string(d.mode));
+    if (d.block_size < 1 || d.block_size > INT32_MAX || d.topk_blocks < 1 || d.topk_blocks > INT32_MAX)
+        return fail(DSV4_ERR_ARG, "cand: block_size and topk_blocks must be in [1, 2^31), got " +
+                                      std::to_string(d.block_size) + " and " + std::to_string(d.topk_blocks));
+    if (d.topk_blocks * d.block_size < c.topk)
+        return fail(DSV4_ERR_ARG, "cand: topk_blocks x block_size = " + std::to_string(d.topk_blocks) + " x " +
+                                      std::to_string(d.block_size) + " = " + std::to_string(d.topk_blocks * d.block_size) +
+                                      " positions cannot hold topk = " + std::to_string(c.topk) + " entries");
+    if (!d.blocks || d.blocks_s0 < d.topk_blocks)
+        return fail(DSV4_ERR_ARG, "cand: blocks NULL or its row stride " + std::to_string(d.blocks_s0) + " < topk_blocks " +
+                                      std::to_string(d.topk_blocks));
+    if (d.mode != DSV4_CANDIDATES_RESTRICT) return DSV4_OK;
+    for (int64_t t = 0; t < c.tk.num_tokens; t++) {
+        const int32_t *row = d.blocks + (int64_t)c.tk.token_row[t] * d.blocks_s0;
+        const int64_t n = visible(c.tk, t), nb = ceil_div(n, d.block_size);
+        for (int64_t j = 0; j < d.topk_blocks; j++)
+            if (row[j] < -1 || row[j] >= nb)
+                return fail(DSV4_ERR_ARG, "candidates: token " + std::to_string(t) + ", column " + std::to_string(j) +
+                                              " is block " + std::to_string(row[j]) + ", outside [-1, " + std::to_string(nb) +
+                                              ") (the token sees " + std::to_string(n) + " entries)");
+    }
+    return DSV4_OK;
+}
+
+// Level 2 for every token of a checked call: one work item per token.
+int run_restrict(const Call &c) {
+    const dsv4_prefill_tokens &tk = c.tk;
+    double flops = 0;
+    for (int64_t t = 0; t < tk.num_tokens; t++)
+        flops += 2.0 * (double)std::min(visible(tk, t), c.cand.topk_blocks * c.cand.block_size) * (double)(c.H * c.D);
+    const int threads = (int)std::max<double>(1.0, std::min<double>((double)max_threads(), std::ceil(flops / 4e6)));
+    std::vector<int64_t> dup((size_t)tk.num_tokens, -1);
+    parallel_items(tk.num_tokens, threads, [&](int64_t t) { dup[t] = restrict_token(c, t); });
+    for (int64_t t = 0; t < tk.num_tokens; t++)
+        if (dup[t] >= 0)
+            return fail(DSV4_ERR_ARG, "candidates: token " + std::to_string(t) + " lists block " + std::to_string(dup[t]) +
+                                          " more than once");
+    return DSV4_OK;
 }
 
 // Candidates of one piece of a split tile: per token of the tile, its best (up to k) entries among
@@ -357,6 +584,8 @@ void run_tile(const Call &c, int64_t t0, int64_t t1, int64_t e_lo, int64_t e_hi,
     s.th.assign(nt, NEG_INF);
     s.has_th.assign(nt, 0);
     for (int64_t t = t0; t < t1; t++) stage_q(c, s, t - t0, t);
+    const bool select = c.cand.mode == DSV4_CANDIDATES_SELECT;  // (never with a split tile)
+    if (select) select_init(c, nt);
     IndexBlockJob job;
     job.H = c.H;
     job.depth = c.depth;
@@ -383,6 +612,7 @@ void run_tile(const Call &c, int64_t t0, int64_t t1, int64_t e_lo, int64_t e_hi,
                     size++;
                 }
             }
+            if (select) select_feed(c, s, i, n, e0, nv, L);
             if (size > cap - IDX_KB && size > k) {  // keep the best k, raise the threshold
                 select_best(s, val, idx, size, k, false);
                 size = k;
@@ -412,6 +642,7 @@ void run_tile(const Call &c, int64_t t0, int64_t t1, int64_t e_lo, int64_t e_hi,
             float *ol = c.out_logits + (int64_t)tk.token_row[t] * c.logit_s0;
             for (int64_t j = 0; j < k; j++) ol[j] = j < m ? val[j] : NEG_INF;
         }
+        if (select) select_finish(c, s, i, t, visible(tk, t));
     }
 }
 
@@ -456,10 +687,10 @@ int dsv4_indexer_isa(int32_t q_dtype, int32_t key_dtype, int32_t isa) {
     return chosen;
 }
 
-int dsv4_indexer_topk(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dtype, int64_t rows, int64_t H, int64_t D,
-                      const float *weights, int64_t w_s0, const dsv4_prefill_tokens *tokens, const dsv4_kv_source *keys,
-                      int64_t topk, int32_t *out_idx, int64_t idx_s0, float *out_logits, int64_t logit_s0,
-                      const dsv4_parallel *par, int32_t isa) {
+static int indexer_topk(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dtype, int64_t rows, int64_t H, int64_t D,
+                        const float *weights, int64_t w_s0, const dsv4_prefill_tokens *tokens, const dsv4_kv_source *keys,
+                        int64_t topk, int32_t *out_idx, int64_t idx_s0, float *out_logits, int64_t logit_s0,
+                        const dsv4_parallel *par, int32_t isa, const dsv4_index_candidates *cand) {
     return guarded([&]() -> int {
         if (int rc = check_parallel(par)) return rc;
         if (q_dtype < 0 || q_dtype > DSV4_FP8_E4M3)
@@ -521,7 +752,14 @@ int dsv4_indexer_topk(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dtype
         c.idx_s0 = idx_s0;
         c.out_logits = out_logits;
         c.logit_s0 = logit_s0;
+        c.cand = cand ? *cand : dsv4_index_candidates{};
+        if (cand)
+            if (int rc = check_candidates(c)) return rc;
         if (int rc = check_keys(c)) return rc;
+        if (c.cand.mode == DSV4_CANDIDATES_RESTRICT) {
+            ParallelScope scope(par);
+            return run_restrict(c);
+        }
         // tiles: consecutive tokens of one request
         std::vector<std::pair<int64_t, int64_t>> tiles;
         std::vector<int64_t> reach;  // per tile: the most entries any of its tokens sees
@@ -541,7 +779,7 @@ int dsv4_indexer_topk(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dtype
         // whose best k per token are merged after: the same logits, so the same top-k.
         constexpr int64_t SPLIT_BLOCKS = 8;
         const int64_t want =
-            threads > 1 && (int64_t)tiles.size() < 2 * threads ? (2 * threads + (int64_t)tiles.size() - 1) / (int64_t)tiles.size() : 1;
+            threads > 1 && (int64_t)tiles.size() < 2 * threads && c.cand.mode != DSV4_CANDIDATES_SELECT ? (2 * threads + (int64_t)tiles.size() - 1) / (int64_t)tiles.size() : 1;
         struct Item {
             int64_t tile, e_lo, e_hi, piece;  // piece: -1 = the whole tile, written directly
             double work;
@@ -589,6 +827,23 @@ int dsv4_indexer_topk(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dtype
         });
         return DSV4_OK;
     });
+}
+
+int dsv4_indexer_topk(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dtype, int64_t rows, int64_t H, int64_t D,
+                      const float *weights, int64_t w_s0, const dsv4_prefill_tokens *tokens, const dsv4_kv_source *keys,
+                      int64_t topk, int32_t *out_idx, int64_t idx_s0, float *out_logits, int64_t logit_s0,
+                      const dsv4_parallel *par, int32_t isa) {
+    return indexer_topk(q, q_s0, q_s1, q_dtype, rows, H, D, weights, w_s0, tokens, keys, topk, out_idx, idx_s0, out_logits,
+                        logit_s0, par, isa, nullptr);
+}
+
+int dsv4_indexer_topk_candidates(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dtype, int64_t rows, int64_t H,
+                                 int64_t D, const float *weights, int64_t w_s0, const dsv4_prefill_tokens *tokens,
+                                 const dsv4_kv_source *keys, int64_t topk, int32_t *out_idx, int64_t idx_s0,
+                                 float *out_logits, int64_t logit_s0, const dsv4_parallel *par, int32_t isa,
+                                 const dsv4_index_candidates *cand) {
+    return indexer_topk(q, q_s0, q_s1, q_dtype, rows, H, D, weights, w_s0, tokens, keys, topk, out_idx, idx_s0, out_logits,
+                        logit_s0, par, isa, cand);
 }
 
 }  // extern "C"

@@ -22,7 +22,6 @@ from tests.indexer_cases import make_batch
 TORCH = [b for b in ("cpu", "reference") if ti.available_backends()[b] is None]
 JAX = ["xla"] + (["cpu"] if ji.backends.INDEXER["cpu"].unavailable(()) is None else [])
 RUNS = [("torch", b) for b in TORCH] + [("jax", b) for b in JAX]
-RUNS = [r for r in RUNS if r[1] != "cpu"]  # (the C kernel's two levels: the next commit)
 BS, NB, TOPK = 4, 6, 8  # the candidates reach 24 entries: most tokens below see more
 
 
