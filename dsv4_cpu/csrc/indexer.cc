@@ -288,9 +288,8 @@ void stage_q(const Call &c, Scratch &s, int64_t slot, int64_t t) {
     }
 }
 
-// Keys e0 .. e0+nb-1 of request b (or its entries ents[0 .. nb-1]) into the staging block (zero
-// keys after nb), their scales.
-void stage_keys(const Call &c, Scratch &s, int64_t b, int64_t e0, int64_t nb, const int64_t *ents = nullptr) {
+// Keys e0 .. e0+nb-1 of request b into the staging block (zero keys after nb), their scales.
+void stage_keys(const Call &c, Scratch &s, int64_t b, int64_t e0, int64_t nb) {
     float *scale = s.scale.data();
     if (nb < IDX_KB) {  // zero keys after nb (their logits are never read; keep them finite)
         if (c.pairs) std::fill(s.kp.begin(), s.kp.end(), 0u);
@@ -298,7 +297,7 @@ void stage_keys(const Call &c, Scratch &s, int64_t b, int64_t e0, int64_t nb, co
     }
     for (int64_t j = 0; j < nb; j++) {
         scale[j] = 1.0f;
-        const char *r = entry(c, b, ents ? ents[j] : e0 + j, &scale[j]);
+        const char *r = entry(c, b, e0 + j, &scale[j]);
         if (c.pairs) {
             uint32_t *o = s.kp.data() + j;
             for (int64_t i = 0; i < c.depth; i++) {
@@ -338,8 +337,8 @@ void stage_keys(const Call &c, Scratch &s, int64_t b, int64_t e0, int64_t nb, co
 // top-(topk_blocks - 1): the entries' scheme (a threshold once the array first fills, strict: a
 // later block loses an equal score; amortized O(1) per block). select_finish writes the row.
 // Level 2 (DSV4_CANDIDATES_RESTRICT): restrict_token gathers one token's candidate entries
-// (blocks ascending, so entries ascending), stages them IDX_KB at a time through stage_keys and
-// the same block kernel, and keeps a running top-k of their logits: the work of a token is its
+// (blocks ascending, so entries ascending), stages them IDX_KB at a time (stage_gather: rows widened,
+// then transposed) for the same block kernel, and keeps a running top-k of their logits: the work of a token is its
 // candidates', whatever the context.
 
 struct BlockState {  // level 1: one thread's running top blocks, per token of its tile
@@ -429,8 +428,61 @@ void select_finish(const Call &c, Scratch &s, int64_t i, int64_t t, int64_t n) {
 struct RestrictState {  // level 2: one thread's candidate blocks and entries of a token
     std::vector<int32_t> blk;
     std::vector<int64_t> ents;
+    std::vector<uint32_t> rows;  // a gathered key block as rows [IDX_KB][depth rounded up to 4]
 };
 thread_local RestrictState t_restrict;
+
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+typedef uint32_t u32x4_u __attribute__((vector_size(16), aligned(4)));
+#if defined(__clang__)
+#define DSV4_SHUFFLE(a, b, i, j, k, l) __builtin_shufflevector(a, b, i, j, k, l)
+#else
+#define DSV4_SHUFFLE(a, b, i, j, k, l) __builtin_shuffle(a, b, u32x4{i, j, k, l})
+#endif
+
+// Entries ents[0 .. nb-1] of request b into the staging block, as stage_keys writes it, for one
+// token (no tile shares it): each key widened as a row by the instruction set's vector widening
+// (e4m3) or a shift (bf16), then the rows transposed four by four words into the layout.
+void stage_gather(const Call &c, Scratch &s, RestrictState &r, int64_t b, const int64_t *ents, int64_t nb) {
+    const int64_t dep = c.depth, dp = (dep + 3) & ~int64_t(3);
+    r.rows.resize((size_t)(IDX_KB * dp));
+    uint32_t *rows = r.rows.data();
+    for (int64_t j = 0; j < IDX_KB; j++) {
+        uint32_t *o = rows + j * dp;
+        std::fill(o + (j < nb ? dep - 1 : 0), o + dp, 0u);  // padding (and the odd D's last pair)
+        if (j >= nb) continue;
+        s.scale[j] = 1.0f;
+        const char *src = entry(c, b, ents[j], &s.scale[j]);
+        const uint8_t *u8 = reinterpret_cast<const uint8_t *>(src);
+        if (c.pairs) {  // dwords of two bf16 dims
+            if (c.fp8_keys) c.widen(u8, c.D, reinterpret_cast<uint16_t *>(o), nullptr);
+            else std::memcpy(o, src, 2 * (size_t)c.D);
+        } else if (c.fp8_keys) {
+            c.widen(u8, c.D, nullptr, reinterpret_cast<float *>(o));
+        } else if (c.src.dtype == DSV4_BF16) {
+            for (int64_t d = 0; d < c.D; d++) {
+                uint16_t u;
+                std::memcpy(&u, src + 2 * d, 2);
+                o[d] = (uint32_t)u << 16;
+            }
+        } else {
+            std::memcpy(o, src, 4 * (size_t)c.D);
+        }
+    }
+    uint32_t *K = c.pairs ? s.kp.data() : reinterpret_cast<uint32_t *>(s.kt.data());
+    for (int64_t j = 0; j < IDX_KB; j += 4)
+        for (int64_t i = 0; i < dep; i += 4) {
+            const u32x4 a = *reinterpret_cast<const u32x4_u *>(rows + j * dp + i);
+            const u32x4 e = *reinterpret_cast<const u32x4_u *>(rows + (j + 1) * dp + i);
+            const u32x4 f = *reinterpret_cast<const u32x4_u *>(rows + (j + 2) * dp + i);
+            const u32x4 g = *reinterpret_cast<const u32x4_u *>(rows + (j + 3) * dp + i);
+            const u32x4 t0 = DSV4_SHUFFLE(a, e, 0, 4, 1, 5), t1 = DSV4_SHUFFLE(a, e, 2, 6, 3, 7);
+            const u32x4 t2 = DSV4_SHUFFLE(f, g, 0, 4, 1, 5), t3 = DSV4_SHUFFLE(f, g, 2, 6, 3, 7);
+            const u32x4 col[4] = {DSV4_SHUFFLE(t0, t2, 0, 1, 4, 5), DSV4_SHUFFLE(t0, t2, 2, 3, 6, 7),
+                                  DSV4_SHUFFLE(t1, t3, 0, 1, 4, 5), DSV4_SHUFFLE(t1, t3, 2, 3, 6, 7)};
+            for (int64_t x = 0; x < 4 && i + x < dep; x++) *reinterpret_cast<u32x4_u *>(K + (i + x) * IDX_KB + j) = col[x];
+        }
+}
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -478,7 +530,7 @@ int64_t restrict_token(const Call &c, int64_t t) {
     for (int64_t a = 0; a < m; a += IDX_KB) {
         const int64_t nb = std::min<int64_t>(IDX_KB, m - a);
         const int64_t *e = r.ents.data() + a;
-        stage_keys(c, s, req, 0, nb, e);
+        stage_gather(c, s, r, req, e, nb);
         c.fn(job);
         const float *L = s.logits.data();
         for (int64_t j = 0; j < nb; j++) {
