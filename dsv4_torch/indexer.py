@@ -195,7 +195,7 @@ def host_array(x, name: str) -> np.ndarray:
 
 
 def check_two_level(T, topk, vis, valid, num_entries, candidate_block_size, candidate_topk_blocks, candidates):
-    """(valid as bool [T] or None, CandidateOptions, candidates as int64 [T, W] or None): the
+    """(valid as bool [T] or None, CandidateOptions, candidates as host integers [T, W] or None): the
     options every backend shares, checked on the host."""
     if valid is not None:
         valid = host_array(valid, "valid")
@@ -217,7 +217,6 @@ def check_two_level(T, topk, vis, valid, num_entries, candidate_block_size, cand
             raise ValueError(f"candidates: expected {T} rows (one per token of q), got shape {cand.shape}")
         rows = slice(None) if valid is None else valid
         check_candidates(cand[rows], vis[rows], opt.block_size)
-        cand = cand.astype(np.int64)
     return valid, opt, cand
 
 
@@ -276,7 +275,7 @@ def indexer_topk(
             fn = functools.partial(fn, elems=int(REFERENCE_ELEMS if reference_elems is None else reference_elems))
         out = fn(
             q[sub], weights[sub], keys, req[rows], pos[rows], compress_ratio, topk, offsets, block_table,
-            cand=opt, candidates=None if cand is None else cand[rows],
+            cand=opt, candidates=cand if cand is None or every else cand[rows],
         )  # fmt: skip
     if every:
         return IndexerResult(out[0], out[1], name, out[2] if opt.level == 1 else None)

@@ -210,23 +210,26 @@ def candidate_entries(row: np.ndarray, visible: int, block_size: int, token: int
     return ent[ent < visible]
 
 
-def check_candidates(cand: np.ndarray, visible: np.ndarray, block_size: int) -> None:
+def check_candidates(cand: np.ndarray, visible: np.ndarray, block_size: int, chunk: int = 512) -> None:
     """Every row of host candidates [T, W] valid for its token (`candidate_entries`' rule),
-    vectorized: ValueError naming the first bad token, column and value."""
+    vectorized over `chunk` rows at a time (bounded temporaries): ValueError naming the first bad
+    token, column and value."""
     cand = np.asarray(cand)
     if cand.dtype.kind not in "iu":
         raise ValueError(f"candidates: expected integer block ids, got dtype {cand.dtype}")
-    c = cand.astype(np.int64)
     nblocks = -(-np.asarray(visible, dtype=np.int64) // int(block_size))
-    bad = (c < -1) | (c >= nblocks[:, None])
-    if bad.any():
-        t, j = (int(x) for x in np.argwhere(bad)[0])
-        raise ValueError(
-            f"candidates: token {t}, column {j} is block {int(c[t, j])}, outside [-1, {int(nblocks[t])}) "
-            f"(the token sees {int(visible[t])} entries, {int(nblocks[t])} blocks of {block_size})"
-        )
-    s = np.sort(c, axis=1)
-    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
-    if dup.any():
-        t, j = (int(x) for x in np.argwhere(dup)[0])
-        raise ValueError(f"candidates: token {t} lists block {int(s[t, j])} more than once")
+    for t0 in range(0, cand.shape[0], chunk):
+        c = cand[t0 : t0 + chunk]
+        nb = nblocks[t0 : t0 + chunk, None]
+        bad = (c < -1) | (c >= nb)
+        if bad.any():
+            t, j = (int(x) for x in np.argwhere(bad)[0])
+            raise ValueError(
+                f"candidates: token {t0 + t}, column {j} is block {int(c[t, j])}, outside [-1, {int(nb[t, 0])}) "
+                f"(the token sees {int(visible[t0 + t])} entries, {int(nb[t, 0])} blocks of {block_size})"
+            )
+        srt = np.sort(c, axis=1)
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        if dup.any():
+            t, j = (int(x) for x in np.argwhere(dup)[0])
+            raise ValueError(f"candidates: token {t0 + t} lists block {int(srt[t, j])} more than once")

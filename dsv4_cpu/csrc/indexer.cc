@@ -342,13 +342,24 @@ void stage_keys(const Call &c, Scratch &s, int64_t b, int64_t e0, int64_t nb) {
 // candidates', whatever the context.
 
 struct BlockState {  // level 1: one thread's running top blocks, per token of its tile
-    std::vector<float> val, cur_max, th;
-    std::vector<int32_t> idx;
+    std::vector<uint64_t> key, th;  // block_key()s
+    std::vector<float> cur_max;
     std::vector<int64_t> size, cur;
     std::vector<uint8_t> has_th;
     int64_t cap = 0, keep = 0;
 };
 thread_local BlockState t_blocks;
+
+// A block's rank as one integer, larger = better: its score's order-preserving bits (a number:
+// NaN never enters; -0.0 as 0.0), then the lower block first. Sorting these is the tie rule.
+inline uint64_t block_key(float v, int64_t blk) {
+    v += 0.0f;
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((uint64_t)u << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)blk);
+}
+inline int32_t block_of(uint64_t key) { return (int32_t)(0xFFFFFFFFu - (uint32_t)key); }
 
 inline int64_t pinned_block(const Call &c, int64_t n) { return n > 0 ? (n - 1) / c.cand.block_size : -1; }
 
@@ -357,52 +368,52 @@ void select_init(const Call &c, int64_t nt) {
     b.keep = c.cand.topk_blocks - 1;  // besides the pinned block
     b.cap = 2 * b.keep + 2 * IDX_KB + 2;
     if (b.keep == 0) return;
-    b.val.resize((size_t)(nt * b.cap));
-    b.idx.resize((size_t)(nt * b.cap));
+    b.key.resize((size_t)(nt * b.cap));
     b.size.assign(nt, 0);
     b.cur.assign(nt, -1);
     b.cur_max.assign(nt, NEG_INF);
-    b.th.assign(nt, NEG_INF);
+    b.th.assign(nt, 0);
     b.has_th.assign(nt, 0);
 }
 
 // Token i's completed block `blk` scoring v, offered to its running top (NaN and -inf dropped).
-inline void select_offer(Scratch &s, BlockState &b, int64_t i, int64_t blk, float v) {
-    if (v != v || v == NEG_INF || (b.has_th[i] && !(v > b.th[i]))) return;
-    float *val = b.val.data() + i * b.cap;
-    int32_t *idx = b.idx.data() + i * b.cap;
+inline void select_offer(BlockState &b, int64_t i, int64_t blk, float v) {
+    if (v != v || v == NEG_INF) return;
+    const uint64_t k = block_key(v, blk);
+    if (b.has_th[i] && !(k > b.th[i])) return;
+    uint64_t *key = b.key.data() + i * b.cap;
     int64_t &size = b.size[i];
-    val[size] = v;
-    idx[size] = (int32_t)blk;
-    if (++size == b.cap) {  // keep the best, raise the threshold (no NaN is kept: a number)
-        select_best(s, val, idx, size, b.keep, false);
+    key[size] = k;
+    if (++size == b.cap) {  // keep the best, raise the threshold
+        std::nth_element(key, key + (b.keep - 1), key + size, std::greater<uint64_t>());
         size = b.keep;
-        b.th[i] = val[b.keep - 1];
+        b.th[i] = key[b.keep - 1];
         b.has_th[i] = 1;
     }
 }
 
 // Token i (n visible entries) scored entries e0 .. e0+nv-1: logits L (times scale for fp8 keys).
-void select_feed(const Call &c, Scratch &s, int64_t i, int64_t n, int64_t e0, int64_t nv, const float *L) {
+void select_feed(const Call &c, const Scratch &s, int64_t i, int64_t n, int64_t e0, int64_t nv, const float *L) {
     BlockState &b = t_blocks;
     if (b.keep == 0) return;
     const int64_t bs = c.cand.block_size, edge = pinned_block(c, n) * bs;  // entries before the pinned block
     const int64_t stop = std::min(e0 + nv, edge);
     int64_t cur = b.cur[i];
     float m = b.cur_max[i];
+    int64_t next = cur >= 0 ? (cur + 1) * bs : e0;  // where the block in progress ends (no division per entry)
     for (int64_t e = e0; e < stop; e++) {
         const float v = c.fp8_keys ? L[e - e0] * s.scale[e - e0] : L[e - e0];
-        const int64_t blk = e / bs;
-        if (blk != cur) {
-            if (cur >= 0) select_offer(s, b, i, cur, m);
-            cur = blk;
+        if (e >= next) {  // a new block starts at e
+            if (cur >= 0) select_offer(b, i, cur, m);
+            cur = e / bs;
+            next = (cur + 1) * bs;
             m = v;
         } else if (m == m && (v != v || v > m)) {  // (a NaN-propagating max)
             m = v;
         }
     }
     if (e0 + nv >= edge && cur >= 0) {  // the last block before the pinned one is complete
-        select_offer(s, b, i, cur, m);
+        select_offer(b, i, cur, m);
         cur = -1;
     }
     b.cur[i] = cur;
@@ -410,17 +421,17 @@ void select_feed(const Call &c, Scratch &s, int64_t i, int64_t n, int64_t e0, in
 }
 
 // Token t (tile slot i, n visible entries): its row of candidate blocks.
-void select_finish(const Call &c, Scratch &s, int64_t i, int64_t t, int64_t n) {
+void select_finish(const Call &c, int64_t i, int64_t t, int64_t n) {
     BlockState &b = t_blocks;
     int32_t *o = c.cand.blocks + (int64_t)c.tk.token_row[t] * c.cand.blocks_s0;
     int64_t w = 0;
     if (n > 0) o[w++] = (int32_t)pinned_block(c, n);
     if (n > 0 && b.keep > 0) {
-        float *val = b.val.data() + i * b.cap;
-        int32_t *idx = b.idx.data() + i * b.cap;
-        const int64_t m = std::min(b.keep, b.size[i]);
-        select_best(s, val, idx, b.size[i], b.keep, true);
-        for (int64_t j = 0; j < m; j++) o[w++] = idx[j];
+        uint64_t *key = b.key.data() + i * b.cap;
+        const int64_t size = b.size[i], m = std::min(b.keep, size);
+        if (m < size) std::nth_element(key, key + (m - 1), key + size, std::greater<uint64_t>());
+        std::sort(key, key + m, std::greater<uint64_t>());
+        for (int64_t j = 0; j < m; j++) o[w++] = block_of(key[j]);
     }
     for (; w < c.cand.topk_blocks; w++) o[w] = -1;
 }
@@ -694,7 +705,7 @@ void run_tile(const Call &c, int64_t t0, int64_t t1, int64_t e_lo, int64_t e_hi,
             float *ol = c.out_logits + (int64_t)tk.token_row[t] * c.logit_s0;
             for (int64_t j = 0; j < k; j++) ol[j] = j < m ? val[j] : NEG_INF;
         }
-        if (select) select_finish(c, s, i, t, visible(tk, t));
+        if (select) select_finish(c, i, t, visible(tk, t));
     }
 }
 

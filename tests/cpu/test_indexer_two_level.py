@@ -190,3 +190,24 @@ def test_bad_candidates_refused_by_name():
     out = np.full((3, 5), -9, np.int32)
     rc, _ = _raw_call(cand(mode=C.CANDIDATES_SELECT, bs=2, nb=3, arr=out, s0=5))
     assert rc == 0 and (out[:, 3:] == -9).all() and (out[:, :3] >= -1).all() and out[2].tolist()[:3] == [1, 0, -1]
+
+
+def test_exact_ties_and_nan_blocks(isa):
+    """Every key equal: every block ties, so level 1 keeps the pinned block then the lowest blocks,
+    and level 2 the lowest entries (the tie rule, exactly); a NaN logit's block is dropped."""
+    T, H, D, r, bs, nb, k = 3, 3, 8, 1, 4, 5, 6
+    keys = np.ones((60, D), np.float32)
+    keys[9] = np.nan  # entry 9: block 2 scores NaN
+    q = np.ones((T, H, D), np.float32)
+    w = np.ones((T, H), np.float32)
+    pos = np.array([59, 30, 6])
+    src = ik.IndexKeys.rows(keys)
+    req = np.zeros(T, np.int64)
+    idx, _, blocks = ik.indexer_topk(q, w, src, req, pos, r, k, isa=isa, candidate_block_size=bs,
+                                     candidate_topk_blocks=nb)  # fmt: skip
+    assert blocks.tolist() == [[14, 0, 1, 3, 4], [7, 0, 1, 3, 4], [1, 0, -1, -1, -1]]
+    want, _ = orc.candidate_blocks(q, w, keys, req, pos, r, bs, nb)
+    assert (blocks == want).all()
+    two, _ = ik.indexer_topk(q, w, src, req, pos, r, k, isa=isa, candidate_block_size=bs, candidates=blocks)
+    ref, _ = orc.indexer_topk(q, w, keys, req, pos, r, k, candidates=blocks, candidate_block_size=bs)
+    assert (two == ref).all() and two[0].tolist() == [0, 1, 2, 3, 4, 5]

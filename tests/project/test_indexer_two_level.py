@@ -202,3 +202,18 @@ def test_hostile_inputs_named_alike(fw, backend, kw, match):
     mod = ti if fw == "torch" else ji
     with pytest.raises(ValueError, match=match):
         mod.indexer_topk(q, w, keys, [0, 0, 0], [7, 9, 2], 1, 8, backend=backend, **kw)
+
+
+@pytest.mark.parametrize("fw, backend", RUNS)
+def test_exact_ties_and_nan_blocks(fw, backend):
+    """Equal scores: the lower block (entry) first, exactly, on every backend; a NaN block dropped."""
+    keys = np.ones((60, 8), np.float32)
+    keys[9] = np.nan
+    q, w = np.ones((3, 3, 8), np.float32), np.ones((3, 3), np.float32)
+    mod = ti if fw == "torch" else ji
+    args = (q, w, keys, [0, 0, 0], [59, 30, 6], 1, 6)
+    res = mod.indexer_topk(*args, candidate_block_size=4, candidate_topk_blocks=5, backend=backend)
+    blocks = np.asarray(res.candidates)
+    assert blocks.tolist() == [[14, 0, 1, 3, 4], [7, 0, 1, 3, 4], [1, 0, -1, -1, -1]]
+    two = mod.indexer_topk(*args, candidate_block_size=4, candidates=blocks, backend=backend)
+    assert np.asarray(two.indices)[0].tolist() == [0, 1, 2, 3, 4, 5]

@@ -83,7 +83,7 @@ def block_picks(logits: torch.Tensor, vis: torch.Tensor, bs: int, nb: int) -> to
 def candidate_mask(cand: np.ndarray, n: int, bs: int, device) -> torch.Tensor:
     """Level 2: bool [t, n], entries of each row's candidate blocks (checked host ids, -1 = none)."""
     nblk = -(-n // bs)
-    c = torch.from_numpy(np.where(cand >= 0, np.minimum(cand, nblk), nblk)).to(device)
+    c = torch.from_numpy(np.where(cand >= 0, np.minimum(cand, nblk), nblk).astype(np.int64)).to(device)
     flags = torch.zeros((cand.shape[0], nblk + 1), dtype=torch.bool, device=device)
     flags.scatter_(1, c, True)
     return flags[:, torch.arange(n, device=device) // bs]
@@ -95,7 +95,7 @@ def indexer_topk_reference(
     """The reference backend on checked arguments: float32 logits per request (in slices of
     REFERENCE_ELEMS), ranked by stable sorts. cand: `planner.checks.CandidateOptions` (level 1:
     the candidate blocks are returned third; level 2: only entries of `candidates`' blocks, host
-    int64 [T, W], are selectable)."""
+    integers [T, W], are selectable)."""
     T = q.shape[0]
     idx = torch.full((T, k), -1, dtype=torch.int32, device=q.device)
     val = torch.full((T, k), float("-inf"), dtype=torch.float32, device=q.device)
