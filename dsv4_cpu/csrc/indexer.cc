@@ -337,9 +337,11 @@ void stage_keys(const Call &c, Scratch &s, int64_t b, int64_t e0, int64_t nb) {
 // top-(topk_blocks - 1): the entries' scheme (a threshold once the array first fills, strict: a
 // later block loses an equal score; amortized O(1) per block). select_finish writes the row.
 // Level 2 (DSV4_CANDIDATES_RESTRICT): restrict_token gathers one token's candidate entries
-// (blocks ascending, so entries ascending), stages them IDX_KB at a time (stage_gather: rows widened,
-// then transposed) for the same block kernel, and keeps a running top-k of their logits: the work of a token is its
-// candidates', whatever the context.
+// (blocks ascending, so entries ascending), stages them IDX_KB at a time (stage_gather: rows
+// widened, then transposed) for the same block kernel, and keeps a running top-k of their
+// logits: the work of a token is its candidates', whatever the context. Tokens whose candidates
+// are every block they see (contexts up to topk_blocks x block_size) run in the dense tiles
+// instead (run_restrict): the same top-k, with the staging shared by a tile's tokens.
 
 struct BlockState {  // level 1: one thread's running top blocks, per token of its tile
     std::vector<uint64_t> key, th;  // block_key()s
@@ -598,16 +600,63 @@ int check_candidates(const Call &c) {
     return DSV4_OK;
 }
 
-// Level 2 for every token of a checked call: one work item per token.
+struct Candidates;
+void run_tile(const Call &c, int64_t t0, int64_t t1, int64_t e_lo, int64_t e_hi, const Candidates *cand);
+
+// Whether token t's candidates are every block it sees, each once: its level 2 is then its plain
+// top-k, which the dense tiles compute with the staging shared by a tile's tokens (contexts up
+// to topk_blocks x block_size). seen: scratch flags.
+bool covers_all(const Call &c, int64_t t, std::vector<uint8_t> &seen) {
+    const int64_t nb = ceil_div(visible(c.tk, t), c.cand.block_size);
+    if (nb > c.cand.topk_blocks) return false;
+    const int32_t *row = c.cand.blocks + (int64_t)c.tk.token_row[t] * c.cand.blocks_s0;
+    seen.assign((size_t)nb, 0);
+    int64_t count = 0;
+    for (int64_t j = 0; j < c.cand.topk_blocks; j++) {
+        if (row[j] < 0) continue;
+        if (seen[row[j]]) return false;  // (a duplicate: restrict_token names it)
+        seen[row[j]] = 1;
+        count++;
+    }
+    return count == nb;
+}
+
+// Level 2 for every token of a checked call: tiles of consecutive tokens whose candidates are
+// every block they see run densely (run_tile); every other token is a work item of its own.
 int run_restrict(const Call &c) {
     const dsv4_prefill_tokens &tk = c.tk;
+    const int64_t T = tk.num_tokens, reach = c.cand.topk_blocks * c.cand.block_size;
+    struct Item {
+        int64_t t0, t1, e_hi;  // e_hi < 0: one gathered token
+        double work;
+    };
+    std::vector<Item> items;
+    std::vector<uint8_t> seen;
     double flops = 0;
-    for (int64_t t = 0; t < tk.num_tokens; t++)
-        flops += 2.0 * (double)std::min(visible(tk, t), c.cand.topk_blocks * c.cand.block_size) * (double)(c.H * c.D);
+    for (int64_t t = 0; t < T;) {
+        if (!covers_all(c, t, seen)) {
+            const double n = (double)std::min(visible(tk, t), reach);
+            items.push_back({t, t + 1, -1, n});
+            flops += 2.0 * n * (double)(c.H * c.D);
+            t++;
+            continue;
+        }
+        int64_t e = t + 1, n = visible(tk, t);
+        while (e < T && e - t < IDX_TILE && tk.token_request[e] == tk.token_request[t] && covers_all(c, e, seen))
+            n = std::max(n, visible(tk, e++));
+        items.push_back({t, e, n, (double)n * (double)(e - t)});
+        flops += 2.0 * (double)n * (double)(e - t) * (double)(c.H * c.D);
+        t = e;
+    }
     const int threads = (int)std::max<double>(1.0, std::min<double>((double)max_threads(), std::ceil(flops / 4e6)));
-    std::vector<int64_t> dup((size_t)tk.num_tokens, -1);
-    parallel_items(tk.num_tokens, threads, [&](int64_t t) { dup[t] = restrict_token(c, t); });
-    for (int64_t t = 0; t < tk.num_tokens; t++)
+    std::stable_sort(items.begin(), items.end(), [](const Item &a, const Item &b) { return a.work > b.work; });
+    std::vector<int64_t> dup((size_t)T, -1);
+    parallel_items((int64_t)items.size(), threads, [&](int64_t i) {
+        const Item &it = items[i];
+        if (it.e_hi >= 0) run_tile(c, it.t0, it.t1, 0, it.e_hi, nullptr);
+        else dup[it.t0] = restrict_token(c, it.t0);
+    });
+    for (int64_t t = 0; t < T; t++)
         if (dup[t] >= 0)
             return fail(DSV4_ERR_ARG, "candidates: token " + std::to_string(t) + " lists block " + std::to_string(dup[t]) +
                                           " more than once");
