@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from dsv4_cpu import binding as C
 from dsv4_jax import indexer as ji
 from dsv4_torch import indexer as ti
 from planner import indexer_oracle as orc
@@ -223,3 +224,23 @@ def test_exact_ties_and_nan_blocks(fw, backend):
     assert blocks.tolist() == [[14, 0, 1, 3, 4], [7, 0, 1, 3, 4], [1, 0, -1, -1, -1]]
     two = mod.indexer_topk(*args, candidate_block_size=4, candidates=blocks, backend=backend)
     assert np.asarray(two.indices)[0].tolist() == [0, 1, 2, 3, 4, 5]
+
+
+CPU_ISAS = [n for n, ok in C.isa_supported().items() if ok] if "cpu" in TORCH else []
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_cpu_backends_on_every_isa_by_environment(isa, monkeypatch):
+    """DSV4_PREFILL_CPU_ISA caps the C kernel under both frameworks' APIs: both levels on each
+    instruction set this machine runs, against the oracle."""
+    monkeypatch.setenv("DSV4_PREFILL_CPU_ISA", isa)
+    r = 1
+    case = _case(20, r)
+    args = _oracle_args(case, r)
+    rel = orc.fp32_rel(32, 6)
+    cand, _ = orc.candidate_blocks(*args, BS, NB)
+    for fw in ("torch", "jax"):
+        idx, _, blocks = _run(fw, "cpu", case, r, candidate_block_size=BS, candidate_topk_blocks=NB)
+        orc.compare_candidates(blocks, *args, BS, rel=rel)
+        idx2, _, _ = _run(fw, "cpu", case, r, candidates=cand, candidate_block_size=BS)
+        orc.compare_topk(idx2, *args, rel=rel, candidates=cand, candidate_block_size=BS)
