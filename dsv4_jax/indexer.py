@@ -125,25 +125,27 @@ def _check(q, weights, keys, token_request, token_position, compress_ratio, topk
 
 
 def _check_values(T, compress_ratio, token_position, valid, num_entries, opt, candidates):
-    """The value checks of positions, num_entries and candidates, where their values are known."""
-    pos = _host(token_position)
+    """The value checks of positions, num_entries and candidates (the last two: of the tokens that
+    are not padding), where their values are known here (not traced)."""
+    pos, ok = _host(token_position), _host(valid)
     if pos is None:
         return
-    if T and (pos.min() < 0 or pos.max() >= MAX_POSITION):
+    if T and (pos.min() < 0 or pos.max() >= MAX_POSITION):  # (every token's, as torch's)
         raise ValueError(
             f"token_position: positions must be in [0, {MAX_POSITION}), got {int(pos.min())} .. {int(pos.max())}"
         )
-    vis = (pos.astype(np.int64) + 1) // compress_ratio
-    ok = _host(valid)
-    live = np.ones(T, bool) if ok is None or valid is None else ok.astype(bool)
     if valid is not None and ok is None:
         return
-    if num_entries is not None and live.any() and int(vis[live].max()) > int(num_entries):
+    live = np.ones(T, bool) if ok is None else ok.astype(bool)
+    if not live.any():
+        return
+    vis = (pos.astype(np.int64) + 1) // compress_ratio
+    if num_entries is not None and int(vis[live].max()) > int(num_entries):
         t = int(np.flatnonzero(live & (vis == vis[live].max()))[0])
         raise ValueError(f"num_entries: {int(num_entries)}, but token {t} sees {int(vis[t])} entries")
     cand = _host(candidates)
     if opt.level == 2 and cand is not None:
-        check_candidates(cand[live], vis[live], opt.block_size)
+        check_candidates(cand[live], vis[live], opt.block_size, tokens=np.flatnonzero(live))
 
 
 def indexer_topk(

@@ -208,15 +208,17 @@ def check_two_level(T, topk, vis, valid, num_entries, candidate_block_size, cand
     if num_entries is not None:
         n = as_int(num_entries, "num_entries", minimum=0)
         if live.size and int(live.max()) > n:
-            t = int(np.flatnonzero(vis == live.max())[0])
+            t = int(np.flatnonzero((vis == live.max()) & (True if valid is None else valid))[0])
             raise ValueError(f"num_entries: {n}, but token {t} sees {int(live.max())} entries")
     cand = None if candidates is None else host_array(candidates, "candidates")
     opt = candidate_options(topk, candidate_block_size, candidate_topk_blocks, None if cand is None else cand.shape)
     if cand is not None:
         if cand.shape[0] != T:
             raise ValueError(f"candidates: expected {T} rows (one per token of q), got shape {cand.shape}")
-        rows = slice(None) if valid is None else valid
-        check_candidates(cand[rows], vis[rows], opt.block_size)
+        if valid is None:
+            check_candidates(cand, vis, opt.block_size)
+        else:
+            check_candidates(cand[valid], vis[valid], opt.block_size, tokens=np.flatnonzero(valid))
     return valid, opt, cand
 
 

@@ -210,14 +210,18 @@ def candidate_entries(row: np.ndarray, visible: int, block_size: int, token: int
     return ent[ent < visible]
 
 
-def check_candidates(cand: np.ndarray, visible: np.ndarray, block_size: int, chunk: int = 512) -> None:
+def check_candidates(cand: np.ndarray, visible: np.ndarray, block_size: int, tokens=None, chunk: int = 512) -> None:
     """Every row of host candidates [T, W] valid for its token (`candidate_entries`' rule),
     vectorized over `chunk` rows at a time (bounded temporaries): ValueError naming the first bad
-    token, column and value."""
+    token (row t is token `tokens[t]`, default t), column and value."""
     cand = np.asarray(cand)
     if cand.dtype.kind not in "iu":
         raise ValueError(f"candidates: expected integer block ids, got dtype {cand.dtype}")
     nblocks = -(-np.asarray(visible, dtype=np.int64) // int(block_size))
+
+    def name(t: int) -> int:
+        return t if tokens is None else int(tokens[t])
+
     for t0 in range(0, cand.shape[0], chunk):
         c = cand[t0 : t0 + chunk]
         nb = nblocks[t0 : t0 + chunk, None]
@@ -225,11 +229,11 @@ def check_candidates(cand: np.ndarray, visible: np.ndarray, block_size: int, chu
         if bad.any():
             t, j = (int(x) for x in np.argwhere(bad)[0])
             raise ValueError(
-                f"candidates: token {t0 + t}, column {j} is block {int(c[t, j])}, outside [-1, {int(nb[t, 0])}) "
+                f"candidates: token {name(t0 + t)}, column {j} is block {int(c[t, j])}, outside [-1, {int(nb[t, 0])}) "
                 f"(the token sees {int(visible[t0 + t])} entries, {int(nb[t, 0])} blocks of {block_size})"
             )
         srt = np.sort(c, axis=1)
         dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
         if dup.any():
             t, j = (int(x) for x in np.argwhere(dup)[0])
-            raise ValueError(f"candidates: token {t0 + t} lists block {int(srt[t, j])} more than once")
+            raise ValueError(f"candidates: token {name(t0 + t)} lists block {int(srt[t, j])} more than once")

@@ -244,3 +244,23 @@ def test_cpu_backends_on_every_isa_by_environment(isa, monkeypatch):
         orc.compare_candidates(blocks, *args, BS, rel=rel)
         idx2, _, _ = _run(fw, "cpu", case, r, candidates=cand, candidate_block_size=BS)
         orc.compare_topk(idx2, *args, rel=rel, candidates=cand, candidate_block_size=BS)
+
+
+@pytest.mark.parametrize("fw, backend", RUNS)
+def test_padding_rows_are_not_read_and_errors_name_the_callers_token(fw, backend):
+    rng = np.random.default_rng(1)
+    q, w = rng.standard_normal((3, 2, 16)).astype(np.float32), np.ones((3, 2), np.float32)
+    keys = rng.standard_normal((12, 16)).astype(np.float32)
+    mod = ti if fw == "torch" else ji
+    valid = np.array([False, True, True])
+    cand = np.array([[77, 77, 77, 77], [0, 1, 2, -1], [0, 9, -1, -1]])  # row 0: padding, never read
+    with pytest.raises(ValueError, match=r"candidates: token 2, column 1 is block 9"):
+        mod.indexer_topk(q, w, keys, [0, 0, 0], [7, 9, 2], 1, 8, valid=valid, candidates=cand, candidate_block_size=4,
+                         backend=backend)  # fmt: skip
+    cand[2, 1] = -1
+    res = mod.indexer_topk(q, w, keys, [0, 0, 0], [7, 9, 2], 1, 8, valid=valid, candidates=cand,
+                           candidate_block_size=4, backend=backend)  # fmt: skip
+    got = np.asarray(res.indices)
+    one = got[1][got[1] >= 0]
+    assert (got[0] == -1).all() and one.size == 8 and set(one.tolist()) <= set(range(10))
+    assert sorted(got[2][got[2] >= 0].tolist()) == [0, 1, 2]
