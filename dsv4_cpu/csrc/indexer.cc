@@ -27,6 +27,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -341,7 +342,9 @@ void stage_keys(const Call &c, Scratch &s, int64_t b, int64_t e0, int64_t nb) {
 // widened, then transposed) for the same block kernel, and keeps a running top-k of their
 // logits: the work of a token is its candidates', whatever the context. Tokens whose candidates
 // are every block they see (contexts up to topk_blocks x block_size) run in the dense tiles
-// instead (run_restrict): the same top-k, with the staging shared by a tile's tokens.
+// instead (run_restrict): the same top-k, with the staging shared by a tile's tokens. A split
+// tile's pieces (few tiles: decode steps) end on whole candidate blocks; each keeps its best
+// blocks per token (select_piece) and select_merge picks the row from them.
 
 struct BlockState {  // level 1: one thread's running top blocks, per token of its tile
     std::vector<uint64_t> key, th;  // block_key()s
@@ -669,7 +672,40 @@ struct Candidates {
     float *val;
     int32_t *idx;
     int64_t *count;
+    uint64_t *bkey;  // level 1: per token its best topk_blocks - 1 completed blocks' keys [nt * (topk_blocks - 1)]
+    int64_t *bcount;  // [nt]
 };
+
+// Level 1 in a piece of a split tile (pieces end on whole candidate blocks): token i's block in
+// progress is complete at the piece's end; its best blocks go to the piece's candidates.
+void select_piece(int64_t i, const Candidates &cand) {
+    BlockState &b = t_blocks;
+    if (b.keep == 0) return;
+    if (b.cur[i] >= 0) select_offer(b, i, b.cur[i], b.cur_max[i]);
+    uint64_t *key = b.key.data() + i * b.cap;
+    const int64_t size = b.size[i], m = std::min(b.keep, size);
+    if (m < size) std::nth_element(key, key + (m - 1), key + size, std::greater<uint64_t>());
+    std::copy(key, key + m, cand.bkey + i * b.keep);
+    cand.bcount[i] = m;
+}
+
+// Level 1 of a split tile: token t's (tile slot i) row from its pieces' best blocks.
+void select_merge(const Call &c, int64_t i, int64_t t, const std::vector<Candidates> &pieces) {
+    BlockState &b = t_blocks;
+    const int64_t n = visible(c.tk, t), keep = c.cand.topk_blocks - 1;
+    int32_t *o = c.cand.blocks + (int64_t)c.tk.token_row[t] * c.cand.blocks_s0;
+    int64_t w = 0;
+    if (n > 0) o[w++] = (int32_t)pinned_block(c, n);
+    if (n > 0 && keep > 0) {
+        b.key.clear();
+        for (const Candidates &p : pieces) b.key.insert(b.key.end(), p.bkey + i * keep, p.bkey + i * keep + p.bcount[i]);
+        const int64_t size = (int64_t)b.key.size(), m = std::min(keep, size);
+        if (m < size) std::nth_element(b.key.begin(), b.key.begin() + (m - 1), b.key.end(), std::greater<uint64_t>());
+        std::sort(b.key.begin(), b.key.begin() + m, std::greater<uint64_t>());
+        for (int64_t j = 0; j < m; j++) o[w++] = block_of(b.key[j]);
+    }
+    for (; w < c.cand.topk_blocks; w++) o[w] = -1;
+}
 
 // Tokens t0 .. t1-1 (one request) against entries [e_lo, e_hi) of their request (e_lo a multiple
 // of IDX_KB): their top-k written to the outputs, or, with `cand`, their best k within the range.
@@ -696,7 +732,7 @@ void run_tile(const Call &c, int64_t t0, int64_t t1, int64_t e_lo, int64_t e_hi,
     s.th.assign(nt, NEG_INF);
     s.has_th.assign(nt, 0);
     for (int64_t t = t0; t < t1; t++) stage_q(c, s, t - t0, t);
-    const bool select = c.cand.mode == DSV4_CANDIDATES_SELECT;  // (never with a split tile)
+    const bool select = c.cand.mode == DSV4_CANDIDATES_SELECT;  // (split tiles: select_piece, select_merge)
     if (select) select_init(c, nt);
     IndexBlockJob job;
     job.H = c.H;
@@ -745,6 +781,7 @@ void run_tile(const Call &c, int64_t t0, int64_t t1, int64_t e_lo, int64_t e_hi,
             std::copy(val, val + m, cand->val + i * k);
             std::copy(idx, idx + m, cand->idx + i * k);
             cand->count[i] = m;
+            if (select) select_piece(i, *cand);
             continue;
         }
         select_best(s, val, idx, s.size[i], k, true);
@@ -778,6 +815,7 @@ void merge_tile(const Call &c, int64_t t0, int64_t t1, const std::vector<Candida
             float *ol = c.out_logits + (int64_t)c.tk.token_row[t] * c.logit_s0;
             for (int64_t j = 0; j < k; j++) ol[j] = j < m ? s.val[j] : NEG_INF;
         }
+        if (c.cand.mode == DSV4_CANDIDATES_SELECT) select_merge(c, i, t, pieces);
     }
 }
 
@@ -891,7 +929,7 @@ static int indexer_topk(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dty
         // whose best k per token are merged after: the same logits, so the same top-k.
         constexpr int64_t SPLIT_BLOCKS = 8;
         const int64_t want =
-            threads > 1 && (int64_t)tiles.size() < 2 * threads && c.cand.mode != DSV4_CANDIDATES_SELECT ? (2 * threads + (int64_t)tiles.size() - 1) / (int64_t)tiles.size() : 1;
+            threads > 1 && (int64_t)tiles.size() < 2 * threads ? (2 * threads + (int64_t)tiles.size() - 1) / (int64_t)tiles.size() : 1;
         struct Item {
             int64_t tile, e_lo, e_hi, piece;  // piece: -1 = the whole tile, written directly
             double work;
@@ -900,16 +938,20 @@ static int indexer_topk(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dty
         std::vector<std::vector<Candidates>> cands(tiles.size());
         std::vector<int64_t> cand_tiles;
         size_t cand_elems = 0;
+        // (level 1: pieces end on whole candidate blocks too)
+        const bool select = c.cand.mode == DSV4_CANDIDATES_SELECT;
+        const int64_t unit = select ? std::lcm<int64_t>(IDX_KB, c.cand.block_size) : IDX_KB, keep = c.cand.topk_blocks - 1;
         for (size_t i = 0; i < tiles.size(); i++) {
-            const int64_t nt = tiles[i].second - tiles[i].first, blocks = (reach[i] + IDX_KB - 1) / IDX_KB;
-            const int64_t split = std::max<int64_t>(1, std::min<int64_t>(want, blocks / SPLIT_BLOCKS));
+            const int64_t nt = tiles[i].second - tiles[i].first, blocks = (reach[i] + unit - 1) / unit;
+            const int64_t split =
+                std::max<int64_t>(1, std::min<int64_t>({want, blocks, blocks * (unit / IDX_KB) / SPLIT_BLOCKS}));
             if (split == 1) {
                 items.push_back({(int64_t)i, 0, reach[i], -1, (double)reach[i] * nt});
                 continue;
             }
             cand_tiles.push_back((int64_t)i);
             for (int64_t p = 0; p < split; p++) {
-                const int64_t lo = blocks * p / split * IDX_KB, hi = std::min(reach[i], blocks * (p + 1) / split * IDX_KB);
+                const int64_t lo = blocks * p / split * unit, hi = std::min(reach[i], blocks * (p + 1) / split * unit);
                 items.push_back({(int64_t)i, lo, hi, (int64_t)cand_elems, (double)(hi - lo) * nt});
                 cand_elems += (size_t)(nt * topk);
             }
@@ -917,10 +959,16 @@ static int indexer_topk(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dty
         std::vector<float> cval(cand_elems);
         std::vector<int32_t> cidx(cand_elems);
         std::vector<int64_t> ccount(cand_elems / std::max<int64_t>(topk, 1) + 1, 0);
+        std::vector<uint64_t> bkey(select ? cand_elems / topk * keep : 0);  // (level 1: per token, keep per piece)
+        std::vector<int64_t> bcount(select ? cand_elems / topk + 1 : 0);
+        auto piece = [&](int64_t off) {
+            const int64_t row = off / topk;  // the piece's first token among all pieces' tokens
+            return Candidates{cval.data() + off, cidx.data() + off, ccount.data() + row,
+                              select ? bkey.data() + row * keep : nullptr, select ? bcount.data() + row : nullptr};
+        };
         for (Item &it : items) {
             if (it.piece < 0) continue;
-            const int64_t off = it.piece;
-            cands[it.tile].push_back({cval.data() + off, cidx.data() + off, ccount.data() + off / topk});
+            cands[it.tile].push_back(piece(it.piece));
         }
         std::stable_sort(items.begin(), items.end(), [](const Item &a, const Item &b) { return a.work > b.work; });
         parallel_items((int64_t)items.size(), threads, [&](int64_t n) {
@@ -930,7 +978,7 @@ static int indexer_topk(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dty
                 run_tile(c, tile.first, tile.second, 0, it.e_hi, nullptr);
                 return;
             }
-            const Candidates cand{cval.data() + it.piece, cidx.data() + it.piece, ccount.data() + it.piece / topk};
+            const Candidates cand = piece(it.piece);
             run_tile(c, tile.first, tile.second, it.e_lo, it.e_hi, &cand);
         });
         parallel_items((int64_t)cand_tiles.size(), threads, [&](int64_t n) {

@@ -211,3 +211,21 @@ def test_exact_ties_and_nan_blocks(isa):
     two, _ = ik.indexer_topk(q, w, src, req, pos, r, k, isa=isa, candidate_block_size=bs, candidates=blocks)
     ref, _ = orc.indexer_topk(q, w, keys, req, pos, r, k, candidates=blocks, candidate_block_size=bs)
     assert (two == ref).all() and two[0].tolist() == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("bs", [8, 5, 96])
+def test_level1_split_tiles_equal_one_piece(isa, bs):
+    """Few tiles (a decode step: one token per request) split their key range across threads, on
+    whole candidate blocks (bs 5 and 96 do not divide the 64-key blocks): the rows equal one
+    thread's, and the oracle's."""
+    rng = np.random.default_rng(bs)
+    H, D, r, nb, topk = 8, 64, 1, 7, 16  # (enough work for two threads: 8 MFLOP)
+    case = make_batch(rng, seq=[5000, 3001], qry=[1, 1], H=H, D=D, r=r, page=64, dup=10)
+    src = ik.IndexKeys.fp8_pages(case["cache"], case["bt"])
+    kw = dict(candidate_block_size=bs, candidate_topk_blocks=nb)
+    one = ik.indexer_topk(case["q"], case["w"], src, case["req"], case["pos"], r, topk, isa=isa, threads=1, **kw)
+    for threads in (2, 4):
+        got = ik.indexer_topk(case["q"], case["w"], src, case["req"], case["pos"], r, topk, isa=isa, threads=threads,
+                              **kw)  # fmt: skip
+        assert (got[0] == one[0]).all() and (got[2] == one[2]).all(), threads
+    orc.compare_candidates(one[2], *_args(case, r), bs, rel=orc.fp32_rel(D, H))
