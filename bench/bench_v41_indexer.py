@@ -172,6 +172,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default=DEFAULT_CASES)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--plain-cases", default=None, help="cases that also time the plain top-k (default: every case)")
     ap.add_argument("--warmup-gflop", type=float, default=200.0, help="calls above this much work skip the warm-up")
     ap.add_argument("--check", type=int, default=8, help="tokens checked against the reference backend (0: none)")
     ap.add_argument("--threads", type=int, default=None, help="torch's threads")
@@ -195,7 +196,8 @@ def main(argv=None):
         c = make_case(n, ctx)
         warm1 = c["flops"] / 1e9 <= args.warmup_gflop
         warm2 = c["flops2"] / 1e9 <= args.warmup_gflop
-        pt, pc, pm, r0 = timed(functools.partial(call, c), args.repeats, warm1)
+        plain = args.plain_cases is None or name in args.plain_cases.split(",")
+        pt, pc, pm, r0 = timed(functools.partial(call, c), args.repeats, warm1) if plain else (None,) * 4
         l1 = functools.partial(call, c, candidate_block_size=BS, candidate_topk_blocks=NB)
         t1, c1, m1, r1 = timed(l1, args.repeats, warm1)
         l2 = functools.partial(call, c, candidates=r1.candidates, candidate_block_size=BS)
@@ -206,7 +208,7 @@ def main(argv=None):
             level1_gflops=c["flops"] / t1 / 1e9, level2_gflops=c["flops2"] / t2 / 1e9,
             plain_cpu_s=pc, level1_cpu_s=c1, level2_cpu_s=c2,
             level1_cpu_gflops=c["flops"] / c1 * threads / 1e9, level2_cpu_gflops=c["flops2"] / c2 * threads / 1e9,
-            level1_topk_equal=bool((r1.indices == r0.indices).all()),  # level 1's own top-k is the plain one
+            level1_topk_equal=None if r0 is None else bool((r1.indices == r0.indices).all()),  # the plain one
             checked_same=check(c, r1.candidates, r2.indices, args.check),
         )  # fmt: skip
         rows.append(row)
@@ -235,8 +237,10 @@ def main(argv=None):
     print(
         table(
             [
-                [r["case"], f"{r['gflop']:.0f}", f"{r['plain_s']:.2f}", f"{r['level1_s']:.2f}",
-                 f"{r['level1_cpu_s'] / r['plain_cpu_s']:.2f}", f"{r['level1_gflops']:.1f}",
+                [r["case"], f"{r['gflop']:.0f}", "-" if r["plain_s"] is None else f"{r['plain_s']:.2f}",
+                 f"{r['level1_s']:.2f}",
+                 "-" if r["plain_s"] is None else f"{r['level1_cpu_s'] / r['plain_cpu_s']:.2f}",
+                 f"{r['level1_gflops']:.1f}",
                  f"{r['level1_of_matmul']:.0%} / {r['level1_cpu_of_matmul']:.0%}",
                  f"{r['level2_s']:.2f} / {r['level2_cpu_s']:.2f}", f"{r['level2_gflops']:.1f}",
                  f"{r['level2_of_matmul']:.0%} / {r['level2_cpu_of_matmul']:.0%}",
