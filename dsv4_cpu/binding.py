@@ -20,7 +20,7 @@ import threading
 
 from dsv4_cpu import build
 
-ABI = 3  # dsv4_cpu.h's DSV4_CPU_ABI
+ABI = 4  # dsv4_cpu.h's DSV4_CPU_ABI
 BF16, F32 = 0, 1  # dtype codes
 KIND_CODES = {"SWA": 0, "CSA": 1, "HCA": 2}  # dsv4_prefill_tokens.kind
 ROWS, FP8_DS_MLA = 0, 1  # dsv4_kv_source.format
@@ -91,6 +91,21 @@ class PrefillTokens(ctypes.Structure):
         ("topk_rows", _i64),
     ]
 
+
+class IndexCandidates(ctypes.Structure):
+    """`dsv4_index_candidates`: the two-level top-k of a `dsv4_indexer_topk_candidates` call (mode
+    CANDIDATES_SELECT writes `blocks`, CANDIDATES_RESTRICT reads them; see dsv4_cpu.h)."""
+
+    _fields_ = [
+        ("mode", _i32),
+        ("block_size", _i64),
+        ("topk_blocks", _i64),
+        ("blocks", _ptr),
+        ("blocks_s0", _i64),
+    ]
+
+
+CANDIDATES_SELECT, CANDIDATES_RESTRICT = 1, 2  # dsv4_index_candidates.mode
 
 _P = ctypes.POINTER
 SIGNATURES = {  # name -> (restype, argtypes), as dsv4_cpu.h declares them
@@ -209,6 +224,31 @@ SIGNATURES = {  # name -> (restype, argtypes), as dsv4_cpu.h declares them
             _i64,
             _P(Parallel),
             _i32,
+        ],
+    ),
+    # dsv4_indexer_topk's arguments, then cand
+    "dsv4_indexer_topk_candidates": (
+        ctypes.c_int,
+        [
+            _ptr,
+            _i64,
+            _i64,
+            _i32,
+            _i64,
+            _i64,
+            _i64,
+            _ptr,
+            _i64,
+            _P(PrefillTokens),
+            _P(KVSource),
+            _i64,
+            _ptr,
+            _i64,
+            _ptr,
+            _i64,
+            _P(Parallel),
+            _i32,
+            _P(IndexCandidates),
         ],
     ),
     "dsv4_indexer_isa": (ctypes.c_int, [_i32, _i32, _i32]),

@@ -1,10 +1,13 @@
 """The Lightning Indexer's top-k for PyTorch: backends "cpu" (the fused C kernel) and "reference" (torch ops).
 
     indexer_topk(q, weights, keys, token_request, token_position, compress_ratio, topk, *,
-                 offsets=None, block_table=None, backend="auto") -> IndexerResult
+                 offsets=None, block_table=None, valid=None, num_entries=None,
+                 candidate_block_size=None, candidate_topk_blocks=None, candidates=None,
+                 backend="auto", reference_elems=None) -> IndexerResult
 
-Token t (request b = token_request[t], absolute position p = token_position[t]) scores the
-compressed index keys 0 .. (p + 1) // compress_ratio - 1 of its request,
+The same signature as `dsv4_jax.indexer.indexer_topk`. Token t (request b = token_request[t],
+absolute position p = token_position[t]) scores the compressed index keys 0 .. (p + 1) //
+compress_ratio - 1 of its request (ratio 4: V4's CSA; 2 and 1: V4.1's),
 
     logit[t, s] = sum_h weights[t, h] * relu(q[t, h] . k_b[s])        (x the key's scale: fp8 keys)
 
@@ -18,14 +21,31 @@ keys:
     entry e of request b is slot e % block_size of page block_table[b, e // block_size];
   * rows `[N, D]` bfloat16 / float32 with `offsets` [B] (entry e of request b is row
     offsets[b] + e; None: one request, row e).
-q: [T, H, D] bfloat16, float32 or float8_e4m3fn; weights [T, H] float (used as float32).
+q: [T, H, D] bfloat16, float32 or float8_e4m3fn; weights [T, H] float (used as float32). Every
+array argument may be a torch tensor or a NumPy array (ml_dtypes bfloat16 / float8_e4m3fn for
+q and keys); token arrays, offsets, block table, valid and candidates are read on the host.
+valid: optional bool [T]; a token with valid False is padding (its rows: -1 / -inf).
+num_entries: optional bound on the entries any token sees (JAX's xla backend needs it static);
+checked against every visible count here.
+
+DeepSeek-V4.1's two-level top-k (`planner.indexer_oracle`'s module doc states the rules):
+  * level 1, at the candidate source: `candidate_block_size`, `candidate_topk_blocks` given ->
+    `result.candidates` int32 [T, candidate_topk_blocks]: per token the request-local blocks of
+    `candidate_block_size` entries with the best max logit, the block of the newest visible entry
+    first, then -1. The top-k itself is the ordinary one.
+  * level 2, at a later index source: `candidates` [T, W] (level 1's rows, -1 = none) and
+    `candidate_block_size` -> the top-k among the visible entries of each token's candidate blocks
+    only ("cpu" scores only those: its cost stops growing with the context past W x block size).
+  candidate_topk_blocks x candidate_block_size must hold `topk`; a candidate the token cannot see
+  or listed twice is refused by name.
 
 Backends: "cpu" reads the cache in place, scores keys in blocks shared by a request's tokens and
 keeps a running top-k per token (memory O(tokens x topk), `dsv4_cpu/csrc/indexer.cc`); "reference"
-dequantizes each request's keys and sorts float32 logits (memory O(tokens x keys) in slices).
-"auto" is "cpu" for CPU tensors where the C library builds, else "reference"; the result says
-which ran. Both compute products of the input values accumulated in float32, so they agree up to
-float32 rounding (near ties may select differently; `planner.indexer_oracle.compare_topk`).
+dequantizes each request's keys and sorts float32 logits (memory O(tokens x keys) in slices of
+`reference_elems` logits). "auto" is "cpu" for CPU tensors where the C library builds, else
+"reference"; the result says which ran. Both compute products of the input values accumulated in
+float32, so they agree up to float32 rounding (near ties may select differently;
+`planner.indexer_oracle.compare_topk`).
 """
 
 from __future__ import annotations
@@ -39,6 +59,7 @@ import torch
 
 from dsv4_torch import backends
 from dsv4_torch.kernels.reference.indexer import REFERENCE_ELEMS
+from planner.checks import as_int, candidate_options, check_candidates
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +73,27 @@ class IndexerResult(NamedTuple):
     indices: torch.Tensor  # [T, topk] int32, -1 padded
     logits: torch.Tensor  # [T, topk] float32, -inf padded
     backend: str  # the backend that ran
+    candidates: torch.Tensor | None = None  # level 1: [T, candidate_topk_blocks] int32 block ids, -1 padded
+
+
+_NP_VIEWS = {"bfloat16": (torch.uint16, torch.bfloat16), "float8_e4m3fn": (torch.uint8, torch.float8_e4m3fn)}
+
+
+def as_tensor(x, name: str) -> torch.Tensor:
+    """A torch tensor as is; a NumPy array (ml_dtypes bfloat16 / float8_e4m3fn included) as a CPU
+    tensor sharing its memory."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray):
+        view = _NP_VIEWS.get(str(x.dtype))
+        if view is not None:
+            raw = np.ascontiguousarray(x).view(np.uint16 if view[0] == torch.uint16 else np.uint8)
+            return torch.from_numpy(raw).view(view[1])
+        try:
+            return torch.from_numpy(x)
+        except TypeError as e:
+            raise TypeError(f"{name}: cannot be read as a tensor ({e})") from None
+    raise TypeError(f"{name}: expected a torch.Tensor or a NumPy array, got {type(x).__name__}")
 
 
 def available_backends() -> dict[str, str | None]:
@@ -82,6 +124,7 @@ def host_ints(x, name: str, n: int | None = None) -> np.ndarray:
 
 
 def _check(q, weights, keys, token_request, token_position, compress_ratio, topk, offsets, block_table):
+    q, weights, keys = as_tensor(q, "q"), as_tensor(weights, "weights"), as_tensor(keys, "keys")
     if not isinstance(q, torch.Tensor) or q.ndim != 3 or q.dtype not in _Q_DTYPES:
         raise TypeError(
             f"q: expected a [T, H, D] bfloat16 / float32 / float8_e4m3fn tensor, got "
@@ -137,13 +180,52 @@ def _check(q, weights, keys, token_request, token_position, compress_ratio, topk
             raise ValueError(
                 f"block_table: expected a 2-D integer array [requests, blocks], got {block_table.dtype} {block_table.shape}"
             )
-    return req, pos, offsets, block_table
+    return q, weights, keys, req, pos, offsets, block_table
+
+
+def host_array(x, name: str) -> np.ndarray:
+    """An integer or bool array on the host (list, NumPy, CPU tensor; a device tensor refused)."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(
+                f"{name}: expected a host array (a list, NumPy array or CPU tensor), got a tensor on {x.device}"
+            )
+        x = x.detach().numpy()
+    return np.asarray(x)
+
+
+def check_two_level(T, topk, vis, valid, num_entries, candidate_block_size, candidate_topk_blocks, candidates):
+    """(valid as bool [T] or None, CandidateOptions, candidates as host integers [T, W] or None): the
+    options every backend shares, checked on the host."""
+    if valid is not None:
+        valid = host_array(valid, "valid")
+        if valid.shape != (T,) or valid.dtype.kind not in "biu":
+            raise ValueError(
+                f"valid: expected a bool [{T}] array (one per token of q), got {valid.dtype} {valid.shape}"
+            )
+        valid = valid.astype(bool)
+    live = vis if valid is None else vis[valid]
+    if num_entries is not None:
+        n = as_int(num_entries, "num_entries", minimum=0)
+        if live.size and int(live.max()) > n:
+            t = int(np.flatnonzero((vis == live.max()) & (True if valid is None else valid))[0])
+            raise ValueError(f"num_entries: {n}, but token {t} sees {int(live.max())} entries")
+    cand = None if candidates is None else host_array(candidates, "candidates")
+    opt = candidate_options(topk, candidate_block_size, candidate_topk_blocks, None if cand is None else cand.shape)
+    if cand is not None:
+        if cand.shape[0] != T:
+            raise ValueError(f"candidates: expected {T} rows (one per token of q), got shape {cand.shape}")
+        if valid is None:
+            check_candidates(cand, vis, opt.block_size)
+        else:
+            check_candidates(cand[valid], vis[valid], opt.block_size, tokens=np.flatnonzero(valid))
+    return valid, opt, cand
 
 
 def indexer_topk(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    keys: torch.Tensor,
+    q,
+    weights,
+    keys,
     token_request,
     token_position,
     compress_ratio: int,
@@ -151,28 +233,55 @@ def indexer_topk(
     *,
     offsets=None,
     block_table=None,
+    valid=None,
+    num_entries: int | None = None,
+    candidate_block_size: int | None = None,
+    candidate_topk_blocks: int | None = None,
+    candidates=None,
     backend: str = "auto",
-    reference_elems: int = REFERENCE_ELEMS,
+    reference_elems: int | None = None,
 ) -> IndexerResult:
-    """The top-`topk` compressed entries per token (see the module doc). No gradient.
-    reference_elems: the reference backend's float32 logits block (tokens x keys) per slice."""
-    req, pos, offsets, block_table = _check(
+    """The top-`topk` compressed entries per token, and level 1's candidate blocks when asked
+    (see the module doc). No gradient. reference_elems: the reference backend's float32 logits
+    block (tokens x keys) per slice (default `REFERENCE_ELEMS`)."""
+    q, weights, keys, req, pos, offsets, block_table = _check(
         q, weights, keys, token_request, token_position, compress_ratio, topk, offsets, block_table
     )
-    name = resolve_backend(backend, q)
     T = q.shape[0]
-    logger.debug(
-        "indexer_topk: backend=%s (asked %r) T=%d H=%d D=%d topk=%d", name, backend, T, q.shape[1], q.shape[2], topk
+    valid, opt, cand = check_two_level(
+        T,
+        topk,
+        (pos + 1) // compress_ratio,
+        valid,
+        num_entries,
+        candidate_block_size,
+        candidate_topk_blocks,
+        candidates,
     )
-    if T == 0:
-        return IndexerResult(
-            torch.full((0, topk), -1, dtype=torch.int32, device=q.device),
-            torch.full((0, topk), float("-inf"), device=q.device),
-            name,
-        )
+    name = resolve_backend(backend, q)
+    logger.debug(
+        "indexer_topk: backend=%s (asked %r) T=%d H=%d D=%d topk=%d level=%d",
+        name, backend, T, q.shape[1], q.shape[2], topk, opt.level,
+    )  # fmt: skip
+    idx = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
+    val = torch.full((T, topk), float("-inf"), device=q.device)
+    blocks = torch.full((T, opt.topk_blocks), -1, dtype=torch.int32, device=q.device) if opt.level == 1 else None
+    rows = np.arange(T) if valid is None else np.flatnonzero(valid)
+    if rows.shape[0] == 0:
+        return IndexerResult(idx, val, name, blocks)
+    every = rows.shape[0] == T
+    sub = slice(None) if every else torch.from_numpy(rows).to(q.device)
     with torch.no_grad():
         fn = backends.INDEXER[name].kernel
         if name == "reference":
-            fn = functools.partial(fn, elems=int(reference_elems))
-        idx, val = fn(q, weights, keys, req, pos, compress_ratio, topk, offsets, block_table)
-    return IndexerResult(idx, val, name)
+            fn = functools.partial(fn, elems=int(REFERENCE_ELEMS if reference_elems is None else reference_elems))
+        out = fn(
+            q[sub], weights[sub], keys, req[rows], pos[rows], compress_ratio, topk, offsets, block_table,
+            cand=opt, candidates=cand if cand is None or every else cand[rows],
+        )  # fmt: skip
+    if every:
+        return IndexerResult(out[0], out[1], name, out[2] if opt.level == 1 else None)
+    idx[sub], val[sub] = out[0], out[1]
+    if blocks is not None:
+        blocks[sub] = out[2]
+    return IndexerResult(idx, val, name, blocks)

@@ -128,3 +128,112 @@ def sm_scale_value(sm_scale) -> float:
     if not math.isfinite(value):
         raise ValueError(f"sm_scale: must be finite, got {value}")
     return value
+
+
+# ----------------------------------------------------------------------------- the two-level top-k
+
+
+class CandidateOptions(NamedTuple):
+    """The two-level top-k options of one indexer call (`candidate_options`): `level` 0 (none), 1
+    (emit each row's candidate blocks) or 2 (take the top-k inside given candidates);
+    `block_size`, `topk_blocks` (0 when level is 0)."""
+
+    level: int
+    block_size: int
+    topk_blocks: int
+
+
+def candidate_options(topk, candidate_block_size, candidate_topk_blocks, candidates_shape) -> CandidateOptions:
+    """The indexer's two-level options, checked (one wording for the oracle and both frameworks).
+
+    Level 1 (the candidate source): `candidate_block_size` and `candidate_topk_blocks` given,
+    `candidates` not (candidates_shape None). Level 2 (a later index source): `candidates` [T, W]
+    and `candidate_block_size` given (`candidate_topk_blocks`, when given, must be W). Either way
+    `candidate_topk_blocks * candidate_block_size` must hold `topk` entries.
+    """
+    if candidate_block_size is None:
+        if candidate_topk_blocks is not None or candidates_shape is not None:
+            raise ValueError(
+                "candidate_block_size: needed with candidate_topk_blocks (level 1) or candidates (level 2), got None"
+            )
+        return CandidateOptions(0, 0, 0)
+    bs = as_int(candidate_block_size, "candidate_block_size", minimum=1, maximum=INT32_MAX)
+    if candidates_shape is None:
+        if candidate_topk_blocks is None:
+            raise ValueError(
+                "candidate_topk_blocks: needed with candidate_block_size to select candidate blocks (level 1), "
+                "or pass candidates (level 2)"
+            )
+        nb = as_int(candidate_topk_blocks, "candidate_topk_blocks", minimum=1, maximum=INT32_MAX)
+        level = 1
+    else:
+        if len(candidates_shape) != 2:
+            raise ValueError(f"candidates: expected [tokens, blocks], got shape {tuple(candidates_shape)}")
+        nb = int(candidates_shape[1])
+        if nb < 1:
+            raise ValueError(f"candidates: expected at least one column, got shape {tuple(candidates_shape)}")
+        if candidate_topk_blocks is not None and as_int(candidate_topk_blocks, "candidate_topk_blocks") != nb:
+            raise ValueError(
+                f"candidate_topk_blocks: {candidate_topk_blocks} differs from candidates' {nb} columns "
+                f"(shape {tuple(candidates_shape)})"
+            )
+        level = 2
+    k = int(topk)
+    if nb * bs < k:
+        raise ValueError(
+            f"candidate_topk_blocks x candidate_block_size = {nb} x {bs} = {nb * bs} positions cannot hold "
+            f"topk = {k} entries"
+        )
+    return CandidateOptions(level, bs, nb)
+
+
+def candidate_entries(row: np.ndarray, visible: int, block_size: int, token: int) -> np.ndarray:
+    """The entries a row of candidate blocks admits (level 2), ascending: every entry of each
+    listed block that is visible. `row`: request-local block ids, -1 = none; each listed block
+    must be one of the row's visible blocks, [0, ceil(visible / block_size)), and listed once:
+    ValueError naming the token, the column and the value otherwise."""
+    row = np.asarray(row, dtype=np.int64)
+    nblocks = -(-int(visible) // int(block_size))
+    bad = np.flatnonzero((row < -1) | (row >= nblocks))
+    if bad.size:
+        j = int(bad[0])
+        raise ValueError(
+            f"candidates: token {token}, column {j} is block {int(row[j])}, outside [-1, {nblocks}) "
+            f"(the token sees {visible} entries, {nblocks} blocks of {block_size})"
+        )
+    live = row[row >= 0]
+    s = np.sort(live)
+    dup = np.flatnonzero(s[1:] == s[:-1])
+    if dup.size:
+        raise ValueError(f"candidates: token {token} lists block {int(s[dup[0]])} more than once")
+    ent = (s[:, None] * block_size + np.arange(block_size)[None, :]).reshape(-1)
+    return ent[ent < visible]
+
+
+def check_candidates(cand: np.ndarray, visible: np.ndarray, block_size: int, tokens=None, chunk: int = 512) -> None:
+    """Every row of host candidates [T, W] valid for its token (`candidate_entries`' rule),
+    vectorized over `chunk` rows at a time (bounded temporaries): ValueError naming the first bad
+    token (row t is token `tokens[t]`, default t), column and value."""
+    cand = np.asarray(cand)
+    if cand.dtype.kind not in "iu":
+        raise ValueError(f"candidates: expected integer block ids, got dtype {cand.dtype}")
+    nblocks = -(-np.asarray(visible, dtype=np.int64) // int(block_size))
+
+    def name(t: int) -> int:
+        return t if tokens is None else int(tokens[t])
+
+    for t0 in range(0, cand.shape[0], chunk):
+        c = cand[t0 : t0 + chunk]
+        nb = nblocks[t0 : t0 + chunk, None]
+        bad = (c < -1) | (c >= nb)
+        if bad.any():
+            t, j = (int(x) for x in np.argwhere(bad)[0])
+            raise ValueError(
+                f"candidates: token {name(t0 + t)}, column {j} is block {int(c[t, j])}, outside [-1, {int(nb[t, 0])}) "
+                f"(the token sees {int(visible[t0 + t])} entries, {int(nb[t, 0])} blocks of {block_size})"
+            )
+        srt = np.sort(c, axis=1)
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        if dup.any():
+            t, j = (int(x) for x in np.argwhere(dup)[0])
+            raise ValueError(f"candidates: token {name(t0 + t)} lists block {int(srt[t, j])} more than once")

@@ -121,10 +121,25 @@ def tokens_struct(token_row, token_request, token_position, compress_ratio):
 
 
 def indexer_topk(
-    q, weights, keys: IndexKeys, token_request, token_position, compress_ratio, topk, *, threads=1, isa=None
+    q,
+    weights,
+    keys: IndexKeys,
+    token_request,
+    token_position,
+    compress_ratio,
+    topk,
+    *,
+    threads=1,
+    isa=None,
+    candidate_block_size=None,
+    candidate_topk_blocks=None,
+    candidates=None,
 ):
     """(indices int32 [T, topk], logits float32 [T, topk]) from the C kernel; q [T, H, D] bfloat16,
-    float32 or float8_e4m3fn, weights float32 [T, H]; token t uses row t of q / weights / outputs."""
+    float32 or float8_e4m3fn, weights float32 [T, H]; token t uses row t of q / weights / outputs.
+    The two-level top-k (`dsv4_indexer_topk_candidates`): with candidate_block_size and
+    candidate_topk_blocks (level 1) a third result, the candidate blocks int32 [T, topk_blocks];
+    with candidate_block_size and candidates [T, W] (level 2) the top-k inside them."""
     q = np.ascontiguousarray(q)
     code = q_dtype_code(q.dtype)
     if q.ndim != 3 or q.shape[2] != keys.D:
@@ -141,7 +156,18 @@ def indexer_topk(
     val = np.empty((T, k), np.float32)
     lib = C.library()
     par = C.parallel(threads)
-    rc = lib.dsv4_indexer_topk(
+    cand = None
+    if candidates is not None:
+        blocks = np.ascontiguousarray(candidates, dtype=np.int32)
+        cand = C.IndexCandidates(C.CANDIDATES_RESTRICT, candidate_block_size, blocks.shape[1], blocks.ctypes.data,
+                                 blocks.shape[1])  # fmt: skip
+    elif candidate_block_size is not None:
+        blocks = np.full((T, candidate_topk_blocks), -7, np.int32)
+        cand = C.IndexCandidates(C.CANDIDATES_SELECT, candidate_block_size, candidate_topk_blocks, blocks.ctypes.data,
+                                 candidate_topk_blocks)  # fmt: skip
+    fn = lib.dsv4_indexer_topk if cand is None else lib.dsv4_indexer_topk_candidates
+    more = () if cand is None else (ctypes.byref(cand),)
+    rc = fn(
         q.ctypes.data,
         H * D,
         D,
@@ -160,8 +186,11 @@ def indexer_topk(
         k,
         ctypes.byref(par),
         C.isa_code(isa),
+        *more,
     )
     C.check(rc)
+    if cand is not None and cand.mode == C.CANDIDATES_SELECT:
+        return idx, val, blocks
     return idx, val
 
 

@@ -257,8 +257,45 @@ int dsv4_indexer_topk(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dtype
    with dsv4_cpu_last_error() set. */
 int dsv4_indexer_isa(int32_t q_dtype, int32_t key_dtype, int32_t isa);
 
+/* DeepSeek-V4.1's two-level top-k (planner/indexer_oracle.py states the rules; vLLM's and
+   transformers' `select_candidate_blocks`). Blocks are request-local: block i of a request holds
+   its entries i * block_size .. i * block_size + block_size - 1.
+
+   DSV4_CANDIDATES_SELECT (level 1, the candidate source): the call's top-k is the ordinary one,
+   and row token_row[t] of `blocks` gets token t's candidate blocks: the block of its newest
+   visible entry, (visible - 1) / block_size, first; then its other blocks by score (the max
+   logit of the block's entries, NaN if any is NaN) descending, the lower block first on equal
+   scores, blocks scoring -inf or NaN dropped; topk_blocks in all, then -1. Streaming: a running
+   top-(topk_blocks - 1) of completed blocks per token, no logits buffer.
+
+   DSV4_CANDIDATES_RESTRICT (level 2, a later index source): row token_row[t] of `blocks` lists
+   token t's candidate blocks (topk_blocks columns, -1 = none, any order). Only the visible
+   entries of those blocks are scored and selectable (gathered per token: the cost of a token is
+   at most topk_blocks * block_size entries, whatever its context); its top-k among them by the
+   tie rule, min(topk, selectable) entries, then -1. Checked before any work: each listed block
+   is one the token sees, in [0, ceil(visible / block_size)), and listed once (DSV4_ERR_ARG
+   naming the token, the column and the block otherwise).
+
+   Both: topk_blocks * block_size must hold topk entries. */
+enum { DSV4_CANDIDATES_SELECT = 1, DSV4_CANDIDATES_RESTRICT = 2 };
+typedef struct {
+    int32_t mode;         /* DSV4_CANDIDATES_SELECT or DSV4_CANDIDATES_RESTRICT */
+    int64_t block_size;   /* entries per block, >= 1 */
+    int64_t topk_blocks;  /* blocks per row (the columns of `blocks`), >= 1 */
+    int32_t *blocks;      /* [rows, topk_blocks], row stride blocks_s0 (>= topk_blocks): written (select) or read (restrict) */
+    int64_t blocks_s0;
+} dsv4_index_candidates;
+
+/* dsv4_indexer_topk with the two-level top-k: the same arguments, and `cand` (NULL: none, the
+   same as dsv4_indexer_topk). */
+int dsv4_indexer_topk_candidates(const void *q, int64_t q_s0, int64_t q_s1, int32_t q_dtype, int64_t rows, int64_t H,
+                                 int64_t D, const float *weights, int64_t w_s0, const dsv4_prefill_tokens *tokens,
+                                 const dsv4_kv_source *keys, int64_t topk, int32_t *out_idx, int64_t idx_s0,
+                                 float *out_logits, int64_t logit_s0, const dsv4_parallel *par, int32_t isa,
+                                 const dsv4_index_candidates *cand);
+
 /* The library's version of this header (a binding checks it against its own). */
-#define DSV4_CPU_ABI 3
+#define DSV4_CPU_ABI 4
 int dsv4_cpu_abi(void);
 
 #ifdef __cplusplus

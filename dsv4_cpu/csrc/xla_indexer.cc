@@ -43,11 +43,12 @@ enum { LAYOUT_ROWS = 0, LAYOUT_INDEX_FP8 = 2 };
 // + offsets s32 [B] (entry e of request b: row offsets[b] + e), layout 2 vLLM's fp8 index pages
 // u8 [P, page_size, D + 4] + block table s32 [B, W]; token_request, token_position, valid s32 [T]
 // (tokens with valid == 0 are padding: their rows come out -1 / -inf, nothing of them is read)
-// -> indices s32 [T, topk], logits f32 [T, topk]: dsv4_indexer_topk.
-static ffi::Error IndexerTopk(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer keys,
-                              ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> request, ffi::Buffer<ffi::S32> position,
-                              ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::S32> indices,
-                              ffi::ResultBuffer<ffi::F32> logits, int64_t layout, int64_t compress_ratio, int64_t topk) {
+// -> indices s32 [T, topk], logits f32 [T, topk]: dsv4_indexer_topk, or with `cand` (its blocks
+// [T, topk_blocks] s32, written or read) dsv4_indexer_topk_candidates.
+static ffi::Error Run(ffi::ThreadPool &pool, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer keys,
+                      ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> request, ffi::Buffer<ffi::S32> position,
+                      ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::S32> &indices, ffi::ResultBuffer<ffi::F32> &logits,
+                      int64_t layout, int64_t compress_ratio, int64_t topk, dsv4_index_candidates *cand) {
     auto qd = q.dimensions();
     auto kd = keys.dimensions();
     auto td = table.dimensions();
@@ -114,11 +115,52 @@ static ffi::Error IndexerTopk(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffe
     tk.token_request = req.data();
     tk.token_position = pos.data();
     XlaPool xp(pool);
-    int rc = dsv4_indexer_topk(q.untyped_data(), H * D, D, q_dtype, T, H, D, weights.typed_data(), H, &tk, &s, topk, oi, topk, ol,
-                               topk, &xp.par, -1);
+    int rc = dsv4_indexer_topk_candidates(q.untyped_data(), H * D, D, q_dtype, T, H, D, weights.typed_data(), H, &tk, &s, topk,
+                                          oi, topk, ol, topk, &xp.par, -1, cand);
     if (rc == DSV4_OK) return ffi::Error::Success();
     std::string msg = std::string("dsv4_indexer_topk: ") + dsv4_cpu_last_error();
     return rc == DSV4_ERR_ARG ? ffi::Error::InvalidArgument(msg) : ffi::Error::Internal(msg);
+}
+
+static ffi::Error IndexerTopk(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer keys,
+                              ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> request, ffi::Buffer<ffi::S32> position,
+                              ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::S32> indices,
+                              ffi::ResultBuffer<ffi::F32> logits, int64_t layout, int64_t compress_ratio, int64_t topk) {
+    return Run(pool, q, weights, keys, table, request, position, valid, indices, logits, layout, compress_ratio, topk, nullptr);
+}
+
+// Level 1 of DeepSeek-V4.1's two-level top-k: IndexerTopk, and each token's candidate blocks
+// [T, topk_blocks] s32 (padding tokens' rows -1).
+static ffi::Error IndexerTopkSelect(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer keys,
+                                    ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> request,
+                                    ffi::Buffer<ffi::S32> position, ffi::Buffer<ffi::S32> valid,
+                                    ffi::ResultBuffer<ffi::S32> indices, ffi::ResultBuffer<ffi::F32> logits,
+                                    ffi::ResultBuffer<ffi::S32> blocks, int64_t layout, int64_t compress_ratio, int64_t topk,
+                                    int64_t block_size, int64_t topk_blocks) {
+    auto bd = blocks->dimensions();
+    const int64_t T = q.dimensions().size() ? q.dimensions()[0] : 0;
+    if (bd.size() != 2 || bd[0] != T || bd[1] != topk_blocks || topk_blocks < 1)
+        return bad("blocks: expected (T, topk_blocks) = (" + std::to_string(T) + ", " + std::to_string(topk_blocks) + "), got " +
+                   dims(bd));
+    std::fill(blocks->typed_data(), blocks->typed_data() + T * topk_blocks, -1);
+    dsv4_index_candidates c{DSV4_CANDIDATES_SELECT, block_size, topk_blocks, blocks->typed_data(), topk_blocks};
+    return Run(pool, q, weights, keys, table, request, position, valid, indices, logits, layout, compress_ratio, topk, &c);
+}
+
+// Level 2: IndexerTopk inside each token's candidate blocks [T, W] s32 (-1 = none).
+static ffi::Error IndexerTopkRestrict(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer keys,
+                                      ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> request,
+                                      ffi::Buffer<ffi::S32> position, ffi::Buffer<ffi::S32> valid,
+                                      ffi::Buffer<ffi::S32> candidates, ffi::ResultBuffer<ffi::S32> indices,
+                                      ffi::ResultBuffer<ffi::F32> logits, int64_t layout, int64_t compress_ratio, int64_t topk,
+                                      int64_t block_size) {
+    auto cd = candidates.dimensions();
+    const int64_t T = q.dimensions().size() ? q.dimensions()[0] : 0;
+    if (cd.size() != 2 || cd[0] != T || cd[1] < 1)
+        return bad("candidates: expected (T, blocks) with T = " + std::to_string(T) + ", got " + dims(cd));
+    // (the kernel reads the candidates, never writes them)
+    dsv4_index_candidates c{DSV4_CANDIDATES_RESTRICT, block_size, cd[1], const_cast<int32_t *>(candidates.typed_data()), cd[1]};
+    return Run(pool, q, weights, keys, table, request, position, valid, indices, logits, layout, compress_ratio, topk, &c);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4IndexerTopk, IndexerTopk,
@@ -136,3 +178,40 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4IndexerTopk, IndexerTopk,
                                   .Attr<int64_t>("layout")
                                   .Attr<int64_t>("compress_ratio")
                                   .Attr<int64_t>("topk"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4IndexerTopkSelect, IndexerTopkSelect,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("layout")
+                                  .Attr<int64_t>("compress_ratio")
+                                  .Attr<int64_t>("topk")
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<int64_t>("topk_blocks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4IndexerTopkRestrict, IndexerTopkRestrict,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layout")
+                                  .Attr<int64_t>("compress_ratio")
+                                  .Attr<int64_t>("topk")
+                                  .Attr<int64_t>("block_size"));

@@ -28,6 +28,8 @@ TARGETS = {
     "dsv4_prefill_attention": "Dsv4PrefillAttention",
     "dsv4_prefill_attention_into": "Dsv4PrefillAttentionInto",
     "dsv4_indexer_topk": "Dsv4IndexerTopk",  # dsv4_jax.kernels.cpu.indexer
+    "dsv4_indexer_topk_select": "Dsv4IndexerTopkSelect",  # (the two-level top-k's level 1)
+    "dsv4_indexer_topk_restrict": "Dsv4IndexerTopkRestrict",  # (and its level 2)
 }
 
 _lock = threading.Lock()

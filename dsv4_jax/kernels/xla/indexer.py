@@ -9,6 +9,8 @@ when its backend resolves to "xla".
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -47,38 +49,86 @@ def rank(logits, visible):
     return out[3]
 
 
-def indexer_topk_xla(q, weights, keys, req, pos, ok, *, compress_ratio, topk, offsets, block_table, num_entries):
-    """The xla backend on checked inputs: float32 logits of `num_entries` keys per token, in tiles."""
+def block_picks(logits, vis, bs: int, nb: int):
+    """Level 1 on a tile: logits [t, N] (entries at or past `vis` ignored), visible counts [t] ->
+    int32 [t, nb] request-local blocks: the newest visible block, then the others by their max
+    logit descending (lower block first on ties), blocks scoring -inf or NaN dropped, -1 after."""
+    t, n = logits.shape
+    nblk = -(-n // bs)
+    cols = jnp.arange(nblk * bs)
+    lg = jnp.pad(logits, ((0, 0), (0, nblk * bs - n)), constant_values=-jnp.inf)
+    lg = jnp.where(cols[None] < vis[:, None], lg, -jnp.inf).reshape(t, nblk, bs)
+    score = lg.max(axis=-1)  # (propagates NaN)
+    blk = jnp.broadcast_to(jnp.arange(nblk, dtype=jnp.int32), (t, nblk))
+    pin = (vis - 1) // bs  # (floor: -1 where nothing is visible)
+    keep = (score > -jnp.inf) & (blk < pin[:, None])  # (NaN > -inf is False: dropped)
+    neg = jnp.where(keep, -(score + 0.0), 0.0)
+    order = lax.sort((~keep, neg, blk), dimension=-1, num_keys=3)[2]
+    m = min(nb - 1, nblk)
+    rest = jnp.where(jnp.arange(m)[None] < keep.sum(axis=-1, keepdims=True), order[:, :m], -1)
+    first = jnp.where(vis > 0, pin, -1)[:, None]
+    out = jnp.concatenate([first, rest, jnp.full((t, nb - 1 - m), -1, jnp.int32)], axis=1)
+    return out.astype(jnp.int32)
+
+
+def candidate_mask(cand, n: int, bs: int):
+    """Level 2: bool [t, n], the entries of each row's candidate blocks (-1 or a block outside
+    the n entries: none)."""
+    t = cand.shape[0]
+    nblk = -(-n // bs)
+    c = jnp.where((cand >= 0) & (cand < nblk), cand, nblk)
+    flags = jnp.zeros((t, nblk + 1), bool).at[jnp.arange(t)[:, None], c].set(True)
+    return flags[:, jnp.arange(n) // bs]
+
+
+@functools.partial(
+    jax.jit, static_argnames=("compress_ratio", "topk", "num_entries", "cand", "tile_elems")
+)  # one compile per shape and options, reused across eager calls
+def indexer_topk_xla(
+    q, weights, keys, req, pos, ok, *, compress_ratio, topk, offsets, block_table, num_entries, cand, candidates,
+    tile_elems=None,
+):  # fmt: skip
+    """The xla backend on checked inputs: float32 logits of `num_entries` keys per token, in tiles;
+    (indices, logits, level 1's candidate blocks or None). cand: `planner.checks.CandidateOptions`."""
     T, H, D = q.shape
+    nb = cand.topk_blocks
     if T == 0:
-        return jnp.full((0, topk), -1, jnp.int32), jnp.full((0, topk), -jnp.inf, F32)
+        blocks = jnp.full((0, nb), -1, jnp.int32) if cand.level == 1 else None
+        return jnp.full((0, topk), -1, jnp.int32), jnp.full((0, topk), -jnp.inf, F32), blocks
     if num_entries is None:
         num_entries = keys.shape[0] if block_table is None else block_table.shape[1] * keys.shape[1]
     N = int(num_entries)
     k = min(topk, N)
     vis = jnp.where(ok > 0, (pos + 1) // compress_ratio, 0)
+    limit = TILE_ELEMS if tile_elems is None else int(tile_elems)
     tile = T
-    while tile > 8 and tile % 2 == 0 and tile * N * D > TILE_ELEMS:
+    while tile > 8 and tile % 2 == 0 and tile * N * D > limit:
         tile //= 2
     cols = jnp.arange(N, dtype=jnp.int32)
     w = weights.astype(F32)
 
     def score(args):
-        q_t, w_t, req_t, vis_t = args
+        q_t, w_t, req_t, vis_t = args[:4]
         kt, scale = _request_keys(keys, req_t, cols, offsets, block_table)
         dots = jnp.einsum("thd,tnd->thn", q_t.astype(F32), kt, precision=lax.Precision.HIGHEST)
         logits = (w_t[:, :, None] * jnp.maximum(dots, 0.0)).sum(axis=1)  # (maximum keeps NaN)
         if scale is not None:
             logits = logits * scale
         visible = cols[None, :] < vis_t[:, None]
+        if cand.level == 2:
+            visible &= candidate_mask(args[4], N, cand.block_size)
         order = rank(logits, visible)[:, :k]
-        take = jnp.arange(k)[None, :] < vis_t[:, None]
-        return jnp.where(take, order, -1), jnp.where(take, jnp.take_along_axis(logits, order, axis=1), -jnp.inf)
+        take = jnp.arange(k)[None, :] < visible.sum(axis=1, keepdims=True)
+        idx = jnp.where(take, order, -1)
+        val = jnp.where(take, jnp.take_along_axis(logits, order, axis=1), -jnp.inf)
+        if cand.level == 1:
+            return idx, val, block_picks(logits, vis_t, cand.block_size, nb)
+        return idx, val
 
-    args = (q, w, req, vis)
-    idx, val = lax.map(score, jax.tree.map(lambda a: a.reshape(T // tile, tile, *a.shape[1:]), args))
-    idx, val = idx.reshape(T, k), val.reshape(T, k)
+    args = (q, w, req, vis) + ((candidates,) if cand.level == 2 else ())
+    out = lax.map(score, jax.tree.map(lambda a: a.reshape(T // tile, tile, *a.shape[1:]), args))
+    idx, val = out[0].reshape(T, k), out[1].reshape(T, k)
     if k < topk:
         idx = jnp.pad(idx, ((0, 0), (0, topk - k)), constant_values=-1)
         val = jnp.pad(val, ((0, 0), (0, topk - k)), constant_values=-jnp.inf)
-    return idx, val
+    return idx, val, out[2].reshape(T, nb) if cand.level == 1 else None

@@ -43,9 +43,23 @@ def key_source(keys: torch.Tensor, offsets, block_table, keep: list) -> binding.
     )  # fmt: skip
 
 
-def indexer_topk_cpu(q, weights, keys, token_request, token_position, compress_ratio, topk, offsets, block_table):
-    """(indices int32 [T, topk], logits float32 [T, topk]): checked CPU tensors; token arrays,
-    offsets and block table as host NumPy integers."""
+def indexer_topk_cpu(
+    q,
+    weights,
+    keys,
+    token_request,
+    token_position,
+    compress_ratio,
+    topk,
+    offsets,
+    block_table,
+    *,
+    cand,
+    candidates=None,
+):
+    """(indices int32 [T, topk], logits float32 [T, topk], candidate blocks int32 [T,
+    topk_blocks] or None): checked CPU tensors; token arrays, offsets, block table and level 2's
+    candidates as host NumPy integers; cand: `planner.checks.CandidateOptions`."""
     lib = library()
     q = q if q.stride(-1) == 1 else q.contiguous()
     w = weights.detach().to(torch.float32)
@@ -62,9 +76,21 @@ def indexer_topk_cpu(q, weights, keys, token_request, token_position, compress_r
     idx = torch.empty((T, topk), dtype=torch.int32)
     val = torch.empty((T, topk), dtype=torch.float32)
     par = parallel(None)
-    rc = lib.dsv4_indexer_topk(
+    more, blocks = (), None
+    if cand.level == 1:
+        blocks = torch.empty((T, cand.topk_blocks), dtype=torch.int32)
+        mode = binding.CANDIDATES_SELECT
+    elif cand.level == 2:
+        blocks = torch.from_numpy(np.ascontiguousarray(candidates, dtype=np.int32))
+        mode = binding.CANDIDATES_RESTRICT
+    if blocks is not None:
+        nb = blocks.shape[1]
+        more = (ctypes.byref(binding.IndexCandidates(mode, cand.block_size, nb, blocks.data_ptr(), nb)),)
+    fn = lib.dsv4_indexer_topk_candidates if more else lib.dsv4_indexer_topk
+    rc = fn(
         q.data_ptr(), q.stride(0), q.stride(1), Q_DTYPES[q.dtype], T, H, D, w.data_ptr(), w.stride(0),
         ctypes.byref(tk), ctypes.byref(src), topk, idx.data_ptr(), topk, val.data_ptr(), topk, ctypes.byref(par), -1,
+        *more,
     )  # fmt: skip
     binding.check(rc)
-    return idx, val
+    return idx, val, blocks if cand.level == 1 else None
