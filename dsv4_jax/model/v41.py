@@ -35,7 +35,7 @@ roles, band, Engram).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -504,8 +504,11 @@ class DeepseekV41:
         full, band, keep, head_rows, hash_ids = jax.device_put(arrays, self._placement)
         return V41StepInputs(full, band, keep, head_rows, metas, n_entries, hash_ids, plan)
 
-    def step(self, cache: list[dict], slots, prefix_lens, tokens, all_tokens: bool = False):
-        """Run one ragged step; returns (new cache, StepOutput). The old cache may be donated."""
+    def step(self, cache: list[dict], slots, prefix_lens, tokens, all_tokens: bool = False, timings=None):
+        """Run one ragged step; returns (new cache, StepOutput). The old cache may be donated.
+
+        timings: None, or a list that gets one (layer id, variant name, band, seconds) per layer,
+        each layer waited for (for benchmarks: it serializes the dispatch)."""
         s = self.prepare_step(slots, prefix_lens, tokens, all_tokens)
         cfg = self.config
         X = _embed(self.params["embed"], s.full.token_ids, cfg=cfg, dtype=self.dtype, mesh=self.mesh, axis=self.axis)
@@ -526,6 +529,7 @@ class DeepseekV41:
             if role.has_compressed and not role.is_kv_source:
                 source = cache[role.kv_source_layer_id]
             k = cfg.engram_layer_ids.index(i) if i in cfg.engram_layer_ids else None
+            t0 = None if timings is None else time.perf_counter()
             X, pre, cache[i], shared = _layer(
                 self.params["layers"][i],
                 cache[i],
@@ -543,6 +547,9 @@ class DeepseekV41:
                 n_entries=s.n_entries.get(role.compress_ratio, 0),
                 opts=self._opts,
             )
+            if timings is not None:
+                jax.block_until_ready((X, cache[i]))
+                timings.append((i, self._variants[i].name, band, time.perf_counter() - t0))
         head = {k: self.params[k] for k in ("norm", "head")}
         logits, next_tokens = _head(head, X, pre, s.head_rows, cfg=cfg, mesh=self.mesh)
         q_lens = [len(t) for t in tokens]
@@ -560,4 +567,3 @@ def is_v41_checkpoint(path) -> bool:
 
 
 __all__ = ["DeepseekV41", "Variant", "hc_collapse", "hc_expand", "hc_mixes", "is_v41_checkpoint", "moe_v41"]
-_ = Sequence

@@ -246,6 +246,7 @@ def index_select(q, head_w, keys, rows: StepInputs, *, ratio, n_entries, topk, c
     """
     R, nh, dh = q.shape
     S, cap = keys.shape[:2]
+    rows = jax.tree.map(jnp.asarray, rows)
     N = int(min(n_entries, cap))
     tile = int(max(1, min(256, (1 << 25) // max(nh * N, 1))))
     tile = 1 << (tile.bit_length() - 1)
