@@ -135,7 +135,7 @@ class EngramHasher:
                 f"engram_compressed_vocab_size: the tokenizer's compressed vocabulary has {size} entries, the config "
                 f"says {cfg.engram_compressed_vocab_size} (the hashes would address other table rows)"
             )
-        if lookup.shape[0] < cfg.vocab_size:  # ids the tokenizer does not know hash as themselves' pad
+        if lookup.shape[0] < cfg.vocab_size:  # ids past the tokenizer's vocabulary hash as the pad id (ours)
             lookup = np.concatenate([lookup, np.full(cfg.vocab_size - lookup.shape[0], lookup[cfg.engram_pad_id])])
         self.token_map = lookup
         self.pad_id = int(lookup[cfg.engram_pad_id])

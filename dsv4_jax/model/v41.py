@@ -336,6 +336,11 @@ class DeepseekV41:
                 f"params: expected the tree of dsv4_jax.model.v41_checkpoint.load_params for {config.num_hidden_layers} layers"
             )
         backends.check_name(backend, backends.ATTENTION)
+        if backend == "mosaic_tpu" and config.schedule.resolve_replay(replay):
+            raise ValueError(
+                "backend: 'mosaic_tpu' tiles the step's full rows; with bounded replay (replay=None / True) the "
+                "layers past the cut compute the kept rows only: use replay=False or another backend"
+            )
         mesh, axis = parallel.resolve_mesh(mesh, axis)
         if mesh is not None:
             parallel.check_divisible(config, mesh, axis)
@@ -470,6 +475,9 @@ class DeepseekV41:
         for key, kp in plan.plans.items():
             n_pad = T_pad if key.band == "full" else band.token_ids.shape[0]
             rows = max(self._min_workspace_rows, pow2_bucket(kp.max_workspace_rows))
+            # (query tiles, read by backend "mosaic_tpu" only, describe the full batch's rows: for
+            # the kept rows' plans one tile per request keeps them inside the table)
+            tile = QUERY_TILE if key.band == "full" else pow2_bucket(int(q_lens.max()))
             shape, table = _kind_table(
                 kp,
                 n_pad,
@@ -478,7 +486,7 @@ class DeepseekV41:
                 self._token_tile,
                 self._gather_tile,
                 rows,
-                QUERY_TILE,
+                tile,
             )
             if key.band != "full":  # the layers' rows are the kept rows, packed: renumber them
                 n = kp.token_index.shape[0]

@@ -26,13 +26,6 @@ from planner.schedule import Schedule, text_config
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softplus")
 
 
-def is_v41_config(d: dict) -> bool:
-    """Whether a config.json dict is DeepSeek-V4.1's (`planner.contract.is_v41_config`)."""
-    from planner.contract import is_v41_config as _is
-
-    return _is(d)
-
-
 @dataclass(frozen=True)
 class V41Config:
     """DeepSeek-V4.1 text-model hyper-parameters (transformers' `DeepseekV41TextConfig` names and

@@ -167,6 +167,19 @@ def test_bounded_replay(loaded, ckpts, model):
     # no (their KV differs), but it runs, and its plan has one band
     cache, out = m.step(cache, [0], [97], [[5]])
     assert not out.plan.replay and np.isfinite(np.asarray(out.logits)).all()
+    # the host side alone: 480 new rows, 16 kept, their plans padded to 16 rows (not the step's 480)
+    small = DeepseekV41(
+        cfg,
+        params,
+        replay=None,
+        tokenizer_file=ckpts["hf"] / "tokenizer.json",
+        **{**OPTIONS, "min_tokens": 16, "max_num_batched_tokens": 512},
+    )
+    s = small.prepare_step([0], [0], [list(range(3, 483))])
+    assert s.band.positions.shape == (16,) and s.full.positions.shape[0] >= 480
+    assert {k.band: m.shape.padded_tokens for k, m in s.metas.items()} == {"full": 512, "cut": 16, "replay": 16}
+    with pytest.raises(ValueError, match="mosaic_tpu"):
+        DeepseekV41(cfg, params, replay=None, backend="mosaic_tpu", tokenizer_file=ckpts["hf"] / "tokenizer.json")
 
 
 def test_official_format_loads_and_equals_its_dequantized_twin(ckpts, tmp_path):
