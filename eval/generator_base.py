@@ -162,7 +162,8 @@ class StepStats:
 
 
 def plan_figures(plan) -> tuple[dict | None, int | None]:
-    """Chunks per layer kind and peak workspace rows of a step's plan.
+    """Chunks per layer kind (DeepSeek-V4.1: per plan, "CSA2/full", ...) and peak workspace rows
+    of a step's plan.
 
     plan: a `planner.StepPlan`, anything with a `.step_plan` (e.g. dsv4_torch's step metadata), a
       mapping `{"chunks": {...}, "peak_workspace_rows": int}`, or None (no plan: `(None, None)`).
@@ -177,7 +178,10 @@ def plan_figures(plan) -> tuple[dict | None, int | None]:
         raise TypeError(
             f"plan: expected a planner.StepPlan, an object with .step_plan, or a dict; got {type(plan).__name__}"
         )
-    chunks = {kind.name: int(kp.num_chunks) for kind, kp in kinds.items()}
+    if getattr(step, "schedule", None) is not None:  # DeepSeek-V4.1: one plan per (ratio, band)
+        chunks = {str(key): int(kp.num_chunks) for key, kp in step.plans.items()}
+    else:
+        chunks = {kind.name: int(kp.num_chunks) for kind, kp in kinds.items()}
     return chunks, int(step.max_workspace_rows)
 
 

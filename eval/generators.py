@@ -242,6 +242,19 @@ class JaxEvalGenerator(Generator):
         }
 
 
+def _is_v41(checkpoint) -> bool:
+    import json
+    from pathlib import Path
+
+    from planner.contract import is_v41_config
+
+    path = Path(checkpoint) / "config.json"
+    try:
+        return path.is_file() and is_v41_config(json.loads(path.read_text()))
+    except ValueError:  # unreadable config.json: the loaders say what is wrong with it
+        return False
+
+
 def load_generator(
     checkpoint,
     *,
@@ -253,7 +266,13 @@ def load_generator(
     batching="auto",
     batch_size=8,
 ) -> Generator:
-    """The generator for one configuration (see `TorchEvalGenerator` / `JaxEvalGenerator`)."""
+    """The generator for one configuration (see `TorchEvalGenerator` / `JaxEvalGenerator`).
+    A DeepSeek-V4.1 checkpoint runs on the JAX model only (so far)."""
+    if framework != "jax" and _is_v41(checkpoint):
+        raise ValueError(
+            f"framework: {str(checkpoint)!r} holds a DeepSeek-V4.1 checkpoint, which runs with framework='jax' "
+            f"(--framework jax) for now, got {framework!r}"
+        )
     if framework == "torch":
         return TorchEvalGenerator.from_checkpoint(
             checkpoint, backend=backend, policy=policy, dtype=dtype, device=device, batching=batching

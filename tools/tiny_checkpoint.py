@@ -510,13 +510,224 @@ def write_tiny_checkpoint(out_dir, seed: int = 0, names: str = "hf", dtype: str 
     return out
 
 
+# ----------------------------------------------------------------------------- DeepSeek-V4.1
+
+V41_FORMATS = ("hf", "official")
+# The tiny Engram: one layer (before the replay cut), 2-grams and 3-grams, 2 hash heads each,
+# 32-dim rows, buckets from primes above 61 (`dsv4_jax.model.engram`).
+TINY_V41_ENGRAM = dict(
+    engram_layer_ids=[1],
+    engram_vocab_size=61,
+    engram_max_ngram_size=3,
+    engram_n_heads=2,
+    engram_head_dim=32,
+    engram_pad_id=2,
+)
+
+
+def tiny_v41_config(engram: bool = True, **overrides) -> dict:
+    """A tiny DeepSeek-V4.1 text config in transformers' fields (`DeepseekV41TextConfig`):
+    `planner.contract.V41_PRESETS["V4.1-tiny"]` (7 layers of every role: window, a ratio-2 KV
+    source and its reuse, the ratio-1 cut and candidate source, a reuse, a Reindex candidate
+    consumer and its reuse; head_dim 512 / RoPE 64 / index_head_dim 128, 16 indexer heads,
+    window 16, index_topk 8, candidate blocks 4 x 4), plus, with `engram`, a tiny Engram at
+    layer 1 whose compressed vocabulary is the tiny tokenizer's (computed here). Keyword
+    overrides replace fields."""
+    cfg = preset("V4.1-tiny")
+    cfg["bos_token_id"] = 0
+    if engram:
+        cfg.update(TINY_V41_ENGRAM)
+    unknown = (
+        set(overrides) - set(cfg) - set(TINY_V41_ENGRAM) - {"engram_num_embeddings", "engram_compressed_vocab_size"}
+    )
+    if unknown:
+        raise ValueError(f"tiny_v41_config: unknown fields {sorted(unknown)}")
+    cfg.update(overrides)
+    if cfg.get("engram_layer_ids"):
+        from types import SimpleNamespace
+
+        from dsv4_jax.model import engram as eg
+
+        ns = SimpleNamespace(**{**TINY_V41_ENGRAM, **{k: v for k, v in cfg.items() if k.startswith("engram_")}})
+        cfg.setdefault("engram_num_embeddings", eg.table_rows(ns))
+        if "engram_compressed_vocab_size" not in overrides:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as d:
+                path = Path(d) / "tokenizer.json"
+                path.write_text(build_tokenizer(cfg["vocab_size"]).to_str())
+                cfg["engram_compressed_vocab_size"] = eg.compressed_token_map(path)[1]
+    else:
+        cfg["engram_layer_ids"] = []
+    return cfg
+
+
+def v41_parameter_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of transformers' `DeepseekV41ForCausalLM.state_dict()` and its shape."""
+    from planner.schedule import Schedule
+
+    sched = Schedule.from_config(cfg)
+    hid, V, H, D = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"], cfg["head_dim"]
+    qr, G, orank = cfg["q_lora_rank"], cfg["o_groups"], cfg["o_lora_rank"]
+    nh, E, inter = cfg["hc_mult"], cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    ih, idim = cfg["index_n_heads"], cfg["index_head_dim"]
+    engram = list(cfg.get("engram_layer_ids") or [])
+    shapes: dict[str, tuple[int, ...]] = {"model.embed.weight": (V, hid)}
+    for role in sched:
+        p = f"model.layers.{role.layer_id}."
+        a = p + "attn."
+        shapes.update(
+            {
+                a + "wq_a.weight": (qr, hid),
+                a + "q_norm.weight": (qr,),
+                a + "wq_b.weight": (H * D, qr),
+                a + "wkv.weight": (D, hid),
+                a + "kv_norm.weight": (D,),
+                a + "wo_a.weight": (G * orank, H * D // G),
+                a + "wo_b.weight": (hid, G * orank),
+                a + "attn_sink": (H,),
+            }
+        )
+        if role.is_kv_source:
+            shapes[a + "compressor.wkv.weight"] = (D, hid)
+            if role.compress_ratio > 1:
+                shapes[a + "compressor.wgate.weight"] = (D, hid)
+            shapes[a + "compressor.norm.weight"] = (D,)
+        if role.is_index_source:
+            shapes[a + "indexer.wq_b.weight"] = (ih * idim, qr)
+            shapes[a + "indexer.weights_proj.weight"] = (ih, hid)
+            if role.is_kv_source:
+                shapes[a + "indexer.wk.weight"] = (idim, D)
+                shapes[a + "indexer.k_norm.weight"] = (idim,)
+        m = p + "ffn."
+        shapes.update({m + "gate.weight": (E, hid), m + "gate.bias": (E,), m + "gate.bias_vl": (E,)})
+        for e in range(E):
+            shapes.update(
+                {
+                    m + f"experts.{e}.w1.weight": (inter, hid),
+                    m + f"experts.{e}.w2.weight": (hid, inter),
+                    m + f"experts.{e}.w3.weight": (inter, hid),
+                }
+            )
+        shapes.update(
+            {
+                m + "shared_experts.w1.weight": (inter, hid),
+                m + "shared_experts.w2.weight": (hid, inter),
+                m + "shared_experts.w3.weight": (inter, hid),
+                p + "attn_norm.weight": (hid,),
+                p + "ffn_norm.weight": (hid,),
+            }
+        )
+        for site in ("attn", "ffn"):
+            shapes.update(
+                {
+                    p + f"hc_{site}_fn": ((2 + nh) * nh, nh * hid),
+                    p + f"hc_{site}_base": ((2 + nh) * nh,),
+                    p + f"hc_{site}_scale": (3,),
+                }
+            )
+        if role.layer_id in engram:
+            k = engram.index(role.layer_id)
+            rows, edim = cfg["engram_num_embeddings"][k], cfg["engram_head_dim"]
+            cols = (cfg["engram_max_ngram_size"] - 1) * cfg["engram_n_heads"]
+            shapes.update(
+                {
+                    p + "engram.embed.weight": (rows, edim),
+                    p + "engram.embed.scale": (rows, edim // 32),
+                    p + "engram.wkv.weight": (hid * (nh + 1), cols * edim),
+                    p + "engram.q_weight": (nh, hid),
+                    p + "engram.k_weight": (nh, hid),
+                }
+            )
+    shapes.update({"model.norm.weight": (hid,), "lm_head.weight": (V, hid)})
+    return shapes
+
+
+def _init_v41(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    g = _rng(seed, name)
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("norm.weight"):
+        return (1.0 + 0.1 * g.standard_normal(shape)).astype(np.float32)
+    if leaf in ("attn_sink",):
+        return g.normal(0.0, 1.0, shape).astype(np.float32)
+    if leaf.endswith("_base"):
+        return g.normal(0.0, 0.5, shape).astype(np.float32)
+    if leaf.endswith("_scale") and leaf.startswith("hc_"):
+        return g.uniform(0.5, 1.5, shape).astype(np.float32)
+    if leaf in ("bias", "bias_vl"):
+        return g.normal(0.0, 0.1, shape).astype(np.float32)
+    if leaf in ("q_weight", "k_weight"):
+        return (1.0 + 0.2 * g.standard_normal(shape)).astype(np.float32)
+    if name.endswith("engram.embed.scale"):
+        return np.ones(shape, np.float32)
+    if name in ("model.embed.weight",) or name.endswith("engram.embed.weight"):
+        return g.standard_normal(shape).astype(np.float32)
+    return (g.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+
+def init_v41_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """All tensors of a V4.1 checkpoint in transformers' names, float32, each from its own stream."""
+    return {name: _init_v41(name, shape, seed) for name, shape in v41_parameter_shapes(cfg).items()}
+
+
+def v41_composite_config(cfg: dict) -> dict:
+    """The config.json `DeepseekV41ForCausalLM.save_pretrained` writes: `model_type` "deepseek_v41",
+    the text fields under `text_config` (model_type "deepseek_v41_text")."""
+    text = {k: v for k, v in cfg.items() if k != "architectures"}
+    text["model_type"] = "deepseek_v41_text"
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "text_config": text,
+        "vision_config": None,
+        "tie_word_embeddings": False,
+        "dtype": cfg.get("dtype", "float32"),
+    }
+
+
+def write_tiny_v41_checkpoint(out_dir, seed: int = 0, fmt: str = "hf", config=None, engram: bool = True) -> Path:
+    """Write a tiny random DeepSeek-V4.1 checkpoint directory; returns its path.
+
+    fmt "hf": transformers' names and its composite config.json (float32); "official": the
+    release's names, FP8 linears on the 32x32 grid, FP4 experts, an FP8 Engram table
+    (`tools.official_checkpoint.write_official_v41_checkpoint`). config: `tiny_v41_config(...)`."""
+    if fmt not in V41_FORMATS:
+        raise ValueError(f"fmt: expected one of {V41_FORMATS}, got {fmt!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
+    cfg = dict(tiny_v41_config(engram=engram) if config is None else config)
+    if fmt == "official":
+        from tools.official_checkpoint import write_official_v41_checkpoint
+
+        return write_official_v41_checkpoint(out_dir, seed=seed, config=cfg)
+    from safetensors.numpy import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(
+        dict(sorted(init_v41_tensors(cfg, seed).items())), str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
+    dump_json(out / "config.json", v41_composite_config(cfg))
+    write_tokenizer_files(out, {**cfg, "bos_token_id": cfg.get("bos_token_id", 0), "pad_token_id": 2})
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--names", choices=NAME_STYLES, default="hf")
     ap.add_argument("--dtype", choices=DTYPES, default="float32")
+    ap.add_argument("--model", choices=("v4", "v4.1"), default="v4", help="DeepSeek-V4 (default) or V4.1")
+    ap.add_argument(
+        "--format", choices=V41_FORMATS, default="hf", help="V4.1: transformers' format or the official release's"
+    )
+    ap.add_argument("--no-engram", action="store_true", help="V4.1: no Engram layer")
     args = ap.parse_args(argv)
+    if args.model == "v4.1":
+        path = write_tiny_v41_checkpoint(args.out, seed=args.seed, fmt=args.format, engram=not args.no_engram)
+        print(path)
+        return
     path = write_tiny_checkpoint(args.out, seed=args.seed, names=args.names, dtype=args.dtype)
     print(path)
 

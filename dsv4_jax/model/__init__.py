@@ -10,12 +10,27 @@
 * `safetensors_io`: the header parser and memory-mapped reader (no torch, no safetensors package).
 * `quant`: `QuantizedWeight` (FP8 / FP4 block-scaled weights on the device) and its dequantization.
 * `parallel`: where each weight lives on a mesh (tensor / expert / vocabulary / storage splits).
-* `generate`: `JaxGenerator`, continuous-batching greedy generation.
+* `generate`: `JaxGenerator`, continuous-batching greedy generation (V4 and V4.1 checkpoints).
+* `v41_config`, `v41_attention`, `v41`, `v41_checkpoint`, `engram`: DeepSeek-V4.1 (`V41Config`,
+  `DeepseekV41`): shared compressed caches, Reuse / Reindex indexers, the two-level top-k,
+  single-pass mHC, Engram, transformers' fake quantization, decoder bounded replay.
 """
 
 from dsv4_jax.model.config import ModelConfig, RopeConfig
 from dsv4_jax.model.generate import JaxGenerator
 from dsv4_jax.model.model import DeepseekV4, StepOutput, compile_counts
 from dsv4_jax.model.quant import QuantizedWeight
+from dsv4_jax.model.v41 import DeepseekV41
+from dsv4_jax.model.v41_config import V41Config
 
-__all__ = ["DeepseekV4", "JaxGenerator", "ModelConfig", "QuantizedWeight", "RopeConfig", "StepOutput", "compile_counts"]
+__all__ = [
+    "DeepseekV4",
+    "DeepseekV41",
+    "V41Config",
+    "JaxGenerator",
+    "ModelConfig",
+    "QuantizedWeight",
+    "RopeConfig",
+    "StepOutput",
+    "compile_counts",
+]

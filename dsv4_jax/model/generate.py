@@ -11,7 +11,10 @@
 "per_request", dtype="float32"|"bfloat16", *, weights="stored"|"dequantized", max_batch_size=8,
 max_model_len=4096, max_num_batched_tokens=512, mesh=None, axis=None, kv_cache_dtype="auto")`:
   loads the checkpoint (the official FP8/FP4 release, transformers' or DeepSeek's names; NumPy +
-  ml_dtypes, no torch; `dsv4_jax.model.checkpoint`) and keeps `max_batch_size` cache slots of
+  ml_dtypes, no torch; `dsv4_jax.model.checkpoint`; a DeepSeek-V4.1 checkpoint, either format,
+  loads `dsv4_jax.model.v41.DeepseekV41` with `dsv4_jax.model.v41_checkpoint`, and takes its
+  keywords `replay=` (False: exact, as transformers; None: vLLM's bounded replay) and
+  `fake_quant=` (True: transformers' FP8 / FP4 fake quantization)) and keeps `max_batch_size` cache slots of
   `max_model_len` tokens. `weights="stored"` keeps FP8 / FP4 weights as shipped (dequantized
   inside the matmuls), "dequantized" puts them in `dtype` at load. `mesh` (a
   `jax.sharding.Mesh`) and `axis` split the model over that mesh axis (`dsv4_jax.model.parallel`):
@@ -41,7 +44,8 @@ max_model_len=4096, max_num_batched_tokens=512, mesh=None, axis=None, kv_cache_d
     step's next tokens) and steps of each kind;
   compile_seconds: the part of those seconds spent in steps that traced a new program (subtract
     it for steady-state throughput); compiles: `dsv4_jax.model.compile_counts()`;
-  chunks_per_step: {"SWA"|"CSA"|"HCA": {"mean", "max"}} attention chunks the planner made per step;
+  chunks_per_step: {"SWA"|"CSA"|"HCA": {"mean", "max"}} attention chunks the planner made per step
+    (V4.1: per plan, "SWA/full", "CSA2/full", "CSA1/cut", "CSA1/replay", ...);
   peak_workspace_rows: the largest workspace (rows of 512) any step's plan needed.
 """
 
@@ -56,6 +60,7 @@ from pathlib import Path
 import numpy as np
 
 from dsv4_jax.model.model import DeepseekV4, compile_counts
+from dsv4_jax.model.v41 import is_v41_checkpoint
 
 
 @dataclass
@@ -88,7 +93,15 @@ class JaxGenerator:
     ):
         model_kwargs.setdefault("token_buckets", "pow2")  # prefill tails vary; few shapes beat tight padding
         self.checkpoint_dir = Path(checkpoint_dir)
-        self.model = DeepseekV4.from_checkpoint(
+        model_cls = DeepseekV4
+        if is_v41_checkpoint(checkpoint_dir):  # DeepSeek-V4.1 (either format): its own model
+            from dsv4_jax.model.v41 import DeepseekV41 as model_cls
+        elif {"replay", "fake_quant"} & set(model_kwargs):
+            raise ValueError(
+                f"{sorted({'replay', 'fake_quant'} & set(model_kwargs))}: DeepSeek-V4.1 options, but "
+                f"{str(checkpoint_dir)!r} holds a DeepSeek-V4 checkpoint"
+            )
+        self.model = model_cls.from_checkpoint(
             checkpoint_dir,
             dtype=dtype,
             weights=weights,
@@ -260,9 +273,13 @@ class JaxGenerator:
         s["compiles"] = compile_counts()
         self.last_plan = out.plan
         s["peak_workspace_rows"] = max(s["peak_workspace_rows"], out.plan.max_workspace_rows)
-        for kind, kp in out.plan.kinds.items():
-            total, count, most = self._chunks.get(kind.name, (0, 0, 0))
-            self._chunks[kind.name] = (total + kp.num_chunks, count + 1, max(most, kp.num_chunks))
+        if out.plan.schedule is None:  # V4: one plan per kind
+            named = [(kind.name, kp) for kind, kp in out.plan.kinds.items()]
+        else:  # V4.1: one plan per (ratio, band), e.g. "CSA2/full", "CSA1/replay"
+            named = [(str(key), kp) for key, kp in out.plan.plans.items()]
+        for name, kp in named:
+            total, count, most = self._chunks.get(name, (0, 0, 0))
+            self._chunks[name] = (total + kp.num_chunks, count + 1, max(most, kp.num_chunks))
         s["chunks_per_step"] = {k: {"mean": t / c, "max": m} for k, (t, c, m) in self._chunks.items()}
         return next_tokens
 

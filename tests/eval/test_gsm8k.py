@@ -372,6 +372,22 @@ def test_plan_figures_inputs():
     assert B.plan_figures(None) == (None, None)
     with pytest.raises(TypeError, match="plan"):
         B.plan_figures(42)
+    # DeepSeek-V4.1: one figure per plan (ratio, band) of the schedule
+    v41 = P.plan_step(
+        P.PrefillBatch([300, 40], [300, 40]),
+        P.PlanConfig(window_size=16, max_model_len=512, max_num_batched_tokens=512, replay=None),
+        P.Schedule.from_name("V4.1-tiny"),
+    )
+    chunks, peak = B.plan_figures(v41)
+    assert set(chunks) == {"SWA/full", "CSA2/full", "CSA1/cut", "CSA1/replay"} and peak == v41.max_workspace_rows
+
+
+def test_v41_checkpoints_run_on_the_jax_framework_only(tmp_path):
+    from planner.contract import preset
+
+    (tmp_path / "config.json").write_text(json.dumps(preset("V4.1-tiny")))
+    with pytest.raises(ValueError, match=r"DeepSeek-V4.1 checkpoint, which runs with framework='jax'"):
+        G.load_generator(tmp_path, framework="torch")
 
 
 # ----------------------------------------------------------------------------- compare

@@ -1,0 +1,577 @@
+"""DeepSeek-V4.1 in JAX, on the dsv4-prefill attention path: `DeepseekV41`, one ragged step at a time.
+
+The math is transformers' `DeepseekV41ForCausalLM` (text backbone; docs/jax-model.md,
+"DeepSeek-V4.1"); the attention core is the planner + `dsv4_jax.prefill.prefill_attention`, as
+for V4. What differs from V4 (`dsv4_jax.model.model`):
+
+* The layer schedule is the planner's `Schedule` (`V41Config.schedule`): ratios 0, 2, 1; only
+  KV sources own a compressor and a compressed cache, which the compressed layers after them
+  read; index sources score (Reindex: with their own weights against the KV source's index
+  keys), the others reuse the last index source's top-k; the candidate source keeps candidate
+  blocks that later index sources choose inside (`dsv4_jax.model.v41_attention`).
+* Single-pass mHC: each site computes (pre, post, comb) from one projection of the streams; a
+  site's `pre` collapses the streams for the *next* sublayer (the first attention collapses
+  stream 0), and the last one for the head. No hyper head.
+* MoE: top-k routing only (no hash layers), a router temperature, the routing weight applied
+  before the down projection; Engram layers add gated n-gram table rows to the streams before
+  their block (hash ids from `dsv4_jax.model.engram`, on the host, with the look-back kept per
+  slot across chunks).
+* Plans: one `planner.plan_step` per step over the schedule: one plan per (ratio, band), each
+  built into device metadata once and shared by its layers. `replay`: False (default) computes
+  every row with full windows, as transformers does; None / True is vLLM's decoder bounded
+  replay: layers from the cut (the last KV source) on compute each request's last min(query_len,
+  W) rows only (the cut still writes every row's window, compressed KV and index keys), where
+  the schedule allows it and some request has more than W new rows.
+* `fake_quant` (default True, transformers' forward): the window KV, compressed KV and indexer
+  q / k pass through their FP8 / FP4 grids; False keeps them unquantized.
+
+Per-request caches (`init_cache`): every layer a window ring (S, W-1, D); KV sources also
+entries (S, cdiv(L, r), D), index_keys (S, cdiv(L, r), index_head_dim) and (ratio 2) the
+projections of an unfinished pair. Steps, buckets, compiles and sharding are V4's (`mesh=`,
+`axis=`: `dsv4_jax.model.parallel`); programs are shared by layers of one variant (ratio, source
+roles, band, Engram).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dsv4_jax import backends
+from dsv4_jax.model import parallel
+from dsv4_jax.model.attention import StepInputs
+from dsv4_jax.model.checkpoint import DTYPES
+from dsv4_jax.model.engram import EngramHasher
+from dsv4_jax.model.layers import _EXPERT_DOT, _score, _swiglu, linear, rms_norm, rms_norm_unweighted
+from dsv4_jax.model.model import COMPILES, StepOutput, _embed
+from dsv4_jax.model.quant import QuantizedWeight, dense, dequantize
+from dsv4_jax.model.v41_attention import attention_v41, init_cache_v41
+from dsv4_jax.model.v41_checkpoint import load_checkpoint
+from dsv4_jax.model.v41_config import V41Config
+from dsv4_jax.prefill_metadata import QUERY_TILE, TOK_INDEX, KindMetadata, _kind_table
+from planner import POLICIES, PlanConfig, PrefillBatch, plan_step
+from planner.sizes import bucket, pow2_bucket
+
+F32 = jnp.float32
+HIGHEST = lax.Precision.HIGHEST
+
+# ----------------------------------------------------------------------------- mHC, MoE, Engram
+
+
+def hc_mixes(p, X, cfg: V41Config):
+    """One mHC site: X (T, n, hidden) -> pre, post (T, n), comb (T, n, n) float32 (comb[j, k]:
+    stream j -> k, Sinkhorn-projected), from one projection of the normalized flat streams."""
+    n, eps = cfg.hc_mult, cfg.hc_eps
+    flat = rms_norm_unweighted(X.reshape(X.shape[0], -1).astype(F32), cfg.rms_norm_eps)
+    mix = jnp.einsum("ti,oi->to", flat, p["fn"].astype(F32), precision=HIGHEST)
+    base, scale = p["base"].astype(F32), p["scale"].astype(F32)
+    pre = jax.nn.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
+    post = 2 * jax.nn.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb = mix[:, 2 * n :].reshape(-1, n, n) * scale[2] + base[2 * n :].reshape(n, n)
+    comb = jax.nn.softmax(comb, axis=-1) + eps
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+
+    def row_then_column(_, c):
+        c = c / (c.sum(axis=-1, keepdims=True) + eps)
+        return c / (c.sum(axis=-2, keepdims=True) + eps)
+
+    comb = lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, row_then_column, comb)
+    return pre, post, comb
+
+
+def hc_collapse(X, pre):
+    """sum_k pre_k X_k in float32, cast back: the sublayer input."""
+    return (pre[..., None] * X.astype(F32)).sum(axis=1).astype(X.dtype)
+
+
+def hc_expand(y, X, post, comb):
+    """X_k <- post_k * y + sum_j comb[j, k] X_j (float32 inside)."""
+    mixed = jnp.einsum("tjk,tjd->tkd", comb, X.astype(F32), precision=HIGHEST)
+    return (post[..., None] * y.astype(F32)[:, None, :] + mixed).astype(X.dtype)
+
+
+def _grouped(x, w, sizes):
+    precision = HIGHEST if x.dtype == F32 else lax.Precision.DEFAULT
+    return lax.ragged_dot_general(x, w, sizes, _EXPERT_DOT, precision=precision, preferred_element_type=F32)
+
+
+def routed_experts_v41(x, experts, weights, w13, w2, limit, first=0):
+    """sum_k w2(weights[t, k] * swiglu(w13 x)) over the experts held here (the weight applied
+    before the down projection, as transformers' V4.1 expert does); float32 (T, hidden)."""
+    k = experts.shape[1]
+    here = w13.shape[0]
+    local = experts - first
+    mine = (local >= 0) & (local < here)
+    flat = jnp.where(mine, local, here).reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=here + 1)[:here].astype(jnp.int32)
+    h = _grouped(x[token], dense(w13, x.dtype), sizes).astype(x.dtype).astype(F32)
+    inter = h.shape[-1] // 2
+    w = weights.reshape(-1)[order].astype(F32)
+    act = (_swiglu(h[:, :inter], h[:, inter:], limit) * w[:, None]).astype(x.dtype)
+    out = _grouped(act, dense(w2, x.dtype), sizes).astype(x.dtype).astype(F32)
+    out = jnp.where(mine.reshape(-1)[order][:, None], out, 0.0)
+    return jnp.zeros(x.shape, F32).at[token].add(out)
+
+
+def moe_v41(p, x, cfg: V41Config, mesh=None, axis=None):
+    """Routed experts (top-k of score + bias; weights from the unbiased scores, normalized,
+    scaled) + the shared expert: x (T, hidden) -> (T, hidden)."""
+    k, limit = cfg.num_experts_per_tok, cfg.swiglu_limit
+    scores = _score(linear(x.astype(F32), p["gate"]) / F32(cfg.gate_temp), cfg.scoring_func)
+    experts = lax.top_k(scores + p["bias"].astype(F32), k)[1]
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if cfg.norm_topk_prob and k > 1:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    weights = weights * F32(cfg.routed_scaling_factor)
+    if mesh is None:
+        routed = routed_experts_v41(x, experts, weights, p["w13"], p["w2"], limit)
+    else:
+
+        def per_device(x, experts, weights, w13, w2):
+            first = lax.axis_index(axis) * w13.shape[0]
+            return lax.psum(routed_experts_v41(x, experts, weights, w13, w2, limit, first), axis)
+
+        routed = jax.shard_map(
+            per_device, mesh=mesh, in_specs=(P(), P(), P(), P(axis), P(axis)), out_specs=P(), check_vma=False
+        )(x, experts, weights, p["w13"], p["w2"])
+    gate = linear(x, p["shared_w1"]).astype(F32)
+    up = linear(x, p["shared_w3"]).astype(F32)
+    shared = linear(_swiglu(gate, up, limit).astype(x.dtype), p["shared_w2"]).astype(F32)
+    return (routed + shared).astype(x.dtype)
+
+
+def engram_v41(p, X, hash_ids, cfg: V41Config):
+    """Engram: the streams X (T, n, hidden) plus each stream's gated value of the n-gram rows."""
+    table = p["embed"]
+    if isinstance(table, QuantizedWeight):  # FP8 rows with a UE8M0 scale per 32 dims
+        rows = dequantize(QuantizedWeight(table.data[hash_ids], table.scale[hash_ids], table.fmt, table.block), F32)
+    else:
+        rows = table[hash_ids]
+    T, n, hid = X.shape
+    kv = linear(rows.reshape(T, -1).astype(X.dtype), p["wkv"])
+    key = kv[:, : n * hid].astype(F32).reshape(T, n, hid)
+    value = kv[:, n * hid :].astype(F32)
+    weight = p["q_weight"].astype(F32) * p["k_weight"].astype(F32)
+    h = X.astype(F32)
+    eps = cfg.rms_norm_eps
+    rstd = lax.rsqrt(jnp.mean(h * h, axis=-1) + eps) * lax.rsqrt(jnp.mean(key * key, axis=-1) + eps)
+    dot = (h * weight * key).sum(axis=-1) * rstd * F32(hid**-0.5)
+    gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), F32(1e-6))), dot))
+    return (h + gate[..., None] * value[:, None, :]).astype(X.dtype)
+
+
+# ----------------------------------------------------------------------------- jitted pieces
+
+
+class Variant(NamedTuple):
+    """What makes two layers' programs differ (the layer id does not)."""
+
+    compress_ratio: int
+    is_kv_source: bool
+    is_index_source: bool
+    is_candidate_source: bool
+    uses_candidates: bool
+    engram: bool
+
+    @property
+    def name(self) -> str:
+        mode = (
+            "window"
+            if not self.compress_ratio
+            else "source"
+            if self.is_kv_source
+            else "reindex"
+            if self.is_index_source
+            else "reuse"
+        )
+        extra = ("+cand" if self.is_candidate_source else "") + ("+in-cand" if self.uses_candidates else "")
+        return f"r{self.compress_ratio}.{mode}{extra}{'+engram' if self.engram else ''}"
+
+
+def variant_of(role, cfg: V41Config) -> Variant:
+    return Variant(
+        role.compress_ratio,
+        role.is_kv_source,
+        role.is_index_source,
+        role.is_candidate_source,
+        role.uses_candidates,
+        role.layer_id in cfg.engram_layer_ids,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "variant", "n_entries", "opts"), donate_argnames=("cache",))
+def _layer(p, cache, source, shared, X, pre, kv_rows, rows, keep, meta, hash_ids, *, cfg, variant, n_entries, opts):
+    """One V4.1 decoder layer: (X (T, n, hidden), pre (T, n)) -> (X, pre) on its rows, cache, shared.
+
+    keep: None, or (at the replay cut) the rows of X it computes: X, pre and `shared` are cut
+    down to them (the layer still writes every row's window, compressed KV and index keys)."""
+    COMPILES[f"v41.layer[{variant.name}{'' if keep is None else '.cut'}]"] += 1
+    opts = dict(opts)
+    mesh, axis = opts["mesh"], opts["axis"]
+    p = parallel.gather_for_use(p, mesh)
+    eps = cfg.rms_norm_eps
+    if variant.engram:
+        X = engram_v41(p["engram"], X, hash_ids, cfg)
+    x_all = rms_norm(hc_collapse(X, pre), p["attn_norm"], eps)
+    if keep is not None:
+        X, pre = X[keep], pre[keep]
+        shared = {k: v[keep] for k, v in shared.items()}
+    attn_pre, attn_post, attn_comb = hc_mixes(p["attn_hc"], X, cfg)
+    y, cache, _, shared = attention_v41(
+        p["attn"], cache, source, shared, x_all, kv_rows, keep, rows, meta, cfg, variant, n_entries, opts
+    )
+    X = hc_expand(y, X, attn_post, attn_comb)
+    ffn_pre, ffn_post, ffn_comb = hc_mixes(p["ffn_hc"], X, cfg)
+    y = moe_v41(p["ffn"], rms_norm(hc_collapse(X, attn_pre), p["ffn_norm"], eps), cfg, mesh, axis)
+    X = hc_expand(y, X, ffn_post, ffn_comb)
+    if mesh is not None:
+        X, ffn_pre, cache, shared = jax.lax.with_sharding_constraint(
+            (X, ffn_pre, cache, shared), NamedSharding(mesh, P())
+        )
+    return X, ffn_pre, cache, shared
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
+def _head(p, X, pre, rows, *, cfg: V41Config, mesh):
+    """Logits (R, vocab) float32 of token rows `rows`, and their greedy next tokens (R,)."""
+    COMPILES["v41.head"] += 1
+    p = parallel.gather_for_use(p, mesh)
+    h = rms_norm(hc_collapse(X[rows], pre[rows]), p["norm"], cfg.rms_norm_eps)
+    logits = linear(h, p["head"]).astype(F32)
+    return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+@dataclass
+class V41StepInputs:
+    """Host-built arrays of one step (device arrays): the full rows, the replay rows (or None)."""
+
+    full: StepInputs
+    band: StepInputs | None
+    keep: jax.Array | None
+    head_rows: jax.Array
+    metas: dict
+    n_entries: dict
+    hash_ids: jax.Array | None
+    plan: object
+
+
+class DeepseekV41:
+    """A DeepSeek-V4.1 model with per-request caches, run one ragged step at a time.
+
+    As `dsv4_jax.model.DeepseekV4` (same step API, buckets, backends, mesh), plus:
+      replay: False (default: every row, full windows, as transformers computes), None (vLLM's
+        default: bounded replay where the schedule allows it) or True (required; ValueError
+        where the schedule does not allow it). See the module docstring.
+      fake_quant: transformers' FP8 / FP4 fake quantization of the window KV, compressed KV and
+        indexer q / k (default True); False computes them unquantized.
+      tokenizer_file: the checkpoint's tokenizer.json, needed by Engram layers (their hashes).
+    """
+
+    def __init__(
+        self,
+        config: V41Config,
+        params: dict,
+        *,
+        max_batch_size: int = 8,
+        max_model_len: int = 4096,
+        max_num_batched_tokens: int = 512,
+        backend: str = "auto",
+        interpret=False,
+        policy: str = "adaptive",
+        mesh: Mesh | None = None,
+        axis: str | None = None,
+        dtype=None,
+        min_tokens: int = 16,
+        min_workspace_rows: int = 128,
+        token_tile: int = 256,
+        gather_tile: int = 4096,
+        min_requests: int = 8,
+        token_buckets: str = "fine",
+        replay: bool | None = False,
+        fake_quant: bool = True,
+        tokenizer_file=None,
+        kv_cache_dtype: str = "auto",
+        indexer_backend: str = "auto",
+    ):
+        if not isinstance(config, V41Config):
+            raise TypeError(f"config: expected a V41Config, got {type(config).__name__}")
+        for name, v in (
+            ("max_batch_size", max_batch_size),
+            ("max_model_len", max_model_len),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+        if kv_cache_dtype != "auto":
+            raise ValueError(
+                f"kv_cache_dtype: the V4.1 model keeps its caches in the model dtype ('auto'), got {kv_cache_dtype!r}"
+            )
+        if indexer_backend != "auto":
+            raise ValueError(
+                "indexer_backend: the V4.1 indexer (two-level top-k) runs in the model's own XLA code ('auto'), "
+                f"got {indexer_backend!r}"
+            )
+        if not isinstance(fake_quant, bool):
+            raise ValueError(f"fake_quant: expected True or False, got {fake_quant!r}")
+        config.schedule.resolve_replay(replay)  # ValueError: replay=True where vLLM would not replay
+        if not isinstance(params, dict) or len(params.get("layers", ())) != config.num_hidden_layers:
+            raise ValueError(
+                f"params: expected the tree of dsv4_jax.model.v41_checkpoint.load_params for {config.num_hidden_layers} layers"
+            )
+        backends.check_name(backend, backends.ATTENTION)
+        if backend == "mosaic_tpu" and config.schedule.resolve_replay(replay):
+            raise ValueError(
+                "backend: 'mosaic_tpu' tiles the step's full rows; with bounded replay (replay=None / True) the "
+                "layers past the cut compute the kept rows only: use replay=False or another backend"
+            )
+        mesh, axis = parallel.resolve_mesh(mesh, axis)
+        if mesh is not None:
+            parallel.check_divisible(config, mesh, axis)
+        if dtype is None:
+            dtype = params["embed"].dtype
+        elif dtype in DTYPES:
+            dtype = DTYPES[dtype]
+        else:
+            raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+        if token_buckets not in ("fine", "pow2"):
+            raise ValueError(f"token_buckets: expected 'fine' or 'pow2', got {token_buckets!r}")
+        self._placement = None if mesh is None else NamedSharding(mesh, P())
+        self.mesh, self.axis = mesh, axis
+        self.config = config
+        self.schedule = config.schedule
+        self.params = params if mesh is None else parallel.place(params, mesh, axis)
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.dtype = jnp.dtype(dtype)
+        self.replay = replay
+        self.fake_quant = fake_quant
+        self.plan_config = PlanConfig(
+            window_size=config.sliding_window,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            policy=policy,
+            replay=replay,
+        )
+        self._min_requests = min(pow2_bucket(min_requests), pow2_bucket(max_batch_size))
+        self._token_buckets = token_buckets
+        self._min_tokens = min_tokens
+        self._min_workspace_rows = min_workspace_rows
+        self._token_tile, self._gather_tile = token_tile, gather_tile
+        self._opts = (
+            ("backend", backend),
+            ("interpret", interpret),
+            ("mesh", mesh),
+            ("axis", axis),
+            ("fake_quant", fake_quant),
+        )
+        self._variants = [variant_of(role, config) for role in self.schedule]
+        self.engram = None
+        if config.engram_layer_ids:
+            self.engram = EngramHasher(config, tokenizer_file, max_batch_size, max_model_len)
+
+    @classmethod
+    def from_checkpoint(cls, path, dtype="float32", *, weights: str = "stored", **kwargs) -> DeepseekV41:
+        """Load a V4.1 checkpoint directory (either format, `dsv4_jax.model.v41_checkpoint`) and
+        build the model; its tokenizer.json serves the Engram layers."""
+        config, params = load_checkpoint(
+            path, dtype=dtype, weights=weights, mesh=kwargs.get("mesh"), axis=kwargs.get("axis")
+        )
+        kwargs.setdefault("tokenizer_file", Path(path) / "tokenizer.json")
+        return cls(config, params, dtype=dtype, **kwargs)
+
+    def init_cache(self) -> list[dict]:
+        cache = init_cache_v41(self.config, self.max_batch_size, self.max_model_len, self.dtype)
+        return cache if self._placement is None else jax.device_put(cache, self._placement)
+
+    def _tokens_bucket(self, n: int) -> int:
+        if self._token_buckets == "fine":
+            return bucket(n, self._min_tokens)
+        return pow2_bucket(n, self._min_tokens)
+
+    def prepare_step(self, slots, prefix_lens, tokens, all_tokens: bool = False) -> V41StepInputs:
+        """Host side of a step: plan it once (`planner.plan_step` over the schedule), build each
+        plan's metadata once, pad and copy the step's arrays, hash the Engram n-grams."""
+        B = len(slots)
+        if B == 0 or len(prefix_lens) != B or len(tokens) != B:
+            raise ValueError(
+                f"slots, prefix_lens, tokens: need the same non-zero length, got {B}, {len(prefix_lens)}, {len(tokens)}"
+            )
+        slots = [int(s) for s in slots]
+        if len(set(slots)) != B or min(slots) < 0 or max(slots) >= self.max_batch_size:
+            raise ValueError(f"slots: need distinct slots in 0..{self.max_batch_size - 1}, got {slots}")
+        q_lens = np.array([len(t) for t in tokens], dtype=np.int64)
+        if q_lens.min() < 1:
+            raise ValueError(f"tokens: every request needs >= 1 new token, got lengths {q_lens.tolist()}")
+        prefix = np.array([int(p) for p in prefix_lens], dtype=np.int64)
+        if prefix.min() < 0:
+            raise ValueError(f"prefix_lens: must be >= 0, got {prefix.tolist()}")
+        seq = prefix + q_lens
+        ids = np.concatenate([np.asarray(t, dtype=np.int64).reshape(-1) for t in tokens])
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(
+                f"tokens: ids must be in 0..{self.config.vocab_size - 1}, got {int(ids.min())}..{int(ids.max())}"
+            )
+        batch = PrefillBatch(seq, q_lens, self.max_model_len, self.plan_config.max_num_batched_tokens)
+        plan = plan_step(batch, self.plan_config, self.schedule)  # once per step
+        if all_tokens and plan.replay:
+            raise ValueError(
+                "all_tokens: bounded replay computes only each request's last rows past the cut; "
+                "build the model with replay=False for every row's logits"
+            )
+        T, S, W = int(q_lens.sum()), self.max_batch_size, self.config.sliding_window
+        T_pad, B_pad = self._tokens_bucket(T), pow2_bucket(B, self._min_requests)
+
+        def pad(a, n, fill):
+            out = np.full(n, fill, dtype=np.int32)
+            out[: len(a)] = a
+            return out
+
+        def inputs(n_pad, ids_, positions, kept):
+            starts = np.concatenate([[0], np.cumsum(kept)[:-1]])
+            return StepInputs(
+                token_ids=pad(ids_, n_pad, 0),
+                positions=pad(positions, n_pad, 0),
+                token_request=pad(np.repeat(np.arange(B), kept), n_pad, 0),
+                token_valid=pad(np.ones(int(kept.sum())), n_pad, 0).astype(bool),
+                slot=pad(slots, B_pad, S),
+                prefix=pad(seq - kept, B_pad, 0),
+                seq_len=pad(seq, B_pad, 0),
+                token_start=pad(starts, B_pad, int(kept.sum())),
+                index_entries=0,
+            )
+
+        full = inputs(T_pad, ids, batch.token_position, q_lens)
+        band = keep = None
+        last_rows_of = q_lens
+        if plan.replay:
+            rows_b = batch.band("replay", W)
+            kept = rows_b.query_lens
+            R_pad = self._tokens_bucket(int(kept.sum()))
+            band = inputs(R_pad, ids[rows_b.token_index], rows_b.token_position, kept)
+            keep = pad(rows_b.token_index, R_pad, 0)
+            last_rows_of = kept
+        if all_tokens:
+            head_rows = np.arange(T_pad)
+        else:
+            head_rows = pad(np.cumsum(last_rows_of) - 1, B_pad, 0)
+        metas = {}
+        for key, kp in plan.plans.items():
+            n_pad = T_pad if key.band == "full" else band.token_ids.shape[0]
+            rows = max(self._min_workspace_rows, pow2_bucket(kp.max_workspace_rows))
+            # (query tiles, read by backend "mosaic_tpu" only, describe the full batch's rows: for
+            # the kept rows' plans one tile per request keeps them inside the table)
+            tile = QUERY_TILE if key.band == "full" else pow2_bucket(int(q_lens.max()))
+            shape, table = _kind_table(
+                kp,
+                n_pad,
+                self.config.index_topk,
+                "bucket",
+                self._token_tile,
+                self._gather_tile,
+                rows,
+                tile,
+            )
+            if key.band != "full":  # the layers' rows are the kept rows, packed: renumber them
+                n = kp.token_index.shape[0]
+                table[TOK_INDEX, :n] = np.searchsorted(batch.band(key.band, W).token_index, kp.token_index)
+            metas[key] = (shape, table, kp)
+        tables = jax.device_put([t for _, t, _ in metas.values()], self._placement)
+        metas = {
+            key: KindMetadata(table, shape, kp, kp.token_index.shape[0], B)
+            for (key, (shape, _, kp)), table in zip(metas.items(), tables)
+        }
+        max_seq = int(seq.max())
+        n_entries = {
+            r: min(pow2_bucket(max_seq // r, 128), -(-self.max_model_len // r))
+            for r in set(self.config.compress_ratios)
+            if r
+        }
+        hash_ids = None
+        if self.engram is not None:
+            h = self.engram.hash_ids(slots, prefix, tokens)
+            hash_ids = np.zeros((T_pad,) + h.shape[1:], np.int32)
+            hash_ids[:T] = h
+        arrays = (full, band, keep, head_rows.astype(np.int32), hash_ids)
+        full, band, keep, head_rows, hash_ids = jax.device_put(arrays, self._placement)
+        return V41StepInputs(full, band, keep, head_rows, metas, n_entries, hash_ids, plan)
+
+    def step(self, cache: list[dict], slots, prefix_lens, tokens, all_tokens: bool = False, timings=None):
+        """Run one ragged step; returns (new cache, StepOutput). The old cache may be donated.
+
+        timings: None, or a list that gets one (layer id, variant name, band, seconds) per layer,
+        each layer waited for (for benchmarks: it serializes the dispatch)."""
+        s = self.prepare_step(slots, prefix_lens, tokens, all_tokens)
+        cfg = self.config
+        X = _embed(self.params["embed"], s.full.token_ids, cfg=cfg, dtype=self.dtype, mesh=self.mesh, axis=self.axis)
+        pre = jax.device_put(np.eye(1, cfg.hc_mult, dtype=np.float32).repeat(X.shape[0], 0), self._placement)
+        cache = list(cache)
+        shared: dict = {}
+        replay = s.plan.replay
+        for i, role in enumerate(self.schedule):
+            band = role.band(replay)
+            key = s.plan.layer_keys[i]
+            if band == "full":
+                kv_rows, rows, keep = s.full, s.full, None
+            elif band == "cut":
+                kv_rows, rows, keep = s.full, s.band, s.keep
+            else:
+                kv_rows, rows, keep = s.band, s.band, None
+            source = None
+            if role.has_compressed and not role.is_kv_source:
+                source = cache[role.kv_source_layer_id]
+            k = cfg.engram_layer_ids.index(i) if i in cfg.engram_layer_ids else None
+            t0 = None if timings is None else time.perf_counter()
+            X, pre, cache[i], shared = _layer(
+                self.params["layers"][i],
+                cache[i],
+                source,
+                shared,
+                X,
+                pre,
+                kv_rows,
+                rows,
+                keep,
+                s.metas[key],
+                None if k is None else s.hash_ids[:, k],
+                cfg=cfg,
+                variant=self._variants[i],
+                n_entries=s.n_entries.get(role.compress_ratio, 0),
+                opts=self._opts,
+            )
+            if timings is not None:
+                jax.block_until_ready((X, cache[i]))
+                timings.append((i, self._variants[i].name, band, time.perf_counter() - t0))
+        head = {k: self.params[k] for k in ("norm", "head")}
+        logits, next_tokens = _head(head, X, pre, s.head_rows, cfg=cfg, mesh=self.mesh)
+        q_lens = [len(t) for t in tokens]
+        return cache, StepOutput(logits, next_tokens, all_tokens, q_lens, s.plan)
+
+
+def is_v41_checkpoint(path) -> bool:
+    """Whether a checkpoint directory's config.json is DeepSeek-V4.1's."""
+    import json
+
+    from planner.contract import is_v41_config
+
+    p = Path(path) / "config.json"
+    return p.is_file() and is_v41_config(json.loads(p.read_text()))
+
+
+__all__ = ["DeepseekV41", "Variant", "hc_collapse", "hc_expand", "hc_mixes", "is_v41_checkpoint", "moe_v41"]
