@@ -6,7 +6,9 @@ once per step per `(compress_ratio, prefill_chunk_size, has_compressed)` and kee
 the step's metadata object (vLLM builds a fresh one every step), so a 43-layer V4-Flash step plans
 each of its three kinds once and answers the other calls from that cache.
 
-The plan is `planner.plan_kind`'s adaptive plan in vLLM's tuple form `(start, end, N, M)`,
+The plan is `planner.plan_kind`'s adaptive plan in vLLM's tuple form `(start, end, N, M)` (for
+steps of up to `SMALL_STEP` prefill requests the same tuples from `planner.plan.vllm_chunk_tuples`,
+which plans on Python lists: NumPy's fixed cost per call would be most of a small step's time),
 identical to vLLM's own wherever every prefill request has query tokens. Requests with
 `query_len == 0` (KV-transfer loads, padded rows) never form or widen a chunk, and no chunk's
 range `[start, end)` contains one (`PlanConfig(contiguous=True)`): vLLM's chunk loop gathers every
@@ -33,6 +35,7 @@ from functools import lru_cache
 import numpy as np
 
 import planner
+from planner.plan import vllm_chunk_tuples
 
 _CACHE_ATTR = "_dsv4_prefill_step_plans"
 
@@ -58,6 +61,11 @@ def _layer(compress_ratio: int, has_compressed: bool):
     return planner.LayerSpec(planner.LayerKind.SWA, 0)
 
 
+# Steps of up to this many prefill requests are planned on Python lists
+# (`planner.plan.vllm_chunk_tuples`), larger ones on NumPy (`planner.plan_kind`): the same tuples.
+SMALL_STEP = 64
+
+
 def _host_ints(t, name: str, n: int) -> np.ndarray:
     """The first n entries of a CPU integer tensor (or array) as NumPy, without a copy."""
     if t is None:
@@ -71,27 +79,47 @@ def _host_ints(t, name: str, n: int) -> np.ndarray:
     return a[:n]
 
 
+def _host_list(t, name: str, n: int) -> list:
+    """The first n entries of a CPU tensor (or array) as a list, in one `tolist()`."""
+    if t is None:
+        raise ValueError(f"{name}: None on a step with {n} prefill requests")
+    if getattr(t, "is_cpu", True) is False:  # reading it would wait for the device
+        raise ValueError(f"{name}: expected a CPU tensor, got one on {t.device}")
+    if getattr(t, "ndim", None) != 1 or len(t) < n:
+        raise ValueError(f"{name}: expected at least {n} entries (num_prefills), got shape {tuple(np.shape(t))}")
+    return (t[:n] if len(t) != n else t).tolist()
+
+
 class StepPlans:
-    """One step's prefill batch and the plans made from it so far, keyed by planning inputs.
+    """One step's prefill lengths and the plans made from them so far, keyed by planning inputs.
 
     Shared by every metadata object of the step with the same prefill lengths and limits (the
-    replay batch's two objects), each bound to it by a `_Binding`."""
+    replay batch's two objects), each bound to it by a `_Binding`. Up to `SMALL_STEP` requests
+    the lengths stay Python lists, planned by `planner.plan.vllm_chunk_tuples`; more become a
+    `planner.PrefillBatch` planned by `planner.plan_kind` (both check them alike)."""
 
-    __slots__ = ("limits", "batch", "plans", "planned")
+    __slots__ = ("limits", "batch", "lists", "plans", "planned")
 
-    def __init__(self, limits, seq: np.ndarray, qry: np.ndarray):
+    def __init__(self, limits, seq, qry):
         n, W, mml, mnbt = limits
         self.limits = limits
-        self.batch = planner.PrefillBatch(seq, qry, mml, mnbt)  # copies the lengths
+        if isinstance(seq, list):
+            self.batch, self.lists = None, (seq, qry)
+        else:
+            self.batch, self.lists = planner.PrefillBatch(seq, qry, mml, mnbt), None  # copies the lengths
         self.plans: dict[tuple, list[tuple[int, int, int, int]]] = {}
         self.planned = 0  # how many plans this step made (one per key)
 
     def plan(self, compress_ratio: int, prefill_chunk_size: int, has_compressed: bool):
         _, W, mml, mnbt = self.limits
         config = _config(W, mml, mnbt, prefill_chunk_size)
-        kind_plan = planner.plan_kind(self.batch, config, _layer(compress_ratio, has_compressed))
+        layer = _layer(compress_ratio, has_compressed)
+        if self.batch is None:
+            plan = vllm_chunk_tuples(*self.lists, config, layer)
+        else:
+            plan = planner.plan_kind(self.batch, config, layer).as_tuples()
         self.planned += 1
-        return kind_plan.as_tuples()
+        return plan
 
 
 class _Binding:
@@ -116,7 +144,7 @@ class _Binding:
         )
 
 
-# Recently planned steps by content: (limits, seq_lens bytes, query_lens bytes) -> StepPlans.
+# Recently planned steps by content: (limits, seq_lens, query_lens as tuples or bytes) -> StepPlans.
 # A step has at most three metadata objects (the batch, the replay batch's two); a few more
 # entries cover engines that build metadata for micro-batches too.
 _RECENT: dict[tuple, StepPlans] = {}
@@ -131,9 +159,14 @@ def _bind(md) -> _Binding:
     """Bind `md` to the step its prefill lengths describe: a recent one with equal content, else a new one."""
     limits = _limits(md)
     n = limits[0]
-    seq = _host_ints(md.prefill_seq_lens_cpu, "prefill_seq_lens_cpu", n)
-    qry = _host_ints(md.prefill_query_lens_cpu, "prefill_query_lens_cpu", n)
-    key = (limits, seq.dtype.str, seq.tobytes(), qry.dtype.str, qry.tobytes())
+    if n <= SMALL_STEP:
+        seq = _host_list(md.prefill_seq_lens_cpu, "prefill_seq_lens_cpu", n)
+        qry = _host_list(md.prefill_query_lens_cpu, "prefill_query_lens_cpu", n)
+        key = (limits, tuple(seq), tuple(qry))
+    else:
+        seq = _host_ints(md.prefill_seq_lens_cpu, "prefill_seq_lens_cpu", n)
+        qry = _host_ints(md.prefill_query_lens_cpu, "prefill_query_lens_cpu", n)
+        key = (limits, seq.dtype.str, seq.tobytes(), qry.dtype.str, qry.tobytes())
     step = _RECENT.get(key)
     if step is None:
         step = StepPlans(limits, seq, qry)

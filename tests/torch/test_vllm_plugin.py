@@ -252,8 +252,10 @@ def test_spec_example_and_zero_query_requests():
 def test_one_plan_per_kind_per_step(monkeypatch):
     chunk_plan.forget_steps()
     calls = []
-    real = planner.plan_kind
-    monkeypatch.setattr(planner, "plan_kind", lambda *a, **k: calls.append(a[2].compress_ratio) or real(*a, **k))
+    real = chunk_plan.StepPlans.plan
+    monkeypatch.setattr(
+        chunk_plan.StepPlans, "plan", lambda self, r, pcs, hc: calls.append(r if hc else 0) or real(self, r, pcs, hc)
+    )
     ratios = [max(1, spec.compress_ratio) for spec in planner.ModelShape.from_name("V4-Flash").layers]
     assert len(ratios) == 44  # 43 layers and the MTP layer; SWA layers ask with ratio 1
     md = Metadata(
@@ -274,8 +276,10 @@ def test_equal_metadata_objects_share_one_step(monkeypatch):
     plans. Different lengths or limits plan afresh; forget_steps() drops the shared steps."""
     chunk_plan.forget_steps()
     calls = []
-    real = planner.plan_kind
-    monkeypatch.setattr(planner, "plan_kind", lambda *a, **k: calls.append(a[2].compress_ratio) or real(*a, **k))
+    real = chunk_plan.StepPlans.plan
+    monkeypatch.setattr(
+        chunk_plan.StepPlans, "plan", lambda self, r, pcs, hc: calls.append(r if hc else 0) or real(self, r, pcs, hc)
+    )
     seq, qry = np.array([300, 5000, 129, 64]), np.array([300, 200, 129, 1])
     kept = np.minimum(qry, LIMITS["window_size"])  # each request's last min(query_len, W) rows
     batch, cut, past = (Metadata(seq, q, **LIMITS) for q in (qry, kept, kept))

@@ -211,8 +211,8 @@ def test_v41_step_plans_three_times(v41_consumers, make_metadata, vllm_plan, mon
 
     chunk_plan.forget_steps()
     planned, seen = [], []
-    real_plan = planner.plan_kind
-    monkeypatch.setattr(planner, "plan_kind", lambda *a, **k: planned.append(a[2]) or real_plan(*a, **k))
+    real_plan = chunk_plan.StepPlans.plan
+    monkeypatch.setattr(chunk_plan.StepPlans, "plan", lambda self, *a: planned.append(a) or real_plan(self, *a))
     method = type(batch).get_prefill_chunk_plan
     monkeypatch.setattr(
         type(batch),
