@@ -33,6 +33,7 @@ pieces without query tokens as well, and needs no budget at all unless a key wor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 
@@ -239,7 +240,8 @@ class KeysAtLeast:
 
 def _pieces_of(out: list, r0: int, r1: int, m: int, k: int, elems: int) -> None:
     """Append one chunk's query pieces (vLLM's `max(1, elems // N)` tokens each; N == 0: one piece;
-    no query tokens: none)."""
+    no query tokens: none). The pieces' tuples are made in C (`zip`, `map(slice, ...)`): a chunk
+    of a long ratio-1 context has many."""
     step = elems // k if k > 0 else m
     rs = slice(r0, r1)
     if step >= m:
@@ -248,7 +250,7 @@ def _pieces_of(out: list, r0: int, r1: int, m: int, k: int, elems: int) -> None:
         return
     if step < 1:
         step = 1
-    out.extend((rs, slice(a, min(a + step, m))) for a in range(0, m, step))
+    out.extend(zip(repeat(rs), map(slice, range(0, m, step), [*range(step, m, step), m])))
 
 
 def split_indexer_prefill_chunks(
@@ -300,7 +302,7 @@ def split_indexer_prefill_chunks(
         offset = as_int(request_offset, "request_offset", minimum=0)
     elems //= 4
     out: list[tuple[slice, slice]] = []
-    append = out.append
+    append, sl = out.append, slice
     start = i = offset  # request indices as vLLM returns them (offset added)
     m = k = 0
     for c, q in zip(comp, qry):
@@ -309,7 +311,7 @@ def split_indexer_prefill_chunks(
         if (n2 > workspace or m2 * n2 > elems) and i > start:  # request i opens the next chunk
             if m * k <= elems:  # the common case, one piece (vLLM's max_q >= m), inline
                 if m:
-                    append((slice(start, i), slice(0, m)))
+                    append((sl(start, i), sl(0, m)))
             else:
                 _pieces_of(out, start, i, m, k, elems)
             start = i
@@ -321,7 +323,7 @@ def split_indexer_prefill_chunks(
         i += 1
     if m * k <= elems:
         if m:
-            append((slice(start, i), slice(0, m)))
+            append((sl(start, i), sl(0, m)))
     else:
         _pieces_of(out, start, i, m, k, elems)
     return out
