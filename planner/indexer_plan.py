@@ -240,8 +240,8 @@ class KeysAtLeast:
 
 def _pieces_of(out: list, r0: int, r1: int, m: int, k: int, elems: int) -> None:
     """Append one chunk's query pieces (vLLM's `max(1, elems // N)` tokens each; N == 0: one piece;
-    no query tokens: none). The pieces' tuples are made in C (`zip`, `map(slice, ...)`): a chunk
-    of a long ratio-1 context has many."""
+    no query tokens: none). Many pieces (a long ratio-1 context's chunk) are made in C (`zip`,
+    `map(slice, ...)`), a few in a plain loop."""
     step = elems // k if k > 0 else m
     rs = slice(r0, r1)
     if step >= m:
@@ -250,7 +250,14 @@ def _pieces_of(out: list, r0: int, r1: int, m: int, k: int, elems: int) -> None:
         return
     if step < 1:
         step = 1
-    out.extend(zip(repeat(rs), map(slice, range(0, m, step), [*range(step, m, step), m])))
+    if m > 16 * step:  # many pieces: made in C
+        out.extend(zip(repeat(rs), map(slice, range(0, m, step), [*range(step, m, step), m])))
+        return
+    append, a = out.append, 0
+    while a < m:  # a few pieces: a plain loop costs less than building the iterators
+        b = a + step
+        append((rs, slice(a, b if b < m else m)))
+        a = b
 
 
 def split_indexer_prefill_chunks(
