@@ -229,7 +229,7 @@ class KeysAtLeast:
 
     def __init__(self, values, minimum: int):
         self.values = values
-        self.minimum = as_int(minimum, "minimum", minimum=0)
+        self.minimum = minimum if type(minimum) is int and minimum >= 0 else as_int(minimum, "minimum", minimum=0)
 
     def __len__(self) -> int:
         return len(self.values)
@@ -286,15 +286,27 @@ def split_indexer_prefill_chunks(
     request that does not fit a chunk cannot fit it later, and one that does not fit alone is a
     chunk alone).
     """
-    if type(compressed_seq_lens) is KeysAtLeast:
-        lo = compressed_seq_lens.minimum
-        comp = _int_list(compressed_seq_lens.values, "compressed_seq_lens")
+    lo, lens = None, compressed_seq_lens
+    if type(lens) is KeysAtLeast:
+        lo, lens = lens.minimum, lens.values
+    try:  # vLLM's call: two 1-D integer CPU tensors, read in one tolist() each
+        if (
+            _LISTABLE[lens.dtype]
+            and _LISTABLE[query_lens.dtype]
+            and lens.ndim == 1 == query_lens.ndim
+            and lens.is_cpu
+            and query_lens.is_cpu
+        ):
+            comp, qry = lens.tolist(), query_lens.tolist()
+        else:
+            raise KeyError
+    except (KeyError, AttributeError, TypeError):  # anything else: checked and converted one by one
+        comp = _int_list(lens, "compressed_seq_lens")
+        qry = _int_list(query_lens, "query_lens")
+    if lo is not None:  # V4.1's sparse-logits minimum, applied to checked lengths
         if comp and min(comp) < 0:
             _negative(comp, "compressed_seq_lens")
         comp = [c if c > lo else lo for c in comp]
-    else:
-        comp = _int_list(compressed_seq_lens, "compressed_seq_lens")
-    qry = _int_list(query_lens, "query_lens")
     if len(comp) != len(qry):
         raise ValueError(
             f"query_lens: {len(qry)} entries for {len(comp)} requests (compressed_seq_lens has {len(comp)})"
