@@ -30,6 +30,7 @@ Nothing here imports vLLM: it reads the metadata object's attributes only.
 
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -149,6 +150,7 @@ class _Binding:
 # entries cover engines that build metadata for micro-batches too.
 _RECENT: dict[tuple, StepPlans] = {}
 _RECENT_MAX = 8
+_RECENT_LOCK = threading.Lock()
 
 
 def _limits(md) -> tuple[int, int, int, int]:
@@ -167,12 +169,13 @@ def _bind(md) -> _Binding:
         seq = _host_ints(md.prefill_seq_lens_cpu, "prefill_seq_lens_cpu", n)
         qry = _host_ints(md.prefill_query_lens_cpu, "prefill_query_lens_cpu", n)
         key = (limits, seq.dtype.str, seq.tobytes(), qry.dtype.str, qry.tobytes())
-    step = _RECENT.get(key)
-    if step is None:
-        step = StepPlans(limits, seq, qry)
-        if len(_RECENT) >= _RECENT_MAX:
-            del _RECENT[next(iter(_RECENT))]  # the oldest
-        _RECENT[key] = step
+    with _RECENT_LOCK:  # (metadata may be built beside a running forward)
+        step = _RECENT.get(key)
+        if step is None:
+            step = StepPlans(limits, seq, qry)
+            if len(_RECENT) >= _RECENT_MAX:
+                del _RECENT[next(iter(_RECENT))]  # the oldest
+            _RECENT[key] = step
     binding = _Binding(md, limits, step)
     md.__dict__[_CACHE_ATTR] = binding
     return binding
@@ -180,7 +183,8 @@ def _bind(md) -> _Binding:
 
 def forget_steps() -> None:
     """Drop the recently planned steps (`_RECENT`): the next metadata object plans afresh."""
-    _RECENT.clear()
+    with _RECENT_LOCK:
+        _RECENT.clear()
 
 
 def step_plans(md) -> StepPlans | None:
