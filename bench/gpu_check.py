@@ -1,11 +1,11 @@
 """Every GPU check in one command, sized for a short lease on one H100/H200/B200.
 
-    python -m bench.gpu_check [--budget 270] [--model-seconds 90] [--kvcache-seconds 60]
+    python -m bench.gpu_check [--budget 270] [--model-seconds 90] [--kvcache-seconds 60] [--v41-seconds 60]
 
 The default budget keeps the GPU tests and the first three checks under five minutes on an H200
 (each script stops starting new measurements at its share and prints every row as it is
 measured, so a cap loses nothing done); the model and KV-cache checks have their own caps on top
-(`--model-seconds`, `--kvcache-seconds`).
+(`--model-seconds`, `--kvcache-seconds`, `--v41-seconds`).
 
 Runs, each in its own process with its own time cap, and prints their tables:
   0. pytest -m gpu            the test suite's GPU-only tests (marked `gpu`: FlashMLA against the
@@ -19,6 +19,11 @@ Runs, each in its own process with its own time cap, and prints their tables:
   5. bench.checks.gpu_kvcache  vLLM's fp8_ds_mla pages: writer/gather bytes vs the NumPy reference,
                               gather GB/s vs HBM peak and a device copy (torch Triton, JAX
                               Pallas-Triton), prefill layers on fp8 vs bf16 pages (ms, bitwise)
+  6. bench.checks.gpu_v41      DeepSeek-V4.1 in vLLM's chunk layout: a V4.1 step's plans with
+                              replay and without, every chunk's index rows (-1 picks, replay
+                              windows) through FlashMLA / our Triton kernel vs the reference;
+                              names why V4.1's SM100 record kernels and vLLM's candidate-block
+                              kernels are not run (no sm_10x GPU, no vLLM CUDA build there)
 Logs go to $OUT (when set, as on the device tool) or ./out/gpu-check/.
 """
 
@@ -50,6 +55,7 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=270, help="seconds for checks 1-3 together")
     ap.add_argument("--model-seconds", type=float, default=90, help="cap of check 4 (the JAX model on one layer)")
     ap.add_argument("--kvcache-seconds", type=float, default=60, help="cap of check 5 (fp8_ds_mla pages)")
+    ap.add_argument("--v41-seconds", type=float, default=60, help="cap of check 6 (DeepSeek-V4.1 chunks)")
     args = ap.parse_args(argv)
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "out", "gpu-check")
     os.makedirs(out_dir, exist_ok=True)
@@ -65,6 +71,7 @@ def main(argv=None):
         ("bench.checks.gpu_model", [], args.model_seconds / b),
         # its own budget leaves ~25% of the cap for the measurement it has started
         ("bench.checks.gpu_kvcache", ["--budget", f"{0.75 * args.kvcache_seconds:.0f}"], args.kvcache_seconds / b),
+        ("bench.checks.gpu_v41", ["--budget", f"{0.6 * args.v41_seconds:.0f}"], args.v41_seconds / b),
     ]
     # JAX would take 75% of GPU memory at start-up; the prefill check runs torch and JAX in one process.
     env = child_env(PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")

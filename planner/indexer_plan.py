@@ -33,6 +33,7 @@ pieces without query tokens as well, and needs no budget at all unless a key wor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 
@@ -184,36 +185,63 @@ _INT_DTYPES = frozenset(
 )
 
 
-_INT_DTYPE_SEEN: dict = {}  # dtype object -> whether it is one of _INT_DTYPES (str() once per dtype)
+_LISTABLE: dict = {}  # dtype object -> whether it is one of _INT_DTYPES (str() once per dtype)
 
 
 def _int_list(x, name: str) -> list[int]:
-    """A 1-D integer array (list, NumPy array, CPU tensor) as a list of non-negative Python ints.
+    """A 1-D integer array (list, NumPy array, CPU tensor) as a list of Python ints (not checked
+    for signs: the caller does, once for all its lists).
 
     An integer NumPy vector or CPU tensor goes straight through its own `tolist()` (one C call);
     anything else through `as_int_vector`'s checks."""
+    try:
+        listable = _LISTABLE[x.dtype]
+    except KeyError:
+        listable = _LISTABLE[x.dtype] = str(x.dtype) in _INT_DTYPES
+    except (AttributeError, TypeError):  # no dtype (a list), or an unhashable one
+        listable = False
     # `is_cpu`: torch's flag (False for a device tensor, whose tolist would wait for the device)
-    dtype = getattr(x, "dtype", None)
-    is_int = _INT_DTYPE_SEEN.get(dtype)
-    if is_int is None and dtype is not None:
-        is_int = _INT_DTYPE_SEEN[dtype] = str(dtype) in _INT_DTYPES
-    if is_int and getattr(x, "ndim", None) == 1 and getattr(x, "is_cpu", True):
-        a = x.tolist()
-    elif isinstance(x, list) and all(type(v) is int for v in x):
-        a = x
-    elif getattr(x, "is_cpu", True) is False:
+    if listable and x.ndim == 1 and getattr(x, "is_cpu", True):
+        return x.tolist()
+    if type(x) is list and all(type(v) is int for v in x):
+        return x
+    if getattr(x, "is_cpu", True) is False:
         raise ValueError(f"{name}: expected a host array or CPU tensor, got a tensor on {x.device}")
-    else:
-        a = as_int_vector(x, name).tolist()
-    if a and min(a) < 0:
-        i = next(i for i, v in enumerate(a) if v < 0)
-        raise ValueError(f"{name}: {name}[{i}] = {a[i]} is negative")
-    return a
+    if isinstance(x, KeysAtLeast):
+        raise TypeError(f"{name}: KeysAtLeast stands for compressed_seq_lens only")
+    return as_int_vector(x, name).tolist()
+
+
+class KeysAtLeast:
+    """Compressed lengths counted as at least `minimum` keys each when a chunk is budgeted.
+
+    DeepSeek-V4.1's sparse-logits indexer (vLLM's `DeepseekV41SparseIndexerMetadataBuilder`,
+    `attention_config.indexer_sparse_logits`) scores every candidate consumer's row over its
+    candidate blocks only, in bf16 logits of `candidate_topk_blocks * candidate_block_size`
+    columns, and makes the chunker budget every request as if its fp32 logits row were that wide:
+    `_prefill_split_seq_lens` clamps the compressed lengths from below at
+    `min_split_seq_len = (columns * 2 + 3) // 4` (`CandidateLayout.min_split_keys`) before the
+    split. `split_indexer_prefill_chunks(KeysAtLeast(lengths, minimum), ...)` is that clamp and
+    the split in one pass (no tensor operation for the clamp).
+    """
+
+    __slots__ = ("values", "minimum")
+
+    def __init__(self, values, minimum: int):
+        self.values = values
+        self.minimum = minimum if type(minimum) is int and minimum >= 0 else as_int(minimum, "minimum", minimum=0)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __repr__(self) -> str:
+        return f"KeysAtLeast({self.values!r}, minimum={self.minimum})"
 
 
 def _pieces_of(out: list, r0: int, r1: int, m: int, k: int, elems: int) -> None:
     """Append one chunk's query pieces (vLLM's `max(1, elems // N)` tokens each; N == 0: one piece;
-    no query tokens: none)."""
+    no query tokens: none). Many pieces (a long ratio-1 context's chunk) are made in C (`zip`,
+    `map(slice, ...)`), a few in a plain loop."""
     step = elems // k if k > 0 else m
     rs = slice(r0, r1)
     if step >= m:
@@ -222,7 +250,14 @@ def _pieces_of(out: list, r0: int, r1: int, m: int, k: int, elems: int) -> None:
         return
     if step < 1:
         step = 1
-    out.extend((rs, slice(a, min(a + step, m))) for a in range(0, m, step))
+    if m > 16 * step:  # many pieces: made in C
+        out.extend(zip(repeat(rs), map(slice, range(0, m, step), [*range(step, m, step), m])))
+        return
+    append, a = out.append, 0
+    while a < m:  # a few pieces: a plain loop costs less than building the iterators
+        b = a + step
+        append((rs, slice(a, b if b < m else m)))
+        a = b
 
 
 def split_indexer_prefill_chunks(
@@ -241,6 +276,9 @@ def split_indexer_prefill_chunks(
 
     compressed_seq_lens, query_lens: 1-D non-negative integers per prefill request (lists, NumPy
       arrays, CPU tensors), vLLM's `compressed_seq_lens_cpu` and `prefill_query_lens_cpu`.
+      `KeysAtLeast(lengths, minimum)` for compressed_seq_lens: DeepSeek-V4.1's sparse-logits
+      builder's lengths (each counted as at least `minimum`), vLLM's
+      `_split_indexer_prefill_chunks(_prefill_split_seq_lens(lengths), ...)`.
 
     This runs every step, mostly on small batches, where NumPy's per-call overhead would dominate:
     the lengths become Python lists in one C call each and one pass over them closes each chunk at
@@ -248,12 +286,34 @@ def split_indexer_prefill_chunks(
     request that does not fit a chunk cannot fit it later, and one that does not fit alone is a
     chunk alone).
     """
-    comp = _int_list(compressed_seq_lens, "compressed_seq_lens")
-    qry = _int_list(query_lens, "query_lens")
+    lo, lens = None, compressed_seq_lens
+    if type(lens) is KeysAtLeast:
+        lo, lens = lens.minimum, lens.values
+    try:  # vLLM's call: two 1-D integer CPU tensors, read in one tolist() each
+        if (
+            _LISTABLE[lens.dtype]
+            and _LISTABLE[query_lens.dtype]
+            and lens.ndim == 1 == query_lens.ndim
+            and lens.is_cpu
+            and query_lens.is_cpu
+        ):
+            comp, qry = lens.tolist(), query_lens.tolist()
+        else:
+            raise KeyError
+    except (KeyError, AttributeError, TypeError):  # anything else: checked and converted one by one
+        comp = _int_list(lens, "compressed_seq_lens")
+        qry = _int_list(query_lens, "query_lens")
+    if lo is not None:  # V4.1's sparse-logits minimum, applied to checked lengths
+        if comp and min(comp) < 0:
+            _negative(comp, "compressed_seq_lens")
+        comp = [c if c > lo else lo for c in comp]
     if len(comp) != len(qry):
         raise ValueError(
             f"query_lens: {len(qry)} entries for {len(comp)} requests (compressed_seq_lens has {len(comp)})"
         )
+    if qry and (min(comp) < 0 or min(qry) < 0):
+        _negative(comp, "compressed_seq_lens")
+        _negative(qry, "query_lens")
     workspace, elems, offset = workspace_size, max_logits_bytes, request_offset
     if not (type(workspace) is int is type(elems) is type(offset) and workspace >= 0 and elems >= 0 and offset >= 0):
         workspace = as_int(workspace_size, "workspace_size", minimum=0)
@@ -261,25 +321,123 @@ def split_indexer_prefill_chunks(
         offset = as_int(request_offset, "request_offset", minimum=0)
     elems //= 4
     out: list[tuple[slice, slice]] = []
+    append, sl = out.append, slice
     start = i = offset  # request indices as vLLM returns them (offset added)
     m = k = 0
     for c, q in zip(comp, qry):
-        n2, m2 = k + c, m + q
+        n2 = k + c
+        m2 = m + q
         if (n2 > workspace or m2 * n2 > elems) and i > start:  # request i opens the next chunk
             if m * k <= elems:  # the common case, one piece (vLLM's max_q >= m), inline
                 if m:
-                    out.append((slice(start, i), slice(0, m)))
+                    append((sl(start, i), sl(0, m)))
             else:
                 _pieces_of(out, start, i, m, k, elems)
-            start, n2, m2 = i, c, q
-        k, m = n2, m2
+            start = i
+            k = c
+            m = q
+        else:
+            k = n2
+            m = m2
         i += 1
     if m * k <= elems:
         if m:
-            out.append((slice(start, i), slice(0, m)))
+            append((sl(start, i), sl(0, m)))
     else:
         _pieces_of(out, start, i, m, k, elems)
     return out
+
+
+def _negative(a: list[int], name: str) -> None:
+    """Raise naming the first negative entry of `a`, if any."""
+    for i, v in enumerate(a):
+        if v < 0:
+            raise ValueError(f"{name}: {name}[{i}] = {v} is negative")
+
+
+# vLLM 0.33's DeepGEMM sparse-logits block sizes (tokens), largest first (`SPARSE_BLOCK_KV_CHOICES`).
+SPARSE_BLOCK_KV_CHOICES = (16, 8)
+
+
+@dataclass(frozen=True)
+class CandidateLayout:
+    """DeepSeek-V4.1's two-level top-k buffers: their widths from the schedule, their rows per step.
+
+    The candidate source keeps, per query row, the top `topk_blocks` blocks of `block_size`
+    compressed entries (level 1); later index sources take their top `index_topk` inside them
+    (level 2). vLLM 0.33 holds the blocks in one int32 buffer of `max_num_batched_tokens` rows and
+    `topk_blocks` columns (`DeepseekV4Model.candidate_block_buffer`), indexed by the step's token
+    row; its sparse-logits indexer (`DeepseekV41SparseIndexerMetadataBuilder`) adds per-row scratch
+    of `num_sparse_blocks` DeepGEMM block ids, one end and `index_topk` columns, and budgets its
+    prefill split with every compressed length at least `min_split_keys` (`KeysAtLeast`).
+
+    `rows(step)`: the rows a step writes, from its `planner.StepPlan`: the candidate source's band
+    (under bounded replay the candidate source is the cut, which computes each request's last
+    min(query_len, W) rows only), where vLLM sizes for the largest step. `buffers(rows)`: the
+    shapes for that many rows.
+    """
+
+    topk_blocks: int
+    block_size: int
+    index_topk: int
+
+    def __post_init__(self):
+        for name in ("topk_blocks", "block_size", "index_topk"):
+            object.__setattr__(self, name, as_int(getattr(self, name), name, minimum=1))
+        if not any(self.block_size % b == 0 for b in SPARSE_BLOCK_KV_CHOICES):
+            raise ValueError(
+                f"block_size: {self.block_size} is not a multiple of any DeepGEMM sparse block size "
+                f"{SPARSE_BLOCK_KV_CHOICES} (vLLM's candidate_block_size rule)"
+            )
+
+    @classmethod
+    def of(cls, schedule) -> CandidateLayout | None:
+        """The layout of a `planner.Schedule` (None when its two-level top-k is off)."""
+        if schedule.candidate_source_layer_id < 0:
+            return None
+        return cls(schedule.candidate_topk_blocks, schedule.candidate_block_size, schedule.index_topk)
+
+    @property
+    def sparse_block_kv(self) -> int:
+        """Tokens per DeepGEMM sparse block: the largest choice dividing block_size."""
+        return next(b for b in SPARSE_BLOCK_KV_CHOICES if self.block_size % b == 0)
+
+    @property
+    def num_sparse_blocks(self) -> int:
+        return self.topk_blocks * (self.block_size // self.sparse_block_kv)
+
+    @property
+    def num_sparse_cols(self) -> int:
+        """Columns of a row's sparse logits (every candidate block's entries)."""
+        return self.num_sparse_blocks * self.sparse_block_kv
+
+    @property
+    def min_split_keys(self) -> int:
+        """The keys a request counts as at least in the prefill split: its bf16 sparse logits row in
+        fp32 units, vLLM's `min_split_seq_len`."""
+        return (self.num_sparse_cols * 2 + 3) // 4
+
+    def rows(self, step) -> int:
+        """Candidate rows a step's prefill writes: the tokens of the band its candidate source
+        computes (`step`: a `planner.StepPlan` planned from a Schedule)."""
+        if step.schedule is None:
+            raise ValueError("step: planned from a list of layers; the candidate rows need a planner.Schedule")
+        layer = step.schedule.candidate_source_layer_id
+        if layer < 0:
+            raise ValueError("step: its schedule has no candidate source (candidate_source_layer_id < 0)")
+        band = step.layer_keys[layer].band
+        return step.batch.band(band, step.config.window_size).num_tokens
+
+    def buffers(self, rows: int) -> dict[str, tuple[int, ...]]:
+        """int32 buffer shapes for `rows` token rows: the candidate blocks and the sparse-logits
+        scratch (sparse block ids, valid ends, top-k columns)."""
+        r = as_int(rows, "rows", minimum=0)
+        return {
+            "candidate_blocks": (r, self.topk_blocks),
+            "sparse_indices": (r, self.num_sparse_blocks),
+            "end": (r,),
+            "col_indices": (r, self.index_topk),
+        }
 
 
 def plan_indexer(

@@ -265,6 +265,61 @@ def plan_kind(batch: PrefillBatch, config: PlanConfig, layer, _shared=None, *, b
     )
 
 
+def vllm_chunk_tuples(seq_lens, query_lens, config: PlanConfig, layer) -> list[tuple[int, int, int, int]]:
+    """`plan_kind(PrefillBatch(seq_lens, query_lens, max_model_len, max_num_batched_tokens),
+    config, layer).as_tuples()` on Python lists: the same tuples, the same checks.
+
+    For the plans vLLM asks for (policy "adaptive", batch order, no `budget_rows`, band "full"),
+    every step, mostly of few requests, where NumPy's fixed cost per call is most of a plan's
+    time: the lengths are read with one `tolist()` each (lists, NumPy arrays, CPU tensors), and
+    compressed and gather lengths, zero-query breaks (`config.contiguous`) and the greedy scan
+    (`_greedy_chunks`, shared with `plan_kind`) run on lists. Window floors (`replay_start`) do
+    not enter: vLLM's plan does not read them.
+    """
+    from planner.indexer_plan import _int_list
+
+    if not isinstance(config, PlanConfig):
+        raise TypeError(f"config: expected a planner.PlanConfig, got {type(config).__name__}")
+    if config.policy != "adaptive" or config.order != "batch" or config.budget_rows is not None:
+        raise ValueError("config: vllm_chunk_tuples plans vLLM's adaptive batch-order plan only (no budget_rows)")
+    layer = LayerSpec.of(layer)
+    seq, qry = _int_list(seq_lens, "seq_lens"), _int_list(query_lens, "query_lens")
+    n = len(seq)
+    if len(qry) != n:
+        raise ValueError(f"seq_lens and query_lens: lengths differ ({n} vs {len(qry)})")
+    if not n:
+        return []
+    W, mml, mnbt = config.window_size, config.max_model_len, config.max_num_batched_tokens
+    if min(seq) < 0 or min(qry) < 0 or max(seq) > mml or max(qry) > mnbt or any(q > s for s, q in zip(seq, qry)):
+        PrefillBatch(seq, qry, mml, mnbt)  # raises naming the argument and the first bad entry
+        raise AssertionError("unreachable: PrefillBatch accepted what vllm_chunk_tuples refused")
+    if sum(qry) > INT32_MAX:
+        PrefillBatch(seq, qry)  # raises: the step's tokens exceed int32
+    budget = config.budget(layer)
+    if budget > INT32_MAX:
+        plan_kind(PrefillBatch(seq[:1], qry[:1]), config, layer)  # raises with plan_kind's message
+    if min(qry) > 0:
+        req, breaks = None, ()
+    else:
+        req = [i for i, q in enumerate(qry) if q > 0]
+        if not req:
+            return []
+        seq = [seq[i] for i in req]
+        qry = [qry[i] for i in req]
+        breaks = [j for j in range(1, len(req)) if req[j] - req[j - 1] > 1] if config.contiguous else ()
+    w1 = W - 1
+    gath = [q + (s - q if s - q < w1 else w1) for s, q in zip(seq, qry)]
+    if layer.has_compressed:
+        r = layer.compress_ratio
+        comp = [s // r for s in seq]
+    else:
+        comp = [0] * len(seq)
+    starts, Ns, Ms = _greedy_chunks(comp, gath, budget, breaks)
+    if req is None:
+        return list(zip(starts, starts[1:], Ns, Ms))
+    return [(req[a], req[b - 1] + 1, m, k) for a, b, m, k in zip(starts, starts[1:], Ns, Ms)]
+
+
 @dataclass(frozen=True, eq=False)
 class StepPlan:
     """One step's plans, each made once and shared by every layer that reads it.

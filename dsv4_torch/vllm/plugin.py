@@ -16,7 +16,10 @@ then arranges, when vLLM imports them:
 - `vllm.v1.attention.backends.mla.indexer`: `DeepseekV32IndexerMetadataBuilder._split_indexer_prefill_chunks`
   (the indexer's prefill chunks, every metadata build) becomes
   `dsv4_torch.vllm.indexer_plan.split_indexer_prefill_chunks` (the same chunks, from
-  `planner.indexer_plan`, without vLLM's per-request tensor reads).
+  `planner.indexer_plan`, without vLLM's per-request tensor reads);
+- `vllm.v1.attention.backends.mla.sparse_indexer`: DeepSeek-V4.1's sparse-logits builder's
+  `_prefill_split_seq_lens` hands that split its candidate-block minimum instead of clamping a
+  tensor (`dsv4_torch.vllm.indexer_plan.prefill_split_seq_lens`).
 
 Nothing else of vLLM changes. On a vLLM version this plugin was not checked against it changes
 nothing and logs a warning naming both versions (`DSV4_PREFILL_VLLM_PLUGIN=require` makes that an
@@ -46,6 +49,7 @@ logger = logging.getLogger("vllm.dsv4_prefill")
 
 SPARSE_SWA_MODULE = "vllm.v1.attention.backends.mla.sparse_swa"
 INDEXER_MODULE = "vllm.v1.attention.backends.mla.indexer"
+SPARSE_INDEXER_MODULE = "vllm.v1.attention.backends.mla.sparse_indexer"
 # (module, class, method) of every vLLM 0.33.0 caller of get_prefill_chunk_plan.
 PREFILL_CONSUMERS = (
     ("vllm.models.deepseek_v4.nvidia.flashmla", "DeepseekV4FlashMLAAttention", "_forward_prefill"),
@@ -125,6 +129,7 @@ def register() -> bool:
         return False
     _import_hooks.when_imported(SPARSE_SWA_MODULE, _patch_sparse_swa)
     _import_hooks.when_imported(INDEXER_MODULE, _patch_indexer_plan)
+    _import_hooks.when_imported(SPARSE_INDEXER_MODULE, _patch_sparse_indexer_lens)
     for module, cls, method in PREFILL_CONSUMERS:
         _import_hooks.when_imported(module, functools.partial(_guard_consumer, cls=cls, method=method))
     _registered = True
@@ -222,6 +227,34 @@ def _patch_indexer_plan(module) -> None:
     cls._split_indexer_prefill_chunks = staticmethod(fn)
     logger.debug(
         "dsv4-prefill: patched %s.DeepseekV32IndexerMetadataBuilder._split_indexer_prefill_chunks", module.__name__
+    )
+
+
+def _patch_sparse_indexer_lens(module) -> None:
+    """DeepSeek-V4.1's `DeepseekV41SparseIndexerMetadataBuilder._prefill_split_seq_lens` becomes
+    `dsv4_torch.vllm.indexer_plan.prefill_split_seq_lens`: the split clamps the lengths itself."""
+    from dsv4_torch.vllm import indexer_plan
+
+    cls = getattr(module, "DeepseekV41SparseIndexerMetadataBuilder", None)
+    current = None if cls is None else cls.__dict__.get("_prefill_split_seq_lens")
+    if current is None:
+        raise UnsupportedVLLMVersionError(
+            f"dsv4-prefill: {module.__name__} has no DeepseekV41SparseIndexerMetadataBuilder._prefill_split_seq_lens "
+            f"(vLLM {vllm_version()}); the plugin was checked against vLLM {SUPPORTED_VLLM_VERSIONS}"
+        )
+    if getattr(current, _PATCHED, None) is not None:
+        return
+    params = list(inspect.signature(current).parameters)
+    if params != indexer_plan.SPLIT_LENS_PARAMS:
+        raise UnsupportedVLLMVersionError(
+            f"dsv4-prefill: DeepseekV41SparseIndexerMetadataBuilder._prefill_split_seq_lens takes {params} in vLLM "
+            f"{vllm_version()}, expected {indexer_plan.SPLIT_LENS_PARAMS} (vLLM {SUPPORTED_VLLM_VERSIONS})"
+        )
+    fn = indexer_plan.prefill_split_seq_lens
+    setattr(fn, _PATCHED, current)
+    cls._prefill_split_seq_lens = fn
+    logger.debug(
+        "dsv4-prefill: patched %s.DeepseekV41SparseIndexerMetadataBuilder._prefill_split_seq_lens", module.__name__
     )
 
 

@@ -50,14 +50,14 @@ def test_prefill_check_dry_run():
 
 def test_gpu_check_runs_its_modules(tmp_path):
     """Without a GPU each check says so and exits 0: `bench.gpu_check` finds, starts and logs all
-    five modules (a wrong module name or import exits non-zero here)."""
+    six modules (a wrong module name or import exits non-zero here)."""
     import jax
     import torch
 
     if torch.cuda.is_available() or jax.default_backend() != "cpu":
         pytest.skip("a GPU is visible: bench.gpu_check would run the real checks (minutes)")
     text = _run(["-m", "bench.gpu_check", "--budget", "270"], {"OUT": str(tmp_path)})
-    for module in ("gpu_torch", "gpu_jax", "gpu_prefill", "gpu_model", "gpu_kvcache"):
+    for module in ("gpu_torch", "gpu_jax", "gpu_prefill", "gpu_model", "gpu_kvcache", "gpu_v41"):
         assert f"##### bench.checks.{module}: exit 0," in text, text[-4000:]
         assert (tmp_path / f"{module}.log").read_text().strip(), module
     assert "Traceback" not in text, text[-4000:]
@@ -73,3 +73,14 @@ def test_model_check_dry_run():
     text = _run(["-m", "bench.checks.gpu_model", "--dry-run"])
     assert "Traceback" not in text and "FAILED" not in text, text[-4000:]
     assert "logits finite: True" in text and "tokens/s" in text and "on the device" in text, text[-4000:]
+
+
+def test_v41_check_dry_run():
+    """bench.checks.gpu_v41: a V4.1 step with replay (4 plans) and without (3), every chunk through
+    our Triton kernel (interpreted) against the reference, the SM100 / vLLM kernels' reasons."""
+    pytest.importorskip("triton")
+    text = _run(["-m", "bench.checks.gpu_v41", "--dry-run"])
+    assert "Traceback" not in text and "FAIL" not in text, text[-4000:]
+    assert "replay on: 4 plans" in text and "replay off: 3 plans" in text, text[-4000:]
+    assert "CSA1/replay" in text and "CSA1/cut" in text and "CSA2/full" in text, text[-4000:]
+    assert "needs an sm_10x GPU" in text and "V4.1 plans through the kernels: PASS (7 rows)" in text, text[-4000:]

@@ -8,7 +8,14 @@ request-by-request loop of the rule as documented (written for this test) and on
 import numpy as np
 import pytest
 
-from planner.indexer_plan import IndexerPlan, plan_indexer, split_indexer_prefill_chunks
+import planner
+from planner.indexer_plan import (
+    CandidateLayout,
+    IndexerPlan,
+    KeysAtLeast,
+    plan_indexer,
+    split_indexer_prefill_chunks,
+)
 
 
 def loop_rule(comp, qry, workspace, logits_bytes, offset=0):
@@ -125,6 +132,57 @@ def test_every_input_kind_gives_the_same_chunks():
     for kind in kinds:
         assert split_indexer_prefill_chunks(kind(comp), kind(qry), 65536, 64 << 20, 2) == want
     assert split_indexer_prefill_chunks(np.asarray(comp, np.uint64), qry, 65536, 64 << 20, 2) == want
+
+
+def test_keys_at_least_is_the_clamp_then_the_split():
+    """DeepSeek-V4.1's sparse-logits builder clamps the compressed lengths from below before the
+    split; KeysAtLeast does both in one pass: equal to the rule on the clamped lengths."""
+    torch = pytest.importorskip("torch", reason="torch: the CPU-tensor input of vLLM's call")
+    rng = np.random.default_rng(41)
+    for _ in range(300):
+        comp, qry, workspace, logits, offset = random_case(rng)
+        lo = int(rng.choice([0, 1, 64, 8192]))
+        want = loop_rule(np.maximum(comp, lo).tolist(), qry.tolist(), workspace, logits, offset)
+        for values in (comp, torch.tensor(comp, dtype=torch.int32), comp.tolist()):
+            assert split_indexer_prefill_chunks(KeysAtLeast(values, lo), qry, workspace, logits, offset) == want
+    with pytest.raises(ValueError, match=r"compressed_seq_lens\[1\] = -1"):
+        split_indexer_prefill_chunks(KeysAtLeast([5, -1], 8), [1, 1], 10, 10)
+    with pytest.raises(TypeError, match="query_lens: KeysAtLeast"):
+        split_indexer_prefill_chunks([5], KeysAtLeast([1], 8), 10, 10)
+    with pytest.raises(ValueError, match="minimum: must be >= 0"):
+        KeysAtLeast([5], -1)
+
+
+def test_candidate_layout():
+    """The released V4.1 schedule: 2048 blocks of 8 entries, DeepGEMM blocks of 8 (8 does not
+    divide by 16), 16384 sparse columns, split lengths at least 8192; rows per step: every prefill
+    token without replay, each request's last min(query_len, W) rows with it (the candidate source
+    is the cut)."""
+    layout = CandidateLayout.of(planner.Schedule.from_name("V4.1"))
+    assert (layout.topk_blocks, layout.block_size, layout.index_topk) == (2048, 8, 512)
+    assert (layout.sparse_block_kv, layout.num_sparse_blocks, layout.num_sparse_cols) == (8, 2048, 16384)
+    assert layout.min_split_keys == 8192
+    assert CandidateLayout(64, 32, 16).sparse_block_kv == 16 and CandidateLayout(64, 32, 16).num_sparse_blocks == 128
+    assert layout.buffers(3) == {
+        "candidate_blocks": (3, 2048),
+        "sparse_indices": (3, 2048),
+        "end": (3,),
+        "col_indices": (3, 512),
+    }
+    sched = planner.Schedule.from_name("V4.1")
+    batch = planner.PrefillBatch([5000, 300, 100, 7], [1000, 300, 50, 7])
+    for replay, rows in ((False, 1357), (True, 128 + 128 + 50 + 7)):
+        config = planner.PlanConfig(window_size=128, max_model_len=8192, max_num_batched_tokens=2048, replay=replay)
+        assert layout.rows(planner.plan_step(batch, config, sched)) == rows
+    config = planner.PlanConfig(window_size=128, max_model_len=8192, max_num_batched_tokens=2048)
+    with pytest.raises(ValueError, match="step: planned from a list of layers"):
+        layout.rows(planner.plan_step(batch, config))
+    off = planner.Schedule.from_config(dict(planner.contract.preset("V4.1"), candidate_source_layer_id=-1))
+    assert CandidateLayout.of(off) is None
+    with pytest.raises(ValueError, match="block_size: 12 is not a multiple"):
+        CandidateLayout(2048, 12, 512)
+    with pytest.raises(ValueError, match="topk_blocks: must be >= 1"):
+        CandidateLayout(0, 8, 512)
 
 
 @pytest.mark.parametrize(

@@ -61,10 +61,12 @@ def test_register_on_a_checked_version_arranges_the_patches(fresh):
     m, hooks = fresh
     m.setattr(plugin, "vllm_version", lambda: "0.33.0")
     assert plugin.register() is True and plugin._registered
-    assert [name for name, _ in hooks] == [plugin.SPARSE_SWA_MODULE, plugin.INDEXER_MODULE] + [
-        mod for mod, _, _ in plugin.PREFILL_CONSUMERS
-    ]
-    assert plugin.register() is True and len(hooks) == 2 + len(plugin.PREFILL_CONSUMERS)  # idempotent
+    assert [name for name, _ in hooks] == [
+        plugin.SPARSE_SWA_MODULE,
+        plugin.INDEXER_MODULE,
+        plugin.SPARSE_INDEXER_MODULE,
+    ] + [mod for mod, _, _ in plugin.PREFILL_CONSUMERS]
+    assert plugin.register() is True and len(hooks) == 3 + len(plugin.PREFILL_CONSUMERS)  # idempotent
     assert not any(name == "vllm" or name.startswith("vllm.") for name in sys.modules)  # nothing of vLLM imported
 
 
@@ -120,6 +122,52 @@ def test_indexer_plan_patched_only_with_vllms_signature():
         plugin._patch_indexer_plan(fake)
     with pytest.raises(plugin.UnsupportedVLLMVersionError, match="no static DeepseekV32IndexerMetadataBuilder"):
         plugin._patch_indexer_plan(types.SimpleNamespace(__name__="vllm.fake"))
+
+
+def test_sparse_indexer_lens_patched_only_with_vllms_signature():
+    """DeepSeek-V4.1's sparse-logits builder: its clamp becomes KeysAtLeast for our split; a
+    subclass with a split of its own keeps vLLM's clamp."""
+    from dsv4_torch.vllm import indexer_plan
+    from planner.indexer_plan import KeysAtLeast
+
+    class Builder:
+        _split_indexer_prefill_chunks = staticmethod(indexer_plan.split_indexer_prefill_chunks)
+        min_split_seq_len = 8192
+
+        def _prefill_split_seq_lens(self, seq_lens_cpu):
+            return seq_lens_cpu.clamp(min=self.min_split_seq_len)
+
+    class OwnSplit(Builder):
+        @staticmethod
+        def _split_indexer_prefill_chunks(*args, **kwargs):
+            return "its own"
+
+    theirs = Builder.__dict__["_prefill_split_seq_lens"]
+    fake = types.SimpleNamespace(__name__="vllm.fake", DeepseekV41SparseIndexerMetadataBuilder=Builder)
+    plugin._patch_sparse_indexer_lens(fake)
+    plugin._patch_sparse_indexer_lens(fake)  # idempotent
+    assert Builder._prefill_split_seq_lens is indexer_plan.prefill_split_seq_lens
+    assert plugin.original(Builder._prefill_split_seq_lens) is theirs
+    lens = torch.tensor([5, 10000, 0], dtype=torch.int32)
+    got = Builder()._prefill_split_seq_lens(lens)
+    assert isinstance(got, KeysAtLeast) and got.values is lens and got.minimum == 8192
+    b = Builder()
+    qry = torch.tensor([1000, 1000, 1], dtype=torch.int32)
+    assert b._split_indexer_prefill_chunks(b._prefill_split_seq_lens(lens), qry, 1 << 20, 64 << 20) == (
+        indexer_plan.split_indexer_prefill_chunks(lens.clamp(min=8192), qry, 1 << 20, 64 << 20)
+    )
+    assert torch.equal(OwnSplit()._prefill_split_seq_lens(lens), torch.tensor([8192, 10000, 8192]))
+
+    class Changed:
+        def _prefill_split_seq_lens(self, seq_lens_cpu, minimum):
+            return seq_lens_cpu
+
+    with pytest.raises(plugin.UnsupportedVLLMVersionError, match="_prefill_split_seq_lens takes"):
+        plugin._patch_sparse_indexer_lens(
+            types.SimpleNamespace(__name__="vllm.fake", DeepseekV41SparseIndexerMetadataBuilder=Changed)
+        )
+    with pytest.raises(plugin.UnsupportedVLLMVersionError, match="has no DeepseekV41SparseIndexerMetadataBuilder"):
+        plugin._patch_sparse_indexer_lens(types.SimpleNamespace(__name__="vllm.fake"))
 
 
 def test_plan_method_patched_only_with_vllms_signature():
@@ -202,9 +250,12 @@ def test_spec_example_and_zero_query_requests():
 
 
 def test_one_plan_per_kind_per_step(monkeypatch):
+    chunk_plan.forget_steps()
     calls = []
-    real = planner.plan_kind
-    monkeypatch.setattr(planner, "plan_kind", lambda *a, **k: calls.append(a[2].compress_ratio) or real(*a, **k))
+    real = chunk_plan.StepPlans.plan
+    monkeypatch.setattr(
+        chunk_plan.StepPlans, "plan", lambda self, r, pcs, hc: calls.append(r if hc else 0) or real(self, r, pcs, hc)
+    )
     ratios = [max(1, spec.compress_ratio) for spec in planner.ModelShape.from_name("V4-Flash").layers]
     assert len(ratios) == 44  # 43 layers and the MTP layer; SWA layers ask with ratio 1
     md = Metadata(
@@ -217,6 +268,44 @@ def test_one_plan_per_kind_per_step(monkeypatch):
     assert md.get_prefill_chunk_plan(4, 4) == Metadata(
         np.full(64, 1000), np.full(64, 32), window_size=128, max_model_len=1 << 20, max_num_batched_tokens=8192
     ).get_prefill_chunk_plan(4, 4)
+
+
+def test_equal_metadata_objects_share_one_step(monkeypatch):
+    """DeepSeek-V4.1's replay batch: vLLM builds two metadata objects for the kept rows (the cut's
+    and the later layers'), with equal prefill lengths but their own tensors; they share one step's
+    plans. Different lengths or limits plan afresh; forget_steps() drops the shared steps."""
+    chunk_plan.forget_steps()
+    calls = []
+    real = chunk_plan.StepPlans.plan
+    monkeypatch.setattr(
+        chunk_plan.StepPlans, "plan", lambda self, r, pcs, hc: calls.append(r if hc else 0) or real(self, r, pcs, hc)
+    )
+    seq, qry = np.array([300, 5000, 129, 64]), np.array([300, 200, 129, 1])
+    kept = np.minimum(qry, LIMITS["window_size"])  # each request's last min(query_len, W) rows
+    batch, cut, past = (Metadata(seq, q, **LIMITS) for q in (qry, kept, kept))
+    assert cut.prefill_query_lens_cpu is not past.prefill_query_lens_cpu
+    assert [batch.get_prefill_chunk_plan(r, 4, r != 0) for r in (0, 2)] and calls == [0, 2]
+    first = cut.get_prefill_chunk_plan(1, 4, True)
+    assert [past.get_prefill_chunk_plan(1, 4, True) for _ in range(19)] == [first] * 19
+    assert past.get_prefill_chunk_plan(1, 4, True) is first and calls == [0, 2, 1]
+    assert chunk_plan.step_plans(cut) is chunk_plan.step_plans(past) is not chunk_plan.step_plans(batch)
+    assert first == planner.get_prefill_chunk_plan(
+        seq, kept, compress_ratio=1, prefill_chunk_size=4, has_compressed=True, **LIMITS
+    )
+    # other limits, other lengths: planned afresh
+    assert Metadata(seq, kept, **dict(LIMITS, window_size=32)).get_prefill_chunk_plan(1, 4, True) is not first
+    assert Metadata(seq + 1, kept, **LIMITS).get_prefill_chunk_plan(1, 4, True) is not first
+    assert calls == [0, 2, 1, 1, 1]
+    # a binding follows reassigned fields, and the shared step is kept only for a few steps
+    past.prefill_query_lens_cpu = torch.as_tensor(qry.astype(np.int32))
+    assert past.get_prefill_chunk_plan(2, 4, True) is batch.get_prefill_chunk_plan(2, 4, True)
+    for i in range(chunk_plan._RECENT_MAX):
+        Metadata(seq + 2 + i, kept, **LIMITS).get_prefill_chunk_plan(1, 4, True)
+    assert len(chunk_plan._RECENT) == chunk_plan._RECENT_MAX
+    assert Metadata(seq, kept, **LIMITS).get_prefill_chunk_plan(1, 4, True) == first  # evicted: planned again
+    assert calls.count(1) == 3 + chunk_plan._RECENT_MAX + 1
+    chunk_plan.forget_steps()
+    assert not chunk_plan._RECENT
 
 
 def test_bad_arguments_and_fields():

@@ -88,13 +88,11 @@ def test_no_prefills_and_bad_arguments(make_metadata):
 @pytest.mark.parametrize("model", ["v4-flash", "v4-pro"])
 def test_one_plan_per_kind_per_step(make_metadata, vllm_plan, model, monkeypatch):
     """A simulated step: every attention layer (MTP included) asks, as `_forward_prefill` does."""
-    import planner
 
+    chunk_plan.forget_steps()  # v4-flash's steps had these very batches
     calls = []
-    real = planner.plan_kind
-    monkeypatch.setattr(
-        planner, "plan_kind", lambda *a, **k: calls.append(max(1, a[2].compress_ratio)) or real(*a, **k)
-    )
+    real = chunk_plan.StepPlans.plan
+    monkeypatch.setattr(chunk_plan.StepPlans, "plan", lambda self, *a: calls.append(a[0]) or real(self, *a))
     # vLLM's DeepseekV4Attention: compress_ratio = max(1, ratio) (SWA layers ask with 1)
     ratios = [max(1, spec.compress_ratio) for spec in ModelShape.from_name(model).layers]
     assert len(ratios) == {"v4-flash": 44, "v4-pro": 62}[model]
