@@ -263,6 +263,7 @@ CACHE = {
             operations=(
                 ("gather", "dsv4_jax.kernels.cpu.kvcache:gather_dequant"),
                 ("gather_segments", "dsv4_jax.kernels.cpu.kvcache:gather_segments"),  # the prefill's workspace regions
+                ("gather_mxfp8", "dsv4_jax.kernels.cpu.kvcache_v41:gather"),  # V4.1's 528-byte records
             ),
         ),
     )

@@ -203,7 +203,10 @@ CACHE = {
             (),
             ("cpu",),
             _cpu,
-            operations=(("gather", "dsv4_torch.kernels.cpu.kvcache:gather_dequant"),),
+            operations=(
+                ("gather", "dsv4_torch.kernels.cpu.kvcache:gather_dequant"),
+                ("gather_mxfp8", "dsv4_torch.kernels.cpu.kvcache_v41:gather"),  # V4.1's 528-byte records
+            ),
         ),
         Backend(
             "reference",

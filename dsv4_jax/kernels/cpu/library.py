@@ -28,6 +28,7 @@ TARGETS = {
     "dsv4_prefill_attention": "Dsv4PrefillAttention",
     "dsv4_prefill_attention_into": "Dsv4PrefillAttentionInto",
     "dsv4_indexer_topk": "Dsv4IndexerTopk",  # dsv4_jax.kernels.cpu.indexer
+    "dsv4_gather_mxfp8": "Dsv4GatherMxfp8",  # dsv4_jax.kernels.cpu.kvcache_v41 (V4.1 records)
 }
 
 _lock = threading.Lock()

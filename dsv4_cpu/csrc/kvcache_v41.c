@@ -1,0 +1,143 @@
+/* DeepSeek-V4.1's 528-byte mxfp8 records for CPUs (planner/kvcache_v41.py, the NumPy reference
+   these bits equal): 512 e4m3 dims (RoPE applied before quantization) and 16 UE8M0 scale bytes,
+   one per 32 dims; value = e4m3 * 2^(byte - 127) as float32, rounded to bf16 (vLLM's gather).
+   Pages of S slots, in two layouts: interleaved (slot p's data at p * 528, its scales right after;
+   vLLM 0.33.0's and FlashMLA's) or split (data at p * 512, scales at S * 512 + p * 16).
+
+   One pass per row, like kvcache.c's fp8_ds_mla gather: each 32-dim group decoded with integer
+   math (the same bits on a thread that flushes float subnormals), scale bytes 10..246 in 16-lane
+   vector code, other bytes and groups holding subnormal or NaN codes by kvcache.c's exact scalar
+   rule. A row whose position or page is not in the cache reads NaN; nothing outside is touched. */
+#include <stdint.h>
+#include <string.h>
+
+#include "dsv4_cpu.h"
+
+typedef uint8_t v41_u8x16 __attribute__((vector_size(16)));
+typedef uint16_t v41_u16x16 __attribute__((vector_size(32)));
+typedef int16_t v41_i16x16 __attribute__((vector_size(32)));
+
+#define V41_NAN_BITS 0x7FC0u
+
+/* 32 dims of one group with scale byte 10..246 and no subnormal / NaN code: bf16 bits are
+   sign | (code ? (code << 4) + ((120 + k) << 7) : 0), k = byte - 127. Returns nonzero (and the
+   caller redoes the group exactly) when a lane held a code this form gets wrong. */
+static int v41_group_normal(const uint8_t *restrict d, uint16_t *restrict o, int k) {
+    const v41_u16x16 cn = (v41_u16x16){0} + (uint16_t)((120 + k) << 7);
+    v41_u8x16 special = {0};
+    for (int j = 0; j < 32; j += 16) {
+        v41_u8x16 xb;
+        memcpy(&xb, d + j, 16);
+        v41_u8x16 cb = xb & 0x7F;
+        special |= (v41_u8x16)((v41_u8x16)(cb - 1) < 7) | (v41_u8x16)(cb == 0x7F);
+        v41_u16x16 x = __builtin_convertvector(xb, v41_u16x16);
+        v41_u16x16 code = x & 0x7F;
+        v41_u16x16 nz = (v41_u16x16)((v41_i16x16)code != 0);
+        v41_u16x16 r = (nz & ((code << 4) + cn)) | ((x << 8) & 0x8000);
+        memcpy(o + j, &r, 32);
+    }
+    uint64_t w[2];
+    memcpy(w, &special, 16);
+    return (w[0] | w[1]) != 0;
+}
+
+void dsv4_decode_mxfp8_bf16(const uint8_t *restrict d, const uint8_t *restrict sc, uint16_t *restrict o) {
+    for (int g = 0; g < 16; g++) {
+        const int byte = sc[g];
+        if (byte >= 10 && byte <= 246 && !v41_group_normal(d + 32 * g, o + 32 * g, byte - 127)) continue;
+        for (int j = 0; j < 32; j++) o[32 * g + j] = dsv4_e4m3_scaled_bits(d[32 * g + j], byte);
+    }
+}
+
+int dsv4_mxfp8_slot(const uint8_t *page, int64_t S, int64_t p, int32_t interleaved, const uint8_t **d,
+                    const uint8_t **sc) {
+    if (interleaved) {
+        *d = page + p * 528;
+        *sc = *d + 512;
+    } else {
+        *d = page + p * 512;
+        *sc = page + S * 512 + p * 16;
+    }
+    return 1;
+}
+
+int dsv4_mxfp8_address(const dsv4_kv_source *s, int64_t b, int64_t e, const uint8_t **d, const uint8_t **sc) {
+    if (e < 0 || b < 0 || b >= s->table_rows || s->page_size <= 0) return 0;
+    const int64_t blk = e / s->page_size, slot = e % s->page_size;
+    if (blk >= s->table_width) return 0;
+    const int64_t i = b * s->table_stride + blk;
+    const int64_t page = s->table_int64 ? ((const int64_t *)s->table)[i] : (int64_t)((const int32_t *)s->table)[i];
+    if (page < 0 || page >= s->num_pages) return 0;
+    return dsv4_mxfp8_slot((const uint8_t *)s->data + page * s->page_stride, s->page_size, slot,
+                           s->format == DSV4_MXFP8_INTERLEAVED, d, sc);
+}
+
+void dsv4_decode_mxfp8_to(const uint8_t *d, const uint8_t *sc, void *dst, int32_t out_f32) {
+    if (!out_f32) {
+        dsv4_decode_mxfp8_bf16(d, sc, (uint16_t *)dst);
+        return;
+    }
+    uint16_t t[512] __attribute__((aligned(64)));
+    dsv4_decode_mxfp8_bf16(d, sc, t);
+    uint32_t *o = (uint32_t *)dst;
+    for (int j = 0; j < 512; j++) o[j] = (uint32_t)t[j] << 16;
+}
+
+static void v41_nan_row(void *dst, int32_t out_f32) {
+    if (out_f32) {
+        uint32_t *o = (uint32_t *)dst;
+        for (int j = 0; j < 512; j++) o[j] = (uint32_t)V41_NAN_BITS << 16;
+    } else {
+        uint16_t *o = (uint16_t *)dst;
+        for (int j = 0; j < 512; j++) o[j] = V41_NAN_BITS;
+    }
+}
+
+#define V41_AHEAD 16 /* rows prefetched ahead: pages in block-table order are scattered */
+
+/* Rows [row0, row1) of the requests' rows laid back to back (cum: [R + 1] prefix sums of the
+   gather lengths), as dsv4_gather_dequant_rows does for fp8_ds_mla pages: row i of request b is
+   position seq[b] - g_b + i, slot pos % S of page bt[b * bt_s0 + pos / S], written at element
+   out + b * out_s0 + (offset + i) * out_s1 when offset + i < out_rows. */
+void dsv4_gather_mxfp8_rows(void *out, int64_t out_s0, int64_t out_s1, int64_t out_rows, int32_t out_f32,
+                            const uint8_t *cache, int64_t page_stride, int64_t num_pages, int64_t S, int32_t interleaved,
+                            const int64_t *seq, const int64_t *cum, const void *bt, int32_t bt_int64, int64_t bt_s0,
+                            int64_t bt_w, int64_t offset, int64_t R, int64_t row0, int64_t row1) {
+    const dsv4_kv_source src = {
+        .format = interleaved ? DSV4_MXFP8_INTERLEAVED : DSV4_MXFP8_SPLIT,
+        .data = cache,
+        .page_stride = page_stride,
+        .num_pages = num_pages,
+        .page_size = S,
+        .table = bt,
+        .table_int64 = bt_int64,
+        .table_stride = bt_s0,
+        .table_width = bt_w,
+        .table_rows = R,
+    };
+    const size_t esize = out_f32 ? 4 : 2;
+    int64_t lo = 0, hi = R; /* the request holding row0: cum[b] <= row0 < cum[b + 1] */
+    while (hi - lo > 1) {
+        int64_t mid = (lo + hi) / 2;
+        if (cum[mid] <= row0) lo = mid; else hi = mid;
+    }
+    for (int64_t b = lo, r = row0; r < row1 && b < R; b++) {
+        const int64_t g = cum[b + 1] - cum[b];
+        if (g <= 0) continue;
+        const int64_t i0 = r - cum[b];
+        int64_t i1 = (row1 < cum[b + 1] ? row1 : cum[b + 1]) - cum[b];
+        r = cum[b] + i1;
+        if (offset + i1 > out_rows) i1 = out_rows - offset; /* rows past out: not written */
+        const int64_t start = seq[b] - g;
+        for (int64_t i = i0; i < i1; i++) {
+            const uint8_t *d, *sc;
+            if (i + V41_AHEAD < i1 && dsv4_mxfp8_address(&src, b, start + i + V41_AHEAD, &d, &sc)) {
+                for (int l = 0; l < 512; l += 64) __builtin_prefetch(d + l, 0, 3);
+                __builtin_prefetch(sc, 0, 3);
+            }
+            char *dst = (char *)out + (b * out_s0 + (offset + i) * out_s1) * (int64_t)esize;
+            if (dsv4_mxfp8_address(&src, b, start + i, &d, &sc)) dsv4_decode_mxfp8_to(d, sc, dst, out_f32);
+            else v41_nan_row(dst, out_f32);
+        }
+    }
+}
