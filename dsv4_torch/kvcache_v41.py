@@ -31,6 +31,7 @@ import numbers
 import torch
 
 from dsv4_torch import backends
+from dsv4_torch.kernels.reference import kvcache_v41 as _ref_kernels
 from planner import kvcache_v41 as ref
 from planner.checks import as_int
 from planner.kvcache import check_gather_args, check_request_shapes, check_slot_mapping
@@ -44,6 +45,7 @@ __all__ = [
     "insert_records",
     "page_geometry",
     "quantize_and_insert_k_cache",
+    "read_slots",
     "resolve_backend",
     "rope_quant_insert",
 ]
@@ -57,6 +59,14 @@ def resolve_backend(backend: str = "auto", k_cache: torch.Tensor | None = None, 
         raise ValueError(f"op: expected one of {OPS}, got {op!r}")
     device = k_cache.device if isinstance(k_cache, torch.Tensor) else torch.device("cpu")
     return backends.resolve_cache_backend(backend, device, op)
+
+
+def read_slots(k_cache, geo: ref.Geometry, layout: str, page: torch.Tensor, slot: torch.Tensor, dtype) -> torch.Tensor:
+    """Slots (page[n], slot[n]) of checked pages decoded as the gather does, [n, dims] in `dtype`
+    (device ops, no host read: the prefill's row gathers)."""
+    di, si = _ref_kernels.slot_bytes(geo, layout, page, slot)
+    flat = _ref_kernels.flat_bytes(k_cache, geo)
+    return _ref_kernels.decode(flat[di], flat[si], geo.record, dtype)
 
 
 def page_geometry(k_cache, block_size=None, bytes_per_token=None, name: str = "k_cache") -> ref.Geometry:

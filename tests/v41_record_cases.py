@@ -57,3 +57,30 @@ def rope_case(rng, T: int, ratio: int, max_pos: int = 64):
     theta = rng.random((max_pos, 32)) * 2 * np.pi
     cs = np.concatenate([np.cos(theta), np.sin(theta)], axis=1).astype(np.float32)
     return pos, cs
+
+
+def mxfp8_paged(rows: list[np.ndarray], S: int, seed: int, layout: str):
+    """Per-request rows (len_i, 512) written into shuffled mxfp8 pages (total, S, 528) in `layout`
+    (bytes no slot owns: 0xFF, NaN if ever read); returns (pages, block_table int32, the rows the
+    pages hold: dequantized, float32 holding bf16 values)."""
+    rng = np.random.default_rng(seed)
+    counts = [-(-len(x) // S) for x in rows]
+    total = sum(counts) + 1
+    perm = rng.permutation(total)
+    pages = np.full((total, S, 528), 0xFF, np.uint8)
+    table = np.zeros((len(rows), max(max(counts), 1)), np.int32)
+    k, slots = 0, []
+    for i, x in enumerate(rows):
+        for j in range(counts[i]):
+            table[i, j] = perm[k]
+            k += 1
+        e = np.arange(len(x))
+        slots.append(table[i, e // S].astype(np.int64) * S + e % S)
+    if sum(len(x) for x in rows):
+        V.quantize_and_insert_k_cache(bf16(np.concatenate(rows)), pages, np.concatenate(slots), layout=layout)
+    deq = []
+    for i, x in enumerate(rows):
+        out = np.zeros((1, max(len(x), 1), 512), np.float32)
+        V.dequantize_and_gather_k_cache(out, pages, [len(x)], None, table[i : i + 1], offset=0, layout=layout)
+        deq.append(out[0, : len(x)])
+    return pages, table, deq

@@ -136,7 +136,7 @@ def decode(data, scales, record: ref.Record, dtype):
 # pages
 
 
-def _slot_bytes(geo: ref.Geometry, layout: str, page, pos):
+def slot_bytes(geo: ref.Geometry, layout: str, page, pos):
     r = geo.record
     if layout == "interleaved":
         d0 = pos * r.bytes
@@ -153,7 +153,7 @@ def insert(x, k_cache, slots, geo: ref.Geometry, layout: str):
     data, scales = encode(x, geo.record)
     live = (slots >= 0) & (slots < geo.num_blocks * geo.S)
     page = jnp.where(live, slots // geo.S, geo.num_blocks)  # past the pages: dropped
-    di, si = _slot_bytes(geo, layout, page, jnp.where(live, slots % geo.S, 0))
+    di, si = slot_bytes(geo, layout, page, jnp.where(live, slots % geo.S, 0))
     flat = k_cache.reshape(-1)
     flat = flat.at[di.reshape(-1)].set(data.reshape(-1), mode="drop")
     flat = flat.at[si.reshape(-1)].set(scales.reshape(-1), mode="drop")
@@ -176,7 +176,7 @@ def gather(out, k_cache, seq, glen, bt, geo: ref.Geometry, layout: str, offset: 
     page = jnp.take_along_axis(bt, jnp.clip(col, 0, max_blocks - 1), axis=1)
     good = (pos >= 0) & (col < max_blocks) & (page >= 0) & (page < geo.num_blocks)
     page = jnp.where(good, page, 0).reshape(-1)
-    di, si = _slot_bytes(geo, layout, page, jnp.where(good, pos % geo.S, 0).reshape(-1))
+    di, si = slot_bytes(geo, layout, page, jnp.where(good, pos % geo.S, 0).reshape(-1))
     flat = k_cache.reshape(-1)
     rows = decode(jnp.take(flat, di, mode="clip"), jnp.take(flat, si, mode="clip"), geo.record, out.dtype)
     utype, nan = _BITS[jnp.dtype(out.dtype)]

@@ -119,7 +119,7 @@ def flat_bytes(k_cache: torch.Tensor, geo: ref.Geometry) -> torch.Tensor:
     return k_cache.as_strided((n,), (1,), k_cache.storage_offset())
 
 
-def _slot_bytes(geo: ref.Geometry, layout: str, page: torch.Tensor, pos: torch.Tensor):
+def slot_bytes(geo: ref.Geometry, layout: str, page: torch.Tensor, pos: torch.Tensor):
     r = geo.record
     if layout == "interleaved":
         d0 = pos * r.bytes
@@ -140,7 +140,7 @@ def insert(x, k_cache, slots, geo: ref.Geometry, layout: str) -> None:
         return
     s = slots[live].long()
     data, scales = encode(x[live], geo.record)
-    di, si = _slot_bytes(geo, layout, s // geo.S, s % geo.S)
+    di, si = slot_bytes(geo, layout, s // geo.S, s % geo.S)
     flat = flat_bytes(k_cache, geo)
     flat[di.reshape(-1)] = data.reshape(-1)
     flat[si.reshape(-1)] = scales.reshape(-1)
@@ -159,7 +159,7 @@ def gather(out, k_cache, seq, glen, bt, geo: ref.Geometry, layout: str, offset: 
     i = torch.arange(n, device=dev) - torch.repeat_interleave(torch.cumsum(g, 0) - g, g, output_size=n)
     pos = (seq - g)[req] + i
     page = bt[req, pos // geo.S].long()
-    di, si = _slot_bytes(geo, layout, page, pos % geo.S)
+    di, si = slot_bytes(geo, layout, page, pos % geo.S)
     flat = flat_bytes(k_cache, geo)
     rows = decode(flat[di], flat[si], geo.record, out.dtype)
     out[req, offset + i] = rows
