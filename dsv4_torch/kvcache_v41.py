@@ -64,9 +64,8 @@ def resolve_backend(backend: str = "auto", k_cache: torch.Tensor | None = None, 
 def read_slots(k_cache, geo: ref.Geometry, layout: str, page: torch.Tensor, slot: torch.Tensor, dtype) -> torch.Tensor:
     """Slots (page[n], slot[n]) of checked pages decoded as the gather does, [n, dims] in `dtype`
     (device ops, no host read: the prefill's row gathers)."""
-    di, si = _ref_kernels.slot_bytes(geo, layout, page, slot)
-    flat = _ref_kernels.flat_bytes(k_cache, geo)
-    return _ref_kernels.decode(flat[di], flat[si], geo.record, dtype)
+    data, scales = _ref_kernels.read_bytes(k_cache, geo, layout, page, slot)
+    return _ref_kernels.decode(data, scales, geo.record, dtype)
 
 
 def page_geometry(k_cache, block_size=None, bytes_per_token=None, name: str = "k_cache") -> ref.Geometry:

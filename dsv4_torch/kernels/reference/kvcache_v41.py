@@ -9,11 +9,24 @@ Callers check every argument first (`dsv4_torch.kvcache_v41`).
 
 from __future__ import annotations
 
+import ml_dtypes
+import numpy as np
 import torch
 
 from planner import kvcache_v41 as ref
 
-_E2M1 = ref.E2M1_VALUES.tolist()
+_E2M1 = ref.E2M1_VALUES
+_E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)  # NaN codes: NaN
+_TABLES: dict = {}
+
+
+def _table(values, device) -> torch.Tensor:
+    key = (id(values), str(device))
+    if key not in _TABLES:
+        _TABLES[key] = torch.from_numpy(np.asarray(values, np.float32).copy()).to(device)
+    return _TABLES[key]
+
+
 _MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
@@ -93,10 +106,10 @@ def decode(data: torch.Tensor, scales: torch.Tensor, record: ref.Record, dtype: 
     """Slot bytes -> [N, dims] in `dtype`: the float32 product (main records rounded to bf16 first)."""
     N = data.shape[0]
     G = record.dims // record.group
-    if record.name in ("mxfp8", "index_fp8"):
-        v = data.contiguous().view(torch.float8_e4m3fn).float()
+    if record.name in ("mxfp8", "index_fp8"):  # a 256-entry table: torch's float8 cast is slow on CPU
+        v = _table(_E4M3, data.device)[data.long()]
     else:
-        v = torch.tensor(_E2M1, dtype=torch.float32, device=data.device)[_unpack(data).long()]
+        v = _table(_E2M1, data.device)[_unpack(data).long()]
     if record.name in ("mxfp8", "index_mxfp4"):
         s = _ue8m0(scales)
     elif record.name == "nvfp4":
@@ -146,6 +159,28 @@ def insert(x, k_cache, slots, geo: ref.Geometry, layout: str) -> None:
     flat[si.reshape(-1)] = scales.reshape(-1)
 
 
+def read_bytes(k_cache: torch.Tensor, geo: ref.Geometry, layout: str, page: torch.Tensor, pos: torch.Tensor):
+    """(data uint8 [n, D], scales uint8 [n, C]) of slots (page, pos), moved as 8-byte (4-byte for
+    index keys) words where the pages allow it (every record offset is a multiple of w), else bytes."""
+    r = geo.record
+    flat = flat_bytes(k_cache, geo)
+    w = 8 if r.scale_bytes % 8 == 0 else 4
+    if flat.numel() and geo.page_stride % w == 0 and flat.numel() % w == 0 and flat.data_ptr() % w == 0:
+        base = page * geo.page_stride
+        if layout == "interleaved":
+            d0 = base + pos * r.bytes
+            s0 = d0 + r.data_bytes
+        else:
+            d0, s0 = base + pos * r.data_bytes, base + geo.S * r.data_bytes + pos * r.scale_bytes
+        words = flat.view(torch.int64 if w == 8 else torch.int32)
+        dw = (d0 // w)[:, None] + torch.arange(r.data_bytes // w, device=page.device)
+        sw = (s0 // w)[:, None] + torch.arange(r.scale_bytes // w, device=page.device)
+        n = page.shape[0]
+        return words[dw].view(torch.uint8).view(n, -1), words[sw].view(torch.uint8).view(n, -1)
+    di, si = slot_bytes(geo, layout, page, pos)
+    return flat[di], flat[si]
+
+
 def gather(out, k_cache, seq, glen, bt, geo: ref.Geometry, layout: str, offset: int) -> None:
     """vLLM's gather-dequantize (checked arguments), in place."""
     dev = out.device
@@ -159,7 +194,10 @@ def gather(out, k_cache, seq, glen, bt, geo: ref.Geometry, layout: str, offset: 
     i = torch.arange(n, device=dev) - torch.repeat_interleave(torch.cumsum(g, 0) - g, g, output_size=n)
     pos = (seq - g)[req] + i
     page = bt[req, pos // geo.S].long()
-    di, si = slot_bytes(geo, layout, page, pos % geo.S)
-    flat = flat_bytes(k_cache, geo)
-    rows = decode(flat[di], flat[si], geo.record, out.dtype)
-    out[req, offset + i] = rows
+    for c0 in range(0, n, CHUNK_ROWS):  # bounded intermediates
+        c1 = min(n, c0 + CHUNK_ROWS)
+        data, scales = read_bytes(k_cache, geo, layout, page[c0:c1], pos[c0:c1] % geo.S)
+        out[req[c0:c1], offset + i[c0:c1]] = decode(data, scales, geo.record, out.dtype)
+
+
+CHUNK_ROWS = 4096  # rows decoded per step
