@@ -333,6 +333,8 @@ def _rope_rows(positions, cos_sin_cache, compress_ratio, slots, validate: bool):
             raise ValueError(
                 f"positions: positions[{t}] = {int(p[t])} has no row of cos_sin_cache ({cs.shape[0]} positions)"
             )
+    if cs.shape[0] == 0:  # nothing to rotate (validate refuses a written position)
+        return keep, jnp.zeros((n, 64), jnp.float32)
     rows = jnp.take(jnp.asarray(cs, jnp.float32), jnp.where(keep, row, 0), axis=0, mode="clip")
     if validate and _concrete(rows, keep) and not np.isfinite(np.asarray(rows)[np.asarray(keep)]).all():
         raise ValueError("cos_sin_cache: the rows of the written positions must be finite")

@@ -468,7 +468,7 @@ def _rope_args(T, positions, cos_sin_cache, slot_mapping, compress_ratio, geo: G
         raise ValueError(
             f"positions: positions[{t}] = {int(pos[t])} has no row of cos_sin_cache ({cs.shape[0]} positions)"
         )
-    rows = cs[np.where(keep, row, 0)].astype(np.float32)
+    rows = cs[np.where(keep, row, 0)].astype(np.float32) if cs.shape[0] else np.zeros((n, ROPE_DIM), np.float32)
     if not np.isfinite(rows[keep]).all():
         raise ValueError("cos_sin_cache: the rows of the written positions must be finite")
     return slots, pos, keep, rows

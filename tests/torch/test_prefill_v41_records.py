@@ -67,6 +67,17 @@ def test_mxfp8_pages_equal_float_pages_of_their_values(ratio, layout):
                 np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def test_device_op_gather_equals_the_c_gather(monkeypatch):
+    """The workspace's row gather by device ops (what runs where the C gather does not: GPUs, no
+    compiler) gives the C gather's bits."""
+    from dsv4_torch import kvcache_v41
+
+    case, raw, comp = v41_case(4, "interleaved", seed=9)
+    want = run(case, raw, comp, "reference")
+    monkeypatch.setattr(kvcache_v41, "resolve_backend", lambda *a, **k: "reference")
+    assert torch.equal(run(case, raw, comp, "reference"), want)
+
+
 def test_refused_pages():
     table = torch.zeros((1, 1), dtype=torch.int32)
     with pytest.raises(ValueError, match="pages: a layer call reads fp8_ds_mla .* or mxfp8 .* records, got nvfp4"):
