@@ -98,10 +98,11 @@ def test_index_writer_bytes_equal_numpys(fp4):
 
 @pytest.mark.parametrize("name", list(REC))
 @pytest.mark.parametrize("layout", V.LAYOUTS)
-def test_gather_values_equal_numpys(name, layout):
-    rng = np.random.default_rng(hash((name, layout, 1)) % 1000)
-    r, S, nb = REC[name], 4, 6
-    pages = C.random_pages(rng, nb, S, r, pad=8)
+@pytest.mark.parametrize("S, pad", [(4, 8), (32, 0)])  # byte gathers; whole-row selects (vLLM's page strides)
+def test_gather_values_equal_numpys(name, layout, S, pad):
+    rng = np.random.default_rng(hash((name, layout, S)) % 1000)
+    r, nb = REC[name], 6
+    pages = C.random_pages(rng, nb, S, r, pad=pad)
     if r.name == "mxfp8":  # the writer's range of scale bytes, and the extremes
         pages[:, :, -16:] = rng.choice([0, 1, 105, 127, 200, 247, 254, 255], (nb, S, 16))
     seq, glen, bt, rows, off = C.gather_case(rng, nb, S)

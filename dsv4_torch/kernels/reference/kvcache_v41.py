@@ -107,9 +107,10 @@ def decode(data: torch.Tensor, scales: torch.Tensor, record: ref.Record, dtype: 
     N = data.shape[0]
     G = record.dims // record.group
     if record.name in ("mxfp8", "index_fp8"):  # a 256-entry table: torch's float8 cast is slow on CPU
-        v = _table(_E4M3, data.device)[data.long()]
+        v = torch.index_select(_table(_E4M3, data.device), 0, data.reshape(-1).int()).view(data.shape)
     else:
-        v = _table(_E2M1, data.device)[_unpack(data).long()]
+        codes = _unpack(data)
+        v = torch.index_select(_table(_E2M1, data.device), 0, codes.reshape(-1).int()).view(codes.shape)
     if record.name in ("mxfp8", "index_mxfp4"):
         s = _ue8m0(scales)
     elif record.name == "nvfp4":
@@ -159,24 +160,36 @@ def insert(x, k_cache, slots, geo: ref.Geometry, layout: str) -> None:
     flat[si.reshape(-1)] = scales.reshape(-1)
 
 
+def _select(flat: torch.Tensor, offsets: torch.Tensor, width: int) -> torch.Tensor | None:
+    """uint8 [n, width]: the `width` bytes at each offset, by index_select on the bytes seen as rows
+    of `width` (8-byte words where aligned: torch moves int64 rows far faster than bytes), or None
+    when some offset is not a multiple of `width`."""
+    rows = flat.numel() // width
+    if not rows:
+        return None
+    view = flat[: rows * width]
+    w = 8 if width % 8 == 0 and view.data_ptr() % 8 == 0 else 1
+    table = view.view(torch.int64 if w == 8 else torch.uint8).view(rows, width // w)
+    out = torch.empty((offsets.shape[0], width // w), dtype=table.dtype, device=flat.device)
+    torch.index_select(table, 0, torch.div(offsets, width, rounding_mode="floor"), out=out)  # out=: the fast path
+    return out.view(torch.uint8).view(offsets.shape[0], width)
+
+
 def read_bytes(k_cache: torch.Tensor, geo: ref.Geometry, layout: str, page: torch.Tensor, pos: torch.Tensor):
-    """(data uint8 [n, D], scales uint8 [n, C]) of slots (page, pos), moved as 8-byte (4-byte for
-    index keys) words where the pages allow it (every record offset is a multiple of w), else bytes."""
+    """(data uint8 [n, D], scales uint8 [n, C]) of slots (page, pos): whole records (interleaved)
+    or data and scale rows (split) by `_select` where the page stride allows it, else bytes."""
     r = geo.record
     flat = flat_bytes(k_cache, geo)
-    w = 8 if r.scale_bytes % 8 == 0 else 4
-    if flat.numel() and geo.page_stride % w == 0 and flat.numel() % w == 0 and flat.data_ptr() % w == 0:
-        base = page * geo.page_stride
-        if layout == "interleaved":
-            d0 = base + pos * r.bytes
-            s0 = d0 + r.data_bytes
-        else:
-            d0, s0 = base + pos * r.data_bytes, base + geo.S * r.data_bytes + pos * r.scale_bytes
-        words = flat.view(torch.int64 if w == 8 else torch.int32)
-        dw = (d0 // w)[:, None] + torch.arange(r.data_bytes // w, device=page.device)
-        sw = (s0 // w)[:, None] + torch.arange(r.scale_bytes // w, device=page.device)
-        n = page.shape[0]
-        return words[dw].view(torch.uint8).view(n, -1), words[sw].view(torch.uint8).view(n, -1)
+    base = page * geo.page_stride
+    if layout == "interleaved" and geo.page_stride % r.bytes == 0:
+        rec = _select(flat, base + pos * r.bytes, r.bytes)
+        if rec is not None:
+            return rec[:, : r.data_bytes], rec[:, r.data_bytes :]
+    if layout == "split" and geo.page_stride % r.data_bytes == 0 and geo.page_stride % r.scale_bytes == 0:
+        data = _select(flat, base + pos * r.data_bytes, r.data_bytes)
+        scales = _select(flat, base + geo.S * r.data_bytes + pos * r.scale_bytes, r.scale_bytes)
+        if data is not None and scales is not None and (geo.S * r.data_bytes) % r.scale_bytes == 0:
+            return data, scales
     di, si = slot_bytes(geo, layout, page, pos)
     return flat[di], flat[si]
 
