@@ -224,7 +224,7 @@ void dsv4_gather_mxfp8_rows(void *out, int64_t out_s0, int64_t out_s1, int64_t o
                             const uint8_t *cache, int64_t page_stride, int64_t num_pages, int64_t page_size,
                             int32_t interleaved, const int64_t *seq, const int64_t *cum, const void *bt,
                             int32_t bt_int64, int64_t bt_s0, int64_t bt_w, int64_t offset, int64_t R, int64_t row0,
-                            int64_t row1);
+                            int64_t row1, int32_t stream);
 /* One record's 512 data bytes and 16 scale bytes as 512 bf16 bits, exactly; _to: bf16 or float32
    (out_f32) at dst. dsv4_mxfp8_slot: slot p's data and scales in a page. dsv4_mxfp8_address: entry
    e of request b of a format 3 / 4 source (0 when its page is outside the arrays). */

@@ -55,13 +55,14 @@ extern "C" int dsv4_gather_mxfp8(void *out, int64_t out_s0, int64_t out_s1, int6
         const int64_t n = cum[R];
         if (n == 0) return DSV4_OK;
         if (!out) return fail(DSV4_ERR_ARG, "out: NULL");
+        const int32_t stream = n * 512 * (out_f32 ? 4 : 2) > DSV4_GATHER_STREAM_BYTES;
         const int64_t *c = cum.data();
         ParallelScope scope(par);
         const int64_t t = std::max<int64_t>(1, std::min<int64_t>(max_threads(), n / DSV4_GATHER_PARALLEL_ROWS));
         parallel_items(t, (int)t, [&](int64_t k) {
             dsv4_gather_mxfp8_rows(out, out_s0, out_s1, out_rows, out_f32, cache, page_stride, num_pages, page_size,
                                    interleaved, seq_lens, c, block_table, bt_int64, bt_s0, bt_w, offset, R, n * k / t,
-                                   n * (k + 1) / t);
+                                   n * (k + 1) / t, stream);
         });
         return DSV4_OK;
     });

@@ -83,6 +83,39 @@ void dsv4_decode_mxfp8_to(const uint8_t *d, const uint8_t *sc, void *dst, int32_
     for (int j = 0; j < 512; j++) o[j] = (uint32_t)t[j] << 16;
 }
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#define V41_HAVE_STREAM 1
+/* Non-temporal stores of n bytes (a multiple of 64) from an aligned buffer: an output larger than
+   the caches is not read back before it leaves them, so this skips each line's write-allocate read
+   (kvcache.c's fp8_ds_mla gather does the same). */
+static void v41_stream(void *dst, const void *src, int n) {
+#if defined(__AVX__)
+    if (((uintptr_t)dst & 31) == 0) {
+        for (int j = 0; j < n; j += 32)
+            _mm256_stream_si256((__m256i *)((char *)dst + j), _mm256_load_si256((const __m256i *)((const char *)src + j)));
+        return;
+    }
+#endif
+    if (((uintptr_t)dst & 15) == 0) {
+        for (int j = 0; j < n; j += 16)
+            _mm_stream_si128((__m128i *)((char *)dst + j), _mm_load_si128((const __m128i *)((const char *)src + j)));
+        return;
+    }
+    memcpy(dst, src, n);
+}
+#else
+#define V41_HAVE_STREAM 0
+static void v41_stream(void *dst, const void *src, int n) { memcpy(dst, src, n); }
+#endif
+
+/* dsv4_decode_mxfp8_to through an aligned buffer and streaming stores. */
+static void v41_decode_stream(const uint8_t *d, const uint8_t *sc, void *dst, int32_t out_f32) {
+    uint32_t t[512] __attribute__((aligned(64)));
+    dsv4_decode_mxfp8_to(d, sc, t, out_f32);
+    v41_stream(dst, t, out_f32 ? 2048 : 1024);
+}
+
 static void v41_nan_row(void *dst, int32_t out_f32) {
     if (out_f32) {
         uint32_t *o = (uint32_t *)dst;
@@ -98,11 +131,12 @@ static void v41_nan_row(void *dst, int32_t out_f32) {
 /* Rows [row0, row1) of the requests' rows laid back to back (cum: [R + 1] prefix sums of the
    gather lengths), as dsv4_gather_dequant_rows does for fp8_ds_mla pages: row i of request b is
    position seq[b] - g_b + i, slot pos % S of page bt[b * bt_s0 + pos / S], written at element
-   out + b * out_s0 + (offset + i) * out_s1 when offset + i < out_rows. */
+   out + b * out_s0 + (offset + i) * out_s1 when offset + i < out_rows. stream: non-temporal stores
+   (outputs larger than the caches). */
 void dsv4_gather_mxfp8_rows(void *out, int64_t out_s0, int64_t out_s1, int64_t out_rows, int32_t out_f32,
                             const uint8_t *cache, int64_t page_stride, int64_t num_pages, int64_t S, int32_t interleaved,
                             const int64_t *seq, const int64_t *cum, const void *bt, int32_t bt_int64, int64_t bt_s0,
-                            int64_t bt_w, int64_t offset, int64_t R, int64_t row0, int64_t row1) {
+                            int64_t bt_w, int64_t offset, int64_t R, int64_t row0, int64_t row1, int32_t stream) {
     const dsv4_kv_source src = {
         .format = interleaved ? DSV4_MXFP8_INTERLEAVED : DSV4_MXFP8_SPLIT,
         .data = cache,
@@ -136,8 +170,12 @@ void dsv4_gather_mxfp8_rows(void *out, int64_t out_s0, int64_t out_s1, int64_t o
                 __builtin_prefetch(sc, 0, 3);
             }
             char *dst = (char *)out + (b * out_s0 + (offset + i) * out_s1) * (int64_t)esize;
-            if (dsv4_mxfp8_address(&src, b, start + i, &d, &sc)) dsv4_decode_mxfp8_to(d, sc, dst, out_f32);
-            else v41_nan_row(dst, out_f32);
+            if (!dsv4_mxfp8_address(&src, b, start + i, &d, &sc)) v41_nan_row(dst, out_f32);
+            else if (stream) v41_decode_stream(d, sc, dst, out_f32);
+            else dsv4_decode_mxfp8_to(d, sc, dst, out_f32);
         }
     }
+#if V41_HAVE_STREAM
+    if (stream) _mm_sfence(); /* the streamed rows are visible before the call returns */
+#endif
 }

@@ -69,10 +69,13 @@ def test_gather_equals_numpy_with_threads(layout):
     bt = np.stack([rng.permutation(nb) for _ in range(3)]).astype(np.int32)
     want = np.full((3, nb * S + 2, 512), 5.0, np.float32)
     V.dequantize_and_gather_k_cache(want, pages, seq, glen, bt, offset=1, layout=layout)
-    for threads in (1, 3):
+    for threads in (1, 3):  # an output over DSV4_GATHER_STREAM_BYTES: non-temporal stores
         out = np.full(want.shape, 5.0, np.float32)
         gather(out, base, seq, glen, bt, S, 1, int(layout == "interleaved"), threads)
         assert np.array_equal(out, want, equal_nan=True)
+    bits = np.full(want.shape, 0x40A0, np.uint16)  # bf16 out (5.0)
+    gather(bits, base, seq, glen, bt, S, 1, int(layout == "interleaved"), 2)
+    assert np.array_equal((bits.astype(np.uint32) << 16).view(np.float32), want, equal_nan=True)
 
 
 def test_rows_outside_the_cache_read_nan():

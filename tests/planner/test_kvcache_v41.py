@@ -346,3 +346,24 @@ def test_bad_inputs_are_named(i):
     call, match = BAD[i]
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+def test_index_fp8_split_pages_are_v4_index_key_pages():
+    """V4.1's FP8 index keys in the split layout are byte for byte V4's indexer key pages
+    (planner.index_cache: D e4m3 per slot, then a float32 scale per slot), so every V4 reader of
+    those pages (the fused CPU indexer's DSV4_KV_INDEX_FP8 source among them) reads them as they are."""
+    from planner import index_cache as IC
+
+    rng = np.random.default_rng(8)
+    S, nb, T = 8, 3, 20
+    k = C.rows(rng, T, 128)
+    slots = C.slot_mapping(rng, T, nb * S)
+    v41 = np.zeros((nb, S, 132), np.uint8)
+    V.insert_records(k, v41, slots)  # default layout of index_fp8: split
+    v4 = np.zeros_like(v41)
+    IC.indexer_k_quant_and_cache(k, v4, slots, 128)
+    assert np.array_equal(v41, v4)
+    got = IC.gather_index_keys(v41, np.arange(nb)[None], [nb * S])[0]
+    want = np.zeros((1, nb * S, 128), np.float32)
+    V.dequantize_and_gather_k_cache(want, v41, [nb * S], None, np.arange(nb)[None], offset=0)
+    assert np.array_equal(got, want[0], equal_nan=True)
