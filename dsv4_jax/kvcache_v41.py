@@ -13,6 +13,8 @@ arguments, each returning the new array (the pages, or `out`):
 
 Pages: uint8 [num_blocks, S, W] (vLLM's view; JAX arrays are contiguous, so the page stride is
 S * W) or [num_blocks, page_stride] with `block_size` and `bytes_per_token` (padded pages).
+`mx_scales=True`: 132-byte pages hold FP8 index keys whose scale is four UE8M0 bytes (vLLM on
+SM100) rather than a float32.
 Every array argument takes NumPy or jax arrays. Under `jax.jit`: block_size, bytes_per_token,
 layout, offset, compress_ratio, use_fp4_cache and rms_norm_eps are static; traced values are not
 checked (an out-of-range slot is dropped, a row whose page is not in k_cache reads NaN).
@@ -55,7 +57,9 @@ def resolve_backend(backend: str = "auto", *arrays, op: str = "gather_records") 
     return backends.resolve_cache_backend(backend, *arrays, op=op)
 
 
-def page_geometry(k_cache, block_size=None, bytes_per_token=None, name: str = "k_cache") -> ref.Geometry:
+def page_geometry(
+    k_cache, block_size=None, bytes_per_token=None, name: str = "k_cache", mx_scales: bool = False
+) -> ref.Geometry:
     """The checked geometry (num_blocks, S, record, page_stride) of a page array."""
     dtype = getattr(k_cache, "dtype", None)
     if dtype is None or not hasattr(k_cache, "shape"):
@@ -64,7 +68,7 @@ def page_geometry(k_cache, block_size=None, bytes_per_token=None, name: str = "k
         raise TypeError(f"{name}: expected uint8 pages (V4.1 record bytes), got {jnp.dtype(dtype)}")
     shape = tuple(k_cache.shape)
     strides = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))  # row-major bytes
-    return ref.page_geometry(shape, strides, block_size, bytes_per_token, name)
+    return ref.page_geometry(shape, strides, block_size, bytes_per_token, name, mx_scales)
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,10 +76,19 @@ def page_geometry(k_cache, block_size=None, bytes_per_token=None, name: str = "k
 
 
 def insert_records(
-    x, k_cache, slot_mapping, block_size=None, *, bytes_per_token=None, layout=None, backend="auto", validate=True
+    x,
+    k_cache,
+    slot_mapping,
+    block_size=None,
+    *,
+    bytes_per_token=None,
+    layout=None,
+    mx_scales=False,
+    backend="auto",
+    validate=True,
 ):
     """float32 rows x [T, dims] quantized into their slots of k_cache (any record); the new pages."""
-    geo = page_geometry(k_cache, block_size, bytes_per_token)
+    geo = page_geometry(k_cache, block_size, bytes_per_token, mx_scales=mx_scales)
     layout = ref.check_layout(layout, geo.record)
     x = _rows(x, "x", geo.record.dims, (jnp.dtype(jnp.float32),))
     slots = _slots(slot_mapping, x, geo, "slot_mapping", validate)
@@ -148,14 +161,15 @@ def indexer_k_norm_rope_store(
     *,
     block_size=None,
     layout=None,
+    mx_scales=False,
     backend="auto",
     validate=True,
 ):
     """vLLM 0.33.0's index-key writer (`planner.kvcache_v41.indexer_k_norm_rope_store`); the new pages."""
-    geo = page_geometry(k_cache, block_size, None)
+    geo = page_geometry(k_cache, block_size, None, mx_scales=bool(mx_scales) and not use_fp4_cache)
     if not isinstance(use_fp4_cache, (bool, np.bool_)):
         raise TypeError(f"use_fp4_cache: expected a bool, got {use_fp4_cache!r}")
-    want = "index_mxfp4" if use_fp4_cache else "index_fp8"
+    want = "index_mxfp4" if use_fp4_cache else ref.MX_INDEX_FP8.name if mx_scales else "index_fp8"
     if geo.record.name != want:
         raise ValueError(
             f"k_cache: holds {geo.record.name} records ({geo.record.bytes} B), but use_fp4_cache={bool(use_fp4_cache)} "
@@ -205,13 +219,14 @@ def dequantize_and_gather_k_cache(
     *,
     bytes_per_token=None,
     layout=None,
+    mx_scales=False,
     backend="auto",
     validate=True,
 ):
     """vLLM's reader for any V4.1 record (`planner.kvcache_v41.dequantize_and_gather_k_cache`):
     out bf16 or float32 [R', rows, dims]; returns the new `out` (donate it under jit to reuse its
     buffer). seq_lens / gather_lens (or None) int32 [R]; block_table int32 [R'', B]."""
-    geo = page_geometry(k_cache, block_size, bytes_per_token)
+    geo = page_geometry(k_cache, block_size, bytes_per_token, mx_scales=mx_scales)
     layout = ref.check_layout(layout, geo.record)
     out = _array(out, "out")
     if jnp.dtype(out.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):

@@ -14,7 +14,8 @@ whose bytes and values these match exactly. Same functions, same argument order 
 
 Pages: uint8 [num_blocks, S, W] (vLLM's view; the record read off W, the page stride off
 stride(0), which may exceed S * W as vLLM pads pages) or [num_blocks, page_stride] with
-`block_size` and `bytes_per_token`. `layout=None` takes vLLM 0.33.0's layout for the record.
+`block_size` and `bytes_per_token`. `mx_scales=True`: 132-byte pages hold FP8 index keys whose scale
+is four UE8M0 bytes (vLLM on SM100) rather than a float32. `layout=None` takes vLLM 0.33.0's layout for the record.
 
 Backends (keyword `backend=`, the table `dsv4_torch.backends.CACHE`): "reference" (vectorized
 torch, any device: every record and op), "cpu" (the gather of mxfp8 records, both layouts: the C
@@ -68,12 +69,14 @@ def read_slots(k_cache, geo: ref.Geometry, layout: str, page: torch.Tensor, slot
     return _ref_kernels.decode(data, scales, geo.record, dtype)
 
 
-def page_geometry(k_cache, block_size=None, bytes_per_token=None, name: str = "k_cache") -> ref.Geometry:
+def page_geometry(
+    k_cache, block_size=None, bytes_per_token=None, name: str = "k_cache", mx_scales: bool = False
+) -> ref.Geometry:
     """The checked geometry (num_blocks, S, record, page_stride) of a page tensor."""
     _need_tensor(k_cache, name)
     if k_cache.dtype != torch.uint8:
         raise TypeError(f"{name}: expected uint8 pages (V4.1 record bytes), got {k_cache.dtype}")
-    geo = ref.page_geometry(k_cache.shape, k_cache.stride(), block_size, bytes_per_token, name)
+    geo = ref.page_geometry(k_cache.shape, k_cache.stride(), block_size, bytes_per_token, name, mx_scales)
     need = k_cache.storage_offset() + ((geo.num_blocks - 1) * geo.page_stride + geo.S * geo.record.bytes)
     if geo.num_blocks and k_cache.untyped_storage().nbytes() < need:
         raise ValueError(f"{name}: the storage holds fewer than {geo.num_blocks} pages of stride {geo.page_stride}")
@@ -85,13 +88,22 @@ def page_geometry(k_cache, block_size=None, bytes_per_token=None, name: str = "k
 
 
 def insert_records(
-    x, k_cache, slot_mapping, block_size=None, *, bytes_per_token=None, layout=None, backend="auto", validate=True
+    x,
+    k_cache,
+    slot_mapping,
+    block_size=None,
+    *,
+    bytes_per_token=None,
+    layout=None,
+    mx_scales=False,
+    backend="auto",
+    validate=True,
 ) -> None:
     """Quantize float32 rows x [T, dims] into their slots of k_cache, in place (any record).
 
     slot_mapping: [T'] int64 (or int32), T' <= T; -1 skips a token; slot s -> page s // S,
     position s % S; each slot at most once, < num_blocks * S."""
-    geo = page_geometry(k_cache, block_size, bytes_per_token)
+    geo = page_geometry(k_cache, block_size, bytes_per_token, mx_scales=mx_scales)
     layout = ref.check_layout(layout, geo.record)
     _rows(x, "x", geo.record.dims, (torch.float32,))
     slots = _slots(slot_mapping, x, k_cache, geo, "slot_mapping", validate)
@@ -166,15 +178,16 @@ def indexer_k_norm_rope_store(
     *,
     block_size=None,
     layout=None,
+    mx_scales=False,
     backend="auto",
     validate=True,
 ) -> None:
     """vLLM 0.33.0's index-key writer (`planner.kvcache_v41.indexer_k_norm_rope_store`), in place:
     k_pre bf16 [T, 128], rms_norm_weight float32 / bf16 [128]."""
-    geo = page_geometry(k_cache, block_size, None)
+    geo = page_geometry(k_cache, block_size, None, mx_scales=bool(mx_scales) and not use_fp4_cache)
     if not isinstance(use_fp4_cache, bool):
         raise TypeError(f"use_fp4_cache: expected a bool, got {use_fp4_cache!r}")
-    want = "index_mxfp4" if use_fp4_cache else "index_fp8"
+    want = "index_mxfp4" if use_fp4_cache else ref.MX_INDEX_FP8.name if mx_scales else "index_fp8"
     if geo.record.name != want:
         raise ValueError(
             f"k_cache: holds {geo.record.name} records ({geo.record.bytes} B), but use_fp4_cache={use_fp4_cache} "
@@ -225,13 +238,14 @@ def dequantize_and_gather_k_cache(
     *,
     bytes_per_token=None,
     layout=None,
+    mx_scales=False,
     backend="auto",
     validate=True,
 ) -> None:
     """vLLM's reader for any V4.1 record, in place (`planner.kvcache_v41.dequantize_and_gather_k_cache`):
     out bf16 or float32 [R', rows, dims] (dims 512, or 128 for index keys), unit stride in the
     last dim; seq_lens / gather_lens (or None) int32/int64 [R]; block_table int32/int64 [R'', B]."""
-    geo = page_geometry(k_cache, block_size, bytes_per_token)
+    geo = page_geometry(k_cache, block_size, bytes_per_token, mx_scales=mx_scales)
     layout = ref.check_layout(layout, geo.record)
     _need_tensor(out, "out")
     if out.dtype not in (torch.bfloat16, torch.float32):

@@ -5,7 +5,9 @@ bytes (`RECORDS`; vLLM 0.33.0 reads the record off the page view's last dim, as 
 
     mxfp8        528 B  512 e4m3 over all dims (RoPE applied first) + 16 UE8M0, one per 32 dims
     nvfp4        288 B  256 B of e2m1 pairs (even element in the low nibble) + 32 e4m3, one per 16
-    index_fp8    132 B  128 e4m3 + one little-endian float32 scale (a power of two)
+    index_fp8    132 B  128 e4m3 + one little-endian float32 scale (a power of two); with
+                        `mx_scales=True` (vLLM on SM100: `mqa_logits_use_mx_scales`) the same
+                        scale as four equal UE8M0 bytes, one per 32 dims (`MX_INDEX_FP8`)
     index_mxfp4   68 B  64 B of e2m1 pairs + 4 UE8M0, one per 32
 
 and two page layouts (`LAYOUTS`), for a page of S slots:
@@ -87,7 +89,16 @@ RECORDS = {
 }
 BY_BYTES = {r.bytes: r for r in RECORDS.values()}  # 528, 288, 132, 68
 LAYOUTS = ("interleaved", "split")
-_VLLM_LAYOUT = {"mxfp8": "interleaved", "nvfp4": "interleaved", "index_fp8": "split", "index_mxfp4": "split"}
+# FP8 index keys with their scale as four UE8M0 bytes (one per 32 dims; the writer's four are
+# equal: one amax over 128): 132 bytes too, so chosen by `mx_scales=True`, never by the width.
+MX_INDEX_FP8 = Record("index_fp8_mx", 128, 128, 4, 32)
+_VLLM_LAYOUT = {
+    "mxfp8": "interleaved",
+    "nvfp4": "interleaved",
+    "index_fp8": "split",
+    "index_fp8_mx": "split",
+    "index_mxfp4": "split",
+}
 
 FP8_MAX = np.float32(448.0)
 INV_FP8_MAX = np.float32(1.0 / 448.0)
@@ -101,6 +112,7 @@ E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3
 __all__ = [
     "BY_BYTES",
     "LAYOUTS",
+    "MX_INDEX_FP8",
     "RECORDS",
     "decode",
     "default_layout",
@@ -184,11 +196,13 @@ def encode(x: np.ndarray, record: Record) -> tuple[np.ndarray, np.ndarray]:
     g = x.reshape(N, record.dims // record.group, record.group)
     amax = np.abs(g).max(axis=-1)
     with np.errstate(under="ignore", over="ignore"):
-        if record.name in ("mxfp8", "index_fp8"):
+        if record.name == "index_fp8_mx":  # one amax over the key, its exponent in all four bytes
+            amax = np.repeat(amax.max(axis=-1, keepdims=True), g.shape[1], axis=-1)
+        if record.name in ("mxfp8", "index_fp8", "index_fp8_mx"):
             e = ceil_log2(np.maximum(amax, FP8_AMAX_FLOOR) * INV_FP8_MAX)
             q = np.clip(g * pow2(-e)[..., None], -FP8_MAX, FP8_MAX)
             data = _e4m3_bytes(q).reshape(N, record.data_bytes)
-            if record.name == "mxfp8":
+            if record.name != "index_fp8":
                 scales = np.clip(e + 127, 0, 255).astype(np.uint8)
             else:
                 scales = pow2(e).astype("<f4").view(np.uint8).reshape(N, 4)
@@ -208,11 +222,11 @@ def decode(data: np.ndarray, scales: np.ndarray, record: Record) -> np.ndarray:
     keys exact float32."""
     N = data.shape[0]
     G = record.dims // record.group
-    if record.name in ("mxfp8", "index_fp8"):
+    if record.name in ("mxfp8", "index_fp8", "index_fp8_mx"):
         v = np.ascontiguousarray(data).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     else:
         v = E2M1_VALUES[_unpack_nibbles(data)]
-    if record.name == "mxfp8" or record.name == "index_mxfp4":
+    if record.name in ("mxfp8", "index_mxfp4", "index_fp8_mx"):
         with np.errstate(over="ignore"):  # byte 255: 2^128 = inf in float32
             s = np.ldexp(np.float64(1.0), scales.astype(np.int32) - 127).astype(np.float32)
     elif record.name == "nvfp4":
@@ -237,12 +251,15 @@ class Geometry(NamedTuple):
     page_stride: int  # bytes from one page to the next
 
 
-def page_geometry(shape, strides, block_size=None, bytes_per_token=None, name: str = "k_cache") -> Geometry:
+def page_geometry(
+    shape, strides, block_size=None, bytes_per_token=None, name: str = "k_cache", mx_scales: bool = False
+) -> Geometry:
     """The geometry of V4.1 pages with this shape and these byte strides (the one page check of
     the NumPy reference, torch and JAX): uint8 [num_blocks, S, W] with strides (P, W, 1), W a
     record's bytes, P >= S * W (the record and S read off the shape; `block_size` /
     `bytes_per_token` when given must agree), or [num_blocks, P] with unit stride and both given.
-    Raises ValueError naming `name`."""
+    mx_scales: 132-byte records are FP8 index keys with UE8M0 scales (`MX_INDEX_FP8`). Raises
+    ValueError naming `name`."""
     shape, strides = tuple(int(v) for v in shape), tuple(int(v) for v in strides)
     S = None if block_size is None else check_block_size(block_size, "block_size")
     W = None if bytes_per_token is None else as_int(bytes_per_token, "bytes_per_token")
@@ -277,15 +294,21 @@ def page_geometry(shape, strides, block_size=None, bytes_per_token=None, name: s
         raise ValueError(f"{name}: expected uint8 [num_blocks, block_size, record_bytes] pages, got shape {shape}")
     if P < S * W:
         raise ValueError(f"{name}: page stride {P} bytes is below block_size * record bytes = {S} * {W} = {S * W}")
-    return Geometry(shape[0], S, BY_BYTES[W], P)
+    if not isinstance(mx_scales, (bool, np.bool_)):
+        raise TypeError(f"mx_scales: expected a bool, got {mx_scales!r}")
+    if mx_scales and W != MX_INDEX_FP8.bytes:
+        raise ValueError(
+            f"mx_scales: only FP8 index keys (132-byte records) have UE8M0 scales, {name} holds {W}-byte records"
+        )
+    return Geometry(shape[0], S, MX_INDEX_FP8 if mx_scales else BY_BYTES[W], P)
 
 
-def _pages(k_cache, block_size, bytes_per_token, *, writable: bool) -> Geometry:
+def _pages(k_cache, block_size, bytes_per_token, *, writable: bool, mx_scales: bool = False) -> Geometry:
     if not isinstance(k_cache, np.ndarray):
         raise TypeError(f"k_cache: expected a numpy.ndarray, got {type(k_cache).__name__}")
     if k_cache.dtype != np.uint8:
         raise TypeError(f"k_cache: expected uint8 pages (V4.1 record bytes), got {k_cache.dtype}")
-    geo = page_geometry(k_cache.shape, k_cache.strides, block_size, bytes_per_token)
+    geo = page_geometry(k_cache.shape, k_cache.strides, block_size, bytes_per_token, mx_scales=mx_scales)
     if writable and not k_cache.flags.writeable:
         raise ValueError("k_cache: is read-only; it is written in place")
     return geo
@@ -312,13 +335,16 @@ def read_slots(k_cache, geo: Geometry, layout: str, page, pos) -> tuple[np.ndarr
 # writers
 
 
-def insert_records(x, k_cache, slot_mapping, block_size=None, *, bytes_per_token=None, layout=None) -> None:
+def insert_records(
+    x, k_cache, slot_mapping, block_size=None, *, bytes_per_token=None, layout=None, mx_scales=False
+) -> None:
     """Quantize float32 rows `x` [T, dims] (finite) into their slots of `k_cache`, in place.
 
     slot_mapping: [T'] integers, T' <= T; -1 skips a token; slot s -> page s // S, position
     s % S; each slot at most once, < num_blocks * S. Bytes no written slot owns stay as they were.
+    mx_scales: 132-byte pages hold FP8 index keys with UE8M0 scales (`MX_INDEX_FP8`).
     """
-    geo = _pages(k_cache, block_size, bytes_per_token, writable=True)
+    geo = _pages(k_cache, block_size, bytes_per_token, writable=True, mx_scales=mx_scales)
     layout = check_layout(layout, geo.record)
     x = _check_rows(x, "x", geo.record.dims, np.float32)
     _write(x, k_cache, geo, layout, check_slot_mapping(slot_mapping, x.shape[0], geo.num_blocks * geo.S))
@@ -399,12 +425,14 @@ def indexer_k_norm_rope_store(
     *,
     block_size=None,
     layout=None,
+    mx_scales=False,
 ) -> None:
     """vLLM 0.33.0's index-key writer, in place: k_pre [T, 128] bf16 values -> RMSNorm (float32:
     k * (1 / sqrt(sum(k * k) / 128 + eps)) * w, rounded to bf16) -> RoPE as `rope_quant_insert`
-    (each half rounded to bf16) -> index_mxfp4 (use_fp4_cache) or index_fp8 records (`rms_norm`)."""
-    geo = _pages(k_cache, block_size, None, writable=True)
-    want = "index_mxfp4" if use_fp4_cache else "index_fp8"
+    (each half rounded to bf16) -> index_mxfp4 (use_fp4_cache) or index_fp8 records (`rms_norm`);
+    mx_scales: the FP8 keys' scale as four UE8M0 bytes (vLLM on SM100)."""
+    geo = _pages(k_cache, block_size, None, writable=True, mx_scales=bool(mx_scales) and not use_fp4_cache)
+    want = "index_mxfp4" if use_fp4_cache else MX_INDEX_FP8.name if mx_scales else "index_fp8"
     if not isinstance(use_fp4_cache, (bool, np.bool_)):
         raise TypeError(f"use_fp4_cache: expected a bool, got {use_fp4_cache!r}")
     if geo.record.name != want:
@@ -529,13 +557,24 @@ def _check_bf16_rows(x, name: str, dims: int) -> np.ndarray:
 
 
 def dequantize_and_gather_k_cache(
-    out, k_cache, seq_lens, gather_lens, block_table, block_size=None, offset=0, *, bytes_per_token=None, layout=None
+    out,
+    k_cache,
+    seq_lens,
+    gather_lens,
+    block_table,
+    block_size=None,
+    offset=0,
+    *,
+    bytes_per_token=None,
+    layout=None,
+    mx_scales=False,
 ) -> None:
     """vLLM's reader, in place, for any V4.1 record: row i < gather_lens[b] of request b (position
     seq_lens[b] - gather_lens[b] + i, on page block_table[b, pos // S], slot pos % S) is decoded
     into out[b, offset + i]; out float32 [R', rows, dims] (dims 512 for KV records, holding bf16
-    values; 128 for index keys). gather_lens None = seq_lens. Other rows are left as they were."""
-    geo = _pages(k_cache, block_size, bytes_per_token, writable=False)
+    values; 128 for index keys). gather_lens None = seq_lens. Other rows are left as they were.
+    mx_scales: 132-byte pages hold FP8 index keys with UE8M0 scales."""
+    geo = _pages(k_cache, block_size, bytes_per_token, writable=False, mx_scales=mx_scales)
     layout = check_layout(layout, geo.record)
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out: expected a numpy.ndarray, got {type(out).__name__}")

@@ -15,6 +15,11 @@ from planner.contract import BackendUnavailableError
 from tests import v41_record_cases as C
 
 REC = V.RECORDS
+NAMES = [*REC, "index_fp8_mx"]  # the last: FP8 index keys with UE8M0 scales (mx_scales=True)
+
+
+def record(name):
+    return (V.MX_INDEX_FP8, {"mx_scales": True}) if name == "index_fp8_mx" else (REC[name], {})
 
 
 def gather_backends(name):
@@ -24,22 +29,22 @@ def gather_backends(name):
     return out
 
 
-@pytest.mark.parametrize("name", list(REC))
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("layout", V.LAYOUTS)
 def test_insert_records_bytes_equal_numpys(name, layout):
     rng = np.random.default_rng(hash((name, layout)) % 1000)
-    r, S, nb, T = REC[name], 8, 5, 30
+    (r, mx), S, nb, T = record(name), 8, 5, 30
     x = C.rows(rng, T, r.dims, as_bf16=False)
     slots = C.slot_mapping(rng, T - 3, nb * S)
     start = np.ascontiguousarray(C.random_pages(rng, nb, S, r))
     want = start.copy()
-    V.insert_records(x, want, slots, layout=layout)
-    got = JV.insert_records(x, jnp.asarray(start), slots, layout=layout)
+    V.insert_records(x, want, slots, layout=layout, **mx)
+    got = JV.insert_records(x, jnp.asarray(start), slots, layout=layout, **mx)
     assert np.array_equal(np.asarray(got), want)
     # 2-D pages with a padded stride
     flat = np.concatenate([start.reshape(nb, -1), np.full((nb, 40), 9, np.uint8)], axis=1)
     got = JV.insert_records(
-        jnp.asarray(x), jnp.asarray(flat), jnp.asarray(slots), S, bytes_per_token=r.bytes, layout=layout
+        jnp.asarray(x), jnp.asarray(flat), jnp.asarray(slots), S, bytes_per_token=r.bytes, layout=layout, **mx
     )
     got = np.asarray(got)
     assert np.array_equal(got[:, : S * r.bytes].reshape(want.shape), want) and (got[:, S * r.bytes :] == 9).all()
@@ -72,8 +77,8 @@ def test_kv_writers_bytes_equal_numpys(width):
     assert np.array_equal(np.asarray(got), want)
 
 
-@pytest.mark.parametrize("fp4", [False, True])
-def test_index_writer_bytes_equal_numpys(fp4):
+@pytest.mark.parametrize("fp4, mx", [(False, False), (True, False), (False, True)])
+def test_index_writer_bytes_equal_numpys(fp4, mx):
     rng = np.random.default_rng(7 + fp4)
     S, nb, T, width = 8, 4, 29, 68 if fp4 else 132
     k_pre = C.bf16(rng.standard_normal((T, 128)) * 10.0 ** rng.integers(-8, 8, (T, 1)))
@@ -82,7 +87,9 @@ def test_index_writer_bytes_equal_numpys(fp4):
     slots = C.slot_mapping(rng, T, nb * S)
     for ratio, cs_j in ((1, jnp.asarray(cs)), (2, jnp.asarray(cs, jnp.bfloat16))):
         want = np.zeros((nb, S, width), np.uint8)
-        V.indexer_k_norm_rope_store(k_pre, pos, np.asarray(cs_j, np.float32), w, 1e-6, want, slots, ratio, fp4)
+        V.indexer_k_norm_rope_store(
+            k_pre, pos, np.asarray(cs_j, np.float32), w, 1e-6, want, slots, ratio, fp4, mx_scales=mx
+        )
         got = JV.indexer_k_norm_rope_store(
             jnp.asarray(k_pre, jnp.bfloat16),
             pos,
@@ -93,15 +100,16 @@ def test_index_writer_bytes_equal_numpys(fp4):
             slots,
             ratio,
             fp4,
+            mx_scales=mx,
         )
         assert np.array_equal(np.asarray(got), want), ratio
 
 
-@pytest.mark.parametrize("name", list(REC))
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("layout", V.LAYOUTS)
 def test_gather_values_equal_numpys(name, layout):
     rng = np.random.default_rng(hash((name, layout, 1)) % 1000)
-    r, S, nb = REC[name], 4, 6
+    (r, mx), S, nb = record(name), 4, 6
     pages = np.ascontiguousarray(C.random_pages(rng, nb, S, r))
     if r.name == "mxfp8":
         pages[:, :, -16:] = rng.choice([0, 1, 105, 127, 200, 247, 254, 255], (nb, S, 16))
@@ -114,16 +122,16 @@ def test_gather_values_equal_numpys(name, layout):
                 pages.reshape(nb, -1)[b, o : o + 4] = sc[b, p : p + 1].view(np.uint8)
     seq, glen, bt, rows, off = C.gather_case(rng, nb, S)
     want = np.full((4, rows, r.dims), 7.0, np.float32)
-    V.dequantize_and_gather_k_cache(want, pages, seq, glen, bt, offset=off, layout=layout)
+    V.dequantize_and_gather_k_cache(want, pages, seq, glen, bt, offset=off, layout=layout, **mx)
     for backend in gather_backends(name):
         for dtype in (jnp.float32, jnp.bfloat16):
             out = jnp.full((4, rows, r.dims), 7.0, dtype)
             got = JV.dequantize_and_gather_k_cache(
-                out, jnp.asarray(pages), seq, glen, bt, offset=off, layout=layout, backend=backend
+                out, jnp.asarray(pages), seq, glen, bt, offset=off, layout=layout, backend=backend, **mx
             )
             w = want if dtype == jnp.float32 else C.bf16(want)
             assert np.array_equal(np.asarray(got, np.float32), w, equal_nan=True), (backend, dtype)
-    fn = jax.jit(functools.partial(JV.dequantize_and_gather_k_cache, offset=off, layout=layout, backend="xla"))
+    fn = jax.jit(functools.partial(JV.dequantize_and_gather_k_cache, offset=off, layout=layout, backend="xla", **mx))
     got = fn(jnp.full((4, rows, r.dims), 7.0), jnp.asarray(pages), jnp.asarray(seq), jnp.asarray(glen), jnp.asarray(bt))
     assert np.array_equal(np.asarray(got), want, equal_nan=True)
 

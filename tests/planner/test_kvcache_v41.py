@@ -10,6 +10,29 @@ from planner import kvcache_v41 as V
 from tests import v41_record_cases as C
 
 REC = V.RECORDS
+MX = V.MX_INDEX_FP8
+
+
+def test_mx_index_keys_hold_the_fp8_keys_scale_as_four_ue8m0_bytes():
+    """mx_scales=True (vLLM on SM100): the same e4m3 bytes as index_fp8, the scale 2^e as four bytes
+    e + 127, and the same values back; one byte per 32 dims on read."""
+    rng = np.random.default_rng(9)
+    x = C.rows(rng, 12, 128)
+    a, b = np.zeros((2, 8, 132), np.uint8), np.zeros((2, 8, 132), np.uint8)
+    V.insert_records(x, a, np.arange(12))
+    V.insert_records(x, b, np.arange(12), mx_scales=True)
+    fa, fb = a.reshape(2, -1), b.reshape(2, -1)
+    assert np.array_equal(fa[:, :1024], fb[:, :1024])
+    e = (fa[:, 1024:].view("<f4").view(np.uint32) >> 23).astype(np.uint8)  # the float32 2^e's exponent
+    assert np.array_equal(fb[:, 1024:].reshape(2, 8, 4), np.repeat(e[..., None], 4, axis=-1))
+    want, got = np.zeros((1, 16, 128), np.float32), np.zeros((1, 16, 128), np.float32)
+    V.dequantize_and_gather_k_cache(want, a, [12], None, [[0, 1]])
+    V.dequantize_and_gather_k_cache(got, b, [12], None, [[0, 1]], mx_scales=True)
+    assert np.array_equal(got, want)
+    y = V.decode(np.full((1, 128), 0x38, np.uint8), np.array([[120, 127, 128, 135]], np.uint8), MX)
+    assert y[0, ::32].tolist() == [2.0**-7, 1.0, 2.0, 2.0**8]
+    with pytest.raises(ValueError, match="mx_scales: only FP8 index keys"):
+        V.insert_records(np.zeros((1, 128), np.float32), np.zeros((1, 4, 68), np.uint8), [0], mx_scales=True)
 
 
 def test_record_sizes_and_default_layouts():

@@ -12,6 +12,11 @@ from planner.contract import BackendUnavailableError
 from tests import v41_record_cases as C
 
 REC = V.RECORDS
+NAMES = [*REC, "index_fp8_mx"]  # the last: FP8 index keys with UE8M0 scales (mx_scales=True)
+
+
+def record(name):
+    return (V.MX_INDEX_FP8, {"mx_scales": True}) if name == "index_fp8_mx" else (REC[name], {})
 
 
 def gather_backends(name):
@@ -21,20 +26,20 @@ def gather_backends(name):
     return out
 
 
-@pytest.mark.parametrize("name", list(REC))
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("layout", V.LAYOUTS)
 def test_insert_records_bytes_equal_numpys(name, layout):
     rng = np.random.default_rng(hash((name, layout)) % 1000)
-    r, S, nb, T = REC[name], 8, 5, 30
+    (r, mx), S, nb, T = record(name), 8, 5, 30
     x = C.rows(rng, T, r.dims, as_bf16=False)
     slots = C.slot_mapping(rng, T - 3, nb * S)  # fewer slots than rows, as vLLM pads
     start = C.random_pages(rng, nb, S, r, pad=32)
     want = start.copy()
-    V.insert_records(x, want, slots, layout=layout)
+    V.insert_records(x, want, slots, layout=layout, **mx)
     base = torch.from_numpy(np.lib.stride_tricks.as_strided(start, (nb * start.strides[0],), (1,)).copy())
     before = base.clone()
     pages = base.as_strided((nb, S, r.bytes), start.strides)
-    TV.insert_records(torch.from_numpy(x), pages, torch.from_numpy(slots), layout=layout)
+    TV.insert_records(torch.from_numpy(x), pages, torch.from_numpy(slots), layout=layout, **mx)
     assert np.array_equal(pages.numpy(), want)
     assert torch.equal(base.view(nb, -1)[:, S * r.bytes :], before.view(nb, -1)[:, S * r.bytes :])  # padding kept
 
@@ -70,8 +75,8 @@ def test_kv_writers_bytes_equal_numpys(width):
     assert np.array_equal(got.numpy().reshape(nb, S, width), want)
 
 
-@pytest.mark.parametrize("fp4", [False, True])
-def test_index_writer_bytes_equal_numpys(fp4):
+@pytest.mark.parametrize("fp4, mx", [(False, False), (True, False), (False, True)])
+def test_index_writer_bytes_equal_numpys(fp4, mx):
     rng = np.random.default_rng(7 + fp4)
     S, nb, T, width = 8, 4, 29, 68 if fp4 else 132
     k_pre = C.bf16(rng.standard_normal((T, 128)) * 10.0 ** rng.integers(-8, 8, (T, 1)))
@@ -80,7 +85,7 @@ def test_index_writer_bytes_equal_numpys(fp4):
     slots = C.slot_mapping(rng, T, nb * S)
     for ratio, cs_t in ((1, torch.from_numpy(cs)), (2, torch.from_numpy(cs).bfloat16())):
         want = np.zeros((nb, S, width), np.uint8)
-        V.indexer_k_norm_rope_store(k_pre, pos, cs_t.float().numpy(), w, 1e-6, want, slots, ratio, fp4)
+        V.indexer_k_norm_rope_store(k_pre, pos, cs_t.float().numpy(), w, 1e-6, want, slots, ratio, fp4, mx_scales=mx)
         got = torch.zeros((nb, S, width), dtype=torch.uint8)
         TV.indexer_k_norm_rope_store(
             torch.from_numpy(k_pre).bfloat16(),
@@ -92,22 +97,23 @@ def test_index_writer_bytes_equal_numpys(fp4):
             torch.from_numpy(slots),
             ratio,
             fp4,
+            mx_scales=mx,
         )
         assert np.array_equal(got.numpy(), want), ratio
 
 
-@pytest.mark.parametrize("name", list(REC))
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("layout", V.LAYOUTS)
 @pytest.mark.parametrize("S, pad", [(4, 8), (32, 0)])  # byte gathers; whole-row selects (vLLM's page strides)
 def test_gather_values_equal_numpys(name, layout, S, pad):
     rng = np.random.default_rng(hash((name, layout, S)) % 1000)
-    r, nb = REC[name], 6
+    (r, mx), nb = record(name), 6
     pages = C.random_pages(rng, nb, S, r, pad=pad)
     if r.name == "mxfp8":  # the writer's range of scale bytes, and the extremes
         pages[:, :, -16:] = rng.choice([0, 1, 105, 127, 200, 247, 254, 255], (nb, S, 16))
     seq, glen, bt, rows, off = C.gather_case(rng, nb, S)
     want = np.full((4, rows, r.dims), 7.0, np.float32)
-    V.dequantize_and_gather_k_cache(want, pages, seq, glen, bt, offset=off, layout=layout)
+    V.dequantize_and_gather_k_cache(want, pages, seq, glen, bt, offset=off, layout=layout, **mx)
     base = torch.from_numpy(np.lib.stride_tricks.as_strided(pages, (nb * pages.strides[0],), (1,)).copy())
     tp = base.as_strided((nb, S, r.bytes), pages.strides)
     for backend in gather_backends(name):
@@ -122,6 +128,7 @@ def test_gather_values_equal_numpys(name, layout, S, pad):
                 offset=off,
                 layout=layout,
                 backend=backend,
+                **mx,
             )
             w = want if dtype == torch.float32 else C.bf16(want)
             assert np.array_equal(out.float().numpy(), w, equal_nan=True), (backend, dtype)

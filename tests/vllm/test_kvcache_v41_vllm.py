@@ -2,7 +2,7 @@
 
 vLLM's Triton kernels (`vllm/models/deepseek_v41/common/ops/`: `quantize_and_insert_k_cache(...,
 bytes_per_token=528)`, `rope_quant_insert` on 528-byte pages, `indexer_k_norm_rope_store` with
-FP8 keys, `dequantize_and_gather_k_cache` on 528- and 288-byte pages) in Triton's interpreter on
+FP8 keys (float32 scales, and SM100's four UE8M0 bytes), `dequantize_and_gather_k_cache` on 528- and 288-byte pages) in Triton's interpreter on
 CPU tensors, against `planner.kvcache_v41` (the NumPy reference) and `dsv4_torch.kvcache_v41`
 (every backend that runs here). vLLM writes these KV records interleaved (each record's scales
 after its data) and the index keys split (all data, then all scales): the default layouts.
@@ -114,9 +114,11 @@ def exact_norm_keys(rng, T):
     return torch.from_numpy(k.astype(np.float32)).bfloat16(), torch.from_numpy(w.astype(np.float32)), mag
 
 
-@pytest.mark.parametrize("ratio", [1, 2])
-def test_index_key_writer_bytes_equal_vllms(ops, ratio):
+@pytest.mark.parametrize("ratio, mx", [(1, False), (2, False), (2, True)])
+def test_index_key_writer_bytes_equal_vllms(ops, ratio, mx, monkeypatch):
+    """mx: the scale as four UE8M0 bytes, what vLLM writes on SM100 (`mqa_logits_use_mx_scales`)."""
     store = ops[2]
+    monkeypatch.setattr(store, "mqa_logits_use_mx_scales", lambda: mx)
     rng = np.random.default_rng(20 + ratio)
     nb, S, T, max_pos = 3, 64, 24, 80
     k_pre, w, mag = exact_norm_keys(rng, 1)
@@ -130,11 +132,20 @@ def test_index_key_writer_bytes_equal_vllms(ops, ratio):
     store.indexer_k_norm_rope_store(k_pre, positions, cs, w, 0.0, theirs, slots, ratio, False)
     ours = start.numpy().copy()
     V.indexer_k_norm_rope_store(
-        k_pre.float().numpy(), positions.numpy(), cs.numpy(), w.numpy(), 0.0, ours, slots.numpy(), ratio, False
+        k_pre.float().numpy(),
+        positions.numpy(),
+        cs.numpy(),
+        w.numpy(),
+        0.0,
+        ours,
+        slots.numpy(),
+        ratio,
+        False,
+        mx_scales=mx,
     )
     assert np.array_equal(theirs.numpy(), ours)
     mine = start.clone()
-    TV.indexer_k_norm_rope_store(k_pre, positions, cs, w, 0.0, mine, slots, ratio, False)
+    TV.indexer_k_norm_rope_store(k_pre, positions, cs, w, 0.0, mine, slots, ratio, False, mx_scales=mx)
     assert np.array_equal(mine.numpy(), ours)
 
 

@@ -75,11 +75,13 @@ def encode(x, record: ref.Record):
     N = x.shape[0]
     g = x.astype(jnp.float32).reshape(N, record.dims // record.group, record.group)
     amax = jnp.max(jnp.abs(g), axis=-1)
-    if record.name in ("mxfp8", "index_fp8"):
+    if record.name == "index_fp8_mx":  # one amax over the key, its exponent in all four bytes
+        amax = jnp.broadcast_to(jnp.max(amax, axis=-1, keepdims=True), amax.shape)
+    if record.name in ("mxfp8", "index_fp8", "index_fp8_mx"):
         e = ceil_log2(jnp.maximum(amax, ref.FP8_AMAX_FLOOR) * ref.INV_FP8_MAX)
         q = jnp.clip(g * pow2(-e)[..., None], -ref.FP8_MAX, ref.FP8_MAX)
         data = e4m3_code(q).astype(jnp.uint8).reshape(N, record.data_bytes)
-        if record.name == "mxfp8":
+        if record.name != "index_fp8":
             scales = jnp.clip(e + 127, 0, 255).astype(jnp.uint8)
         else:
             w = (e + 127) << 23  # the float32 bits of 2^e, little-endian bytes
@@ -112,6 +114,24 @@ def _mxfp4_bits(code, sb):
     return bits | ((code & 8) << 28)
 
 
+def _e4m3_pow2_bits(code, sb):
+    """e4m3 code and UE8M0 byte (int32) -> float32 bits of e4m3 * 2^(sb - 127), exactly (the value
+    M * 2^(E + sb - 127), M the code's integer significand, is a float32, subnormal ones built in
+    integers; byte 255 gives inf, NaN for a zero value; NaN codes NaN)."""
+    c = code & 0x7F
+    sub = c < 8
+    M = jnp.where(sub, c, 8 + (c & 7))
+    E = jnp.where(sub, -9, (c >> 3) - 10)
+    s = jnp.where(M >= 8, 0, jnp.where(M >= 4, 1, jnp.where(M >= 2, 2, 3)))  # normalize M to 8..15
+    field = E - s + 3 + sb  # the float32 biased exponent of (M << s) / 8 * 2^(E - s + 3 + sb - 127)
+    normal = (field << 23) | (((M << s) - 8) << 20)
+    subnormal = M << jnp.clip(E + sb + 22, 0, 31)  # in units of 2^-149 (E + sb + 22 >= 13)
+    bits = jnp.where(field >= 1, normal, subnormal)
+    bits = jnp.where((field >= 255) | (sb == 255), 0x7F800000, bits)
+    bits = jnp.where(c == 0, jnp.where(sb == 255, 0x7FC00000, 0), bits)
+    return jnp.where(c == 0x7F, 0x7FC00000, bits | ((code & 0x80) << 24))
+
+
 def decode(data, scales, record: ref.Record, dtype):
     """Slot bytes -> [N, dims] in `dtype` (main records through bf16 bits; index keys float32)."""
     N = data.shape[0]
@@ -126,6 +146,9 @@ def decode(data, scales, record: ref.Record, dtype):
         w = scales.astype(jnp.uint32)
         s = lax.bitcast_convert_type(w[:, 0] | (w[:, 1] << 8) | (w[:, 2] << 16) | (w[:, 3] << 24), jnp.float32)
         y = e4m3_value(data.astype(jnp.int32)) * s[:, None]
+    elif record.name == "index_fp8_mx":
+        bits = _e4m3_pow2_bits(data.astype(jnp.int32).reshape(N, G, -1), scales.astype(jnp.int32)[..., None])
+        y = lax.bitcast_convert_type(bits, jnp.float32).reshape(N, record.dims)
     else:
         bits = _mxfp4_bits(_unpack(data).reshape(N, G, -1), scales.astype(jnp.int32)[..., None])
         y = lax.bitcast_convert_type(bits, jnp.float32).reshape(N, record.dims)

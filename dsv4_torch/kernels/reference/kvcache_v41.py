@@ -63,11 +63,13 @@ def encode(x: torch.Tensor, record: ref.Record) -> tuple[torch.Tensor, torch.Ten
     N = x.shape[0]
     g = x.float().reshape(N, record.dims // record.group, record.group)
     amax = g.abs().amax(dim=-1)
-    if record.name in ("mxfp8", "index_fp8"):
+    if record.name == "index_fp8_mx":  # one amax over the key, its exponent in all four bytes
+        amax = amax.amax(dim=-1, keepdim=True).expand(-1, g.shape[1])
+    if record.name in ("mxfp8", "index_fp8", "index_fp8_mx"):
         e = ceil_log2(torch.clamp_min(amax, float(ref.FP8_AMAX_FLOOR)) * float(ref.INV_FP8_MAX))
         q = torch.clamp(g * pow2(-e)[..., None], -448.0, 448.0)
         data = q.to(torch.float8_e4m3fn).view(torch.uint8).reshape(N, record.data_bytes)
-        if record.name == "mxfp8":
+        if record.name != "index_fp8":
             scales = torch.clamp(e + 127, 0, 255).to(torch.uint8)
         else:
             scales = _le_bytes(pow2(e)).reshape(N, 4)
@@ -106,12 +108,12 @@ def decode(data: torch.Tensor, scales: torch.Tensor, record: ref.Record, dtype: 
     """Slot bytes -> [N, dims] in `dtype`: the float32 product (main records rounded to bf16 first)."""
     N = data.shape[0]
     G = record.dims // record.group
-    if record.name in ("mxfp8", "index_fp8"):  # a 256-entry table: torch's float8 cast is slow on CPU
+    if record.name in ("mxfp8", "index_fp8", "index_fp8_mx"):  # a 256-entry table: torch's float8 cast is slow on CPU
         v = torch.index_select(_table(_E4M3, data.device), 0, data.reshape(-1).int()).view(data.shape)
     else:
         codes = _unpack(data)
         v = torch.index_select(_table(_E2M1, data.device), 0, codes.reshape(-1).int()).view(codes.shape)
-    if record.name in ("mxfp8", "index_mxfp4"):
+    if record.name in ("mxfp8", "index_mxfp4", "index_fp8_mx"):
         s = _ue8m0(scales)
     elif record.name == "nvfp4":
         s = scales.contiguous().view(torch.float8_e4m3fn).float()
