@@ -58,7 +58,8 @@ class PagedKV:
       shape (a given value must agree).
     layout: DeepSeek-V4.1's 528-byte mxfp8 records only (kv_cache_dtype "fp8_ds_mla" with pages
       (num_pages, S, 528), `planner.kvcache_v41`; static): "interleaved" (vLLM 0.33's, the default)
-      or "split". A layer call dequantizes their rows as it does fp8_ds_mla's
+      or "split". Pages with a padded stride (vLLM pads V4.1 pages beside NVFP4 ones) come 2-D,
+      (num_pages, page_stride) with block_size=S, and then need the layout named. A layer call dequantizes their rows as it does fp8_ds_mla's
       (`dsv4_jax.kvcache_v41.dequantize_and_gather_k_cache`'s values; backend "cpu": in the kernel).
     """
 
@@ -82,7 +83,9 @@ class PagedKV:
                 f"have a layout, got {self.layout!r}"
             )
         if self.mxfp8:
-            geo = jax_kvcache_v41.page_geometry(self.pages, bs, None, "pages")
+            if self.pages.ndim == 2 and bs is None:
+                raise ValueError("block_size: required for 2-D mxfp8 pages (num_pages, page_stride)")
+            geo = jax_kvcache_v41.page_geometry(self.pages, bs, 528 if self.pages.ndim == 2 else None, "pages")
             if geo.record.name != "mxfp8":
                 raise ValueError(
                     f"pages: a layer call reads fp8_ds_mla (584 B) or mxfp8 (528 B) records, got {geo.record.name} "
@@ -134,13 +137,11 @@ class PagedKV:
     @property
     def mxfp8(self) -> bool:
         """Whether the pages hold DeepSeek-V4.1's records (fp8_ds_mla pages of the V4.1 widths)."""
-        return (
-            self.fp8
-            and _is_array(self.pages)
-            and self.pages.ndim == 3
-            and jnp.dtype(self.pages.dtype) == jnp.dtype(jnp.uint8)
-            and self.pages.shape[2] in kvcache_v41_ref.BY_BYTES
-        )
+        if not (self.fp8 and _is_array(self.pages) and jnp.dtype(self.pages.dtype) == jnp.dtype(jnp.uint8)):
+            return False
+        if self.pages.ndim == 2:  # (num_pages, page_stride): V4.1's when a layout is named
+            return self.layout is not None
+        return self.pages.ndim == 3 and self.pages.shape[2] in kvcache_v41_ref.BY_BYTES
 
     @property
     def page_size(self) -> int:
@@ -230,9 +231,8 @@ def _fetch(src, request, entry, dtype):
     """Rows (n, D) in `dtype` of entries `entry` of requests `request` (n,) of a PagedKV or
     LogicalKV; fp8_ds_mla pages are dequantized (`dsv4_jax.kvcache`'s exact decode)."""
     if isinstance(src, PagedKV) and src.mxfp8:  # DeepSeek-V4.1's records
-        geo = kvcache_v41_ref.Geometry(
-            src.pages.shape[0], src.page_size, kvcache_v41_ref.RECORDS["mxfp8"], src.page_size * 528
-        )
+        stride = src.pages.shape[1] if src.pages.ndim == 2 else src.page_size * 528
+        geo = kvcache_v41_ref.Geometry(src.pages.shape[0], src.page_size, kvcache_v41_ref.RECORDS["mxfp8"], stride)
         page = src.block_table[request, entry // geo.S]
         di, si = xla_kvcache_v41.slot_bytes(geo, src.layout, page, entry % geo.S)
         flat = src.pages.reshape(-1)

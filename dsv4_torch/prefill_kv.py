@@ -39,8 +39,9 @@ class PagedKV:
       given value must agree).
     layout: DeepSeek-V4.1's 528-byte mxfp8 records only (kv_cache_dtype "fp8_ds_mla" with pages
       (num_pages, S, 528), vLLM's view on SM100, `planner.kvcache_v41`): "interleaved" (vLLM 0.33's,
-      the default) or "split"; the page stride is pages.stride(0). A layer call dequantizes their
-      rows as it does fp8_ds_mla's (exactly `kvcache_v41.dequantize_and_gather_k_cache`'s values).
+      the default) or "split"; the page stride is pages.stride(0). 2-D pages (num_pages, page_stride)
+      with block_size=S are V4.1's when the layout is named. A layer call dequantizes their rows as
+      it does fp8_ds_mla's (exactly `kvcache_v41.dequantize_and_gather_k_cache`'s values).
     """
 
     pages: torch.Tensor
@@ -64,7 +65,11 @@ class PagedKV:
                 f"have a layout, got {self.layout!r}"
             )
         if self.mxfp8:
-            geo = kvcache_v41.page_geometry(self.pages, self.block_size, None, "pages")
+            if self.pages.dim() == 2 and self.block_size is None:
+                raise ValueError("block_size: required for 2-D mxfp8 pages (num_pages, page_stride)")
+            geo = kvcache_v41.page_geometry(
+                self.pages, self.block_size, 528 if self.pages.dim() == 2 else None, "pages"
+            )
             kvcache_v41.ref.check_layout(self.layout, geo.record)
             if geo.record.name != "mxfp8":
                 raise ValueError(
@@ -106,14 +111,17 @@ class PagedKV:
 
     @property
     def mxfp8(self) -> bool:
-        """Whether the pages hold DeepSeek-V4.1's records (fp8_ds_mla pages of the V4.1 widths)."""
-        return (
+        """Whether the pages hold DeepSeek-V4.1's records (fp8_ds_mla pages of the V4.1 widths, or 2-D
+        pages with a layout named)."""
+        if not (
             self.kv_cache_dtype == "fp8_ds_mla"
             and isinstance(self.pages, torch.Tensor)
             and self.pages.dtype == torch.uint8
-            and self.pages.dim() == 3
-            and self.pages.shape[-1] in kvcache_v41.ref.BY_BYTES
-        )
+        ):
+            return False
+        if self.pages.dim() == 2:  # (num_pages, page_stride): V4.1's when a layout is named
+            return self.layout is not None
+        return self.pages.dim() == 3 and self.pages.shape[-1] in kvcache_v41.ref.BY_BYTES
 
     @property
     def page_size(self) -> int:
@@ -200,7 +208,9 @@ class Rows:
                 if src.pages.device != q.device:
                     raise ValueError(f"{name}: on {src.pages.device}, q on {q.device}")
                 if src.mxfp8:  # V4.1 records: decoded through a flat byte view (kernels/reference/kvcache_v41.py)
-                    self.geo = kvcache_v41.page_geometry(src.pages)
+                    self.geo = kvcache_v41.page_geometry(
+                        src.pages, src.page_size, 528 if src.pages.dim() == 2 else None
+                    )
                     self.layout = kvcache_v41.ref.check_layout(src.layout, self.geo.record)
                 else:
                     self.pb = kvcache.page_bytes(self.page_size)

@@ -33,6 +33,14 @@ def test_mxfp8_pages_equal_float_rows(layout):
     want, _, _ = case.oracle()
     floats = ([jnp.asarray(x) for x in case.raw], [jnp.asarray(x) for x in case.comp])
     outs = {}
+    pad = np.full((raw_pages.shape[0], 96), 0xFF, np.uint8)  # 2-D pages with a padded stride, layout named
+    raw2 = JP.PagedKV(
+        jnp.asarray(np.concatenate([raw_pages.reshape(raw_pages.shape[0], -1), pad], 1)),
+        jnp.asarray(raw_table),
+        kv_cache_dtype="fp8_ds_mla",
+        block_size=16,
+        layout=layout,
+    )
     for backend in ("xla", "cpu"):
         kw = dict(
             sm_scale=case.sm_scale, attn_sink=case.sink, topk_indices=m.pad_tokens(case.topk_rows), backend=backend
@@ -42,6 +50,7 @@ def test_mxfp8_pages_equal_float_rows(layout):
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
         same = np.asarray(JP.prefill_attention(q, meta, *floats, **kw))[:T]
         assert np.array_equal(out, same), backend
+        assert np.array_equal(np.asarray(JP.prefill_attention(q, meta, raw2, comp, **kw))[:T], out), backend
         outs[backend] = out
     try:
         import torch

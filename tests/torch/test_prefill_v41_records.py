@@ -78,6 +78,20 @@ def test_device_op_gather_equals_the_c_gather(monkeypatch):
     assert torch.equal(run(case, raw, comp, "reference"), want)
 
 
+def test_two_d_padded_pages():
+    """vLLM pads V4.1 pages beside NVFP4 ones: (num_pages, page_stride) with block_size and the
+    layout named read the same as the 3-D pages."""
+    case, raw, comp = v41_case(4, "split", seed=11)
+
+    def padded(src):
+        p = src.pages.reshape(src.pages.shape[0], -1)
+        p = torch.cat([p, torch.full((p.shape[0], 96), 0xFF, dtype=torch.uint8)], dim=1)
+        return TP.PagedKV(p, src.block_table, kv_cache_dtype="fp8_ds_mla", block_size=src.page_size, layout="split")
+
+    for backend in ("cpu", "reference"):
+        assert torch.equal(run(case, padded(raw), padded(comp), backend), run(case, raw, comp, backend)), backend
+
+
 def test_refused_pages():
     table = torch.zeros((1, 1), dtype=torch.int32)
     with pytest.raises(ValueError, match="pages: a layer call reads fp8_ds_mla .* or mxfp8 .* records, got nvfp4"):
@@ -86,5 +100,7 @@ def test_refused_pages():
         TP.PagedKV(torch.zeros((2, 4, 584), dtype=torch.uint8), table, kv_cache_dtype="fp8_ds_mla", layout="split")
     with pytest.raises(ValueError, match="layout: expected one of"):
         TP.PagedKV(torch.zeros((2, 4, 528), dtype=torch.uint8), table, kv_cache_dtype="fp8_ds_mla", layout="rows")
+    with pytest.raises(ValueError, match="block_size: required for 2-D mxfp8 pages"):
+        TP.PagedKV(torch.zeros((2, 2112), dtype=torch.uint8), table, kv_cache_dtype="fp8_ds_mla", layout="split")
     with pytest.raises(ValueError, match="block_size: 8, but pages holds 4 slots"):
         TP.PagedKV(torch.zeros((2, 4, 528), dtype=torch.uint8), table, kv_cache_dtype="fp8_ds_mla", block_size=8)

@@ -208,7 +208,8 @@ def mxfp8_source(src, name: str, keep: list) -> binding.KVSource:
     """A `dsv4_kv_source` (format 3 / 4) for a PagedKV of mxfp8 pages (its layout, page stride)."""
     from dsv4_torch import kvcache_v41
 
-    pages, geo = src.pages, kvcache_v41.page_geometry(src.pages, name=name)
+    pages = src.pages
+    geo = kvcache_v41.page_geometry(pages, src.page_size, 528 if pages.dim() == 2 else None, name=name)
     check_cpu(pages, name)
     check_cpu(src.block_table, f"{name}.block_table")
     table = unit_last(src.block_table)
