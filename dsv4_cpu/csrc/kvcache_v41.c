@@ -126,6 +126,15 @@ static void v41_nan_row(void *dst, int32_t out_f32) {
     }
 }
 
+/* Page `blk` of a request's block-table row (entries row0 .. row0 + bt_w - 1), or NULL when the
+   column or the page is outside the arrays. */
+static inline const uint8_t *v41_page(const uint8_t *cache, int64_t page_stride, int64_t num_pages, const void *bt,
+                                      int32_t bt_int64, int64_t row0, int64_t bt_w, int64_t blk) {
+    if (blk < 0 || blk >= bt_w) return 0;
+    const int64_t page = bt_int64 ? ((const int64_t *)bt)[row0 + blk] : (int64_t)((const int32_t *)bt)[row0 + blk];
+    return page >= 0 && page < num_pages ? cache + page * page_stride : 0;
+}
+
 #define V41_AHEAD 16 /* rows prefetched ahead: pages in block-table order are scattered */
 
 /* Rows [row0, row1) of the requests' rows laid back to back (cum: [R + 1] prefix sums of the
@@ -137,18 +146,6 @@ void dsv4_gather_mxfp8_rows(void *out, int64_t out_s0, int64_t out_s1, int64_t o
                             const uint8_t *cache, int64_t page_stride, int64_t num_pages, int64_t S, int32_t interleaved,
                             const int64_t *seq, const int64_t *cum, const void *bt, int32_t bt_int64, int64_t bt_s0,
                             int64_t bt_w, int64_t offset, int64_t R, int64_t row0, int64_t row1, int32_t stream) {
-    const dsv4_kv_source src = {
-        .format = interleaved ? DSV4_MXFP8_INTERLEAVED : DSV4_MXFP8_SPLIT,
-        .data = cache,
-        .page_stride = page_stride,
-        .num_pages = num_pages,
-        .page_size = S,
-        .table = bt,
-        .table_int64 = bt_int64,
-        .table_stride = bt_s0,
-        .table_width = bt_w,
-        .table_rows = R,
-    };
     const size_t esize = out_f32 ? 4 : 2;
     int64_t lo = 0, hi = R; /* the request holding row0: cum[b] <= row0 < cum[b + 1] */
     while (hi - lo > 1) {
@@ -162,17 +159,38 @@ void dsv4_gather_mxfp8_rows(void *out, int64_t out_s0, int64_t out_s1, int64_t o
         int64_t i1 = (row1 < cum[b + 1] ? row1 : cum[b + 1]) - cum[b];
         r = cum[b] + i1;
         if (offset + i1 > out_rows) i1 = out_rows - offset; /* rows past out: not written */
-        const int64_t start = seq[b] - g;
+        if (i1 <= i0) continue;
+        /* position, page-table column and slot of the row being written, and of the row prefetched
+           V41_AHEAD rows ahead, advanced by one each step (no division per row) */
+        int64_t pos = seq[b] - g + i0, blk = pos >= 0 ? pos / S : -1, p = pos >= 0 ? pos - blk * S : 0;
+        int64_t ia = i0 + V41_AHEAD < i1 ? i0 + V41_AHEAD : i1;
+        int64_t pa_pos = seq[b] - g + ia, blka = pa_pos >= 0 ? pa_pos / S : -1, pa = pa_pos >= 0 ? pa_pos - blka * S : 0;
+        const uint8_t *base = 0;
         for (int64_t i = i0; i < i1; i++) {
-            const uint8_t *d, *sc;
-            if (i + V41_AHEAD < i1 && dsv4_mxfp8_address(&src, b, start + i + V41_AHEAD, &d, &sc)) {
-                for (int l = 0; l < 512; l += 64) __builtin_prefetch(d + l, 0, 3);
-                __builtin_prefetch(sc, 0, 3);
+            if (i == i0 || p == 0) base = v41_page(cache, page_stride, num_pages, bt, bt_int64, b * bt_s0, bt_w, blk);
+            if (ia < i1) {
+                const uint8_t *pg = v41_page(cache, page_stride, num_pages, bt, bt_int64, b * bt_s0, bt_w, blka);
+                if (pg) {
+                    const uint8_t *d, *sc;
+                    dsv4_mxfp8_slot(pg, S, pa, interleaved, &d, &sc);
+                    for (int l = 0; l < 512; l += 64) __builtin_prefetch(d + l, 0, 3);
+                    __builtin_prefetch(sc, 0, 3);
+                }
+                ia++;
+                if (blka < 0) { if (++pa_pos >= 0) { blka = 0; pa = 0; } }
+                else if (++pa == S) { pa = 0; blka++; }
             }
             char *dst = (char *)out + (b * out_s0 + (offset + i) * out_s1) * (int64_t)esize;
-            if (!dsv4_mxfp8_address(&src, b, start + i, &d, &sc)) v41_nan_row(dst, out_f32);
-            else if (stream) v41_decode_stream(d, sc, dst, out_f32);
-            else dsv4_decode_mxfp8_to(d, sc, dst, out_f32);
+            if (!base) {
+                v41_nan_row(dst, out_f32);
+            } else {
+                const uint8_t *d, *sc;
+                dsv4_mxfp8_slot(base, S, p, interleaved, &d, &sc);
+                if (stream) v41_decode_stream(d, sc, dst, out_f32);
+                else dsv4_decode_mxfp8_to(d, sc, dst, out_f32);
+            }
+            if (blk < 0) { if (++pos >= 0) { blk = 0; p = 0; base = 0; } }
+            else if (++p == S) { p = 0; blk++; }
         }
     }
 #if V41_HAVE_STREAM
