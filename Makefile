@@ -36,7 +36,7 @@ test-sanitize: $(STAMP)
 	ASAN_OPTIONS=detect_leaks=0:detect_odr_violation=0:alloc_dealloc_mismatch=0:abort_on_error=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider tests/cpu/test_kernels.py tests/cpu/test_fuzz.py tests/cpu/test_sanitizer.py \
-		tests/cpu/test_indexer.py tests/cpu/test_indexer_two_level.py
+		tests/cpu/test_indexer.py tests/cpu/test_indexer_two_level.py tests/cpu/test_kvcache_v41.py
 
 # ruff (pyproject.toml [tool.ruff]): lint and the formatter's check; `make format` applies both fixes.
 lint: $(STAMP)

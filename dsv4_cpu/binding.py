@@ -25,6 +25,7 @@ BF16, F32 = 0, 1  # dtype codes
 KIND_CODES = {"SWA": 0, "CSA": 1, "HCA": 2}  # dsv4_prefill_tokens.kind
 ROWS, FP8_DS_MLA = 0, 1  # dsv4_kv_source.format
 INDEX_FP8 = 2  # dsv4_cpu.h: DSV4_KV_INDEX_FP8 (dsv4_kv_source.format) and DSV4_FP8_E4M3 (q dtype)
+MXFP8_SPLIT, MXFP8_INTERLEAVED = 3, 4  # dsv4_kv_source.format: DeepSeek-V4.1 528-byte records (kvcache_v41.c)
 ISAS = ("generic", "avx2", "avx512", "avx512bf16", "amx")  # instruction sets by number
 FP8_SLOT_BYTES = 584  # fp8_ds_mla: 576 data bytes + 8 scale bytes per slot
 
@@ -176,6 +177,31 @@ SIGNATURES = {  # name -> (restype, argtypes), as dsv4_cpu.h declares them
             _P(Parallel),
         ],
     ),
+    "dsv4_gather_mxfp8": (  # DeepSeek-V4.1's 528-byte records: dsv4_gather_dequant's arguments + interleaved
+        ctypes.c_int,
+        [
+            _ptr,
+            _i64,
+            _i64,
+            _i64,
+            _i32,
+            _ptr,
+            _i64,
+            _i64,
+            _i64,
+            _i32,
+            _ptr,
+            _ptr,
+            _ptr,
+            _i32,
+            _i64,
+            _i64,
+            _i64,
+            _i64,
+            _P(Parallel),
+        ],
+    ),
+    "dsv4_decode_mxfp8_bf16": (None, [_ptr, _ptr, _ptr]),
     "dsv4_gather_dequant_rows": (
         None,
         [

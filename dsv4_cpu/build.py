@@ -47,11 +47,11 @@ import time
 logger = logging.getLogger("dsv4_cpu")
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-C_SOURCES = ("kvcache.c",)
-CXX_SOURCES = ("runtime.cc", "attention.cc", "gather.cc", "indexer.cc")
-HEADERS = ("dsv4_cpu.h", "attention_impl.h", "runtime.h", "indexer_impl.h")
+C_SOURCES = ("kvcache.c", "kvcache_v41.c")
+CXX_SOURCES = ("runtime.cc", "attention.cc", "gather.cc", "gather_v41.cc", "indexer.cc")
+HEADERS = ("dsv4_cpu.h", "attention_impl.h", "runtime.h", "indexer_impl.h", "kvcache_v41.h")
 ISA_SOURCES = ("attention_isa.cc", "indexer_isa.cc")  # compiled once per instruction set
-XLA_SOURCES = ("xla_ffi.cc", "xla_indexer.cc")
+XLA_SOURCES = ("xla_ffi.cc", "xla_indexer.cc", "xla_kvcache_v41.cc")
 TORCH_SOURCE = "torch_parallel.cc"
 
 C_FLAGS = ("-O3", "-march=native", "-fPIC", "-std=c11", "-fno-math-errno")

@@ -238,6 +238,10 @@ CACHE = {
             operations=(
                 ("gather", "dsv4_jax.kernels.xla.kvcache:gather_dequant"),
                 ("insert", "dsv4_jax.kernels.xla.kvcache:quantize_insert"),
+                # DeepSeek-V4.1's records (dsv4_jax.kvcache_v41): every record, both layouts
+                ("insert_records", "dsv4_jax.kernels.xla.kvcache_v41:insert"),
+                ("gather_records", "dsv4_jax.kernels.xla.kvcache_v41:gather"),
+                ("gather_mxfp8", "dsv4_jax.kernels.xla.kvcache_v41:gather"),
             ),
         ),
         Backend(
@@ -259,6 +263,7 @@ CACHE = {
             operations=(
                 ("gather", "dsv4_jax.kernels.cpu.kvcache:gather_dequant"),
                 ("gather_segments", "dsv4_jax.kernels.cpu.kvcache:gather_segments"),  # the prefill's workspace regions
+                ("gather_mxfp8", "dsv4_jax.kernels.cpu.kvcache_v41:gather"),  # V4.1's 528-byte records
             ),
         ),
     )
@@ -331,10 +336,11 @@ def _resolve(table: dict, auto: dict, backend: str, arrays, interpret, q=None, o
         return "xla"
     b = table[backend]
     if op is not None and op not in b.ops:
-        raise backend_unavailable(
-            backend,
-            "it has the gather only (dequantize_and_gather_k_cache); quantize_and_insert_k_cache on CPU runs backend='xla'",
-        )
+        if op == "insert":
+            why = "it has the gather only (dequantize_and_gather_k_cache); quantize_and_insert_k_cache on CPU runs backend='xla'"
+        else:
+            why = f"it has no {op!r} (DeepSeek-V4.1 records); backend='xla' runs every record operation"
+        raise backend_unavailable(backend, why)
     if interpret:
         if not b.interpret:
             raise backend_unavailable(backend, "it has no interpret mode (interpret=True is for the Pallas kernels)")
@@ -369,8 +375,9 @@ def resolve_cache_backend(backend: str = "auto", *arrays, op: str = "gather", in
     """The fp8_ds_mla cache backend (a key of `CACHE`) a call (`op` "gather" or "insert") on
     `arrays` runs: "auto" = triton on NVIDIA GPUs; on the CPU the C kernel for gathers where it
     builds, else xla (the same bits)."""
-    if op not in ("gather", "insert"):
-        raise ValueError(f"op: expected 'gather' or 'insert', got {op!r}")
+    ops = ("gather", "insert", "insert_records", "gather_records", "gather_mxfp8")  # the last three: V4.1 records
+    if op not in ops:
+        raise ValueError(f"op: expected one of {ops}, got {op!r}")
     return _resolve(CACHE, CACHE_AUTO, backend, arrays, interpret, op=op)
 
 

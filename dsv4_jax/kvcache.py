@@ -28,6 +28,8 @@ the xla / interpreted gathers build the bf16 bits with integer math too: XLA on 
 float32 subnormals, which a float multiply by 2^(byte - 127) would hit for scale bytes below
 ~20 (never written by this writer; vLLM's pages hold bytes 105..247). The Triton kernel
 multiplies in float32 (GPUs keep subnormals), the fast path for real pages.
+
+DeepSeek-V4.1's records (mxfp8 528 B, nvfp4 288 B, index keys; both page layouts): `dsv4_jax.kvcache_v41`.
 """
 
 from __future__ import annotations

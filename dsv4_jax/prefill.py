@@ -116,7 +116,7 @@ def _gather_region(ws, src, f: _Fields, region_start, s0, s1, dst_offset, src_st
     resolved for the layer call (`gather_backend`): "cpu" gathers fp8_ds_mla pages with the C
     kernel (an XLA FFI call), else the tiles' exact decode (the same bits).
     """
-    if isinstance(src, PagedKV) and src.fp8 and gather == "cpu":
+    if isinstance(src, PagedKV) and src.fp8 and not src.mxfp8 and gather == "cpu":  # V4.1 records: the tiles
         return backends.CACHE["cpu"].op("gather_segments")(
             ws,
             src.pages,
@@ -152,7 +152,7 @@ def gather_backend(raw, comp) -> str:
     on the host: "cpu" (the C kernel) where "auto" picks it for the pages (CPU arrays, the
     library builds), else "xla" (the tiles' exact decode, the same bits). Rows in q's dtype are
     always gathered by the tiles."""
-    pages = [s.pages for s in (raw, comp) if isinstance(s, PagedKV) and s.fp8]
+    pages = [s.pages for s in (raw, comp) if isinstance(s, PagedKV) and s.fp8 and not s.mxfp8]
     return "xla" if not pages else backends.resolve_cache_backend("auto", *pages, op="gather")
 
 

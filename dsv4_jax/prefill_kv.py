@@ -17,9 +17,12 @@ from jax import lax
 from jax.tree_util import register_pytree_node_class
 
 from dsv4_jax import kvcache as jax_kvcache
+from dsv4_jax import kvcache_v41 as jax_kvcache_v41
 from dsv4_jax.kernels.xla import kvcache as xla_kvcache
+from dsv4_jax.kernels.xla import kvcache_v41 as xla_kvcache_v41
 from dsv4_jax.prefill_metadata import MIN_WORKSPACE_ROWS, KindMetadata
 from planner import kvcache as kvcache_ref
+from planner import kvcache_v41 as kvcache_v41_ref
 from planner.kvcache import KV_CACHE_DTYPES, page_bytes
 from planner.sizes import bucket
 
@@ -53,12 +56,18 @@ class PagedKV:
       request i lives on page block_table[i, e // page_size], slot e % page_size.
     block_size: slots per page (static); required for fp8_ds_mla pages, else taken from the
       shape (a given value must agree).
+    layout: DeepSeek-V4.1's 528-byte mxfp8 records only (kv_cache_dtype "fp8_ds_mla" with pages
+      (num_pages, S, 528), `planner.kvcache_v41`; static): "interleaved" (vLLM 0.33's, the default)
+      or "split". Pages with a padded stride (vLLM pads V4.1 pages beside NVFP4 ones) come 2-D,
+      (num_pages, page_stride) with block_size=S, and then need the layout named. A layer call dequantizes their rows as it does fp8_ds_mla's
+      (`dsv4_jax.kvcache_v41.dequantize_and_gather_k_cache`'s values; backend "cpu": in the kernel).
     """
 
     pages: jax.Array
     block_table: jax.Array
     kv_cache_dtype: str = "auto"
     block_size: int | None = None
+    layout: str | None = None
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -68,7 +77,23 @@ class PagedKV:
             raise ValueError(f"block_size: expected a positive int or None, got {bs!r}")
         if not _is_array(self.pages):
             raise TypeError(f"pages: expected an array, got {type(self.pages).__name__}")
-        if self.kv_cache_dtype == "fp8_ds_mla":
+        if self.layout is not None and not self.mxfp8:
+            raise ValueError(
+                f"layout: only DeepSeek-V4.1's mxfp8 pages (kv_cache_dtype='fp8_ds_mla', shape (num_pages, S, 528)) "
+                f"have a layout, got {self.layout!r}"
+            )
+        if self.mxfp8:
+            if self.pages.ndim == 2 and bs is None:
+                raise ValueError("block_size: required for 2-D mxfp8 pages (num_pages, page_stride)")
+            geo = jax_kvcache_v41.page_geometry(self.pages, bs, 528 if self.pages.ndim == 2 else None, "pages")
+            if geo.record.name != "mxfp8":
+                raise ValueError(
+                    f"pages: a layer call reads fp8_ds_mla (584 B) or mxfp8 (528 B) records, got {geo.record.name} "
+                    f"({geo.record.bytes} B): dequantize them with dsv4_jax.kvcache_v41.dequantize_and_gather_k_cache"
+                )
+            object.__setattr__(self, "layout", kvcache_v41_ref.check_layout(self.layout, geo.record))
+            object.__setattr__(self, "block_size", geo.S)
+        elif self.kv_cache_dtype == "fp8_ds_mla":
             if jnp.dtype(self.pages.dtype) != jnp.dtype(jnp.uint8):
                 raise TypeError(f"pages: fp8_ds_mla pages are uint8 bytes, got {jnp.dtype(self.pages.dtype)}")
             if self.pages.ndim == 3:
@@ -110,12 +135,21 @@ class PagedKV:
         return self.kv_cache_dtype == "fp8_ds_mla"
 
     @property
+    def mxfp8(self) -> bool:
+        """Whether the pages hold DeepSeek-V4.1's records (fp8_ds_mla pages of the V4.1 widths)."""
+        if not (self.fp8 and _is_array(self.pages) and jnp.dtype(self.pages.dtype) == jnp.dtype(jnp.uint8)):
+            return False
+        if self.pages.ndim == 2:  # (num_pages, page_stride): V4.1's when a layout is named
+            return self.layout is not None
+        return self.pages.ndim == 3 and self.pages.shape[2] in kvcache_v41_ref.BY_BYTES
+
+    @property
     def page_size(self) -> int:
         """Entries (slots) per page."""
         return int(self.block_size) if self.fp8 else int(self.pages.shape[1])
 
     def tree_flatten(self):
-        return (self.pages, self.block_table), (self.kv_cache_dtype, self.block_size)
+        return (self.pages, self.block_table), (self.kv_cache_dtype, self.block_size, self.layout)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -124,6 +158,7 @@ class PagedKV:
         object.__setattr__(obj, "block_table", children[1])
         object.__setattr__(obj, "kv_cache_dtype", aux[0])
         object.__setattr__(obj, "block_size", aux[1])
+        object.__setattr__(obj, "layout", aux[2])
         return obj
 
 
@@ -195,6 +230,15 @@ KVSource = PagedKV | LogicalKV | Sequence[jax.Array]
 def _fetch(src, request, entry, dtype):
     """Rows (n, D) in `dtype` of entries `entry` of requests `request` (n,) of a PagedKV or
     LogicalKV; fp8_ds_mla pages are dequantized (`dsv4_jax.kvcache`'s exact decode)."""
+    if isinstance(src, PagedKV) and src.mxfp8:  # DeepSeek-V4.1's records
+        stride = src.pages.shape[1] if src.pages.ndim == 2 else src.page_size * 528
+        geo = kvcache_v41_ref.Geometry(src.pages.shape[0], src.page_size, kvcache_v41_ref.RECORDS["mxfp8"], stride)
+        page = src.block_table[request, entry // geo.S]
+        di, si = xla_kvcache_v41.slot_bytes(geo, src.layout, page, entry % geo.S)
+        flat = src.pages.reshape(-1)
+        return xla_kvcache_v41.decode(
+            jnp.take(flat, di, mode="clip"), jnp.take(flat, si, mode="clip"), geo.record, dtype
+        )
     if isinstance(src, PagedKV) and src.fp8:
         S, pages = src.page_size, src.pages
         pb = pages.shape[1]

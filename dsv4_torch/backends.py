@@ -203,7 +203,10 @@ CACHE = {
             (),
             ("cpu",),
             _cpu,
-            operations=(("gather", "dsv4_torch.kernels.cpu.kvcache:gather_dequant"),),
+            operations=(
+                ("gather", "dsv4_torch.kernels.cpu.kvcache:gather_dequant"),
+                ("gather_mxfp8", "dsv4_torch.kernels.cpu.kvcache_v41:gather"),  # V4.1's 528-byte records
+            ),
         ),
         Backend(
             "reference",
@@ -214,6 +217,10 @@ CACHE = {
             operations=(
                 ("gather", "dsv4_torch.kernels.reference.kvcache:gather_dequant"),
                 ("insert", "dsv4_torch.kernels.reference.kvcache:quantize_insert"),
+                # DeepSeek-V4.1's records (dsv4_torch.kvcache_v41): every record, both layouts
+                ("insert_records", "dsv4_torch.kernels.reference.kvcache_v41:insert"),
+                ("gather_records", "dsv4_torch.kernels.reference.kvcache_v41:gather"),
+                ("gather_mxfp8", "dsv4_torch.kernels.reference.kvcache_v41:gather"),
             ),
         ),
     )
@@ -374,11 +381,11 @@ def resolve_cache_backend(backend: str, device: torch.device, op: str) -> str:
         return "reference"
     b = CACHE[backend]
     if op not in b.ops:
-        raise backend_unavailable(
-            backend,
-            "it has the gather only (dequantize_and_gather_k_cache); quantize_and_insert_k_cache on CPU "
-            "tensors runs backend='reference'",
-        )
+        if op == "insert":
+            why = "it has the gather only (dequantize_and_gather_k_cache); quantize_and_insert_k_cache on CPU tensors runs backend='reference'"
+        else:
+            why = f"it has no {op!r} (DeepSeek-V4.1 records); backend='reference' runs every record operation"
+        raise backend_unavailable(backend, why)
     if (reason := b.unavailable(device)) is not None:
         raise backend_unavailable(backend, reason)
     return backend

@@ -25,6 +25,8 @@ one device sync per call; serving loops that built the arrays themselves pass va
 
 Page tensors: uint8 [num_blocks, page_bytes(S)], or vLLM's nominal view uint8
 [num_blocks, S, 584] whose page stride (stride(0)) is page_bytes(S).
+
+DeepSeek-V4.1's records (mxfp8 528 B, nvfp4 288 B, index keys; both page layouts): `dsv4_torch.kvcache_v41`.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dsv4_torch import backends, kvcache
+from dsv4_torch import backends, kvcache, kvcache_v41
 from dsv4_torch.attention import (
     check_dropout,
     check_sink,
@@ -95,6 +95,8 @@ def _gather(ws: torch.Tensor, src: Rows, meta: KindMetadata, chunk: ChunkMeta, i
             slot = g.entry % src.page_size
             if not src.fp8:
                 rows = src.rows.index_select(0, page * src.page_size + slot)
+            elif src.mxfp8:  # DeepSeek-V4.1's records
+                rows = kvcache_v41.read_slots(src.pages, src.geo, src.layout, page, slot, ws.dtype)
             else:
                 data = src.data_rows.index_select(0, page * (src.pb // kvcache.SLOT_DATA_BYTES) + slot)
                 sc = src.scale_words.index_select(0, kvcache.scale_index(page, slot, src.pb, src.page_size))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dsv4_torch import backends, kvcache
+from dsv4_torch import backends, kvcache, kvcache_v41
 from dsv4_torch.prefill_metadata import KindMetadata
 from planner.checks import shape_of
 from planner.kvcache import KV_CACHE_DTYPES
@@ -37,12 +37,18 @@ class PagedKV:
       of request i lives on page block_table[i, e // page_size], slot e % page_size.
     block_size: slots per page; required for 2-D fp8_ds_mla pages, else taken from the shape (a
       given value must agree).
+    layout: DeepSeek-V4.1's 528-byte mxfp8 records only (kv_cache_dtype "fp8_ds_mla" with pages
+      (num_pages, S, 528), vLLM's view on SM100, `planner.kvcache_v41`): "interleaved" (vLLM 0.33's,
+      the default) or "split"; the page stride is pages.stride(0). 2-D pages (num_pages, page_stride)
+      with block_size=S are V4.1's when the layout is named. A layer call dequantizes their rows as
+      it does fp8_ds_mla's (exactly `kvcache_v41.dequantize_and_gather_k_cache`'s values).
     """
 
     pages: torch.Tensor
     block_table: torch.Tensor
     kv_cache_dtype: str = "auto"
     block_size: int | None = None
+    layout: str | None = None
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -53,7 +59,24 @@ class PagedKV:
             raise ValueError(f"block_size: expected a positive int or None, got {self.block_size!r}")
         if not isinstance(self.pages, torch.Tensor):
             raise TypeError(f"pages: expected a torch.Tensor, got {type(self.pages).__name__}")
-        if self.kv_cache_dtype == "fp8_ds_mla":
+        if self.layout is not None and not self.mxfp8:
+            raise ValueError(
+                f"layout: only DeepSeek-V4.1's mxfp8 pages (kv_cache_dtype='fp8_ds_mla', shape (num_pages, S, 528)) "
+                f"have a layout, got {self.layout!r}"
+            )
+        if self.mxfp8:
+            if self.pages.dim() == 2 and self.block_size is None:
+                raise ValueError("block_size: required for 2-D mxfp8 pages (num_pages, page_stride)")
+            geo = kvcache_v41.page_geometry(
+                self.pages, self.block_size, 528 if self.pages.dim() == 2 else None, "pages"
+            )
+            kvcache_v41.ref.check_layout(self.layout, geo.record)
+            if geo.record.name != "mxfp8":
+                raise ValueError(
+                    f"pages: a layer call reads fp8_ds_mla (584 B) or mxfp8 (528 B) records, got {geo.record.name} "
+                    f"({geo.record.bytes} B): dequantize them with dsv4_torch.kvcache_v41.dequantize_and_gather_k_cache"
+                )
+        elif self.kv_cache_dtype == "fp8_ds_mla":
             if self.pages.dtype != torch.uint8:
                 raise TypeError(f"pages: fp8_ds_mla pages are uint8 bytes, got {self.pages.dtype}")
             if self.pages.dim() == 3:
@@ -85,6 +108,20 @@ class PagedKV:
             raise TypeError(f"block_table: expected int32 or int64, got {self.block_table.dtype}")
         if self.block_table.device != self.pages.device:
             raise ValueError(f"block_table: on {self.block_table.device}, pages on {self.pages.device}")
+
+    @property
+    def mxfp8(self) -> bool:
+        """Whether the pages hold DeepSeek-V4.1's records (fp8_ds_mla pages of the V4.1 widths, or 2-D
+        pages with a layout named)."""
+        if not (
+            self.kv_cache_dtype == "fp8_ds_mla"
+            and isinstance(self.pages, torch.Tensor)
+            and self.pages.dtype == torch.uint8
+        ):
+            return False
+        if self.pages.dim() == 2:  # (num_pages, page_stride): V4.1's when a layout is named
+            return self.layout is not None
+        return self.pages.dim() == 3 and self.pages.shape[-1] in kvcache_v41.ref.BY_BYTES
 
     @property
     def page_size(self) -> int:
@@ -151,6 +188,7 @@ class Rows:
         B, D = meta.num_requests, q.shape[-1]
         self.region = region
         self.fp8 = isinstance(src, PagedKV) and src.kv_cache_dtype == "fp8_ds_mla"
+        self.mxfp8 = isinstance(src, PagedKV) and src.mxfp8
         self.source = src  # a PagedKV or LogicalKV (per-request lists: packed below)
         if isinstance(src, PagedKV):
             self.page_size = src.page_size
@@ -168,8 +206,14 @@ class Rows:
                     )
                 if src.pages.device != q.device:
                     raise ValueError(f"{name}: on {src.pages.device}, q on {q.device}")
-                self.pb = kvcache.page_bytes(self.page_size)
-                self.data_rows, self.scale_words = kvcache.row_views(src.pages, self.pb)
+                if src.mxfp8:  # V4.1 records: decoded through a flat byte view (kernels/reference/kvcache_v41.py)
+                    self.geo = kvcache_v41.page_geometry(
+                        src.pages, src.page_size, 528 if src.pages.dim() == 2 else None
+                    )
+                    self.layout = kvcache_v41.ref.check_layout(src.layout, self.geo.record)
+                else:
+                    self.pb = kvcache.page_bytes(self.page_size)
+                    self.data_rows, self.scale_words = kvcache.row_views(src.pages, self.pb)
             else:
                 self.pages = src.pages
                 self.rows = src.pages.reshape(-1, src.pages.shape[-1])
@@ -233,7 +277,13 @@ class Rows:
         # CUDA/ROCm: one Triton kernel per region walks the block table / offsets (no row maps);
         # fp8 pages on CPU: the C kernel (dsv4_torch.kernels.cpu.kvcache) where it builds
         # (resolved once here, per layer call: the gather callable, or None for index ops)
-        if self.fp8:
+        if self.mxfp8:
+            name = kvcache_v41.resolve_backend("auto", src.pages, "gather_mxfp8")
+            op, geo, layout = backends.CACHE[name].op("gather_mxfp8"), self.geo, self.layout
+            self.gather = (
+                None if name == "reference" else lambda o, p, s, g, b, S, off: op(o, p, s, g, b, geo, layout, off)
+            )
+        elif self.fp8:
             name = kvcache.resolve_backend("auto", src.pages)
             self.gather = None if name == "reference" else backends.CACHE[name].op("gather")
         elif use_gather_kernel(self.pages if self.pages is not None else self.rows):

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "kvcache_v41.h"
 #include "runtime.h"
 
 namespace dsv4 {
@@ -148,7 +149,8 @@ int check_source(const dsv4_kv_source *s, const char *name, int32_t dtype, int64
             return fail(DSV4_ERR_ARG, n + ": page_stride " + std::to_string(s->page_stride) + " < page_size * 584");
         return DSV4_OK;
     }
-    if (s->format != DSV4_ROWS) return fail(DSV4_ERR_ARG, n + ": format must be 0 (rows) or 1 (fp8_ds_mla)");
+    if (s->format == DSV4_MXFP8_SPLIT || s->format == DSV4_MXFP8_INTERLEAVED) return check_mxfp8_source(*s, n, D);
+    if (s->format != DSV4_ROWS) return fail(DSV4_ERR_ARG, n + ": format must be 0 (rows), 1 (fp8_ds_mla) or 3 / 4 (mxfp8)");
     if (s->dtype != dtype) return fail(DSV4_ERR_ARG, n + ": rows must hold q's dtype");
     if (s->row_stride < D && (s->num_rows > 1 || s->page_size > 1))
         return fail(DSV4_ERR_ARG, n + ": row_stride " + std::to_string(s->row_stride) + " < D");
@@ -379,7 +381,7 @@ int dsv4_prefill_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dt
             threads = threads_for(2.0 * keys * (double)H * (double)(D + dv));
         }
         const int64_t W = tk.window;
-        const bool raw_fp8 = raw->format == 1, comp_fp8 = tk.kind != 0 && comp->format == 1;
+        const bool raw_fp8 = raw->format != DSV4_ROWS, comp_fp8 = tk.kind != 0 && comp->format != DSV4_ROWS;  // byte pages
         parallel_items((int64_t)tiles.size(), threads, [&](int64_t it) {
             Scratch &sc = t_scratch;
             const Tile tile = tiles[it];
@@ -415,14 +417,18 @@ int dsv4_prefill_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dt
             const bool shared = tile.t1 - tile.t0 == 1 || 2 * (int64_t)entries.size() <= reads;
             const int64_t n_stage = n_win + (shared ? (int64_t)entries.size() : most);
             char *stage = n_stage ? static_cast<char *>(sc.stage.get((size_t)(n_stage * row_bytes))) : nullptr;
+            auto address = [&](const dsv4_kv_source &src, int64_t e, const uint8_t **d, const uint8_t **s) {
+                return src.format == DSV4_FP8_DS_MLA ? fp8_address(src, b, e, d, s) : dsv4_mxfp8_address(&src, b, e, d, s) != 0;
+            };
             auto decode_row = [&](const dsv4_kv_source &src, int64_t e, int64_t i) {
                 const uint8_t *d, *s;
-                if (fp8_address(src, b, e, &d, &s)) decode_to(d, s, stage + i * row_bytes, dtype, fast);
-                else std::memcpy(stage + i * row_bytes, rows.nan.data(), row_bytes);
+                if (!address(src, e, &d, &s)) std::memcpy(stage + i * row_bytes, rows.nan.data(), row_bytes);
+                else if (src.format == DSV4_FP8_DS_MLA) decode_to(d, s, stage + i * row_bytes, dtype, fast);
+                else dsv4_decode_mxfp8_to(d, s, stage + i * row_bytes, dtype == DSV4_F32);  // V4.1 records (kvcache_v41.c)
             };
             auto prefetch_row = [&](const dsv4_kv_source &src, int64_t e) {  // pages are scattered
                 const uint8_t *d, *s;
-                if (!fp8_address(src, b, e, &d, &s)) return;
+                if (!address(src, e, &d, &s)) return;
                 for (int l = 0; l < 576; l += 64) __builtin_prefetch(d + l, 0, 3);
                 __builtin_prefetch(s, 0, 3);
             };

@@ -68,7 +68,7 @@ enum { DSV4_SWA = 0, DSV4_CSA = 1, DSV4_HCA = 2 };
 
 /* Layouts of a dsv4_kv_source: rows (bf16 / float32), vLLM's fp8_ds_mla attention pages, vLLM's
    indexer key pages (see the Lightning Indexer below). */
-enum { DSV4_ROWS = 0, DSV4_FP8_DS_MLA = 1, DSV4_KV_INDEX_FP8 = 2 };
+enum { DSV4_ROWS = 0, DSV4_FP8_DS_MLA = 1, DSV4_KV_INDEX_FP8 = 2, DSV4_MXFP8_SPLIT = 3, DSV4_MXFP8_INTERLEAVED = 4 };
 
 /* A source of key rows: the latents a key index (generic call) or a (request, entry) pair
    (prefill) resolves to. Rows are D elements, last dim contiguous.
@@ -80,6 +80,8 @@ enum { DSV4_ROWS = 0, DSV4_FP8_DS_MLA = 1, DSV4_KV_INDEX_FP8 = 2 };
    format 1, vLLM's fp8_ds_mla pages (D = 512): page p starts at byte p * page_stride of data,
      page_size slots (448 e4m3 dims + 64 bf16 RoPE dims per slot, then 8 scale bytes per slot);
      rows dequantize exactly as dequantize_and_gather_k_cache does.
+   formats 3 / 4, DeepSeek-V4.1's 528-byte mxfp8 records (D = 512; see dsv4_gather_mxfp8): pages as
+     format 1, slots split (3: all data, then all scales) or interleaved (4: vLLM 0.33's).
    A row whose page, offset or index is outside the arrays reads as NaN (never out of bounds).
    The caller vouches that data holds num_rows rows (flat / logical) or num_pages pages, and the
    table table_rows x table_width entries; every index taken from them is checked against those. */
@@ -206,6 +208,33 @@ const char *dsv4_cpu_last_error(void);
 /* fp8_ds_mla: one slot's 448 e4m3 bytes + 64 bf16 RoPE dims (d) and its 7 scale bytes (sc) as 512
    bf16 bits, exactly (kvcache.c). */
 void dsv4_decode_row_bf16(const uint8_t *d, const uint8_t *sc, uint16_t *o);
+
+/* DeepSeek-V4.1's 528-byte mxfp8 records (kvcache_v41.c; planner/kvcache_v41.py): 512 e4m3 dims +
+   16 UE8M0 scale bytes (one per 32 dims), value e4m3 * 2^(byte - 127) rounded to bf16. A page of
+   page_size slots holds them interleaved (interleaved = 1: slot p's data at byte p * 528, its
+   scales right after; vLLM 0.33's) or split (0: data at p * 512, scales at page_size * 512 +
+   p * 16). dsv4_gather_mxfp8: vLLM's dequantize_and_gather_k_cache on such pages, with the
+   arguments and row rules of dsv4_gather_dequant. */
+int dsv4_gather_mxfp8(void *out, int64_t out_s0, int64_t out_s1, int64_t out_rows, int32_t out_f32,
+                      const uint8_t *cache, int64_t page_stride, int64_t num_pages, int64_t page_size,
+                      int32_t interleaved, const int64_t *seq_lens, const int64_t *gather_lens, const void *block_table,
+                      int32_t bt_int64, int64_t bt_s0, int64_t bt_w, int64_t offset, int64_t R,
+                      const dsv4_parallel *par);
+void dsv4_gather_mxfp8_rows(void *out, int64_t out_s0, int64_t out_s1, int64_t out_rows, int32_t out_f32,
+                            const uint8_t *cache, int64_t page_stride, int64_t num_pages, int64_t page_size,
+                            int32_t interleaved, const int64_t *seq, const int64_t *cum, const void *bt,
+                            int32_t bt_int64, int64_t bt_s0, int64_t bt_w, int64_t offset, int64_t R, int64_t row0,
+                            int64_t row1, int32_t stream);
+/* One record's 512 data bytes and 16 scale bytes as 512 bf16 bits, exactly; _to: bf16 or float32
+   (out_f32) at dst. dsv4_mxfp8_slot: slot p's data and scales in a page. dsv4_mxfp8_address: entry
+   e of request b of a format 3 / 4 source (0 when its page is outside the arrays). */
+void dsv4_decode_mxfp8_bf16(const uint8_t *d, const uint8_t *sc, uint16_t *o);
+void dsv4_decode_mxfp8_to(const uint8_t *d, const uint8_t *sc, void *dst, int32_t out_f32);
+int dsv4_mxfp8_slot(const uint8_t *page, int64_t page_size, int64_t p, int32_t interleaved, const uint8_t **d,
+                    const uint8_t **sc);
+int dsv4_mxfp8_address(const dsv4_kv_source *s, int64_t b, int64_t e, const uint8_t **d, const uint8_t **sc);
+/* e4m3 byte b times 2^(byte - 127) as bf16 bits, as float32 math then RTNE gives it (kvcache.c). */
+uint16_t dsv4_e4m3_scaled_bits(uint32_t b, int32_t byte);
 
 /* ---------------------------------------------------------------- the Lightning Indexer
 

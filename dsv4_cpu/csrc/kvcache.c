@@ -226,3 +226,6 @@ void dsv4_gather_dequant_rows(void *out, int64_t out_s0, int64_t out_s1, int64_t
     if (stream) _mm_sfence(); /* the streamed rows are visible before the call returns */
 #endif
 }
+
+/* exact_bits for other records' decoders (kvcache_v41.c: the 528-byte mxfp8 records). */
+uint16_t dsv4_e4m3_scaled_bits(uint32_t b, int32_t byte) { return exact_bits(b, byte); }

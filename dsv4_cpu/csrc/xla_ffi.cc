@@ -228,7 +228,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SparseAttention, SparseAttention,
 // ---------------------------------------------------------------- one prefill layer ("cpu" backend)
 
 // Cache layouts of dsv4_jax.prefill's sources.
-enum { LAYOUT_LOGICAL = 0, LAYOUT_PAGED = 1, LAYOUT_FP8 = 2 };
+enum { LAYOUT_LOGICAL = 0, LAYOUT_PAGED = 1, LAYOUT_FP8 = 2, LAYOUT_MXFP8_SPLIT = 3, LAYOUT_MXFP8_INTERLEAVED = 4 };
 
 // The dsv4_kv_source of a cache: LAYOUT_LOGICAL rows [S, D] + offsets s32 [B]; LAYOUT_PAGED pages
 // [P, page_size, D] + block table s32 [B, W]; LAYOUT_FP8 fp8_ds_mla pages u8 [P, page_bytes] + block
@@ -279,6 +279,15 @@ static ffi::Error make_source(const char *call, const char *name, int64_t layout
                                  dims_str(dd) + ", block_size " + std::to_string(block_size));
         s->format = 1;
         s->dtype = dtype;
+        s->page_stride = dd[1];
+        s->num_pages = dd[0];
+        s->page_size = block_size;
+        return ffi::Error::Success();
+    }
+    if (layout == LAYOUT_MXFP8_SPLIT || layout == LAYOUT_MXFP8_INTERLEAVED) {  // DeepSeek-V4.1's 528-byte records
+        if (data.element_type() != ffi::DataType::U8 || dd.size() != 2 || block_size < 1 || dd[1] < block_size * 528)
+            return bad(call, std::string(name) + ": expected mxfp8 pages uint8 (P, >= block_size * 528), got " + dims_str(dd));
+        s->format = layout == LAYOUT_MXFP8_SPLIT ? DSV4_MXFP8_SPLIT : DSV4_MXFP8_INTERLEAVED;
         s->page_stride = dd[1];
         s->num_pages = dd[0];
         s->page_size = block_size;

@@ -34,6 +34,7 @@ PREFILL_TARGET = "dsv4_prefill_attention"
 PREFILL_INTO_TARGET = "dsv4_prefill_attention_into"  # the same, writing into a given (donated) buffer
 # Cache layouts of the prefill call (xla_ffi.cc's LAYOUT_*).
 LAYOUT_LOGICAL, LAYOUT_PAGED, LAYOUT_FP8 = 0, 1, 2
+LAYOUT_MXFP8_SPLIT, LAYOUT_MXFP8_INTERLEAVED = 3, 4  # DeepSeek-V4.1's 528-byte records
 
 
 @functools.cache
@@ -85,6 +86,9 @@ def source_arrays(src):
     if src is None:
         return jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.int32), LAYOUT_LOGICAL, 0
     if hasattr(src, "block_table"):
+        if getattr(src, "mxfp8", False):
+            layout = LAYOUT_MXFP8_INTERLEAVED if src.layout == "interleaved" else LAYOUT_MXFP8_SPLIT
+            return src.pages.reshape(src.pages.shape[0], -1), src.block_table, layout, src.page_size
         if src.fp8:
             return src.pages, src.block_table, LAYOUT_FP8, src.page_size
         return src.pages, src.block_table, LAYOUT_PAGED, 0

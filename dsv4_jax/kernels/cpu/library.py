@@ -30,6 +30,7 @@ TARGETS = {
     "dsv4_indexer_topk": "Dsv4IndexerTopk",  # dsv4_jax.kernels.cpu.indexer
     "dsv4_indexer_topk_select": "Dsv4IndexerTopkSelect",  # (the two-level top-k's level 1)
     "dsv4_indexer_topk_restrict": "Dsv4IndexerTopkRestrict",  # (and its level 2)
+    "dsv4_gather_mxfp8": "Dsv4GatherMxfp8",  # dsv4_jax.kernels.cpu.kvcache_v41 (V4.1 records)
 }
 
 _lock = threading.Lock()

@@ -27,6 +27,11 @@ from planner.contract import value_dim
 def _source(src, dtype):
     """(RowSource, HBM array (P, rows, W), block table (B, max_pages) or None, offsets (B,) or None)."""
     if hasattr(src, "block_table"):
+        if getattr(src, "mxfp8", False):
+            raise ValueError(
+                "pages: the Pallas TPU prefill reads fp8_ds_mla (584 B) pages, not DeepSeek-V4.1's mxfp8 (528 B) "
+                "records: run backend 'xla' or 'cpu', or dequantize with dsv4_jax.kvcache_v41"
+            )
         if src.fp8:
             pages = R.fp8_slot_rows(src.pages)
             return R.fp8_source(pages.shape[1], src.page_size), pages, src.block_table, None

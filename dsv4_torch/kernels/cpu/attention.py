@@ -176,6 +176,8 @@ def fp8_page_bytes(pages: torch.Tensor, page_size: int, name: str, *, padded: bo
 def _kv_source(src, name: str, q: torch.Tensor, keep: list) -> binding.KVSource:
     """A `dsv4_kv_source` for a `dsv4_torch.prefill.PagedKV` (pages + block table) or
     `LogicalKV` (rows + offsets)."""
+    if hasattr(src, "block_table") and getattr(src, "mxfp8", False):  # DeepSeek-V4.1's 528-byte records
+        return mxfp8_source(src, name, keep)
     if hasattr(src, "block_table"):
         fp8 = src.kv_cache_dtype == "fp8_ds_mla"
         return paged_source(src.pages, src.block_table, src.page_size, fp8, q.dtype, name, keep)
@@ -200,6 +202,32 @@ def _kv_source(src, name: str, q: torch.Tensor, keep: list) -> binding.KVSource:
             table_rows=offsets.shape[0],
         )
     raise TypeError(f"{name}: expected a PagedKV or a LogicalKV, got {type(src).__name__}")
+
+
+def mxfp8_source(src, name: str, keep: list) -> binding.KVSource:
+    """A `dsv4_kv_source` (format 3 / 4) for a PagedKV of mxfp8 pages (its layout, page stride)."""
+    from dsv4_torch import kvcache_v41
+
+    pages = src.pages
+    geo = kvcache_v41.page_geometry(pages, src.page_size, 528 if pages.dim() == 2 else None, name=name)
+    check_cpu(pages, name)
+    check_cpu(src.block_table, f"{name}.block_table")
+    table = unit_last(src.block_table)
+    keep.append(table)
+    interleaved = kvcache_v41.ref.check_layout(src.layout, geo.record) == "interleaved"
+    return binding.KVSource(
+        format=binding.MXFP8_INTERLEAVED if interleaved else binding.MXFP8_SPLIT,
+        dtype=0,
+        data=pages.data_ptr(),
+        page_stride=geo.page_stride,
+        num_pages=geo.num_blocks,
+        page_size=geo.S,
+        table=table.data_ptr(),
+        table_int64=int(table.dtype == torch.int64),
+        table_stride=table.stride(0) if table.shape[1] else 0,
+        table_width=table.shape[1],
+        table_rows=table.shape[0],
+    )
 
 
 def _src_dtype(rows: torch.Tensor, q_dtype, name: str) -> int:
