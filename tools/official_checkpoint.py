@@ -657,7 +657,13 @@ def main(argv=None) -> None:
         help="fp4: V4-Flash's packed FP4 experts; fp8: V4-Flash-Base's FP8 experts with F32 scales",
     )
     ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--model", choices=("v4", "v4.1"), default="v4", help="DeepSeek-V4 (default) or the tiny V4.1")
     args = ap.parse_args(argv)
+    if args.model == "v4.1":
+        if args.experts != "fp4":
+            ap.error(f"--experts: the V4.1 checkpoint has FP4 experts, got {args.experts!r}")
+        print(write_official_v41_checkpoint(args.out, seed=args.seed, shards=args.shards))
+        return
     print(write_official_checkpoint(args.out, seed=args.seed, experts=args.experts, shards=args.shards))
 
 

@@ -512,7 +512,6 @@ def write_tiny_checkpoint(out_dir, seed: int = 0, names: str = "hf", dtype: str 
 
 # ----------------------------------------------------------------------------- DeepSeek-V4.1
 
-V41_FORMATS = ("hf", "official")
 # The tiny Engram: one layer (before the replay cut), 2-grams and 3-grams, 2 hash heads each,
 # 32-dim rows, buckets from primes above 61 (`dsv4_jax.model.engram`).
 TINY_V41_ENGRAM = dict(
@@ -686,20 +685,21 @@ def v41_composite_config(cfg: dict) -> dict:
 
 
 def write_tiny_v41_checkpoint(out_dir, seed: int = 0, fmt: str = "hf", config=None, engram: bool = True) -> Path:
-    """Write a tiny random DeepSeek-V4.1 checkpoint directory; returns its path.
-
-    fmt "hf": transformers' names and its composite config.json (float32); "official": the
-    release's names, FP8 linears on the 32x32 grid, FP4 experts, an FP8 Engram table
-    (`tools.official_checkpoint.write_official_v41_checkpoint`). config: `tiny_v41_config(...)`."""
-    if fmt not in V41_FORMATS:
-        raise ValueError(f"fmt: expected one of {V41_FORMATS}, got {fmt!r}")
+    """Write a tiny random DeepSeek-V4.1 checkpoint directory in transformers' format (its names
+    and composite config.json, float32); returns its path. The official release's format (FP8
+    linears on the 32x32 grid, FP4 experts, an FP8 Engram table) is
+    `tools.official_checkpoint.write_official_v41_checkpoint` (`python -m tools.official_checkpoint
+    --model v4.1`), which builds on this module. config: `tiny_v41_config(...)`."""
+    if fmt != "hf":
+        hint = (
+            " (the official format: tools.official_checkpoint.write_official_v41_checkpoint)"
+            if fmt == "official"
+            else ""
+        )
+        raise ValueError(f"fmt: this writer writes 'hf', got {fmt!r}{hint}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
     cfg = dict(tiny_v41_config(engram=engram) if config is None else config)
-    if fmt == "official":
-        from tools.official_checkpoint import write_official_v41_checkpoint
-
-        return write_official_v41_checkpoint(out_dir, seed=seed, config=cfg)
     from safetensors.numpy import save_file
 
     out = Path(out_dir)
@@ -719,13 +719,10 @@ def main(argv=None) -> None:
     ap.add_argument("--names", choices=NAME_STYLES, default="hf")
     ap.add_argument("--dtype", choices=DTYPES, default="float32")
     ap.add_argument("--model", choices=("v4", "v4.1"), default="v4", help="DeepSeek-V4 (default) or V4.1")
-    ap.add_argument(
-        "--format", choices=V41_FORMATS, default="hf", help="V4.1: transformers' format or the official release's"
-    )
     ap.add_argument("--no-engram", action="store_true", help="V4.1: no Engram layer")
     args = ap.parse_args(argv)
     if args.model == "v4.1":
-        path = write_tiny_v41_checkpoint(args.out, seed=args.seed, fmt=args.format, engram=not args.no_engram)
+        path = write_tiny_v41_checkpoint(args.out, seed=args.seed, engram=not args.no_engram)
         print(path)
         return
     path = write_tiny_checkpoint(args.out, seed=args.seed, names=args.names, dtype=args.dtype)

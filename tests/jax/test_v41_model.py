@@ -27,6 +27,7 @@ from dsv4_jax.model.v41_checkpoint import load_checkpoint  # noqa: E402
 from dsv4_jax.model.v41_config import V41Config  # noqa: E402
 from planner.contract import preset  # noqa: E402
 from tests.jax import v41_reference as ref  # noqa: E402
+from tools.official_checkpoint import write_official_v41_checkpoint  # noqa: E402
 from tools.tiny_checkpoint import tiny_v41_config, write_tiny_v41_checkpoint  # noqa: E402
 
 OPTIONS = dict(
@@ -45,7 +46,10 @@ PROMPT2 = np.random.default_rng(6).integers(3, 512, 61).tolist()
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-v41")
-    return {fmt: write_tiny_v41_checkpoint(root / fmt, seed=0, fmt=fmt) for fmt in ("hf", "official")}
+    return {
+        "hf": write_tiny_v41_checkpoint(root / "hf", seed=0),
+        "official": write_official_v41_checkpoint(root / "official", seed=0),
+    }
 
 
 @pytest.fixture(scope="module")
