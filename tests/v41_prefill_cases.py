@@ -112,16 +112,32 @@ def topk_rows(rng, batch: P.PrefillBatch, ratio: int, topk: int, invalid: float 
 
 
 def v41_case(
-    name, seq_lens, query_lens, *, replay=None, replay_start=None, H=2, D=16, seed=0, schedule=TINY, **policy
+    name,
+    seq_lens,
+    query_lens,
+    *,
+    replay=None,
+    replay_start=None,
+    H=2,
+    D=16,
+    seed=0,
+    schedule=TINY,
+    kv_scale=1.0,
+    **policy,
 ) -> V41Case:
+    """kv_scale: keys ~ N(0, kv_scale^2), queries ~ N(0, kv_scale^-2) (the logits' spread does not
+    change); bf16 cases take FlashMLA's 0.1, the scale the parity suite's bf16 bound is set for."""
     rng = np.random.default_rng(seed)
     batch = P.PrefillBatch(seq_lens, query_lens, replay_start=replay_start)
     seq = batch.seq_lens.tolist()
     T = batch.num_tokens
     f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
-    q = {i: f32(T, H, D) for i in range(len(schedule))}
-    raw = {i: [f32(s, D) for s in seq] for i in range(len(schedule))}
-    caches = {k: [f32(s // schedule[k].compress_ratio, D) for s in seq] for k in schedule.kv_source_layer_ids}
+    q = {i: f32(T, H, D) / np.float32(kv_scale) for i in range(len(schedule))}
+    raw = {i: [f32(s, D) * np.float32(kv_scale) for s in seq] for i in range(len(schedule))}
+    caches = {
+        k: [f32(s // schedule[k].compress_ratio, D) * np.float32(kv_scale) for s in seq]
+        for k in schedule.kv_source_layer_ids
+    }
     topk = {
         k: topk_rows(rng, batch, schedule[k].compress_ratio, schedule.index_topk)
         for k in schedule.index_source_layer_ids

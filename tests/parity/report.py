@@ -10,7 +10,10 @@ follows (max difference across plans and cache layouts; bitwise required on the 
 backends in fp32), then the backends that did not run and why. On a GPU machine FlashMLA and
 Pallas -> Triton join automatically. Exit status 1 if any row fails.
 
---quick: fp32 kernel rows, the tiny fp32 prefill family and the float64 transformers rows only.
+--quick: fp32 kernel rows, the tiny fp32 prefill family (V4 and V4.1) and the float64 transformers rows only.
+
+DeepSeek-V4.1 rows (`tests/parity/v41.py`): "V4.1 ... · r<ratio> [cut|replay] · dtype", one per
+plan key of a V4.1 step, each holding every layer of the tiny schedule that reads that plan.
 """
 
 from __future__ import annotations
@@ -45,7 +48,10 @@ SHORT = {
 }
 TITLES = {
     "kernel": "Kernel level: sparse_attention (row: case class · dtype)",
-    "prefill": "Prefill level: whole steps, every plan and cache layout (row: case class · layer kind · dtype)",
+    "prefill": (
+        "Prefill level: whole steps, every plan and cache layout (row: case class · layer kind · dtype; "
+        "V4.1: case class · ratio [band] · dtype)"
+    ),
     "hf": "External reference: transformers 5.23.0 eager attention, tiny DeepSeek-V4 (row: layer kind · calls · dtype)",
 }
 
@@ -70,6 +76,15 @@ def run(levels=LEVELS, quick=False, match=None, log=print) -> dict:
         ]
         log(f"prefill level: {len(steps)} steps x SWA/CSA/HCA ...")
         rows += H.merge_rows([r for c in steps for r in H.run_step_case(c)])
+        from tests.parity import v41 as V41
+
+        v41 = [
+            c
+            for c in V41.v41_step_cases()
+            if any(keep(c.row(k)) for k in c.case.step().plans) and (not quick or c.family == V41.QUICK_FAMILY)
+        ]
+        log(f"prefill level, DeepSeek-V4.1: {len(v41)} steps x every layer of the tiny schedule ...")
+        rows += V41.run_v41_cases(v41)
     if "hf" in levels:
         from tests.parity import hf_reference as HF
 

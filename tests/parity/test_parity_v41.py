@@ -22,8 +22,9 @@ def check(sc: V.V41StepCase):
         assert row.ran == expected - set(row.not_run), (row.name, row.ran, expected)
         assert {"oracle", "torch.reference", "torch.cpu", "jax.xla", "jax.cpu"} <= row.ran, row.name
         for name in ("torch.reference", "torch.cpu", "jax.xla", "jax.cpu"):
-            # every plan and layout ran, for every layer reading this plan
-            assert len(row.invariance[name]) == (len(sc.variants) - 1) * len(st.sharing[key]), (row.name, name)
+            # every plan and layout ran (JAX: the paged ones), for every layer reading this plan
+            runs = [v for v in sc.variants if not name.startswith("jax") or v[1] != "logical"]
+            assert len(row.invariance[name]) == (len(runs) - 1) * len(st.sharing[key]), (row.name, name)
             assert (name in row.bitwise_required) == (sc.dtype == "float32")
     return rows, failures
 
