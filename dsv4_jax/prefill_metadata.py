@@ -24,7 +24,7 @@ from planner.checks import INT32_MAX, as_int
 from planner.contract import INDEX_ALIGN, SIZES, PlanKey
 from planner.kind_plan import KindPlan
 from planner.layout import index_width
-from planner.plan import as_step_plan, band_local_plan
+from planner.plan import as_step_plan, band_local_plan, plan_lookup
 from planner.sizes import MIN_TILE, bucket, pow2_bucket, tile_ladder, tiled_items
 
 MIN_WORKSPACE_ROWS = 128
@@ -180,20 +180,7 @@ class StepMetadata:
         self.step_plan = step_plan
 
     def __getitem__(self, key) -> KindMetadata:
-        if isinstance(key, PlanKey):
-            if key not in self.plans:
-                raise KeyError(f"no metadata for {key} in this step (built: {[str(k) for k in self.plans]})")
-            return self.plans[key]
-        k = LayerKind.of(key)
-        if k in self.kinds:
-            return self.kinds[k]
-        several = [str(x) for x in self.plans if x.kind is k]
-        if several:
-            raise KeyError(
-                f"{k.name}: this step has {len(several)} {k.name} plans ({several}); index it with a PlanKey or "
-                "ask meta.for_layer(layer_id)"
-            )
-        raise KeyError(f"no metadata for {k.name} in this step (built: {[str(x) for x in self.plans]})")
+        return plan_lookup(self.plans, self.kinds, key, "metadata", "built", "meta")
 
     def for_layer(self, layer_id: int) -> KindMetadata:
         """The metadata layer `layer_id` of the step's schedule runs on (`StepPlan.for_layer`)."""

@@ -21,9 +21,9 @@ import torch
 
 from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch, StepPlan
 from planner.checks import INT32_MAX, as_int
-from planner.contract import PlanKey, index_width_for
+from planner.contract import index_width_for
 from planner.kind_plan import KindPlan
-from planner.plan import as_step_plan, band_local_plan
+from planner.plan import as_step_plan, band_local_plan, plan_lookup
 
 
 class ChunkMeta(NamedTuple):
@@ -428,20 +428,7 @@ class PlanStepMetadata(StepMetadata):
     plans: dict = field(default_factory=dict)  # {PlanKey: KindMetadata}
 
     def __getitem__(self, key) -> KindMetadata:
-        if isinstance(key, PlanKey):
-            if key not in self.plans:
-                raise KeyError(f"no metadata for {key} in this step (built: {[str(k) for k in self.plans]})")
-            return self.plans[key]
-        k = LayerKind.of(key)
-        if k in self.kinds:
-            return self.kinds[k]
-        several = [str(x) for x in self.plans if x.kind is k]
-        if several:
-            raise KeyError(
-                f"{k.name}: this step has {len(several)} {k.name} plans ({several}); index it with a PlanKey or "
-                "ask meta.for_layer(layer_id)"
-            )
-        raise KeyError(f"no metadata for {k.name} in this step (built: {[str(x) for x in self.plans]})")
+        return plan_lookup(self.plans, self.kinds, key, "metadata", "built", "meta")
 
     def for_layer(self, layer_id: int) -> KindMetadata:
         """The metadata layer `layer_id` of the schedule runs on (`StepPlan.for_layer`)."""

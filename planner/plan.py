@@ -320,6 +320,27 @@ def vllm_chunk_tuples(seq_lens, query_lens, config: PlanConfig, layer) -> list[t
     return [(req[a], req[b - 1] + 1, m, k) for a, b, m, k in zip(starts, starts[1:], Ns, Ms)]
 
 
+def plan_lookup(plans: dict, kinds: dict, key, what: str, done: str, owner: str):
+    """plans[key] for a PlanKey, kinds[kind] for a layer kind (or its name) with one plan in the
+    step: StepPlan's and both frameworks' step metadata's indexing. A KeyError names what exists
+    otherwise (`what`: "plan" / "metadata", `done`: "planned" / "built", `owner`: the object whose
+    for_layer to suggest)."""
+    if isinstance(key, PlanKey):
+        if key not in plans:
+            raise KeyError(f"no {what} for {key} in this step ({done}: {[str(k) for k in plans]})")
+        return plans[key]
+    k = LayerKind.of(key)
+    if k in kinds:
+        return kinds[k]
+    several = [str(x) for x in plans if x.kind is k]
+    if several:
+        raise KeyError(
+            f"{k.name}: this step has {len(several)} {k.name} plans ({several}); index it with a PlanKey or "
+            f"ask {owner}.for_layer(layer_id)"
+        )
+    raise KeyError(f"no {what} for {k.name} in this step ({done}: {[str(x) for x in plans]})")
+
+
 @dataclass(frozen=True, eq=False)
 class StepPlan:
     """One step's plans, each made once and shared by every layer that reads it.
@@ -358,20 +379,7 @@ class StepPlan:
         return {k.kind: p for k, p in self.plans.items() if counts[k.kind] == 1}
 
     def __getitem__(self, key) -> KindPlan:
-        if isinstance(key, PlanKey):
-            if key not in self.plans:
-                raise KeyError(f"no plan for {key} in this step (planned: {[str(k) for k in self.plans]})")
-            return self.plans[key]
-        k = LayerKind.of(key)
-        if k in self.kinds:
-            return self.kinds[k]
-        several = [str(x) for x in self.plans if x.kind is k]
-        if several:
-            raise KeyError(
-                f"{k.name}: this step has {len(several)} {k.name} plans ({several}); index it with a PlanKey or "
-                "ask step.for_layer(layer_id)"
-            )
-        raise KeyError(f"no plan for {k.name} in this step (planned: {[str(x) for x in self.plans]})")
+        return plan_lookup(self.plans, self.kinds, key, "plan", "planned", "step")
 
     @property
     def num_plans(self) -> int:
