@@ -198,17 +198,23 @@ def real_part(repeats: int, context: int, new: int) -> dict:
     prefix = context - new
     kw = dict(max_batch_size=1, max_model_len=context + 128, max_num_batched_tokens=max(new, prefix, 1))
     out = {"context": context, "new_tokens": new, "layers": {}}
-    ms = {}
-    for mode, replay in (("exact", False), ("replay", None)):
-        m = DeepseekV41(cfg, params, replay=replay, **kw)
+    models = {
+        mode: DeepseekV41(cfg, params, replay=replay, **kw) for mode, replay in (("exact", False), ("replay", None))
+    }
+    for m in models.values():
         _run(m, [prefix], [new])  # compile
-        per = []
-        for _ in range(repeats):
+    per = {mode: [] for mode in models}
+    for _ in range(repeats):  # the modes interleaved: a change of the machine's load hits both
+        for mode, m in models.items():
             t = []
             _run(m, [prefix], [new], timings=t)
-            per.append(t)
-        ms[mode] = [1e3 * statistics.median(p[i][3] for p in per) for i in range(cfg.num_hidden_layers)]
-        out["layers"][mode] = {f"{i}:{per[0][i][1]}:{per[0][i][2]}": ms[mode][i] for i in range(cfg.num_hidden_layers)}
+            per[mode].append(t)
+    ms = {}
+    for mode, runs in per.items():
+        ms[mode] = [1e3 * statistics.median(p[i][3] for p in runs) for i in range(cfg.num_hidden_layers)]
+        out["layers"][mode] = {
+            f"{i}:{runs[0][i][1]}:{runs[0][i][2]}": ms[mode][i] for i in range(cfg.num_hidden_layers)
+        }
     out["released_step_ms"] = {mode: sum(ms[mode][v] * c for v, c in RELEASED_COUNTS) for mode in ms}
     batch = PrefillBatch([context], [new])
     released = preset("V4.1")
