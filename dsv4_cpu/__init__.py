@@ -3,8 +3,8 @@
 - `csrc/`: the sources. `dsv4_cpu.h` is the whole public C API: the sparse-attention kernel on a
   flat workspace (FlashMLA's contract), one prefill layer straight from the caches (rows or vLLM's
   fp8_ds_mla pages, dequantized inside the kernel), vLLM's fp8_ds_mla gather-dequantize, the
-  Lightning Indexer's fused score-and-top-k (`indexer.cc`, per-ISA block kernels in
-  `indexer_isa.cc`), and how a call runs on its host framework's threads (`dsv4_parallel`).
+  Lightning Indexer's fused score-and-top-k (`indexer.cc`, DeepSeek-V4.1's two-level top-k in
+  `indexer_two_level.cc`, per-ISA block kernels in `indexer_isa.cc`), and how a call runs on its host framework's threads (`dsv4_parallel`).
   `xla_ffi.cc` and `xla_indexer.cc` hold the XLA FFI handlers, `torch_parallel.cc` torch's
   parallel-for.
 - `__main__`: `python -m dsv4_cpu build | info` (info: each kernel's instruction set here); the

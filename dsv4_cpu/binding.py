@@ -90,6 +90,7 @@ class PrefillTokens(ctypes.Structure):
         ("topk_stride", _i64),
         ("topk_width", _i64),
         ("topk_rows", _i64),
+        ("token_window_start", _ptr),  # NULL, or each token's lowest window position
     ]
 
 

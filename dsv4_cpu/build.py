@@ -3,8 +3,9 @@
 Three shared libraries, each named by a hash of everything that goes into it (sources, flags,
 compiler versions, the CPU's feature flags, and the framework's version for the two bindings):
 
-- `dsv4_cpu_<key>.so`: the kernels (kvcache.c, runtime.cc, attention.cc, gather.cc, indexer.cc and
-  the token / block kernels of attention_isa.cc and indexer_isa.cc compiled once per instruction
+- `dsv4_cpu_<key>.so`: the kernels (kvcache.c, kvcache_v41.c, runtime.cc, attention.cc, gather.cc,
+  gather_v41.cc, indexer.cc, indexer_two_level.cc and the token / block kernels of attention_isa.cc,
+  attention_bf16.cc and indexer_isa.cc compiled once per instruction
   set: generic, AVX2, AVX-512, AVX512-BF16; an instruction set the compiler cannot target is left out and never chosen).
   ctypes loads it (`dsv4_cpu.binding`).
 - `dsv4_cpu_xla_<key>.so`: the XLA FFI handlers (xla_ffi.cc, xla_indexer.cc) against jaxlib's FFI headers, linked
@@ -48,9 +49,17 @@ logger = logging.getLogger("dsv4_cpu")
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 C_SOURCES = ("kvcache.c", "kvcache_v41.c")
-CXX_SOURCES = ("runtime.cc", "attention.cc", "gather.cc", "gather_v41.cc", "indexer.cc")
-HEADERS = ("dsv4_cpu.h", "attention_impl.h", "runtime.h", "indexer_impl.h", "kvcache_v41.h")
-ISA_SOURCES = ("attention_isa.cc", "indexer_isa.cc")  # compiled once per instruction set
+CXX_SOURCES = ("runtime.cc", "attention.cc", "gather.cc", "gather_v41.cc", "indexer.cc", "indexer_two_level.cc")
+HEADERS = (
+    "dsv4_cpu.h",
+    "attention_impl.h",
+    "runtime.h",
+    "indexer_impl.h",
+    "kvcache_v41.h",
+    "attention_isa.h",
+    "indexer_call.h",
+)
+ISA_SOURCES = ("attention_isa.cc", "attention_bf16.cc", "indexer_isa.cc")  # compiled once per instruction set
 XLA_SOURCES = ("xla_ffi.cc", "xla_indexer.cc", "xla_kvcache_v41.cc")
 TORCH_SOURCE = "torch_parallel.cc"
 

@@ -190,7 +190,7 @@ def _tile_indices(f: _Fields, shape: KindShape, c, k, valid, topk_rows):
     else:
         ncomp = visible
         comp_val = col
-    nwin = jnp.minimum(p + 1, W)
+    nwin = p + 1 - jnp.maximum(p - W + 1, gstart)  # window max(p - W + 1, gather_start) .. p (gstart >= 0)
     length = ncomp + nwin
     in_comp = col < ncomp[:, None]
     in_win = (col >= ncomp[:, None]) & (col < length[:, None])
@@ -288,7 +288,14 @@ def prefill_attention(
         request-major (batch order), after all query-side processing; D = 512 in DeepSeek-V4.
         T_q >= T; rows past T are padding. Pad to `padded_tokens` (`StepMetadata.pad_tokens`)
         so that varied batches share compiled programs.
-      meta: `build_step_metadata(...)[kind]` for this layer's kind.
+      meta: `build_step_metadata(...)[kind]` for this layer's kind; for a DeepSeek-V4.1 step (a
+        `StepPlan` of a `planner.Schedule`), `build_step_metadata(step).for_layer(layer_id)` (or
+        `[plan_key]`): its band's metadata, run on the band's rows only ("cut" / "replay": each
+        request's last min(query_len, W) new tokens; q, topk_indices and the result hold those
+        rows, `step.bands[band].token_index` of the step's, padded or not), windows from the
+        band's floors. A ratio-2 / ratio-1 layer is a CSA layer of that ratio: entry j visible iff
+        j < (p + 1) // r; compressed_kv is its KV source's shared cache, topk_indices its index
+        source's rows (a -1 among the used entries is no key, as vLLM V4.1 keeps a failed pick).
       raw_kv: the raw-token latents: a `PagedKV` (page_size tokens per page; rows in q's dtype,
         or vLLM's fp8_ds_mla bytes, dequantized while gathered), a `LogicalKV` (q's dtype), or
         per-request (seq_len_i, D) arrays (packed on every call: for tests). Must hold positions
@@ -439,6 +446,14 @@ def _check_q(q, meta: KindMetadata):
         raise TypeError(f"q: expected bfloat16, float16 or float32, got {jnp.dtype(q.dtype)}")
     if meta.num_tokens is not None and q.shape[0] < meta.num_tokens:
         raise ValueError(f"q: {q.shape[0]} tokens, but the step's batch has {meta.num_tokens}")
+    if meta.plan is not None and meta.allow_invalid:  # DeepSeek-V4.1: q holds the layer's band's rows
+        T, padded = meta.num_tokens, meta.shape.padded_tokens
+        if q.shape[0] not in (T, padded):
+            raise ValueError(
+                f"q: {q.shape[0]} rows, but this layer's plan {meta.plan.key} computes {T} rows (its band "
+                f"{meta.plan.band!r}; the step has {meta.step_tokens} new tokens): pass the band's rows, "
+                f"step_plan.bands[band].token_index of the step's, padded or not to padded_tokens = {padded}"
+            )
     return q.shape
 
 
@@ -455,6 +470,11 @@ def _check_topk(topk_indices, meta: KindMetadata):
         raise ValueError(f"topk_indices: top-k {topk_indices.shape[1]} does not fit index width {meta.index_width}")
     if isinstance(topk_indices, np.ndarray) and meta.plan is not None:  # on the host: free to check
         check_topk_rows(
-            topk_indices, meta.plan.token_index, meta.plan.token_position, meta.plan.compress_ratio, "topk_indices"
+            topk_indices,
+            meta.plan.token_index,
+            meta.plan.token_position,
+            meta.plan.compress_ratio,
+            "topk_indices",
+            allow_invalid=meta.allow_invalid,
         )
     return jnp.asarray(topk_indices)

@@ -21,10 +21,10 @@ from jax.tree_util import register_pytree_node_class
 
 from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch, StepPlan, contract
 from planner.checks import INT32_MAX, as_int
-from planner.contract import INDEX_ALIGN, SIZES
+from planner.contract import INDEX_ALIGN, SIZES, PlanKey
 from planner.kind_plan import KindPlan
 from planner.layout import index_width
-from planner.plan import as_step_plan
+from planner.plan import as_step_plan, band_local_plan
 from planner.sizes import MIN_TILE, bucket, pow2_bucket, tile_ladder, tiled_items
 
 MIN_WORKSPACE_ROWS = 128
@@ -68,6 +68,8 @@ class KindShape:
     token_ladder: tuple[int, ...]  # attention tile sizes, largest first
     gather_ladder: tuple[int, ...]  # gather tile sizes, largest first
     query_tile: int = QUERY_TILE  # tokens per query tile (backend "mosaic_tpu")
+    # some request's windows start above max(0, p - W + 1): replay_start, a DeepSeek-V4.1 replay band
+    window_floors: bool = False
 
 
 @register_pytree_node_class
@@ -80,12 +82,24 @@ class KindMetadata:
     and `build_indices`; a copy rebuilt by JAX inside a trace has them as None.
     """
 
-    def __init__(self, table, shape: KindShape, plan: KindPlan | None = None, num_tokens=None, num_requests=None):
+    def __init__(
+        self,
+        table,
+        shape: KindShape,
+        plan: KindPlan | None = None,
+        num_tokens=None,
+        num_requests=None,
+        allow_invalid: bool = False,
+        step_tokens=None,
+    ):
         self.table = table
         self.shape = shape
         self.plan = plan
-        self.num_tokens = num_tokens
+        self.num_tokens = num_tokens  # the rows its layer call computes (a V4.1 band's: the band's)
         self.num_requests = num_requests
+        # DeepSeek-V4.1 steps: a -1 among a token's used top-k entries is no key (vLLM V4.1's rows)
+        self.allow_invalid = allow_invalid
+        self.step_tokens = step_tokens  # the step's new tokens (None: num_tokens)
         # The concrete backend of the last `prefill_attention` call on this object. Under a
         # user's jax.jit the call sees a copy JAX rebuilt, so the caller's object keeps None:
         # there, `dsv4_jax.resolve_backend(backend)` names the backend (the call asks it too).
@@ -143,18 +157,57 @@ class KindMetadata:
 
 @register_pytree_node_class
 class StepMetadata:
-    """All kinds' metadata for one step. A pytree of its `KindMetadata`s."""
+    """All plans' metadata for one step. A pytree of its `KindMetadata`s.
 
-    def __init__(self, kinds: dict, padded_tokens: int, step_plan: StepPlan | None = None):
+    plans: {PlanKey: KindMetadata}, one per distinct plan of the step's `StepPlan` (V4: one per
+      kind; DeepSeek-V4.1: per (ratio, band), shared by every layer reading that plan);
+    kinds: {kind: KindMetadata} for the kinds with one plan (every kind of a V4 step).
+    Index it with a kind (`meta["CSA"]`, where the step has one plan of it), a `PlanKey`, or ask
+    per layer of a V4.1 schedule: `meta.for_layer(layer_id)`. A "cut" / "replay" plan's metadata
+    runs on the band's rows only (q and top-k rows hold each request's kept rows, in the step's
+    order: `step_plan.bands[band].token_index`; `planner.band_local_plan`).
+    """
+
+    def __init__(self, kinds: dict, padded_tokens: int, step_plan: StepPlan | None = None, plans=None):
+        if plans is None:  # V4: a plan per kind
+            plans = {
+                PlanKey(m.plan.layer if m.plan is not None else (k, m.shape.compress_ratio)): m
+                for k, m in kinds.items()
+            }
+        self.plans = plans
         self.kinds = kinds
         self.padded_tokens = padded_tokens
         self.step_plan = step_plan
 
-    def __getitem__(self, kind) -> KindMetadata:
-        k = LayerKind.of(kind)
-        if k not in self.kinds:
-            raise KeyError(f"no metadata for {k.name} in this step (built: {[x.name for x in self.kinds]})")
-        return self.kinds[k]
+    def __getitem__(self, key) -> KindMetadata:
+        if isinstance(key, PlanKey):
+            if key not in self.plans:
+                raise KeyError(f"no metadata for {key} in this step (built: {[str(k) for k in self.plans]})")
+            return self.plans[key]
+        k = LayerKind.of(key)
+        if k in self.kinds:
+            return self.kinds[k]
+        several = [str(x) for x in self.plans if x.kind is k]
+        if several:
+            raise KeyError(
+                f"{k.name}: this step has {len(several)} {k.name} plans ({several}); index it with a PlanKey or "
+                "ask meta.for_layer(layer_id)"
+            )
+        raise KeyError(f"no metadata for {k.name} in this step (built: {[str(x) for x in self.plans]})")
+
+    def for_layer(self, layer_id: int) -> KindMetadata:
+        """The metadata layer `layer_id` of the step's schedule runs on (`StepPlan.for_layer`)."""
+        if self.step_plan is None or self.step_plan.schedule is None:
+            raise ValueError(
+                "layer_id: this metadata's step was not planned from a planner.Schedule (or is a copy rebuilt "
+                "inside jax.jit); index it by kind or PlanKey"
+            )
+        return self.plans[self.step_plan.schedule.plan_key(layer_id, self.step_plan.replay)]
+
+    @property
+    def sharing(self) -> dict:
+        """{PlanKey: the schedule's layers running on that metadata} (`StepPlan.sharing`)."""
+        return {} if self.step_plan is None else self.step_plan.sharing
 
     def pad_tokens(self, x):
         """Pad axis 0 (tokens) of q or top-k rows with zeros to `padded_tokens` (NumPy or jax)."""
@@ -165,13 +218,15 @@ class StepMetadata:
         return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)
 
     def tree_flatten(self):
-        keys = tuple(self.kinds)
-        return tuple(self.kinds[k] for k in keys), (keys, self.padded_tokens)
+        keys = tuple(self.plans)
+        kinds = tuple((k, p) for k, m in self.kinds.items() for p in keys if self.plans[p] is m)
+        return tuple(self.plans[k] for k in keys), (keys, kinds, self.padded_tokens)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        keys, padded = aux
-        return cls(dict(zip(keys, children)), padded)
+        keys, kinds, padded = aux
+        plans = dict(zip(keys, children))
+        return cls({k: plans[p] for k, p in kinds}, padded, plans=plans)
 
 
 def build_step_metadata(
@@ -234,19 +289,36 @@ def build_step_metadata(
         padded_tokens = bucket(T, min_tokens)
     elif isinstance(padded_tokens, bool) or not isinstance(padded_tokens, int) or padded_tokens < T:
         raise ValueError(f"padded_tokens: expected an int >= the batch's {T} tokens, got {padded_tokens!r}")
+    v41 = step.schedule is not None  # DeepSeek-V4.1: a metadata per PlanKey, band plans on their rows
+    plans = (
+        {key: band_local_plan(kp) for key, kp in step.plans.items()}
+        if v41
+        else {PlanKey(k.layer): k for k in step.kinds.values()}
+    )
     built = {}
-    for kind, kp in step.kinds.items():
-        if kind is LayerKind.CSA and index_topk is None:
-            raise ValueError("index_topk: required when CSA layers are planned")
-        built[kind] = _kind_table(
+    for key, kp in plans.items():
+        if key.kind is LayerKind.CSA and index_topk is None:
+            raise ValueError(
+                "index_topk: required when CSA layers are planned" + (f" (this step plans {key})" if v41 else "")
+            )
+        built[key] = _kind_table(
             kp, padded_tokens, index_topk, sizes, token_tile, gather_tile, min_workspace_rows, query_tile
         )
     tables = jax.device_put([table for _, table in built.values()], device)  # one transfer for the step
-    kinds = {
-        kind: KindMetadata(table, shape, step.kinds[kind], step.batch.num_tokens, step.batch.num_requests)
-        for (kind, (shape, _)), table in zip(built.items(), tables)
+    metas = {
+        key: KindMetadata(
+            table,
+            shape,
+            plans[key],
+            plans[key].batch.num_tokens,
+            step.batch.num_requests,
+            allow_invalid=v41,
+            step_tokens=step.batch.num_tokens,
+        )
+        for (key, (shape, _)), table in zip(built.items(), tables)
     }
-    return StepMetadata(kinds, padded_tokens, step)
+    kinds = {k: metas[p.key] for k, p in step.kinds.items()}
+    return StepMetadata(kinds, padded_tokens, step, plans=metas)
 
 
 def _kind_table(
@@ -297,6 +369,9 @@ def _kind_table(
         token_ladder=tile_ladder(token_tile, padded),
         gather_ladder=tile_ladder(gather_tile, rows),
         query_tile=query_tile,
+        window_floors=bool(
+            (kp.seg_gather_start > np.maximum(kp.seg_seq_len - kp.seg_query_len - kp.window_size + 1, 0)).any()
+        ),
     )
     return shape, table
 

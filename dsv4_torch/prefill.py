@@ -41,6 +41,7 @@ from dsv4_torch.prefill_metadata import (  # noqa: F401  (the metadata is part o
     ChunkMeta,
     GatherMap,
     KindMetadata,
+    PlanStepMetadata,
     StepMetadata,
     build_step_metadata,
     gather_map,
@@ -184,7 +185,14 @@ def prefill_attention(
     Args:
       q: (T, H, D): the step's prefill query tokens, request-major (batch order), after all
         query-side processing. D = 512 in DeepSeek-V4.
-      meta: `build_step_metadata(...)[kind]` for this layer's kind.
+      meta: `build_step_metadata(...)[kind]` for this layer's kind; for a DeepSeek-V4.1 step (a
+        `StepPlan` of a `planner.Schedule`), `build_step_metadata(step).for_layer(layer_id)` (or
+        `[plan_key]`): its band's metadata, run on the band's rows only ("cut" / "replay": each
+        request's last min(query_len, W) new tokens; q, topk_indices and the result hold those
+        rows, `step.bands[band].token_index` of the step's), windows from the band's floors.
+        A ratio-2 / ratio-1 layer is a CSA layer of that ratio: entry j visible iff
+        j < (p + 1) // r; compressed_kv is its KV source's shared cache, topk_indices its index
+        source's rows (a -1 among the used entries is no key, as vLLM V4.1 keeps a failed pick).
       raw_kv: the raw-token latents: a `PagedKV` (page_size tokens per page; rows in q's dtype,
         or vLLM's fp8_ds_mla bytes, dequantized while gathered), a `LogicalKV` or per-request
         (seq_len_i, D) tensors. Must hold positions gather_start .. seq_len - 1 of each request
@@ -290,8 +298,22 @@ def _check_topk_values(topk_indices: torch.Tensor, meta: KindMetadata) -> None:
     token_index, visible, used = meta.topk_visibility()
     rows = topk_indices.numpy()
     sel = rows if meta.tokens_in_batch_order else rows[token_index]
-    if (used & ((sel < 0) | (sel >= visible[:, None]))).any():
-        check_topk_rows(rows, meta.plan.token_index, meta.plan.token_position, meta.plan.compress_ratio, "topk_indices")
+    floor = -1 if allows_invalid_picks(meta) else 0
+    if (used & ((sel < floor) | (sel >= visible[:, None]))).any():
+        check_topk_rows(
+            rows,
+            meta.plan.token_index,
+            meta.plan.token_position,
+            meta.plan.compress_ratio,
+            "topk_indices",
+            allow_invalid=floor < 0,
+        )
+
+
+def allows_invalid_picks(meta: KindMetadata) -> bool:
+    """Whether a used top-k entry may be -1 (no key): DeepSeek-V4.1 steps (vLLM V4.1's index rows
+    keep a failed pick as -1), not V4's (its kernel would read the previous request's rows)."""
+    return meta.step.step_plan.schedule is not None
 
 
 def _check_q(q, meta: KindMetadata):
@@ -299,8 +321,15 @@ def _check_q(q, meta: KindMetadata):
         raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 3:
         raise ValueError(f"q: expected (T, H, D), got shape {tuple(q.shape)}")
-    T = meta.step.step_plan.batch.num_tokens
+    T = meta.plan.batch.num_tokens  # a V4.1 band's metadata: the band's rows
     if q.shape[0] != T:
+        if meta.plan.band != "full" or meta.step.step_plan.schedule is not None:
+            full = meta.step.step_plan.batch.num_tokens
+            raise ValueError(
+                f"q: {q.shape[0]} rows, but this layer's plan {meta.plan.key} computes {T} rows (its band "
+                f"{meta.plan.band!r}; the step has {full} new tokens): pass the band's rows, "
+                "step_plan.bands[band].token_index of the step's"
+            )
         raise ValueError(f"q: {q.shape[0]} tokens, but the step's batch has {T}")
     if q.device != meta.step.device:
         raise ValueError(f"q: on {q.device}, but the metadata was built for {meta.step.device}")

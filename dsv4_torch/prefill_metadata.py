@@ -21,9 +21,9 @@ import torch
 
 from planner import V4_LAYERS, LayerKind, PlanConfig, PrefillBatch, StepPlan
 from planner.checks import INT32_MAX, as_int
-from planner.contract import index_width_for
+from planner.contract import PlanKey, index_width_for
 from planner.kind_plan import KindPlan
-from planner.plan import as_step_plan
+from planner.plan import as_step_plan, band_local_plan
 
 
 class ChunkMeta(NamedTuple):
@@ -242,6 +242,8 @@ def build_step_metadata(
     if index_topk is not None:
         index_topk = as_int(index_topk, "index_topk", minimum=1, maximum=INT32_MAX)
     device = torch.device(device)
+    if step.schedule is not None:  # DeepSeek-V4.1: one metadata per PlanKey
+        return build_plan_metadata(step, device, index_topk)
     meta = StepMetadata(step_plan=step, device=device, kinds={})
     for kind, kp in step.kinds.items():
         if kind is LayerKind.CSA and index_topk is None:
@@ -359,7 +361,7 @@ def chunk_index_rows(meta: KindMetadata) -> list[ChunkIndices]:
         else torch.div(p + 1, meta.plan.compress_ratio, rounding_mode="floor")
     )
     ncomp = torch.clamp(visible, max=meta.index_topk) if kind is LayerKind.CSA else visible
-    nwin = torch.clamp(p + 1, max=W)
+    nwin = p + 1 - torch.clamp(p - W + 1, min=gstart)  # window max(p - W + 1, gather_start) .. p (>= 0)
     length = (ncomp + nwin).to(torch.int32)
     window_row0 = (base + meta.chunk_N[tc] + p - nwin + 1 - gstart - ncomp).to(torch.int32)[:, None]  # row at col 0
     base32, ncomp32 = base.to(torch.int32)[:, None], ncomp.to(torch.int32)[:, None]
@@ -405,3 +407,59 @@ def gather_map(
         dst = dst + chunk.N
         entry = meta.seg_gather_start[s0:s1][owner] + j
     return GatherMap(dst, meta.seg_request[s0:s1][owner], entry)
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V4.1 steps
+
+
+@dataclass(eq=False)
+class PlanStepMetadata(StepMetadata):
+    """A DeepSeek-V4.1 step's metadata (a `StepPlan` planned from a `planner.Schedule`): one
+    `KindMetadata` per distinct `PlanKey` of the step, built once and shared by every layer that
+    reads that plan, mirroring `StepPlan`: index it with a `PlanKey`, or with a kind where the
+    step has one plan of it (`kinds`), or ask per layer (`for_layer`).
+
+    A "cut" / "replay" plan's metadata runs on the band's rows only: its layer call takes q (and
+    top-k rows) holding each request's kept rows, in the step's order
+    (`step_plan.bands[band].token_index` of the step's tokens), and returns those rows; its
+    windows start at the band's floors (`planner.band_local_plan`).
+    """
+
+    plans: dict = field(default_factory=dict)  # {PlanKey: KindMetadata}
+
+    def __getitem__(self, key) -> KindMetadata:
+        if isinstance(key, PlanKey):
+            if key not in self.plans:
+                raise KeyError(f"no metadata for {key} in this step (built: {[str(k) for k in self.plans]})")
+            return self.plans[key]
+        k = LayerKind.of(key)
+        if k in self.kinds:
+            return self.kinds[k]
+        several = [str(x) for x in self.plans if x.kind is k]
+        if several:
+            raise KeyError(
+                f"{k.name}: this step has {len(several)} {k.name} plans ({several}); index it with a PlanKey or "
+                "ask meta.for_layer(layer_id)"
+            )
+        raise KeyError(f"no metadata for {k.name} in this step (built: {[str(x) for x in self.plans]})")
+
+    def for_layer(self, layer_id: int) -> KindMetadata:
+        """The metadata layer `layer_id` of the schedule runs on (`StepPlan.for_layer`)."""
+        return self.plans[self.step_plan.schedule.plan_key(layer_id, self.step_plan.replay)]
+
+    @property
+    def sharing(self) -> dict:
+        """{PlanKey: the schedule's layers running on that metadata} (`StepPlan.sharing`)."""
+        return self.step_plan.sharing
+
+
+def build_plan_metadata(step: StepPlan, device: torch.device, index_topk: int | None) -> PlanStepMetadata:
+    """`build_step_metadata` of a DeepSeek-V4.1 step: a `KindMetadata` per PlanKey, band plans on
+    their own rows (`planner.band_local_plan`). Host work O(requests + tokens) per plan."""
+    meta = PlanStepMetadata(step_plan=step, device=device, kinds={})
+    for key, kp in step.plans.items():
+        if key.kind is LayerKind.CSA and index_topk is None:
+            raise ValueError(f"index_topk: required when CSA layers are planned (this step plans {key})")
+        meta.plans[key] = _kind_metadata(band_local_plan(kp), meta, index_topk)
+    meta.kinds = {k: meta.plans[p.key] for k, p in step.kinds.items()}
+    return meta

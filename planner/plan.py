@@ -438,6 +438,44 @@ def plan_step(batch: PrefillBatch, config: PlanConfig, layers=V4_LAYERS) -> Step
     return StepPlan(batch=batch, config=config, plans=plans)
 
 
+def band_local_plan(plan: KindPlan) -> KindPlan:
+    """A plan's rows as a batch of their own: the same segments, chunks and workspace, with its
+    tokens numbered 0 .. T_band - 1 in the band's order (`PrefillBatch.band(...).token_index`).
+
+    A "cut" / "replay" band's plan equals the plan of `PrefillBatch(seq_lens, band.query_lens,
+    replay_start=band.window_starts)` (each request's kept rows, its band's window floors): the
+    plan a framework's layer call runs on q holding the band's rows only (what vLLM's replay
+    batch holds). A "full" plan is returned as it is. Made once per plan (kept on it).
+    """
+    if not isinstance(plan, KindPlan):
+        raise TypeError(f"plan: expected a planner.KindPlan, got {type(plan).__name__}")
+    if plan.band == "full":
+        return plan
+    got = plan.__dict__.get("_band_local")
+    if got is not None:
+        return got
+    rows = plan.batch.band(plan.band, plan.window_size)
+    local = PrefillBatch(plan.batch.seq_lens, rows.query_lens, replay_start=rows.window_starts)
+    req, seq, q, off, comp, gath = plan.seg_source
+    if off is not None:  # offsets within the request's new rows -> within its kept rows
+        off = np.asarray(off, np.int64) - rows.query_offsets[np.asarray(req, np.int64)]
+        off = off if off.any() else None
+    got = KindPlan(
+        layer=plan.layer,
+        config=plan.config,
+        budget_rows=plan.budget_rows,
+        batch=local,
+        order=plan.order,
+        skipped=plan.skipped,
+        split_requests=plan.split_requests,
+        seg_source=(req, seq, q, off, comp, gath),
+        chunk_source=plan.chunk_source,
+        band=plan.band,
+    )
+    plan.__dict__["_band_local"] = got
+    return got
+
+
 def as_step_plan(
     plan_or_batch, config: PlanConfig | None = None, layers=V4_LAYERS, policy: str | None = None
 ) -> StepPlan:

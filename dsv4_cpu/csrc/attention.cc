@@ -182,6 +182,9 @@ int check_tokens(const dsv4_prefill_tokens &tk, int64_t q_rows, const dsv4_kv_so
         if (p < 0 || p >= DSV4_MAX_POSITION)
             return bad(t, "position " + std::to_string(p) + " outside 0.." + std::to_string(DSV4_MAX_POSITION - 1));
         if (b < 0) return bad(t, "request " + std::to_string(b) + " < 0");
+        if (tk.token_window_start && (tk.token_window_start[t] < 0 || tk.token_window_start[t] > p))
+            return bad(t, "window start " + std::to_string(tk.token_window_start[t]) + " outside 0.." + std::to_string(p) +
+                              " (its position)");
         const int64_t raw_cap = capacity(raw, b);
         if (raw_cap < 0) return bad(t, "request " + std::to_string(b) + " has no row in raw's table (" + std::to_string(raw.table_rows) + " rows)");
         if (p >= raw_cap)
@@ -212,12 +215,19 @@ std::vector<Tile> make_tiles(const dsv4_prefill_tokens &tk) {
     while (t < T) {
         int64_t e = t + 1;
         while (e < T && e - t < TILE_TOKENS && tk.token_request[e] == tk.token_request[t] &&
-               (int64_t)tk.token_position[e] == (int64_t)tk.token_position[e - 1] + 1)
+               (int64_t)tk.token_position[e] == (int64_t)tk.token_position[e - 1] + 1 &&
+               (!tk.token_window_start || tk.token_window_start[e] == tk.token_window_start[t]))
             e++;
         tiles.push_back({t, e});
         t = e;
     }
     return tiles;
+}
+
+// The first window position of token t at position p: max(0, p - W + 1, its window start).
+inline int64_t window_lo(const dsv4_prefill_tokens &tk, int64_t t, int64_t p) {
+    const int64_t lo = std::max<int64_t>(0, p - (int64_t)tk.window + 1);
+    return tk.token_window_start ? std::max<int64_t>(lo, tk.token_window_start[t]) : lo;
 }
 
 inline int64_t topk_at(const dsv4_prefill_tokens &tk, int64_t row, int64_t j) {
@@ -380,14 +390,13 @@ int dsv4_prefill_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dt
             }
             threads = threads_for(2.0 * keys * (double)H * (double)(D + dv));
         }
-        const int64_t W = tk.window;
         const bool raw_fp8 = raw->format != DSV4_ROWS, comp_fp8 = tk.kind != 0 && comp->format != DSV4_ROWS;  // byte pages
         parallel_items((int64_t)tiles.size(), threads, [&](int64_t it) {
             Scratch &sc = t_scratch;
             const Tile tile = tiles[it];
             const int64_t b = tk.token_request[tile.t0];
             const int64_t p_first = tk.token_position[tile.t0], p_last = tk.token_position[tile.t1 - 1];
-            const int64_t w_lo = std::max<int64_t>(0, p_first - W + 1);
+            const int64_t w_lo = window_lo(tk, tile.t0, p_first);  // a tile shares one window start
             // staging: the tile's window rows, then the compressed entries its tokens read: their
             // union (shared mode), or, when the tokens share few entries (the union is more than
             // half of what they read in all), each token's own entries in turn, in a region reused
@@ -447,7 +456,7 @@ int dsv4_prefill_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dt
                 int64_t cap = (tk.kind == 2 ? (p + 1) / tk.compress_ratio
                                : tk.kind == 1 ? std::min<int64_t>((p + 1) / tk.compress_ratio, tk.topk_width)
                                               : 0) +
-                              std::min<int64_t>(p + 1, W);
+                              (p - window_lo(tk, t, p) + 1);
                 const void **keys = sc.misc.as<const void *>(std::max<int64_t>(cap, 1));
                 int64_t n = 0;
                 if (comp_fp8 && !shared) {  // private mode: this token's entries, decoded now
@@ -465,7 +474,7 @@ int dsv4_prefill_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dt
                         keys[n++] = r ? r : rows.nan.data();
                     });
                 }
-                for (int64_t pos = std::max<int64_t>(0, p - W + 1); pos <= p; pos++) {
+                for (int64_t pos = window_lo(tk, t, p); pos <= p; pos++) {
                     const void *r = raw_fp8 ? stage + (pos - w_lo) * row_bytes : row_address(*raw, b, pos, esize);
                     keys[n++] = r ? r : rows.nan.data();
                 }

@@ -1,5 +1,5 @@
 // Internals shared by the dispatcher (attention.cc) and the per-instruction-set token kernels
-// (attention_isa.cc, compiled once per instruction set with its own flags).
+// (attention_isa.cc and attention_bf16.cc, compiled once per instruction set with their own flags).
 #pragma once
 
 #include <cstddef>

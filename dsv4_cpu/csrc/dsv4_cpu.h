@@ -126,11 +126,12 @@ int dsv4_sparse_attention(const void *q, int64_t q_s0, int64_t q_s1, int32_t dty
      compressed part: CSA: the first min((p+1)//r, topk_width) entries of its top-k row
        (topk + token_row[t] * topk_stride; entries outside 0 .. (p+1)//r - 1 are skipped);
        HCA: entries 0 .. (p+1)//r - 1; SWA: none;
-     window part: raw positions max(0, p-W+1) .. p;
+     window part: raw positions max(0, p-W+1, token_window_start[t]) .. p (token_window_start
+       NULL: 0 for every token; DeepSeek-V4.1's replay_start and replay-band floors);
    and writes row token_row[t] of q / out.
    Checked before any work, for every token: 0 <= token_row < q_rows (and < topk_rows for CSA),
    0 <= token_request < each source's table_rows (a source with a table), 0 <= position <
-   DSV4_MAX_POSITION, and the position's raw row and visible compressed entries addressable in the
+   DSV4_MAX_POSITION, 0 <= token_window_start <= position (when given), and the position's raw row and visible compressed entries addressable in the
    sources (a block table wide enough, logical rows present): a ValueError-style DSV4_ERR_ARG
    naming the token otherwise, before anything is allocated. */
 typedef struct {
@@ -146,6 +147,7 @@ typedef struct {
     int64_t topk_stride;
     int64_t topk_width;
     int64_t topk_rows;
+    const int32_t *token_window_start; /* NULL, or the lowest window position of each token */
 } dsv4_prefill_tokens;
 
 /* Positions a prefill token may have: below 2^31 - 2^20 (room for the window and ratio math). */

@@ -21,7 +21,7 @@ struct IndexBlockJob {
     const void *keys;  // Kp or Kt
     int64_t H;
     int64_t depth;     // D2 (pairs) or D (f32)
-    float *logits;     // [IDX_KB]: logits[j] written for j < nkeys (later ones may be left as they were)
+    float *logits;     // [IDX_KB]: logits[j] written for j < nkeys (later ones unspecified)
     int64_t nkeys;     // 1 .. IDX_KB: the keys of the block the caller reads (a token that sees
                        // only part of the last block: the kernel skips the key vectors past it)
 };

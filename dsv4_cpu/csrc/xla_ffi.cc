@@ -297,7 +297,8 @@ static ffi::Error make_source(const char *call, const char *name, int64_t layout
 }
 
 // One prefill layer straight from the caches: q [T_q, H, D] (bf16 or float32); tokens s32 [3, n]
-// (rows: q row, batch request = block-table row / offsets entry, absolute position) of which the
+// or [4, n] (rows: q row, batch request = block-table row / offsets entry, absolute position, and
+// with 4 rows each token's lowest window position, dsv4_prefill_tokens.token_window_start) of which the
 // first count[0] are real (the rest are padding, skipped); raw / comp caches (make_source; comp
 // ignored for SWA); topk s32 [rows, topk] (CSA; else ignored); attn_sink f32 [H] or [0]. out
 // [T_q, H, d_v]: the real tokens' rows, every other row 0.
@@ -312,8 +313,8 @@ static ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::
     auto kd = tokens.dimensions();
     const int dt = dtype_code(q.element_type());
     if (dt < 0 || out->element_type() != q.element_type()) return bad(call, "q and out must be bfloat16 or float32, the same");
-    if (qd.size() != 3 || kd.size() != 2 || kd[0] != 3 || count.element_count() != 1)
-        return bad(call, "expected q (T, H, D), tokens (3, n), count (1,); got q " + dims_str(qd) + ", tokens " + dims_str(kd));
+    if (qd.size() != 3 || kd.size() != 2 || (kd[0] != 3 && kd[0] != 4) || count.element_count() != 1)
+        return bad(call, "expected q (T, H, D), tokens (3, n) or (4, n), count (1,); got q " + dims_str(qd) + ", tokens " + dims_str(kd));
     if (kind < 0 || kind > 2) return bad(call, "kind: expected 0 (SWA), 1 (CSA) or 2 (HCA), got " + std::to_string(kind));
     const int64_t Tq = qd[0], H = qd[1], D = qd[2], dv = D >= 512 ? 512 : D;
     auto od = out->dimensions();
@@ -332,13 +333,15 @@ static ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::
     const int64_t n = kd[1];
     const int32_t *tp = tokens.typed_data();
     const int64_t real = std::min<int64_t>(std::max<int64_t>(count.typed_data()[0], 0), n);
-    std::vector<int32_t> row(real), req(real), pos(real);
+    const bool has_start = kd[0] == 4;
+    std::vector<int32_t> row(real), req(real), pos(real), start(has_start ? real : 0);
     std::vector<uint8_t> written((size_t)Tq, 0);
     const int64_t topk_rows = kind == 1 ? pd[0] : 0;
     for (int64_t i = 0; i < real; i++) {
         row[i] = tp[i];
         req[i] = tp[n + i];
         pos[i] = tp[2 * n + i];
+        if (has_start) start[i] = tp[3 * n + i];
         if (row[i] < 0 || row[i] >= Tq)
             return bad(call, "token " + std::to_string(i) + ": q row " + std::to_string(row[i]) + " outside 0.." + std::to_string(Tq - 1));
         if (kind == 1 && row[i] >= topk_rows)
@@ -362,6 +365,7 @@ static ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::
     tk.token_row = row.data();
     tk.token_request = req.data();
     tk.token_position = pos.data();
+    tk.token_window_start = has_start ? start.data() : nullptr;
     if (kind == 1) {
         tk.topk = topk.typed_data();
         tk.topk_int64 = 0;

@@ -206,7 +206,8 @@ def test_user_jit_and_padding_never_read():
 @pytest.mark.parametrize("policy", POLICIES)
 def test_step_tokens_name_the_batch_request(policy):
     """TOK_REQUEST is chunk-local: the kernel gets the batch request (q rows are request-major, so
-    a token's request is the one whose query rows hold its q row)."""
+    a token's request is the one whose query rows hold its q row), and each token's lowest window
+    position (its segment's gather start)."""
     case = boundary_cases(4)[2]
     tight = max(s // 4 for s in case.seq_lens) + case.window_size + 4
     extra = dict(budget_rows=tight) if policy == "adaptive" else {}  # (the fixed plan has its own budget)
@@ -217,8 +218,9 @@ def test_step_tokens_name_the_batch_request(policy):
     T = case.batch.num_tokens
     assert int(count) == T and (kp.num_chunks > 1 or policy == "fixed")
     owner = np.repeat(np.arange(len(case.query_lens)), case.query_lens)
+    start = np.concatenate([c.gather_starts[c.token_request] for c in kp.chunks])  # the segment's gather start
     np.testing.assert_array_equal(
-        np.asarray(tokens)[:, :T], np.stack([kp.token_index, owner[kp.token_index], kp.token_position])
+        np.asarray(tokens)[:, :T], np.stack([kp.token_index, owner[kp.token_index], kp.token_position, start])
     )
 
 

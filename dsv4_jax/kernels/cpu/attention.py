@@ -112,8 +112,9 @@ def prefill_attention(
 ):
     """One prefill layer by the C kernel: out (T_q, H, d_v) in q's dtype.
 
-    tokens: (3, n) int32, per token: q row, batch request (block-table row / offsets entry),
-    absolute position; the first `count` (a traced int32 scalar) are real, the rest padding
+    tokens: (3, n) or (4, n) int32, per token: q row, batch request (block-table row / offsets
+    entry), absolute position, and (4 rows) its lowest window position (the window is
+    max(0, p - W + 1, that) .. p: DeepSeek-V4.1's replay_start and replay band); the first `count` (a traced int32 scalar) are real, the rest padding
     (their rows, and every q row no real token names, come out 0). raw / comp: `PagedKV` or
     `LogicalKV` (comp None for SWA); topk_rows (rows, topk)
     int32 for CSA, else None; attn_sink (H,) float32 or None. out: optional (T_q, H, d_v) array in

@@ -5,7 +5,7 @@ workspace, build index rows, attend), the C kernel (`dsv4_cpu`, `dsv4_prefill_at
 an XLA FFI call) reads every token's keys from the caches itself: rows in q's dtype (`PagedKV`,
 `LogicalKV`) or fp8_ds_mla pages, dequantized inside the kernel. No workspace, no chunk loop,
 no index rows. It takes per token the q row, the batch request (its block-table row / offsets
-entry) and the absolute position; they come from the kind's metadata table (traced) here.
+entry), the absolute position and the lowest window position; they come from the kind's metadata table (traced) here.
 
 A token's result depends only on its own keys in a fixed order (compressed part, then window),
 so the output is the same, bit for bit, for every plan of the batch.
@@ -20,6 +20,7 @@ from dsv4_jax.prefill_metadata import (
     CHUNK_SEG_START,
     CHUNK_TOKEN_START,
     SCALARS,
+    SEG_GATHER_START_POSITION,
     SEG_REQUEST,
     TOK_INDEX,
     TOK_POSITION,
@@ -29,8 +30,10 @@ from dsv4_jax.prefill_metadata import (
 
 
 def step_tokens(table):
-    """(tokens (3, L) int32: q row, batch request, absolute position per planned token; the
-    token count, a traced int32 scalar) from a kind's metadata table (traced).
+    """(tokens (4, L) int32: q row, batch request, absolute position and lowest window position
+    (its segment's gather start: the window is max(p - W + 1, gather_start) .. p, as the index
+    rows have it) per planned token; the token count, a traced int32 scalar) from a kind's
+    metadata table (traced).
 
     `TOK_REQUEST` is chunk-local (the token's segment is its chunk's first segment plus it), so
     the batch request is seg_request[chunk_seg_start[chunk] + tok_request], the chunk found in
@@ -41,7 +44,8 @@ def step_tokens(table):
     chunk = jnp.clip(chunk, 0, L - 1)
     seg = jnp.clip(table[CHUNK_SEG_START][chunk] + table[TOK_REQUEST], 0, L - 1)
     request = table[SEG_REQUEST][seg]
-    return jnp.stack([table[TOK_INDEX], request, table[TOK_POSITION]]), table[SCALARS, 1]
+    start = table[SEG_GATHER_START_POSITION][seg]
+    return jnp.stack([table[TOK_INDEX], request, table[TOK_POSITION], start]), table[SCALARS, 1]
 
 
 def layer(

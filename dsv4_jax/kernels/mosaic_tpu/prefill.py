@@ -88,8 +88,16 @@ def layer(
     """The fused prefill layer call of `dsv4_jax.prefill` for backend "mosaic_tpu" (the arguments
     every fused layer takes, as `dsv4_jax.kernels.cpu.prefill.layer`): meta the kind's `KindMetadata`
     (traced); interpret None (compile) or a `pltpu.InterpretParams`; shapes the `BlockShapes`.
-    `out` is not written into (XLA may reuse a donated buffer)."""
+    `out` is not written into (XLA may reuse a donated buffer). Its query tiles attend the windows
+    max(0, p - W + 1) .. p: a plan with window floors (`KindShape.window_floors`: replay_start,
+    DeepSeek-V4.1's replay band) is refused (NotImplementedError), never run with wider windows."""
     del out
+    if meta.shape.window_floors:
+        raise NotImplementedError(
+            "backend 'mosaic_tpu': this plan's windows start above max(0, p - W + 1) for some request "
+            "(replay_start or a DeepSeek-V4.1 replay band), which its query tiles do not model; use 'xla', 'cpu' "
+            "or 'triton'"
+        )
     return layer_from_table(
         q,
         meta.table,

@@ -256,7 +256,8 @@ def prefill_attention(
 
     q (T, H, D) bf16/float32 CPU tensor; tokens (3, n) int32 host array: per token its q row,
     batch request (block-table row / offsets entry) and absolute position (`dsv4_torch.kernels.cpu.prefill`
-    builds them once per step); raw_kv / compressed_kv a `PagedKV` (rows in q's dtype, or
+    builds them once per step), with an optional fourth row: each token's lowest window position
+    (its window is max(0, p - W + 1, that) .. p; DeepSeek-V4.1's replay_start and replay band); raw_kv / compressed_kv a `PagedKV` (rows in q's dtype, or
     fp8_ds_mla pages: 2-D or vLLM's 3-D view, page stride = pages.stride(0) bytes), a `LogicalKV`,
     or a ready `dsv4_cpu.binding.KVSource` (compressed_kv None for SWA); topk_indices (rows,
     index_topk) int32/int64 for CSA (read at each token's q row); kind "SWA" / "CSA" / "HCA",
@@ -275,9 +276,9 @@ def prefill_attention(
             f"out: expected ({T}, {H}, {d_v}) {q.dtype} on cpu, got {tuple(out.shape)} {out.dtype} on {out.device}"
         )
     tok = tokens
-    if not isinstance(tok, np.ndarray) or tok.dtype != np.int32 or tok.ndim != 2 or tok.shape[0] != 3:
+    if not isinstance(tok, np.ndarray) or tok.dtype != np.int32 or tok.ndim != 2 or tok.shape[0] not in (3, 4):
         raise ValueError(
-            f"tokens: expected a (3, n) int32 array, got {getattr(tok, 'shape', type(tok).__name__)} {getattr(tok, 'dtype', '')}"
+            f"tokens: expected a (3, n) or (4, n) int32 array, got {getattr(tok, 'shape', type(tok).__name__)} {getattr(tok, 'dtype', '')}"
         )
     tok = np.ascontiguousarray(tok)
     n = tok.shape[1]
@@ -323,6 +324,7 @@ def prefill_attention(
         topk_stride,
         topk_width,
         topk_rows,
+        base + 3 * row if tok.shape[0] == 4 else None,
     )
     dst = out if out.stride(-1) == 1 or d_v == 1 else torch.empty((T, H, d_v), dtype=q.dtype)
     sink = float_sink(attn_sink)

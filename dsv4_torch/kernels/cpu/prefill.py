@@ -33,6 +33,26 @@ def step_tokens(step) -> np.ndarray:
     return step.cpu_tokens
 
 
+def plan_tokens(meta) -> np.ndarray:
+    """The fused call's per-token arrays of one plan's metadata: `step_tokens` when the plan's
+    rows are the step's tokens and no request has a window floor (every V4 step); else (a
+    DeepSeek-V4.1 band's rows, numbered as the band's q rows, or a batch with `replay_start`)
+    (4, T_rows) int32: q row, batch request, position and each token's lowest window position
+    (`PrefillBatch.window_floor`: the band's window starts). Built once per metadata, kept on it."""
+    batch = meta.plan.batch
+    if batch is meta.step.step_plan.batch and batch.replay_start is None:
+        return step_tokens(meta.step)
+    tok = meta.__dict__.get("_cpu_tokens")
+    if tok is None:
+        rows = [batch.token_arange, batch.token_request, batch.token_position]
+        if batch.replay_start is not None:
+            rows.append(np.asarray(batch.replay_start, np.int64)[batch.token_request])
+        tok = np.stack(rows).astype(np.int32)
+        tok.setflags(write=False)
+        meta.__dict__["_cpu_tokens"] = tok
+    return tok
+
+
 def layer(
     q: torch.Tensor,
     meta,
@@ -47,10 +67,10 @@ def layer(
     """The layer's output (T, H, d_v) in q's dtype. The arguments are
     `dsv4_torch.prefill.prefill_attention`'s, checked there and its caches as `PagedKV` or
     `LogicalKV` (per-request lists packed there); meta the layer
-    kind's `KindMetadata` (only its kind, window, ratio and the step's batch are read)."""
-    tok = step_tokens(meta.step)
+    kind's `KindMetadata` (only its kind, window, ratio and its plan's batch are read)."""
+    tok = plan_tokens(meta)
     if tok.shape[1] != q.shape[0]:
-        raise ValueError(f"q: {q.shape[0]} tokens, but the step's batch has {tok.shape[1]}")
+        raise ValueError(f"q: {q.shape[0]} tokens, but the layer's rows are {tok.shape[1]}")
     return cpu.prefill_attention(
         q,
         tok,
