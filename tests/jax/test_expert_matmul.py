@@ -1,6 +1,6 @@
 """The routed experts' grouped matmul: "ragged_dot" (`lax.ragged_dot_general`) and "dense_tiles"
-(a loop of one-expert row tiles, the CPU default) against a float64 product, and inside the
-model's MoE (`dsv4_jax.model.layers.moe`)."""
+(a loop of one-expert row tiles, the CPU default) against a float64 product, and inside both
+models' MoE (`dsv4_jax.model.layers.moe`, `dsv4_jax.model.v41.moe_v41`)."""
 
 import numpy as np
 import pytest
@@ -73,9 +73,11 @@ def _moe_params(rng, E, hid, inter):
     return p
 
 
-@pytest.mark.parametrize("model", ["v4"])
+@pytest.mark.parametrize("model", ["v4", "v4.1"])
 def test_both_models_moe_equal_under_both_lowerings(model):
     from types import SimpleNamespace
+
+    from dsv4_jax.model.v41 import moe_v41
 
     rng = np.random.default_rng(7)
     E, hid, inter, T = 8, 256, 128, 37
@@ -88,6 +90,9 @@ def test_both_models_moe_equal_under_both_lowerings(model):
             cfg = SimpleNamespace(**common)
             hash_experts = jnp.zeros((T, 3), jnp.int32)
             f = jax.jit(lambda p, x: L.moe(p, x, hash_experts, False, cfg, expert_matmul=meth))  # noqa: B023
+        else:
+            cfg = SimpleNamespace(**common, gate_temp=1.0, norm_topk_prob=True)
+            f = jax.jit(lambda p, x: moe_v41(p, x, cfg, expert_matmul=meth))  # noqa: B023
         out[meth] = np.asarray(f(p, x))
     assert np.abs(out["ragged_dot"]).max() > 0.1
     assert np.abs(out["ragged_dot"] - out["dense_tiles"]).max() < 1e-5
