@@ -67,8 +67,8 @@ from dsv4_jax.model.quant import QuantizedWeight, dense, dequantize
 from dsv4_jax.model.v41_attention import attention_v41, init_cache_v41
 from dsv4_jax.model.v41_checkpoint import load_checkpoint
 from dsv4_jax.model.v41_config import V41Config
-from dsv4_jax.prefill_metadata import QUERY_TILE, TOK_INDEX, KindMetadata, _kind_table
-from planner import POLICIES, PlanConfig, PrefillBatch, plan_step
+from dsv4_jax.prefill_metadata import QUERY_TILE, KindMetadata, _kind_table
+from planner import POLICIES, PlanConfig, PrefillBatch, band_local_plan, plan_step
 from planner.kvcache import KV_CACHE_DTYPES
 from planner.sizes import bucket, pow2_bucket
 
@@ -514,11 +514,12 @@ class DeepseekV41:
             head_rows = pad(np.cumsum(last_rows_of) - 1, B_pad, 0)
         metas = {}
         for key, kp in plan.plans.items():
+            # A "cut" / "replay" plan runs on its band's rows only (q, top-k: each request's kept
+            # rows, packed in the step's order): `planner.band_local_plan`, as
+            # `dsv4_jax.build_step_metadata` builds a V4.1 step's metadata.
+            kp = band_local_plan(kp)
             n_pad = T_pad if key.band == "full" else band.token_ids.shape[0]
             rows = max(self._min_workspace_rows, pow2_bucket(kp.max_workspace_rows))
-            # (query tiles, read by backend "mosaic_tpu" only, describe the full batch's rows: for
-            # the kept rows' plans one tile per request keeps them inside the table)
-            tile = QUERY_TILE if key.band == "full" else pow2_bucket(int(q_lens.max()))
             shape, table = _kind_table(
                 kp,
                 n_pad,
@@ -527,15 +528,14 @@ class DeepseekV41:
                 self._token_tile,
                 self._gather_tile,
                 rows,
-                tile,
+                QUERY_TILE,
             )
-            if key.band != "full":  # the layers' rows are the kept rows, packed: renumber them
-                n = kp.token_index.shape[0]
-                table[TOK_INDEX, :n] = np.searchsorted(batch.band(key.band, W).token_index, kp.token_index)
             metas[key] = (shape, table, kp)
         tables = jax.device_put([t for _, t, _ in metas.values()], self._placement)
         metas = {
-            key: KindMetadata(table, shape, kp, kp.token_index.shape[0], B)
+            key: KindMetadata(
+                table, shape, kp, kp.token_index.shape[0], B, allow_invalid=True, step_tokens=batch.num_tokens
+            )
             for (key, (shape, _, kp)), table in zip(metas.items(), tables)
         }
         max_seq = int(seq.max())
