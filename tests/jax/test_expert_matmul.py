@@ -1,6 +1,6 @@
 """The routed experts' grouped matmul: "ragged_dot" (`lax.ragged_dot_general`) and "dense_tiles"
 (a loop of one-expert row tiles, the CPU default) against a float64 product, and inside both
-models' MoE (`dsv4_jax.model.layers.moe`, `dsv4_jax.model.v41.moe_v41`)."""
+models' MoE (`dsv4_jax.model.layers.moe`, `dsv4_jax.model.v41_blocks.moe_v41`)."""
 
 import numpy as np
 import pytest
@@ -77,7 +77,7 @@ def _moe_params(rng, E, hid, inter):
 def test_both_models_moe_equal_under_both_lowerings(model):
     from types import SimpleNamespace
 
-    from dsv4_jax.model.v41 import moe_v41
+    from dsv4_jax.model.v41_blocks import moe_v41
 
     rng = np.random.default_rng(7)
     E, hid, inter, T = 8, 256, 128, 37
