@@ -167,16 +167,67 @@ def _swiglu(gate, up, limit):
 _EXPERT_DOT = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
-def _grouped(x, w, sizes):
-    """Rows of x (m, in), grouped contiguously by `sizes`, times their group's w (g, out, in).T.
+# The routed experts' grouped matmul: two lowerings of the same products (float32 accumulation).
+# "ragged_dot": one `lax.ragged_dot_general` (XLA's grouped matmul; what TPU / GPU run well).
+# "dense_tiles": a loop over tiles of EXPERT_TILE rows of one expert each, a dense dot per tile;
+# on XLA's CPU backend about 7x faster at V4.1's expert widths (ragged_dot there is a slow
+# generic loop: docs/benchmarks.md, "The routed experts' grouped matmul on CPU").
+# "auto": "dense_tiles" on the CPU, "ragged_dot" elsewhere.
+EXPERT_MATMULS = ("auto", "ragged_dot", "dense_tiles")
+EXPERT_TILE = 128
+
+
+def resolve_expert_matmul(name: str, platform: str | None = None) -> str:
+    """The grouped-matmul lowering `name` ("auto" or one of EXPERT_MATMULS) runs as on `platform`
+    (default: JAX's default backend)."""
+    if name not in EXPERT_MATMULS:
+        raise ValueError(f"expert_matmul: expected one of {EXPERT_MATMULS}, got {name!r}")
+    if name != "auto":
+        return name
+    return "dense_tiles" if (platform or jax.default_backend()) == "cpu" else "ragged_dot"
+
+
+def _grouped_tiles(x, w, sizes, precision):
+    """`_grouped` as dense tiles: groups are contiguous runs of rows; each tile is min(EXPERT_TILE,
+    pow2 >= rows) rows of one group (a group's last tile is partly masked), one dot per tile in a
+    loop over the tiles that hold rows (at most cdiv(m, tile) + groups). Memory O(m)."""
+    m = x.shape[0]
+    tile = int(min(EXPERT_TILE, max(8, 1 << max(m - 1, 0).bit_length())))
+    ntiles = (sizes + tile - 1) // tile
+    tile_end = jnp.cumsum(ntiles)
+    group_start = jnp.cumsum(sizes) - sizes
+    xp = jnp.pad(x, ((0, tile), (0, 0)))  # a tile starting at any row stays inside (no clamping)
+    out = jnp.zeros((m + tile, w.shape[1]), F32)
+
+    def body(i, out):
+        e = jnp.searchsorted(tile_end, i, side="right").astype(jnp.int32)
+        j = i - (tile_end[e] - ntiles[e])  # tile j of group e
+        start = group_start[e] + j * tile
+        xt = lax.dynamic_slice_in_dim(xp, start, tile)
+        yt = jnp.einsum("ti,oi->to", xt, w[e], precision=precision, preferred_element_type=F32)
+        live = (jnp.arange(tile) + j * tile < sizes[e])[:, None]
+        old = lax.dynamic_slice_in_dim(out, start, tile)
+        return lax.dynamic_update_slice_in_dim(out, jnp.where(live, yt, old), start, 0)
+
+    out = lax.fori_loop(0, tile_end[-1], body, out)
+    return out[:m]
+
+
+def _grouped(x, w, sizes, method: str = "ragged_dot"):
+    """Rows of x (m, in), grouped contiguously by `sizes` (rows past sum(sizes): zeros), times
+    their group's w (g, out, in).T, float32; `method` one of EXPERT_MATMULS but "auto".
 
     HIGHEST for float32 rows only: bf16 products are exact anyway, and XLA's TPU ragged-dot kernel
     refuses an fp32-precision contraction of bf16 operands (found compiling V4 for TPU slices)."""
     precision = HIGHEST if x.dtype == F32 else lax.Precision.DEFAULT
+    if method == "dense_tiles":
+        return _grouped_tiles(x, w, sizes, precision)
+    if method != "ragged_dot":
+        raise ValueError(f"expert_matmul: expected 'ragged_dot' or 'dense_tiles' here, got {method!r}")
     return lax.ragged_dot_general(x, w, sizes, _EXPERT_DOT, precision=precision, preferred_element_type=F32)
 
 
-def routed_experts(x, experts, weights, w13, w2, limit, first=0):
+def routed_experts(x, experts, weights, w13, w2, limit, first=0, method: str = "ragged_dot"):
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) over the experts held here.
 
     x (T, hidden); experts, weights (T, k); w13 (E_here, 2I, hidden), w2 (E_here, hidden, I), plain
@@ -192,22 +243,23 @@ def routed_experts(x, experts, weights, w13, w2, limit, first=0):
     order = jnp.argsort(flat, stable=True)
     token = order // k
     sizes = jnp.bincount(flat, length=here + 1)[:here].astype(jnp.int32)
-    h = _grouped(x[token], dense(w13, x.dtype), sizes)
+    h = _grouped(x[token], dense(w13, x.dtype), sizes, method)
     inter = h.shape[-1] // 2
     act = _swiglu(h[:, :inter], h[:, inter:], limit).astype(x.dtype)
-    out = _grouped(act, dense(w2, x.dtype), sizes).astype(x.dtype)
+    out = _grouped(act, dense(w2, x.dtype), sizes, method).astype(x.dtype)
     w = weights.reshape(-1)[order].astype(x.dtype)
     out = jnp.where(mine.reshape(-1)[order][:, None], out * w[:, None], jnp.zeros((), x.dtype))
     return jnp.zeros_like(x).at[token].add(out)
 
 
-def moe(p, x, hash_experts, use_hash, cfg: ModelConfig, mesh=None, axis=None):
+def moe(p, x, hash_experts, use_hash, cfg: ModelConfig, mesh=None, axis=None, expert_matmul: str = "ragged_dot"):
     """Routed experts + the shared expert: x (T, hidden) -> (T, hidden).
 
     Hash layers (use_hash true) take their experts from hash_experts (T, k) = tid2eid[token_ids];
     the others route by top-k of score + bias. A traced flag, so both kinds share one program.
     With a mesh the experts are split over `axis` (expert parallelism): each device runs its
-    experts on every token routed to them and a psum adds the devices' parts.
+    experts on every token routed to them and a psum adds the devices' parts. expert_matmul: the
+    grouped matmul's lowering (one of EXPERT_MATMULS but "auto": the model resolves it).
     """
     k, limit = cfg.num_experts_per_tok, cfg.swiglu_limit
     scores = _score(linear(x, p["gate"]), cfg.scoring_func)
@@ -217,12 +269,12 @@ def moe(p, x, hash_experts, use_hash, cfg: ModelConfig, mesh=None, axis=None):
     weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
 
     if mesh is None:
-        routed = routed_experts(x, experts, weights, p["w13"], p["w2"], limit)
+        routed = routed_experts(x, experts, weights, p["w13"], p["w2"], limit, method=expert_matmul)
     else:
 
         def per_device(x, experts, weights, w13, w2):
             first = lax.axis_index(axis) * w13.shape[0]
-            return lax.psum(routed_experts(x, experts, weights, w13, w2, limit, first), axis)
+            return lax.psum(routed_experts(x, experts, weights, w13, w2, limit, first, expert_matmul), axis)
 
         routed = jax.shard_map(
             per_device, mesh=mesh, in_specs=(P(), P(), P(), P(axis), P(axis)), out_specs=P(), check_vma=False

@@ -56,6 +56,7 @@ from dsv4_jax.model.layers import (
     hyper_pre,
     linear,
     moe,
+    resolve_expert_matmul,
     rms_norm,
 )
 from dsv4_jax.prefill import build_step_metadata
@@ -82,12 +83,15 @@ def _layer(p, cache, X, step, meta, hash_experts, use_hash, *, cfg: ModelConfig,
     COMPILES[f"layer[{kind.name}]"] += 1
     opts = dict(opts)
     mesh, axis = opts["mesh"], opts["axis"]
+    expert_matmul = opts.pop("expert_matmul")
     p = parallel.gather_for_use(p, mesh)  # storage-split weights whole (FSDP-style); TP/EP ones stay split
     post, comb, x = hyper_pre(p["attn_hc"], X, cfg)
     y, cache = attention(p["attn"], cache, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), step, meta, cfg, kind, opts)
     X = hyper_post(X, y, post, comb)
     post, comb, x = hyper_pre(p["ffn_hc"], X, cfg)
-    y = moe(p["ffn"], rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), hash_experts, use_hash, cfg, mesh, axis)
+    y = moe(
+        p["ffn"], rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), hash_experts, use_hash, cfg, mesh, axis, expert_matmul
+    )
     X = hyper_post(X, y, post, comb)
     if mesh is not None:  # the residual stream and the caches stay replicated between programs
         X, cache = jax.lax.with_sharding_constraint((X, cache), NamedSharding(mesh, P()))
@@ -173,6 +177,9 @@ class DeepseekV4:
       indexer_backend: the CSA layers' Lightning Indexer, "auto" or a backend of
         `dsv4_jax.backends.INDEXER` (`dsv4_jax.indexer`; "auto" on the CPU is the fused C kernel
         where it builds; with a mesh, "xla").
+      expert_matmul: the routed experts' grouped matmul, "auto", "ragged_dot" or "dense_tiles"
+        (`dsv4_jax.model.layers.EXPERT_MATMULS`; "auto": dense tiles on the CPU, where XLA's
+        ragged_dot is slow, ragged_dot elsewhere); `self.expert_matmul` names the one that runs.
     """
 
     def __init__(
@@ -197,6 +204,7 @@ class DeepseekV4:
         token_buckets: str = "fine",
         kv_cache_dtype: str = "auto",
         indexer_backend: str = "auto",
+        expert_matmul: str = "auto",
     ):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
@@ -253,7 +261,16 @@ class DeepseekV4:
         self._min_workspace_rows = min_workspace_rows
         self._bucket_options = dict(token_tile=token_tile, gather_tile=gather_tile)
         self.kv_cache_dtype = kv_cache_dtype
-        self._opts = (("backend", backend), ("interpret", interpret), ("mesh", mesh), ("axis", axis))
+        self.expert_matmul = resolve_expert_matmul(
+            expert_matmul, None if mesh is None else mesh.devices.flat[0].platform
+        )
+        self._opts = (
+            ("backend", backend),
+            ("interpret", interpret),
+            ("mesh", mesh),
+            ("axis", axis),
+            ("expert_matmul", self.expert_matmul),
+        )
         if indexer_backend != "auto" or mesh is not None:  # (the FFI call is not partitioned: xla on a mesh)
             self._opts += (("indexer_backend", "xla" if indexer_backend == "auto" else indexer_backend),)
         if kv_cache_dtype != "auto":  # static: the fp8 raw pages' block tables span max_model_len

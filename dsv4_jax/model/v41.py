@@ -52,125 +52,19 @@ from dsv4_jax.model import parallel
 from dsv4_jax.model.attention import StepInputs
 from dsv4_jax.model.checkpoint import DTYPES
 from dsv4_jax.model.engram import EngramHasher
-from dsv4_jax.model.layers import _EXPERT_DOT, _score, _swiglu, linear, rms_norm, rms_norm_unweighted
+from dsv4_jax.model.layers import EXPERT_MATMULS, linear, resolve_expert_matmul, rms_norm
 from dsv4_jax.model.model import COMPILES, StepOutput, _embed
-from dsv4_jax.model.quant import QuantizedWeight, dense, dequantize
 from dsv4_jax.model.v41_attention import attention_v41, init_cache_v41
+from dsv4_jax.model.v41_blocks import engram_v41, hc_collapse, hc_expand, hc_mixes, moe_v41
 from dsv4_jax.model.v41_checkpoint import load_checkpoint
 from dsv4_jax.model.v41_config import V41Config
 from dsv4_jax.prefill_metadata import QUERY_TILE, KindMetadata, _kind_table
 from planner import POLICIES, PlanConfig, PrefillBatch, band_local_plan, plan_step
+from planner.kvcache import KV_CACHE_DTYPES
 from planner.sizes import bucket, pow2_bucket
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
-
-# ----------------------------------------------------------------------------- mHC, MoE, Engram
-
-
-def hc_mixes(p, X, cfg: V41Config):
-    """One mHC site: X (T, n, hidden) -> pre, post (T, n), comb (T, n, n) float32 (comb[j, k]:
-    stream j -> k, Sinkhorn-projected), from one projection of the normalized flat streams."""
-    n, eps = cfg.hc_mult, cfg.hc_eps
-    flat = rms_norm_unweighted(X.reshape(X.shape[0], -1).astype(F32), cfg.rms_norm_eps)
-    mix = jnp.einsum("ti,oi->to", flat, p["fn"].astype(F32), precision=HIGHEST)
-    base, scale = p["base"].astype(F32), p["scale"].astype(F32)
-    pre = jax.nn.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
-    post = 2 * jax.nn.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
-    comb = mix[:, 2 * n :].reshape(-1, n, n) * scale[2] + base[2 * n :].reshape(n, n)
-    comb = jax.nn.softmax(comb, axis=-1) + eps
-    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-
-    def row_then_column(_, c):
-        c = c / (c.sum(axis=-1, keepdims=True) + eps)
-        return c / (c.sum(axis=-2, keepdims=True) + eps)
-
-    comb = lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, row_then_column, comb)
-    return pre, post, comb
-
-
-def hc_collapse(X, pre):
-    """sum_k pre_k X_k in float32, cast back: the sublayer input."""
-    return (pre[..., None] * X.astype(F32)).sum(axis=1).astype(X.dtype)
-
-
-def hc_expand(y, X, post, comb):
-    """X_k <- post_k * y + sum_j comb[j, k] X_j (float32 inside)."""
-    mixed = jnp.einsum("tjk,tjd->tkd", comb, X.astype(F32), precision=HIGHEST)
-    return (post[..., None] * y.astype(F32)[:, None, :] + mixed).astype(X.dtype)
-
-
-def _grouped(x, w, sizes):
-    precision = HIGHEST if x.dtype == F32 else lax.Precision.DEFAULT
-    return lax.ragged_dot_general(x, w, sizes, _EXPERT_DOT, precision=precision, preferred_element_type=F32)
-
-
-def routed_experts_v41(x, experts, weights, w13, w2, limit, first=0):
-    """sum_k w2(weights[t, k] * swiglu(w13 x)) over the experts held here (the weight applied
-    before the down projection, as transformers' V4.1 expert does); float32 (T, hidden)."""
-    k = experts.shape[1]
-    here = w13.shape[0]
-    local = experts - first
-    mine = (local >= 0) & (local < here)
-    flat = jnp.where(mine, local, here).reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    sizes = jnp.bincount(flat, length=here + 1)[:here].astype(jnp.int32)
-    h = _grouped(x[token], dense(w13, x.dtype), sizes).astype(x.dtype).astype(F32)
-    inter = h.shape[-1] // 2
-    w = weights.reshape(-1)[order].astype(F32)
-    act = (_swiglu(h[:, :inter], h[:, inter:], limit) * w[:, None]).astype(x.dtype)
-    out = _grouped(act, dense(w2, x.dtype), sizes).astype(x.dtype).astype(F32)
-    out = jnp.where(mine.reshape(-1)[order][:, None], out, 0.0)
-    return jnp.zeros(x.shape, F32).at[token].add(out)
-
-
-def moe_v41(p, x, cfg: V41Config, mesh=None, axis=None):
-    """Routed experts (top-k of score + bias; weights from the unbiased scores, normalized,
-    scaled) + the shared expert: x (T, hidden) -> (T, hidden)."""
-    k, limit = cfg.num_experts_per_tok, cfg.swiglu_limit
-    scores = _score(linear(x.astype(F32), p["gate"]) / F32(cfg.gate_temp), cfg.scoring_func)
-    experts = lax.top_k(scores + p["bias"].astype(F32), k)[1]
-    weights = jnp.take_along_axis(scores, experts, axis=1)
-    if cfg.norm_topk_prob and k > 1:
-        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-    weights = weights * F32(cfg.routed_scaling_factor)
-    if mesh is None:
-        routed = routed_experts_v41(x, experts, weights, p["w13"], p["w2"], limit)
-    else:
-
-        def per_device(x, experts, weights, w13, w2):
-            first = lax.axis_index(axis) * w13.shape[0]
-            return lax.psum(routed_experts_v41(x, experts, weights, w13, w2, limit, first), axis)
-
-        routed = jax.shard_map(
-            per_device, mesh=mesh, in_specs=(P(), P(), P(), P(axis), P(axis)), out_specs=P(), check_vma=False
-        )(x, experts, weights, p["w13"], p["w2"])
-    gate = linear(x, p["shared_w1"]).astype(F32)
-    up = linear(x, p["shared_w3"]).astype(F32)
-    shared = linear(_swiglu(gate, up, limit).astype(x.dtype), p["shared_w2"]).astype(F32)
-    return (routed + shared).astype(x.dtype)
-
-
-def engram_v41(p, X, hash_ids, cfg: V41Config):
-    """Engram: the streams X (T, n, hidden) plus each stream's gated value of the n-gram rows."""
-    table = p["embed"]
-    if isinstance(table, QuantizedWeight):  # FP8 rows with a UE8M0 scale per 32 dims
-        rows = dequantize(QuantizedWeight(table.data[hash_ids], table.scale[hash_ids], table.fmt, table.block), F32)
-    else:
-        rows = table[hash_ids]
-    T, n, hid = X.shape
-    kv = linear(rows.reshape(T, -1).astype(X.dtype), p["wkv"])
-    key = kv[:, : n * hid].astype(F32).reshape(T, n, hid)
-    value = kv[:, n * hid :].astype(F32)
-    weight = p["q_weight"].astype(F32) * p["k_weight"].astype(F32)
-    h = X.astype(F32)
-    eps = cfg.rms_norm_eps
-    rstd = lax.rsqrt(jnp.mean(h * h, axis=-1) + eps) * lax.rsqrt(jnp.mean(key * key, axis=-1) + eps)
-    dot = (h * weight * key).sum(axis=-1) * rstd * F32(hid**-0.5)
-    gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), F32(1e-6))), dot))
-    return (h + gate[..., None] * value[:, None, :]).astype(X.dtype)
-
 
 # ----------------------------------------------------------------------------- jitted pieces
 
@@ -220,6 +114,7 @@ def _layer(p, cache, source, shared, X, pre, kv_rows, rows, keep, meta, hash_ids
     COMPILES[f"v41.layer[{variant.name}{'' if keep is None else '.cut'}]"] += 1
     opts = dict(opts)
     mesh, axis = opts["mesh"], opts["axis"]
+    expert_matmul = opts.pop("expert_matmul")
     p = parallel.gather_for_use(p, mesh)
     eps = cfg.rms_norm_eps
     if variant.engram:
@@ -234,7 +129,7 @@ def _layer(p, cache, source, shared, X, pre, kv_rows, rows, keep, meta, hash_ids
     )
     X = hc_expand(y, X, attn_post, attn_comb)
     ffn_pre, ffn_post, ffn_comb = hc_mixes(p["ffn_hc"], X, cfg)
-    y = moe_v41(p["ffn"], rms_norm(hc_collapse(X, attn_pre), p["ffn_norm"], eps), cfg, mesh, axis)
+    y = moe_v41(p["ffn"], rms_norm(hc_collapse(X, attn_pre), p["ffn_norm"], eps), cfg, mesh, axis, expert_matmul)
     X = hc_expand(y, X, ffn_post, ffn_comb)
     if mesh is not None:
         X, ffn_pre, cache, shared = jax.lax.with_sharding_constraint(
@@ -280,6 +175,17 @@ class DeepseekV41:
       fake_quant: transformers' FP8 / FP4 fake quantization of the window KV, compressed KV and
         indexer q / k (default True); False computes them unquantized.
       tokenizer_file: the checkpoint's tokenizer.json, needed by Engram layers (their hashes).
+      indexer_backend: the index sources' top-k, both levels (`dsv4_jax.indexer.indexer_topk`):
+        "auto" or a backend of `dsv4_jax.backends.INDEXER`; "auto" is the fused C kernel on CPU
+        arrays where it builds, else "xla", and "xla" with a mesh. `self.indexer_backend` names
+        the one that runs.
+      kv_cache_dtype: "auto" (the window and compressed caches in the model dtype) or
+        "fp8_ds_mla": both as DeepSeek-V4.1's 528-byte mxfp8 records (vLLM 0.33.0's V4.1 pages,
+        interleaved; `dsv4_jax.model.mxfp8_cache`), written by `dsv4_jax.kvcache_v41` and read in
+        place by the prefill.
+      expert_matmul: the routed experts' grouped matmul, "auto", "ragged_dot" or "dense_tiles"
+        (`dsv4_jax.model.layers.EXPERT_MATMULS`; "auto": dense tiles on the CPU, ragged_dot
+        elsewhere); `self.expert_matmul` names the one that runs.
     """
 
     def __init__(
@@ -307,6 +213,7 @@ class DeepseekV41:
         tokenizer_file=None,
         kv_cache_dtype: str = "auto",
         indexer_backend: str = "auto",
+        expert_matmul: str = "auto",
     ):
         if not isinstance(config, V41Config):
             raise TypeError(f"config: expected a V41Config, got {type(config).__name__}")
@@ -319,15 +226,17 @@ class DeepseekV41:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
         if policy not in POLICIES:
             raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
-        if kv_cache_dtype != "auto":
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        if kv_cache_dtype == "fp8_ds_mla" and config.head_dim != 512:
             raise ValueError(
-                f"kv_cache_dtype: the V4.1 model keeps its caches in the model dtype ('auto'), got {kv_cache_dtype!r}"
+                f"kv_cache_dtype: mxfp8 records hold 512-dim latents, config.head_dim is {config.head_dim}"
             )
-        if indexer_backend != "auto":
-            raise ValueError(
-                "indexer_backend: the V4.1 indexer (two-level top-k) runs in the model's own XLA code ('auto'), "
-                f"got {indexer_backend!r}"
-            )
+        if kv_cache_dtype == "fp8_ds_mla" and backend == "mosaic_tpu":
+            raise ValueError("backend: 'mosaic_tpu' does not read V4.1's mxfp8 pages: use kv_cache_dtype='auto'")
+        backends.check_name(indexer_backend, backends.INDEXER, "indexer_backend")
+        if expert_matmul not in EXPERT_MATMULS:
+            raise ValueError(f"expert_matmul: expected one of {EXPERT_MATMULS}, got {expert_matmul!r}")
         if not isinstance(fake_quant, bool):
             raise ValueError(f"fake_quant: expected True or False, got {fake_quant!r}")
         config.schedule.resolve_replay(replay)  # ValueError: replay=True where vLLM would not replay
@@ -344,6 +253,10 @@ class DeepseekV41:
         mesh, axis = parallel.resolve_mesh(mesh, axis)
         if mesh is not None:
             parallel.check_divisible(config, mesh, axis)
+            if indexer_backend == "cpu":
+                raise ValueError(
+                    "indexer_backend: 'cpu' (an XLA FFI call) is not partitioned over a mesh: use 'auto' or 'xla'"
+                )
         if dtype is None:
             dtype = params["embed"].dtype
         elif dtype in DTYPES:
@@ -374,13 +287,28 @@ class DeepseekV41:
         self._min_tokens = min_tokens
         self._min_workspace_rows = min_workspace_rows
         self._token_tile, self._gather_tile = token_tile, gather_tile
+        self.expert_matmul = resolve_expert_matmul(
+            expert_matmul, jax.devices()[0].platform if mesh is None else mesh.devices.flat[0].platform
+        )
+        # The indexer backend, resolved once here and reported (V4's rule: "auto" is the fused C
+        # kernel on CPU arrays where it builds, else "xla"; with a mesh "xla", the FFI call is
+        # not partitioned).
+        if mesh is not None:
+            self.indexer_backend = "xla"
+        else:
+            self.indexer_backend = backends.resolve_indexer_backend(indexer_backend, jnp.zeros((1, 1, 1), F32))
         self._opts = (
             ("backend", backend),
             ("interpret", interpret),
             ("mesh", mesh),
             ("axis", axis),
             ("fake_quant", fake_quant),
+            ("indexer_backend", self.indexer_backend),
+            ("expert_matmul", self.expert_matmul),
         )
+        self.kv_cache_dtype = kv_cache_dtype
+        if kv_cache_dtype != "auto":  # static: the raw pages' block tables span max_model_len
+            self._opts += (("kv_cache_dtype", kv_cache_dtype), ("max_model_len", max_model_len))
         self._variants = [variant_of(role, config) for role in self.schedule]
         self.engram = None
         if config.engram_layer_ids:
@@ -397,7 +325,7 @@ class DeepseekV41:
         return cls(config, params, dtype=dtype, **kwargs)
 
     def init_cache(self) -> list[dict]:
-        cache = init_cache_v41(self.config, self.max_batch_size, self.max_model_len, self.dtype)
+        cache = init_cache_v41(self.config, self.max_batch_size, self.max_model_len, self.dtype, self.kv_cache_dtype)
         return cache if self._placement is None else jax.device_put(cache, self._placement)
 
     def _tokens_bucket(self, n: int) -> int:
@@ -473,8 +401,9 @@ class DeepseekV41:
             head_rows = pad(np.cumsum(last_rows_of) - 1, B_pad, 0)
         metas = {}
         for key, kp in plan.plans.items():
-            # the kept rows' plans run on the kept rows, packed (the public prefill's band metadata:
-            # its tokens and query tiles are the band's rows)
+            # A "cut" / "replay" plan runs on its band's rows only (q, top-k: each request's kept
+            # rows, packed in the step's order): `planner.band_local_plan`, as
+            # `dsv4_jax.build_step_metadata` builds a V4.1 step's metadata.
             kp = band_local_plan(kp)
             n_pad = T_pad if key.band == "full" else band.token_ids.shape[0]
             rows = max(self._min_workspace_rows, pow2_bucket(kp.max_workspace_rows))
@@ -491,7 +420,9 @@ class DeepseekV41:
             metas[key] = (shape, table, kp)
         tables = jax.device_put([t for _, t, _ in metas.values()], self._placement)
         metas = {
-            key: KindMetadata(table, shape, kp, kp.token_index.shape[0], B, allow_invalid=True, step_tokens=T)
+            key: KindMetadata(
+                table, shape, kp, kp.token_index.shape[0], B, allow_invalid=True, step_tokens=batch.num_tokens
+            )
             for (key, (shape, _, kp)), table in zip(metas.items(), tables)
         }
         max_seq = int(seq.max())
@@ -571,4 +502,4 @@ def is_v41_checkpoint(path) -> bool:
     return p.is_file() and is_v41_config(json.loads(p.read_text()))
 
 
-__all__ = ["DeepseekV41", "Variant", "hc_collapse", "hc_expand", "hc_mixes", "is_v41_checkpoint", "moe_v41"]
+__all__ = ["DeepseekV41", "Variant", "is_v41_checkpoint"]

@@ -15,8 +15,9 @@ The math is transformers' `DeepseekV41Attention` (docs/jax-model.md, "DeepSeek-V
 * An index source scores each row against its KV source's index keys: logit = sum_h w_h
   relu(q_h . k) dh^-1/2 with w = weights_proj(x) nh^-1/2 and q = FP4(RoPE(wq_b(q_residual)));
   entry j is visible to position p iff j < (p + 1) // ratio; the candidate source also keeps
-  the candidate blocks, later index sources choose inside them (`two_level_select`). Other
-  compressed layers reuse the last index source's top-k.
+  the candidate blocks (level 1), later index sources choose inside them (level 2): both through
+  the library's `dsv4_jax.indexer.indexer_topk` (`index_select`; "auto" on the CPU = the fused
+  C kernel). Other compressed layers reuse the last index source's top-k.
 
 Fake quantization (`fake_quant=True`, transformers' forward): window KV FP8 e4m3 with a UE8M0
 scale per 32 dims, compressed KV FP4 e2m1 with an e4m3 scale per 16, indexer q and k FP4 with a
@@ -31,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dsv4_jax.indexer import indexer_topk
+from dsv4_jax.model import mxfp8_cache
 from dsv4_jax.model.attention import StepInputs, _attend, _window_step
 from dsv4_jax.model.layers import apply_rope, linear, rms_norm, rope_cos_sin
 from dsv4_jax.model.quant import dense
@@ -96,22 +99,33 @@ def fake_quant_fp4(x, block: int, e4m3_scales: bool = False):
 # ----------------------------------------------------------------------------- caches
 
 
-def init_cache_v41(cfg: V41Config, num_slots: int, max_model_len: int, dtype) -> list[dict]:
+def init_cache_v41(
+    cfg: V41Config, num_slots: int, max_model_len: int, dtype, kv_cache_dtype: str = "auto"
+) -> list[dict]:
     """Zeroed per-layer caches for `num_slots` requests of up to `max_model_len` tokens.
 
     Every layer: window (S, W-1, D), the ring of its last W-1 window latents (position q at row
     q % (W-1)). A KV source also holds entries (S, cdiv(L, r), D), its compressed cache (entry
     j of slot s at [s, j], RoPE applied), index_keys (S, cdiv(L, r), index_head_dim), and at
     ratio 2 ring_kv / ring_gate (S, 2, D) float32: the projections of the last 2 positions (an
-    unfinished pair waits here). Rows a request has not written are never read."""
+    unfinished pair waits here). Rows a request has not written are never read.
+    kv_cache_dtype "fp8_ds_mla": window and entries as V4.1's 528-byte mxfp8 pages
+    (`dsv4_jax.model.mxfp8_cache`, same slots); the rings and index keys stay in `dtype`."""
     D, W = cfg.head_dim, cfg.sliding_window
+    fp8 = kv_cache_dtype == "fp8_ds_mla"
     caches = []
     for role in cfg.schedule:
-        c = {"window": jnp.zeros((num_slots, max(W - 1, 1), D), dtype)}
+        if fp8:
+            c = {"window": mxfp8_cache.window_pages(num_slots, W)}
+        else:
+            c = {"window": jnp.zeros((num_slots, max(W - 1, 1), D), dtype)}
         if role.is_kv_source:
             r = role.compress_ratio
             cap = -(-max_model_len // r)
-            c["entries"] = jnp.zeros((num_slots, cap, D), dtype)
+            if fp8:
+                c["entries"] = mxfp8_cache.entry_pages(num_slots, max_model_len, r)
+            else:
+                c["entries"] = jnp.zeros((num_slots, cap, D), dtype)
             c["index_keys"] = jnp.zeros((num_slots, cap, cfg.index_head_dim), dtype)
             if r > 1:
                 c["ring_kv"] = jnp.zeros((num_slots, r, D), F32)
@@ -164,10 +178,13 @@ def _pool(p, x, ring_kv, ring_gate, rows: StepInputs, ratio: int, eps: float):
     return latent, jnp.maximum(w, 0), dst, ring_kv, ring_gate
 
 
-def _compress_and_publish(p, ip, cache: dict, x, rows: StepInputs, cfg: V41Config, ratio: int, fake_quant: bool):
+def _compress_and_publish(
+    p, ip, cache: dict, x, rows: StepInputs, cfg: V41Config, ratio: int, fake_quant: bool, cap: int | None = None
+):
     """A KV source: its compressor's new entries into `entries`, their index keys into
-    `index_keys` (both RoPE'd at the entry's first position, fake-quantized if asked)."""
-    S = cache["entries"].shape[0]
+    `index_keys` (both RoPE'd at the entry's first position, fake-quantized if asked). cap: the
+    entries per slot of mxfp8 entry pages (None: float entries (S, cap, D))."""
+    S = cache["index_keys"].shape[0]
     eps = cfg.rms_norm_eps
     cache = dict(cache)
     if ratio == 1:  # every token is its own entry: norm(wkv(x)), no gate
@@ -184,7 +201,10 @@ def _compress_and_publish(p, ip, cache: dict, x, rows: StepInputs, cfg: V41Confi
     if fake_quant:
         entry = fake_quant_fp4(entry, 16, e4m3_scales=True)
         key = fake_quant_fp4(key, 32)
-    cache["entries"] = cache["entries"].at[dst, w].set(entry.astype(cache["entries"].dtype), mode="drop")
+    if cap is None:
+        cache["entries"] = cache["entries"].at[dst, w].set(entry.astype(cache["entries"].dtype), mode="drop")
+    else:
+        cache["entries"] = mxfp8_cache.write_entries(cache["entries"], dst, w, entry, cap)
     cache["index_keys"] = cache["index_keys"].at[dst, w].set(key.astype(cache["index_keys"].dtype), mode="drop")
     return cache
 
@@ -192,103 +212,59 @@ def _compress_and_publish(p, ip, cache: dict, x, rows: StepInputs, cfg: V41Confi
 # ----------------------------------------------------------------------------- indexer
 
 
-def select_candidate_blocks(logits, visible, topk_blocks: int, block_size: int):
-    """Level 1 of the two-level top-k: (R, N) logits (invisible entries -inf), (R,) visible
-    counts -> (R, cdiv(N, block_size)) bool, the kept blocks of each row: the block holding the
-    newest visible entry pinned, then the highest block maxima, min(topk_blocks, blocks) of
-    them, a -inf pick dropped."""
-    R, N = logits.shape
-    NB = -(-N // block_size)
-    padded = jnp.pad(logits, ((0, 0), (0, NB * block_size - N)), constant_values=-jnp.inf)
-    blocks = padded.reshape(R, NB, block_size).max(axis=-1)
-    newest = (visible - 1) // block_size  # -1 (no block) when nothing is visible
-    blocks = jnp.where(jnp.arange(NB)[None, :] == newest[:, None], jnp.inf, blocks)
-    vals, ids = lax.top_k(blocks, min(topk_blocks, NB))
-    keep = jnp.zeros((R, NB), bool)
-    return keep.at[jnp.arange(R)[:, None], ids].set(vals > -jnp.inf)
-
-
-def two_level_select(logits, visible, *, topk: int, candidates=None, make_candidates=None):
-    """The selection of one index source on (R, N) logits (invisible entries -inf).
-
-    candidates: (R, NB) bool from the candidate source (a candidate consumer: logits outside its
-      blocks are dropped before the top-k), or None.
-    make_candidates: None, or (topk_blocks, block_size) at the candidate source: also return its
-      blocks (level 1; its own top-k is not restricted).
-    Returns ((R, topk) int32 entry ids, larger logits first, -1 past the visible ones; the
-    candidates or None). The one place the selection is made: a two-level API of
-    `dsv4_jax.indexer` can replace it.
-    """
-    R, N = logits.shape
-    made = None
-    if make_candidates is not None:
-        made = select_candidate_blocks(logits, visible, *make_candidates)
-    if candidates is not None:
-        bs = -(-N // candidates.shape[1])
-        inside = jnp.repeat(candidates, bs, axis=1)[:, :N]
-        logits = jnp.where(inside, logits, -jnp.inf)
-    k = min(topk, N)
-    vals, ids = lax.top_k(logits, k)
-    ids = jnp.where(vals > -jnp.inf, ids, -1).astype(jnp.int32)
-    if k < topk:
-        ids = jnp.pad(ids, ((0, 0), (0, topk - k)), constant_values=-1)
-    return ids, made
-
-
-def index_select(q, head_w, keys, rows: StepInputs, *, ratio, n_entries, topk, candidates=None, make_candidates=None):
-    """Indexer logits and selection for the rows of `rows`, one request at a time.
+def index_select(
+    q,
+    head_w,
+    keys,
+    rows: StepInputs,
+    *,
+    ratio,
+    n_entries,
+    topk,
+    block_size=None,
+    candidates=None,
+    make_candidates=None,
+    backend="auto",
+):
+    """Indexer selection of one index source: `dsv4_jax.indexer.indexer_topk` on the rows of `rows`.
 
     q (R, nh, dh) float32 (RoPE'd, fake-quantized), head_w (R, nh) float32 = weights_proj(x) *
-    nh^-1/2, keys (S, cap, dh): the KV source's index keys. n_entries (static) >= every visible
-    count of the step. Row tiles of one request share its keys: each tile scores (tile, nh,
-    n_entries) in float32, the tile sized to keep that near 128 MB.
-    Returns ((R, topk) int32, (R, NB) bool candidates or None).
+    nh^-1/2, keys (S, cap, dh): the KV source's index keys (entry e of slot s at [s, e]). The
+    logit is sum_h w_h relu(q_h . k) dh^-1/2 with dh^-1/2 folded into the head weights (as V4's
+    indexer and vLLM fold it). n_entries (static) >= every visible count of the step (backend
+    "xla" scores that many; "cpu" streams each row's visible ones).
+    candidates: None, or (R, candidate_topk_blocks) int32 request-local block ids of
+      `block_size` entries from the candidate source (level 2: the top-k inside them; -1 = none).
+    make_candidates: None, or topk_blocks at the candidate source (level 1: its best blocks of
+      `block_size` entries too; its own top-k is the ordinary one).
+    backend: a name of `dsv4_jax.backends.INDEXER` (resolved by the model) or "auto".
+    Returns ((R, topk) int32 entry ids, larger logits first, equal ones lower entry first, -1
+    past the visible ones; (R, topk_blocks) int32 candidates or None).
     """
-    R, nh, dh = q.shape
-    S, cap = keys.shape[:2]
-    rows = jax.tree.map(jnp.asarray, rows)
-    N = int(min(n_entries, cap))
-    tile = int(max(1, min(256, (1 << 25) // max(nh * N, 1))))
-    tile = 1 << (tile.bit_length() - 1)
-    pad = lambda a, fill=0: jnp.pad(a, [(0, tile)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)  # noqa: E731
-    qp, wp, posp = pad(q), pad(head_w), pad(rows.positions)
-    NB = None if make_candidates is None else -(-N // make_candidates[1])
-    out_ids = jnp.full((R + tile, topk), -1, jnp.int32)
-    out_cand = None if NB is None else jnp.zeros((R + tile, NB), bool)
-    cand_in = None if candidates is None else pad(candidates, False)
-    scale = dh**-0.5
-    B = rows.slot.shape[0]
-    slots = jnp.minimum(rows.slot, S - 1)
-
-    def per_request(b, carry):
-        start, count = rows.token_start[b], rows.seq_len[b] - rows.prefix[b]
-        kb = keys[slots[b], :N].astype(F32)
-
-        def per_tile(k, carry):
-            out_ids, out_cand = carry
-            r0 = start + k * tile
-            qt = lax.dynamic_slice_in_dim(qp, r0, tile)
-            wt = lax.dynamic_slice_in_dim(wp, r0, tile)
-            pt = lax.dynamic_slice_in_dim(posp, r0, tile)
-            s = jnp.einsum("thd,nd->thn", qt, kb, precision=HIGHEST)
-            s = jnp.maximum(s, 0) * scale
-            logits = (s * wt[:, :, None]).sum(axis=1)
-            visible = (pt + 1) // ratio
-            logits = jnp.where(jnp.arange(N)[None, :] < visible[:, None], logits, -jnp.inf)
-            ct = None if cand_in is None else lax.dynamic_slice_in_dim(cand_in, r0, tile)
-            ids, made = two_level_select(logits, visible, topk=topk, candidates=ct, make_candidates=make_candidates)
-            mine = (jnp.arange(tile) + k * tile < count)[:, None]
-            old = lax.dynamic_slice_in_dim(out_ids, r0, tile)
-            out_ids = lax.dynamic_update_slice_in_dim(out_ids, jnp.where(mine, ids, old), r0, 0)
-            if out_cand is not None:
-                oldc = lax.dynamic_slice_in_dim(out_cand, r0, tile)
-                out_cand = lax.dynamic_update_slice_in_dim(out_cand, jnp.where(mine, made, oldc), r0, 0)
-            return out_ids, out_cand
-
-        return lax.fori_loop(0, (count + tile - 1) // tile, per_tile, carry)
-
-    out_ids, out_cand = lax.fori_loop(0, B, per_request, (out_ids, out_cand))
-    return out_ids[:R], None if out_cand is None else out_cand[:R]
+    S, cap, dh = keys.shape
+    flat = keys.reshape(S * cap, dh)
+    if flat.dtype not in (jnp.bfloat16, F32):  # (the indexer reads bf16 / float32 rows)
+        flat = flat.astype(F32)
+    kw = {}
+    if make_candidates is not None:
+        kw = dict(candidate_topk_blocks=make_candidates, candidate_block_size=block_size)
+    elif candidates is not None:
+        kw = dict(candidates=candidates, candidate_block_size=block_size)
+    res = indexer_topk(
+        q.astype(F32),
+        head_w.astype(F32) * F32(dh**-0.5),
+        flat,
+        rows.token_request,
+        rows.positions,
+        ratio,
+        topk,
+        offsets=(jnp.minimum(jnp.asarray(rows.slot), S - 1) * cap).astype(jnp.int32),
+        valid=rows.token_valid,
+        num_entries=int(min(n_entries, cap)),
+        backend=backend,
+        **kw,
+    )
+    return res.indices, res.candidates
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -320,7 +296,9 @@ def attention_v41(
     """
     opts = dict(opts)
     fake_quant = opts.pop("fake_quant")
-    opts.pop("indexer_backend", None)
+    indexer_backend = opts.pop("indexer_backend", "auto")
+    fp8 = opts.pop("kv_cache_dtype", "auto") == "fp8_ds_mla"
+    max_model_len = opts.pop("max_model_len", None)
     H, D, R_dim = cfg.num_attention_heads, cfg.head_dim, cfg.rope_head_dim
     eps = cfg.rms_norm_eps
     ratio = role.compress_ratio
@@ -332,9 +310,13 @@ def attention_v41(
     kv = apply_rope(rms_norm(linear(x_all, p["wkv"]), p["kv_norm"], eps), cos_all, sin_all)
     if fake_quant:
         kv = fake_quant_fp8(kv, 32)
-    raw, cache["window"] = _window_step(cache["window"], kv, kv_rows)
+    if fp8:
+        raw, cache["window"] = mxfp8_cache.window_step(cache["window"], kv, kv_rows, cfg.sliding_window, max_model_len)
+    else:
+        raw, cache["window"] = _window_step(cache["window"], kv, kv_rows)
+    cap = mxfp8_cache.entry_capacity(max_model_len, ratio) if fp8 and ratio else None
     if role.is_kv_source:
-        cache = _compress_and_publish(p["compressor"], p["indexer"], cache, x_all, kv_rows, cfg, ratio, fake_quant)
+        cache = _compress_and_publish(p["compressor"], p["indexer"], cache, x_all, kv_rows, cfg, ratio, fake_quant, cap)
         source = cache
     x = x_all if keep is None else x_all[keep]
     q_residual = rms_norm(linear(x, p["wq_a"]), p["q_norm"], eps)
@@ -352,7 +334,6 @@ def attention_v41(
             if fake_quant:
                 iq = fake_quant_fp4(iq, 32)
             head_w = linear(x, ip["weights_proj"]).astype(F32) * F32(nh**-0.5)
-            make = (cfg.candidate_topk_blocks, cfg.candidate_block_size) if role.is_candidate_source else None
             ids, made = index_select(
                 iq.astype(F32),
                 head_w,
@@ -361,15 +342,20 @@ def attention_v41(
                 ratio=ratio,
                 n_entries=n_entries,
                 topk=cfg.index_topk,
+                block_size=cfg.candidate_block_size,
                 candidates=shared.get("candidates") if role.uses_candidates else None,
-                make_candidates=make,
+                make_candidates=cfg.candidate_topk_blocks if role.is_candidate_source else None,
+                backend=indexer_backend,
             )
             shared["topk"] = ids
             if made is not None:
                 shared["candidates"] = made
         topk = shared["topk"]
-        cap = source["entries"].shape[1]
-        comp = LogicalKV(source["entries"].reshape(-1, D), (rows.slot * cap).astype(jnp.int32))
+        if fp8:
+            comp = mxfp8_cache.entries_kv(source["entries"], rows, cap)
+        else:
+            cap = source["entries"].shape[1]
+            comp = LogicalKV(source["entries"].reshape(-1, D), (rows.slot * cap).astype(jnp.int32))
 
     out = _attend(q, meta, raw, comp, p["sink"].astype(F32), topk, sm_scale=D**-0.5, **opts)
     out = apply_rope(out, cos[:, None], -sin[:, None])  # undo V's RoPE at the query position
