@@ -107,6 +107,7 @@ def compile_step(model: str, topology: str, tokens: int, requests: int, context:
     from dsv4_jax.kernels.mosaic_tpu import attention as mosaic_tpu
     from dsv4_jax.model import model as MM
     from dsv4_jax.model.attention import init_cache
+    from dsv4_jax.model.layers import resolve_expert_matmul
     from tools import tpu_aot
 
     chip = tpu_aot.chip_of_topology(topology)
@@ -139,6 +140,7 @@ def compile_step(model: str, topology: str, tokens: int, requests: int, context:
     # The indexer named too: lowered here, "auto" would follow the host's default device (the CPU)
     # and pick the C kernel's FFI call, which a TPU program cannot hold.
     opts = (("backend", "mosaic_tpu"), ("indexer_backend", "xla"), ("interpret", False), ("mesh", mesh), ("axis", "tp"))
+    opts += (("expert_matmul", resolve_expert_matmul("auto", "tpu")),)  # the model's choice on a TPU
     if kv_cache_dtype != "auto":
         opts += (("kv_cache_dtype", kv_cache_dtype), ("max_model_len", max_model_len))
     out = dict(model=MODELS[model], slice=topology, chips=n, chip=chip, tokens=tokens, requests=requests)

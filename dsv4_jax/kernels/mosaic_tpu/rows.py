@@ -526,7 +526,10 @@ def finalize(acc, m, l, sink, has_keys):
     sink (M, 1) f32 (-inf: none); has_keys: bool scalar or (M, 1). Rows without a valid key get
     0 / -inf / +inf; NaN in q or a key row shows as NaN (l keeps it where the max dropped it).
     """
-    m = jnp.where(jnp.isnan(l), jnp.nan, m)
+    # NaN test on the bits: jax >= 0.12.1 lowers isnan to a float 'une' compare that libtpu's Mosaic
+    # (0.0.52) cannot legalize
+    nan_l = (lax.bitcast_convert_type(l, jnp.int32) & 0x7FFFFFFF) > 0x7F800000
+    m = jnp.where(nan_l, jnp.nan, m)
     lse = jnp.where(has_keys, m + jnp.log(l), jnp.inf)
     max_logits = jnp.where(has_keys, m, NEG_INF)
     scale = jnp.where(has_keys, 1.0 / (l * (1.0 + jnp.exp(sink - lse))), 0.0)
